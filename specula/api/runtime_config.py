@@ -1,0 +1,66 @@
+"""The runtime configuration: the JSON the operator writes into a ConfigMap and
+``specula serve --config FILE`` reads.
+
+This is the contract between the two halves of Specula.  Keys are snake_case, as
+in vLLM's engine arguments (``num_speculative_tokens``, ``max_model_len``), since
+the runtime is their consumer; the custom resource uses camelCase.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MODEL_URI_PATTERN = r"^(hf|pvc|file)://.+"
+"""Accepted model URI schemes: ``hf://org/name`` (Hugging Face Hub repository,
+resolved from the local HF cache), ``pvc://claim/sub/path`` (a PersistentVolumeClaim
+the operator mounts read-only) and ``file:///abs/path`` (a path in the container)."""
+
+PVC_MOUNT_ROOT = "/models/pvc"
+"""Where the operator mounts ``pvc://<claim>`` volumes: ``{PVC_MOUNT_ROOT}/<claim>``."""
+
+Dtype = Literal["auto", "bfloat16", "float16", "float32"]
+SpeculatorMethod = Literal["eagle3", "mtp", "gemma4_mtp", "dflash", "draft_model", "ngram"]
+
+
+class SpeculatorRuntimeConfig(BaseModel):
+    """How the runtime drafts tokens."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    method: SpeculatorMethod
+    """Speculation method, vLLM's ``speculative_config.method`` names."""
+    model: str | None = Field(default=None, pattern=MODEL_URI_PATTERN)
+    """URI of the draft checkpoint; ``None`` for methods that need none (mtp, ngram)."""
+    num_speculative_tokens: int = Field(default=3, ge=1, le=16)
+    """k: draft tokens proposed per step.  Also the upper bound a running pod accepts
+    through ``PUT /v1/speculative_config``."""
+    draft_tensor_parallel_size: int = Field(default=1, ge=1, le=8)
+    """Tensor-parallel degree of the draft model (1 or the target's degree)."""
+
+
+class RuntimeConfig(BaseModel):
+    """Everything ``specula serve`` needs to start one replica."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(pattern=MODEL_URI_PATTERN)
+    """URI of the target checkpoint (Hugging Face layout)."""
+    served_model_name: str | None = None
+    """Name clients pass as ``model`` in OpenAI requests; defaults to the URI's last path part."""
+    revision: str | None = None
+    """Hub revision (branch, tag or commit) for ``hf://`` URIs."""
+    dtype: Dtype = "auto"
+    """Weight and activation dtype; ``auto`` takes the checkpoint's ``torch_dtype``
+    (float32 on CPU when the checkpoint says bfloat16/float16 and the device lacks support)."""
+    max_model_len: int | None = Field(default=None, ge=16)
+    """Context length in tokens (prompt + completion); defaults to the checkpoint's
+    ``max_position_embeddings``."""
+    tensor_parallel_size: int = Field(default=1, ge=1, le=8)
+    speculator: SpeculatorRuntimeConfig | None = None
+    """``None`` serves the target alone (no speculation)."""
+    host: str = "0.0.0.0"
+    port: int = Field(default=8000, ge=1, le=65535)
+    max_num_seqs: int = Field(default=32, ge=1)
+    """Most requests decoded together in one batch."""

@@ -1,0 +1,91 @@
+"""The ``specula`` command: ``operator``, ``serve``, ``demo`` and ``crd``.
+
+Each subcommand imports its implementation lazily so that, for example,
+``specula crd`` and ``specula operator`` never import torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _add_operator(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("operator", help="run the SpeculativeModel operator (kopf)")
+    scope = p.add_mutually_exclusive_group()
+    scope.add_argument(
+        "-n", "--namespace", action="append", default=None,
+        help="watch only this namespace (repeatable); default: all namespaces",
+    )
+    scope.add_argument(
+        "-A", "--all-namespaces", action="store_true", help="watch every namespace (cluster-wide)",
+    )
+    p.add_argument("--standalone", action="store_true", default=True,
+                   help="no peering with other operator instances (default)")
+    p.add_argument("--liveness", default=None,
+                   help="liveness endpoint, e.g. http://0.0.0.0:8080/healthz")
+    p.add_argument("--verbose", action="store_true")
+
+
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="serve a model with speculative decoding (OpenAI-compatible API)")
+    p.add_argument("--config", default=None, help="runtime config JSON (as the operator writes it)")
+    p.add_argument("--model", default=None, help="target checkpoint URI: hf://, pvc:// or file://")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--speculator-method", default=None,
+                   choices=["eagle3", "mtp", "gemma4_mtp", "dflash", "draft_model", "ngram"])
+    p.add_argument("--speculator-model", default=None, help="draft checkpoint URI")
+    p.add_argument("--num-speculative-tokens", type=int, default=None)
+    p.add_argument("--dtype", default=None, choices=["auto", "bfloat16", "float16", "float32"])
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--host", default=None)
+    p.add_argument("--port", type=int, default=None)
+
+
+def _add_demo(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("demo", help="train the demo models if needed, serve them, and report acceptance")
+    p.add_argument("--num-speculative-tokens", type=int, default=4)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    p.add_argument("--retrain", action="store_true", help="train again even if cached")
+
+
+def _add_crd(sub: argparse._SubParsersAction) -> None:
+    sub.add_parser("crd", help="print the SpeculativeModel CRD (YAML) generated from specula.api")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specula", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_operator(sub)
+    _add_serve(sub)
+    _add_demo(sub)
+    _add_crd(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "crd":
+        from specula.api.crd import crd_yaml
+
+        sys.stdout.write(crd_yaml())
+        return 0
+    if args.command == "operator":
+        from specula.operator.main import run_operator
+
+        return run_operator(args)
+    if args.command == "serve":
+        from specula.runtime.server.cli import serve
+
+        return serve(args)
+    if args.command == "demo":
+        from specula.demo.run import run_demo
+
+        return run_demo(args)
+    raise AssertionError(args.command)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
