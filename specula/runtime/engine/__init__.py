@@ -1,0 +1,1 @@
+"""The engine: requests, scheduling, KV cache, model runner, sampling and ``LLMEngine``."""

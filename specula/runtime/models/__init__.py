@@ -1,0 +1,1 @@
+"""Target and draft model definitions (Hugging Face parameter names) and checkpoint loading."""

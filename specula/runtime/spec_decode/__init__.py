@@ -1,0 +1,1 @@
+"""Speculative decoding: the speculator hierarchy, the rejection sampler and its counters."""

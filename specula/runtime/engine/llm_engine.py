@@ -1,0 +1,325 @@
+"""The synchronous engine: admits requests, prefills them, and runs speculative steps.
+
+One :meth:`LLMEngine.step` admits waiting requests into free slots and prefills them on
+the target (each emits its first token), then runs one speculative step for every
+running request: the speculator proposes ``k`` draft tokens, the target scores the last
+emitted token plus the ``k`` drafts in ONE batched forward, and the rejection sampler
+(Leviathan et al., arXiv 2211.17192) keeps an accepted prefix plus one recovered or
+bonus token. Rejected positions are rolled back by lowering cache lengths. Without a
+speculator (or with ``k = 0``) the step decodes one token per request.
+
+The engine is single-threaded and not thread-safe: call it from one thread.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specula.api.runtime_config import RuntimeConfig, SpeculatorRuntimeConfig
+from specula.runtime.engine.model_runner import ModelRunner
+from specula.runtime.engine.request import Request, RequestOutput
+from specula.runtime.engine.sampler import SamplingMetadata, sample
+from specula.runtime.engine.sampling_params import SamplingParams
+from specula.runtime.engine.scheduler import Scheduler
+from specula.runtime.loader import resolve_model_uri
+from specula.runtime.models.config import ModelConfig, resolve_dtype
+from specula.runtime.models.registry import load_model
+from specula.runtime.spec_decode.base import BaseSpeculator, SpeculatorInput
+from specula.runtime.spec_decode.metrics import SpecDecodingStats
+from specula.runtime.spec_decode.registry import create_speculator
+from specula.runtime.spec_decode.rejection_sampler import rejection_sample
+
+__all__ = ["LLMEngine", "RequestOutput", "SamplingParams", "SpecDecodingStats"]
+
+
+class LLMEngine:
+    """Target model, optional speculator, tokenizer, scheduler and counters."""
+
+    def __init__(
+        self,
+        target_dir: Path,
+        tokenizer: Any,
+        *,
+        model_uri: str,
+        served_model_name: str,
+        speculator_config: SpeculatorRuntimeConfig | None = None,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        max_num_seqs: int = 32,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        """Load the target (and the speculator's draft) from local directories.
+
+        Raises:
+            ValueError: ``max_model_len`` above the target's ``max_position_embeddings``;
+                draft and target vocabularies differ; an unknown dtype.
+            UnsupportedSpeculatorMethod: the speculator method is not implemented.
+            FileNotFoundError: a checkpoint is missing.
+        """
+        self.device = torch.device(device)
+        self.tokenizer = tokenizer
+        self.model_uri = model_uri
+        self.served_model_name = served_model_name
+        self.model_config = ModelConfig.from_pretrained(target_dir)
+        limit = self.model_config.max_position_embeddings
+        if max_model_len is not None and max_model_len > limit:
+            raise ValueError(
+                f"max_model_len {max_model_len} exceeds the target's max_position_embeddings {limit}"
+            )
+        self.max_model_len: int = max_model_len or limit
+        self.max_num_seqs = max_num_seqs
+        self.dtype = resolve_dtype(dtype, self.model_config, self.device)
+        self.vocab_size = self.model_config.vocab_size
+        self.eos_token_ids = _eos_token_ids(self.model_config, target_dir, tokenizer)
+
+        self.speculator_config = speculator_config
+        self.speculator: BaseSpeculator | None = None
+        self.max_num_speculative_tokens = 0
+        if speculator_config is not None:
+            self.speculator = create_speculator(
+                speculator_config,
+                self.model_config,
+                max_num_seqs=max_num_seqs,
+                max_model_len=self.max_model_len,
+                dtype=self.dtype,
+                device=self.device,
+            )
+            self.max_num_speculative_tokens = speculator_config.num_speculative_tokens
+            self.speculator.init_cudagraph_manager()
+            self.speculator.capture()
+        self.num_speculative_tokens = self.max_num_speculative_tokens
+        model = load_model(target_dir, self.dtype, self.device, self.model_config)
+        # Verification writes k positions past the last emitted token.
+        self.runner = ModelRunner(
+            model, max_num_seqs, self.max_model_len + self.max_num_speculative_tokens, self.device
+        )
+        self.scheduler = Scheduler(max_num_seqs)
+        self.spec_decoding_stats = SpecDecodingStats(
+            num_spec_tokens=self.max_num_speculative_tokens
+        )
+        self.generation_tokens_total = 0
+        """Tokens emitted to requests since start (a counter)."""
+        self._pending: list[RequestOutput] = []
+        self._generate_counter = 0
+
+    @classmethod
+    def from_config(cls, config: RuntimeConfig, device: str | torch.device = "cpu") -> LLMEngine:
+        """Resolve the config's URIs and load the target, the draft and the tokenizer
+        (``transformers.AutoTokenizer`` from the target directory)."""
+        from transformers import AutoTokenizer
+
+        target_dir = resolve_model_uri(config.model, config.revision)
+        tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
+        name = config.served_model_name or config.model.rstrip("/").rsplit("/", 1)[-1]
+        return cls(
+            target_dir,
+            tokenizer,
+            model_uri=config.model,
+            served_model_name=name,
+            speculator_config=config.speculator,
+            dtype=config.dtype,
+            max_model_len=config.max_model_len,
+            max_num_seqs=config.max_num_seqs,
+            device=device,
+        )
+
+    # ---- requests -------------------------------------------------------------------
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> None:
+        """Queue a request.
+
+        Raises:
+            ValueError: invalid sampling params, a duplicate ``request_id``, an empty
+                prompt, a token id outside the vocabulary, or
+                ``len(prompt_token_ids) + max_tokens > max_model_len``.
+        """
+        params.validate()
+        if request_id in self.scheduler:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("the prompt is empty")
+        if any(not 0 <= t < self.vocab_size for t in prompt_token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+        if n + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt ({n} tokens) plus max_tokens ({params.max_tokens}) exceeds "
+                f"max_model_len ({self.max_model_len})"
+            )
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        self.scheduler.add(
+            Request(request_id, list(prompt_token_ids), params, self.eos_token_ids, generator)
+        )
+
+    def abort_request(self, request_id: str) -> None:
+        """Drop a request; the next :meth:`step` reports it finished with reason
+        ``"abort"``. Unknown or finished ids are ignored."""
+        if self.scheduler.remove(request_id) is not None:
+            self._pending.append(RequestOutput(request_id, [], True, "abort"))
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.scheduler.waiting or self.scheduler.running or self._pending)
+
+    def scheduler_stats(self) -> dict[str, int]:
+        return {
+            "num_requests_running": len(self.scheduler.running),
+            "num_requests_waiting": len(self.scheduler.waiting),
+        }
+
+    # ---- speculation settings -------------------------------------------------------
+
+    def get_speculative_config(self) -> dict[str, Any]:
+        """The speculation in effect, as ``GET /v1/speculative_config`` returns it."""
+        spec = self.speculator_config
+        return {
+            "method": spec.method if spec else None,
+            "num_speculative_tokens": self.num_speculative_tokens,
+            "max_num_speculative_tokens": self.max_num_speculative_tokens,
+            "model": spec.model if spec else None,
+        }
+
+    def set_num_speculative_tokens(self, k: int) -> None:
+        """Use ``k`` draft tokens per step from the next step on; ``0`` turns speculation
+        off without unloading the draft.
+
+        Raises:
+            ValueError: ``k`` outside ``[0, max_num_speculative_tokens]`` or no speculator.
+        """
+        if self.speculator is None:
+            raise ValueError("no speculator is configured; num_speculative_tokens is fixed at 0")
+        if not 0 <= k <= self.max_num_speculative_tokens:
+            raise ValueError(
+                f"num_speculative_tokens {k} outside [0, {self.max_num_speculative_tokens}] "
+                "(the maximum is the value the engine was started with)"
+            )
+        self.num_speculative_tokens = k
+
+    # ---- stepping -------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduler step; returns one output per request that produced tokens,
+        finished, or was aborted since the last step."""
+        emitted: dict[Request, list[int]] = {}
+        admitted = self.scheduler.admit()
+        if admitted:
+            self._prefill(admitted, emitted)
+        active = [r for r in self.scheduler.running if not r.finished]
+        if active:
+            if self.speculator is not None and self.num_speculative_tokens > 0:
+                self._speculative_step(active, emitted)
+            else:
+                self._decode_step(active, emitted)
+        outputs, self._pending = self._pending, []
+        for request, tokens in emitted.items():
+            self.generation_tokens_total += len(tokens)
+            outputs.append(
+                RequestOutput(
+                    request.request_id,
+                    tokens,
+                    request.finished,
+                    request.finish_reason,
+                    request.stop_reason,
+                )
+            )
+        self.scheduler.remove_finished()
+        return outputs
+
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+    ) -> list[list[int]]:
+        """Run ``prompts`` to completion (batched) and return each one's output tokens."""
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        ids = []
+        for prompt, p in zip(prompts, params_list, strict=True):
+            self._generate_counter += 1
+            ids.append(f"generate-{self._generate_counter}")
+            self.add_request(ids[-1], prompt, p)
+        results: dict[str, list[int]] = {i: [] for i in ids}
+        while any(i in self.scheduler for i in ids):
+            for out in self.step():
+                if out.request_id in results:
+                    results[out.request_id].extend(out.new_token_ids)
+        return [results[i] for i in ids]
+
+    def _sampling(self, requests: list[Request]) -> SamplingMetadata:
+        return SamplingMetadata.from_params(
+            [r.params for r in requests], [r.generator for r in requests], self.device
+        )
+
+    def _emit(self, request: Request, tokens: list[int], emitted: dict[Request, list[int]]) -> None:
+        appended = request.append_tokens(tokens, self.tokenizer, self.max_model_len)
+        emitted.setdefault(request, []).extend(appended)
+
+    def _prefill(self, requests: list[Request], emitted: dict[Request, list[int]]) -> None:
+        slots = [r.slot for r in requests]
+        lens = [r.num_prompt_tokens for r in requests]
+        input_ids = torch.tensor([t for r in requests for t in r.token_ids], dtype=torch.long)
+        hidden = self.runner.forward(slots, input_ids, lens, [0] * len(requests))
+        last = torch.tensor(lens).cumsum(0) - 1
+        token_ids, _ = sample(self.runner.compute_logits(hidden[last]), self._sampling(requests))
+        if self.speculator is not None:
+            self.speculator.add_requests(slots)
+        for request, token in zip(requests, token_ids.tolist(), strict=True):
+            request.num_computed_tokens = request.num_prompt_tokens
+            self._emit(request, [token], emitted)
+
+    def _decode_step(self, requests: list[Request], emitted: dict[Request, list[int]]) -> None:
+        starts = [len(r.token_ids) - 1 for r in requests]
+        input_ids = torch.tensor([r.token_ids[-1] for r in requests], dtype=torch.long)
+        hidden = self.runner.forward(
+            [r.slot for r in requests], input_ids, [1] * len(requests), starts
+        )
+        token_ids, _ = sample(self.runner.compute_logits(hidden), self._sampling(requests))
+        for request, token in zip(requests, token_ids.tolist(), strict=True):
+            request.num_computed_tokens = len(request.token_ids)
+            self._emit(request, [token], emitted)
+
+    def _speculative_step(self, requests: list[Request], emitted: dict[Request, list[int]]) -> None:
+        assert self.speculator is not None
+        k = self.num_speculative_tokens
+        num_reqs = len(requests)
+        slots = [r.slot for r in requests]
+        sampling = self._sampling(requests)
+        proposal = self.speculator.propose(
+            SpeculatorInput(slots, [r.token_ids for r in requests], sampling), k
+        )
+        lens = [len(r.token_ids) for r in requests]
+        assert all(r.num_computed_tokens == n - 1 for r, n in zip(requests, lens, strict=True))
+        last_ids = torch.tensor([r.token_ids[-1] for r in requests], dtype=torch.long)
+        verify_ids = torch.cat([last_ids[:, None], proposal.draft_token_ids.cpu()], dim=1)
+        hidden = self.runner.forward(
+            slots, verify_ids.flatten(), [k + 1] * num_reqs, [n - 1 for n in lens]
+        )  # [num_reqs * (k + 1), hidden_size]
+        logits = self.runner.compute_logits(hidden).view(num_reqs, k + 1, -1)
+        output_ids, num_accepted = rejection_sample(
+            proposal.draft_token_ids, proposal.draft_probs, logits, sampling
+        )
+        output_ids, num_accepted = output_ids.tolist(), num_accepted.tolist()
+        self.speculator.rollback(slots, [n + a for n, a in zip(lens, num_accepted, strict=True)])
+        for i, request in enumerate(requests):
+            accepted = num_accepted[i]
+            self.spec_decoding_stats.observe_draft(k, accepted)
+            request.num_computed_tokens = lens[i] + accepted
+            self._emit(request, output_ids[i][: accepted + 1], emitted)
+
+
+def _eos_token_ids(config: ModelConfig, checkpoint_dir: Path, tokenizer: Any) -> frozenset[int]:
+    """Union of the eos ids of ``config.json``, ``generation_config.json`` (which
+    ``transformers.generate`` uses) and the tokenizer."""
+    ids = set(config.eos_token_ids)
+    gen_path = checkpoint_dir / "generation_config.json"
+    if gen_path.is_file():
+        eos = json.loads(gen_path.read_text()).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)

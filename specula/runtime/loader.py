@@ -1,0 +1,57 @@
+"""Resolution of checkpoint URIs to local directories.
+
+The runtime loads Hugging Face-layout checkpoints (``config.json``, ``*.safetensors``,
+tokenizer files) from a local directory; this module maps the URI schemes of
+:data:`specula.api.runtime_config.MODEL_URI_PATTERN` to that directory.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from specula.api.runtime_config import PVC_MOUNT_ROOT
+
+_SCHEMES = ("file://", "pvc://", "hf://")
+
+
+def resolve_model_uri(uri: str, revision: str | None = None) -> Path:
+    """Return the local checkpoint directory that ``uri`` names.
+
+    - ``file:///abs/path`` (or ``file://rel/path``) -> that path;
+    - ``pvc://claim/sub/path`` -> ``{PVC_MOUNT_ROOT}/claim/sub/path`` (where the operator
+      mounts the claim);
+    - ``hf://org/name`` -> the snapshot of that Hub repository in the local Hugging Face
+      cache (``revision`` selects a branch, tag or commit). Nothing is downloaded: pods
+      get their weights from a pre-populated cache or volume.
+
+    Raises:
+        ValueError: the URI has no supported scheme or an empty path.
+        FileNotFoundError: the directory does not exist, or the Hub repository is not
+            in the local cache.
+    """
+    scheme = next((s for s in _SCHEMES if uri.startswith(s)), None)
+    rest = uri[len(scheme) :] if scheme else ""
+    if scheme is None or not rest.strip("/"):
+        raise ValueError(f"unsupported model URI {uri!r}: expected file://, pvc:// or hf://")
+    if scheme == "file://":
+        path = Path(rest)
+    elif scheme == "pvc://":
+        path = Path(PVC_MOUNT_ROOT) / rest.lstrip("/")
+    else:
+        path = _hf_snapshot(rest.strip("/"), revision)
+    if not path.is_dir():
+        raise FileNotFoundError(f"checkpoint directory {str(path)!r} for {uri!r} does not exist")
+    return path
+
+
+def _hf_snapshot(repo_id: str, revision: str | None) -> Path:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo_id, revision=revision, local_files_only=True))
+    except LocalEntryNotFoundError as exc:
+        raise FileNotFoundError(
+            f"hf://{repo_id} (revision {revision or 'main'}) is not in the local Hugging Face "
+            "cache; populate the cache (HF_HOME) or use a file:// or pvc:// URI"
+        ) from exc

@@ -1,0 +1,139 @@
+"""Architecture hyper-parameters read from a Hugging Face ``config.json``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+_DEFAULT_ARCHITECTURE = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The decoder-only hyper-parameters our model classes need.
+
+    Read through ``transformers.AutoConfig`` so that per-architecture defaults (for
+    example Qwen3's ``head_dim`` of 128) come from the same place the checkpoint's
+    authors relied on.
+    """
+
+    architecture: str
+    """``architectures[0]`` of the checkpoint, e.g. ``LlamaForCausalLM``."""
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    """Per-head size; explicit in Qwen3 configs, ``hidden_size // num_attention_heads``
+    when absent."""
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    """``None`` for the default rotary embedding, else a dict with ``rope_type``."""
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    mlp_bias: bool
+    torch_dtype: torch.dtype | None
+    """Dtype the checkpoint was saved in, ``None`` when the config does not say."""
+    eos_token_ids: tuple[int, ...]
+    hidden_act: str
+
+    @classmethod
+    def from_pretrained(cls, checkpoint_dir: str | Path) -> ModelConfig:
+        """Read ``config.json`` in ``checkpoint_dir``.
+
+        Raises:
+            FileNotFoundError: no ``config.json``.
+            ValueError: a setting our models do not implement (activation, sliding window).
+        """
+        from transformers import AutoConfig
+
+        path = Path(checkpoint_dir)
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"no config.json in {str(path)!r}")
+        hf = AutoConfig.from_pretrained(str(path))
+        return cls.from_hf_config(hf)
+
+    @classmethod
+    def from_hf_config(cls, hf: Any) -> ModelConfig:
+        architectures = getattr(hf, "architectures", None) or []
+        if not architectures and hf.model_type in _DEFAULT_ARCHITECTURE:
+            architectures = [_DEFAULT_ARCHITECTURE[hf.model_type]]
+        if not architectures:
+            raise ValueError("config.json lists no 'architectures'")
+        num_heads = hf.num_attention_heads
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
+        # transformers >= 4.57 moved rope settings into ``rope_parameters``.
+        rope_params = dict(getattr(hf, "rope_parameters", None) or {})
+        rope_theta = getattr(hf, "rope_theta", None) or rope_params.get("rope_theta", 10000.0)
+        rope_scaling = getattr(hf, "rope_scaling", None) or rope_params or None
+        if rope_scaling is not None:
+            rope_scaling = dict(rope_scaling)
+            rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+            rope_scaling["rope_type"] = rope_type
+            if rope_type == "default":
+                rope_scaling = None
+        if getattr(hf, "use_sliding_window", False):
+            raise ValueError("sliding-window attention is not supported")
+        hidden_act = getattr(hf, "hidden_act", "silu")
+        if hidden_act != "silu":
+            raise ValueError(f"hidden_act {hidden_act!r} is not supported (only 'silu')")
+        dtype = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None)
+        if isinstance(dtype, str):
+            dtype = _DTYPES.get(dtype)
+        eos = getattr(hf, "eos_token_id", None)
+        eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list | tuple) else (eos,)
+        return cls(
+            architecture=architectures[0],
+            model_type=hf.model_type,
+            vocab_size=hf.vocab_size,
+            hidden_size=hf.hidden_size,
+            intermediate_size=hf.intermediate_size,
+            num_hidden_layers=hf.num_hidden_layers,
+            num_attention_heads=num_heads,
+            num_key_value_heads=getattr(hf, "num_key_value_heads", None) or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=hf.rms_norm_eps,
+            rope_theta=float(rope_theta),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=hf.max_position_embeddings,
+            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+            attention_bias=bool(getattr(hf, "attention_bias", False)),
+            mlp_bias=bool(getattr(hf, "mlp_bias", False)),
+            torch_dtype=dtype if isinstance(dtype, torch.dtype) else None,
+            eos_token_ids=eos_ids,
+            hidden_act=hidden_act,
+        )
+
+
+def resolve_dtype(dtype: str, config: ModelConfig, device: torch.device) -> torch.dtype:
+    """Pick the weight/activation dtype.
+
+    ``"auto"`` takes the checkpoint's ``torch_dtype`` (float32 when absent); on CPU a
+    float16 checkpoint runs in float32 because CPU half-precision matmuls are slow and
+    partly unimplemented, while bfloat16 is kept.
+
+    Raises:
+        ValueError: unknown dtype name.
+    """
+    if dtype == "auto":
+        chosen = config.torch_dtype or torch.float32
+        if device.type == "cpu" and chosen == torch.float16:
+            chosen = torch.float32
+        return chosen
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; expected auto, {', '.join(_DTYPES)}")
+    return _DTYPES[dtype]

@@ -1,0 +1,114 @@
+"""Building blocks shared by the decoder models: RMSNorm, rotary embedding, fused linears."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm (arXiv 1910.07467), computed in float32 like HF Llama."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., hidden_size]
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dtype)
+
+
+class MergedLinear(nn.Linear):
+    """A linear layer whose output rows concatenate several checkpoint projections.
+
+    ``output_sizes[i]`` rows starting at ``sum(output_sizes[:i])`` hold shard ``i`` (for
+    ``qkv_proj``: q, k, v). Fusing turns three (or two) matmuls into one, which matters on
+    CPU where each small matmul has a fixed overhead.
+    """
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool) -> None:
+        super().__init__(in_features, sum(output_sizes), bias=bias)
+        self.output_sizes = list(output_sizes)
+
+    def load_shard(self, param_name: str, shard_id: int, loaded: torch.Tensor) -> None:
+        """Copy checkpoint tensor ``loaded`` into rows of shard ``shard_id``.
+
+        Raises:
+            ValueError: ``loaded`` does not have the shard's shape.
+        """
+        param = getattr(self, param_name)
+        start = sum(self.output_sizes[:shard_id])
+        rows = param.data.narrow(0, start, self.output_sizes[shard_id])
+        if rows.shape != loaded.shape:
+            raise ValueError(
+                f"shard {shard_id} of {param_name}: checkpoint shape {tuple(loaded.shape)} "
+                f"!= expected {tuple(rows.shape)}"
+            )
+        rows.copy_(loaded)
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
+    # Llama 3.1 frequency remapping: long wavelengths are divided by `factor`, short ones
+    # kept, and the band between is interpolated smoothly.
+    factor = scaling["factor"]
+    low = scaling.get("low_freq_factor", 1.0)
+    high = scaling.get("high_freq_factor", 4.0)
+    old_len = scaling["original_max_position_embeddings"]
+    low_wavelen = old_len / low
+    high_wavelen = old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding:
+    """Rotary position embedding (RoFormer, arXiv 2104.09864), "rotate half" layout.
+
+    Supports rope types ``default``, ``linear`` and ``llama3``. Not an ``nn.Module`` on
+    purpose: its frequencies are derived from the config, never loaded from a checkpoint.
+    """
+
+    def __init__(
+        self,
+        head_dim: int,
+        theta: float,
+        scaling: dict[str, Any] | None,
+        device: torch.device,
+    ) -> None:
+        exponents = (
+            torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
+        )
+        inv_freq = 1.0 / (theta**exponents)
+        rope_type = (scaling or {}).get("rope_type", "default")
+        if rope_type == "linear":
+            inv_freq = inv_freq / scaling["factor"]
+        elif rope_type == "llama3":
+            inv_freq = _llama3_inv_freq(inv_freq, scaling)
+        elif rope_type != "default":
+            raise ValueError(f"rope_type {rope_type!r} is not supported")
+        self.inv_freq = inv_freq  # [head_dim // 2], float32
+
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return ``cos, sin`` of shape ``[num_tokens, head_dim]`` for ``positions [num_tokens]``."""
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [num_tokens, head_dim // 2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x [num_tokens, num_heads, head_dim]`` by ``cos, sin [num_tokens, head_dim]``."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]

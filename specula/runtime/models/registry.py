@@ -1,0 +1,118 @@
+"""Architecture registry and safetensors weight loading."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from specula.runtime.models.config import ModelConfig
+from specula.runtime.models.layers import MergedLinear
+from specula.runtime.models.llama import LlamaForCausalLM
+from specula.runtime.models.qwen3 import Qwen3ForCausalLM
+
+MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+}
+"""``architectures[0]`` of ``config.json`` -> model class."""
+
+
+def load_model(
+    checkpoint_dir: str | Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    config: ModelConfig | None = None,
+) -> LlamaForCausalLM:
+    """Build the model named by the checkpoint's config and load its ``*.safetensors``.
+
+    Raises:
+        ValueError: unsupported architecture, or a checkpoint tensor with the wrong shape
+            or a parameter the checkpoint lacks.
+        FileNotFoundError: no ``config.json`` or no ``*.safetensors`` file.
+    """
+    path = Path(checkpoint_dir)
+    config = config or ModelConfig.from_pretrained(path)
+    model_cls = MODEL_REGISTRY.get(config.architecture)
+    if model_cls is None:
+        raise ValueError(
+            f"architecture {config.architecture!r} is not supported; "
+            f"supported: {', '.join(sorted(MODEL_REGISTRY))}"
+        )
+    # Build on the meta device so that no time goes into random initialisation of weights
+    # that the checkpoint overwrites; then allocate real storage and load.
+    with torch.device("meta"):
+        model = model_cls(config, device=device)
+        model.to(dtype)
+    model.to_empty(device=device)
+    load_safetensors(model, path)
+    return model.eval()
+
+
+def load_safetensors(model: LlamaForCausalLM, checkpoint_dir: Path) -> None:
+    """Copy every tensor of ``checkpoint_dir/*.safetensors`` into ``model`` by HF name.
+
+    Checkpoint names of projections fused in the model (``packed_modules_mapping``) are
+    routed to their shard of the fused parameter.
+
+    Raises:
+        FileNotFoundError: no ``*.safetensors`` file.
+        ValueError: an unexpected tensor, a shape mismatch, or parameters left unloaded.
+    """
+    from safetensors import safe_open
+
+    files = sorted(checkpoint_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {str(checkpoint_dir)!r}")
+    params = dict(model.named_parameters())
+    unloaded = set(params)
+    missing_shards: dict[str, set[int]] = {}
+    shard_map = {
+        sub: (fused, i)
+        for fused, subs in model.packed_modules_mapping.items()
+        for i, sub in enumerate(subs)
+    }
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                if name.endswith("rotary_emb.inv_freq"):
+                    continue  # derived from the config, not a weight
+                if name == "lm_head.weight" and model.lm_head is None:
+                    continue  # tied to embed_tokens
+                tensor = f.get_tensor(name)
+                module_path, _, param_name = name.rpartition(".")
+                parent, _, leaf = module_path.rpartition(".")
+                if leaf in shard_map:
+                    fused, shard_id = shard_map[leaf]
+                    fused_path = f"{parent}.{fused}"
+                    module = _get_module(model, fused_path, name)
+                    assert isinstance(module, MergedLinear)
+                    module.load_shard(param_name, shard_id, tensor)
+                    fused_name = f"{fused_path}.{param_name}"
+                    pending = missing_shards.setdefault(
+                        fused_name, set(range(len(module.output_sizes)))
+                    )
+                    pending.discard(shard_id)
+                    if not pending:
+                        unloaded.discard(fused_name)
+                    continue
+                param = params.get(name)
+                if param is None:
+                    raise ValueError(f"checkpoint tensor {name!r} has no matching parameter")
+                if param.shape != tensor.shape:
+                    raise ValueError(
+                        f"{name}: checkpoint shape {tuple(tensor.shape)} "
+                        f"!= model shape {tuple(param.shape)}"
+                    )
+                param.data.copy_(tensor)
+                unloaded.discard(name)
+    if unloaded:
+        raise ValueError(f"checkpoint {str(checkpoint_dir)!r} lacks {sorted(unloaded)}")
+
+
+def _get_module(model: nn.Module, path: str, checkpoint_name: str) -> nn.Module:
+    try:
+        return model.get_submodule(path)
+    except AttributeError as exc:
+        raise ValueError(f"checkpoint tensor {checkpoint_name!r} has no matching module") from exc

@@ -1,0 +1,177 @@
+"""The FastAPI app: OpenAI-compatible completions plus health, metrics and admin routes.
+
+Routes:
+
+- ``POST /v1/completions``: OpenAI Completions, ``stream: true`` as server-sent events.
+- ``GET /v1/models``: the one served model, OpenAI list format.
+- ``GET /health``: 200 once the engine is loaded and its loop is alive, else 503.
+- ``GET /metrics``: Prometheus text exposition from a per-app registry.
+- ``GET /v1/speculative_config``: the engine's speculative configuration in effect.
+- ``PUT /v1/speculative_config``: ``{"num_speculative_tokens": k}`` applied between two
+  steps, no restart; k is bounded by the value the server was started with.
+
+Handlers run on the event loop; the engine runs on the thread of an
+:class:`~specula.runtime.server.engine_loop.EngineLoop`, which the app's lifespan
+starts and stops.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+from collections.abc import AsyncIterator
+from typing import Any, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from pydantic import BaseModel, ValidationError
+
+from specula.runtime.server import completions
+from specula.runtime.server.engine_loop import EngineDeadError, EngineLoop, EngineState
+from specula.runtime.server.errors import APIError, install_error_handlers
+from specula.runtime.server.metrics import build_registry
+from specula.runtime.server.protocol import (
+    ERROR_TYPE_UNAVAILABLE,
+    CompletionRequest,
+    CompletionResponse,
+    ModelCard,
+    ModelList,
+    SpeculativeConfigUpdate,
+)
+
+BodyT = TypeVar("BodyT", bound=BaseModel)
+
+
+class _ServerState:
+    """Per-app state built once the engine is ready."""
+
+    def __init__(self, loop: EngineLoop) -> None:
+        self.loop = loop
+        self._tokenizer: Any = None
+        self._registry: CollectorRegistry | None = None
+
+    def ready_engine(self) -> Any:
+        """The loaded engine.
+
+        Raises:
+            APIError: 503 while loading or after the engine loop died.
+        """
+        if self.loop.state is not EngineState.READY or self.loop.engine is None:
+            raise APIError(503, _unready_message(self.loop), type=ERROR_TYPE_UNAVAILABLE)
+        return self.loop.engine
+
+    def tokenizer(self) -> Any:
+        engine = self.ready_engine()
+        if self._tokenizer is None:
+            # A private copy: the engine thread uses its tokenizer concurrently, and
+            # a Rust-backed fast tokenizer must not be shared across threads.
+            self._tokenizer = copy.deepcopy(engine.tokenizer)
+        return self._tokenizer
+
+    def registry(self) -> CollectorRegistry | None:
+        if self._registry is None and self.loop.state is EngineState.READY:
+            assert self.loop.engine is not None
+            self._registry = build_registry(self.loop.snapshot, self.loop.engine.served_model_name)
+        return self._registry
+
+
+def _unready_message(loop: EngineLoop) -> str:
+    if loop.state is EngineState.LOADING:
+        return "the model is still loading"
+    return f"the engine is not running ({loop.state.value}): {loop.error!r}"
+
+
+async def parse_body(raw: Request, model: type[BodyT]) -> BodyT:
+    """Parse a JSON body whatever its content type (``curl -d`` sends
+    ``application/x-www-form-urlencoded``) and validate it.
+
+    Raises:
+        RequestValidationError: malformed JSON or a schema violation (answered 400).
+    """
+    body = await raw.body()
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise RequestValidationError(
+            [{"type": "json_invalid", "loc": ("body",), "msg": "JSON decode error",
+              "ctx": {"error": str(exc)}}]
+        ) from exc
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise RequestValidationError(exc.errors(include_url=False)) from exc
+
+
+def create_app(loop: EngineLoop, *, manage_loop: bool = True) -> FastAPI:
+    """Build the app around ``loop``.
+
+    Args:
+        loop: the engine loop; not yet started when ``manage_loop``.
+        manage_loop: start the loop on app startup and stop it on shutdown.
+    """
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if manage_loop:
+            loop.start()
+        try:
+            yield
+        finally:
+            if manage_loop:
+                loop.stop()
+
+    app = FastAPI(title="Specula runtime", lifespan=lifespan)
+    install_error_handlers(app)
+    state = _ServerState(loop)
+    app.state.specula = state
+
+    @app.get("/health")
+    async def health() -> Response:
+        if loop.state is EngineState.READY:
+            return Response(status_code=200)
+        return APIError(503, _unready_message(loop), type=ERROR_TYPE_UNAVAILABLE).response()
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        registry = state.registry()
+        body = generate_latest(registry) if registry is not None else b""
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        engine = state.ready_engine()
+        name = engine.served_model_name
+        return ModelList(data=[ModelCard(id=name, root=name, max_model_len=engine.max_model_len)])
+
+    @app.get("/v1/speculative_config")
+    async def speculative_config() -> JSONResponse:
+        state.ready_engine()
+        return JSONResponse(loop.speculative_config)
+
+    @app.put("/v1/speculative_config")
+    async def update_speculative_config(raw: Request) -> JSONResponse:
+        update = await parse_body(raw, SpeculativeConfigUpdate)
+        state.ready_engine()
+        k = update.num_speculative_tokens
+        try:
+            await loop.call(lambda engine: engine.set_num_speculative_tokens(k))
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="num_speculative_tokens") from exc
+        except EngineDeadError as exc:
+            raise completions.engine_unavailable(exc) from exc
+        return JSONResponse(loop.speculative_config)
+
+    @app.post("/v1/completions", response_model=None)
+    async def create_completion(raw: Request) -> CompletionResponse | StreamingResponse:
+        request = await parse_body(raw, CompletionRequest)
+        tokenizer = state.tokenizer()
+        prep = completions.prepare(request, loop, tokenizer)
+        if not request.stream:
+            return await completions.complete(prep, loop, tokenizer)
+        run = await completions.start_stream(prep, loop, tokenizer)
+        return StreamingResponse(completions.stream(run), media_type="text/event-stream")
+
+    return app

@@ -1,0 +1,336 @@
+"""The bridge between the synchronous engine and asyncio request handlers.
+
+``LLMEngine`` is single-threaded: one background thread owns it, loads it, and runs
+``engine.step()`` while there is work.  Handlers never touch the engine; they send
+commands (add, abort) through a thread-safe queue and receive each step's
+``RequestOutput`` on their own ``asyncio.Queue``, fed with
+``loop.call_soon_threadsafe``.  This is the shape of vLLM's ``AsyncLLMEngine``
+background loop, reduced to one process.
+
+The thread also times every step (for the step-time histogram) and, after each step,
+publishes a :class:`~specula.runtime.server.metrics.RuntimeSnapshot` that scrapes
+read, so a scrape never sees the engine's counters half-updated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from enum import Enum
+from typing import TYPE_CHECKING, Any
+
+from specula.runtime.server.metrics import RuntimeSnapshot, StepTimeStats
+
+if TYPE_CHECKING:
+    from specula.runtime.engine.llm_engine import LLMEngine, RequestOutput
+    from specula.runtime.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_IDLE_WAIT_S = 0.5
+"""How long the idle loop blocks on the command queue before re-checking ``stop``."""
+
+
+class EngineState(Enum):
+    LOADING = "loading"
+    READY = "ready"
+    DEAD = "dead"
+    STOPPED = "stopped"
+
+
+class EngineDeadError(RuntimeError):
+    """The engine failed to load or a step raised; no request can be served."""
+
+
+@dataclass
+class _Sink:
+    """Where one request's outputs go: an asyncio queue on a given event loop."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:
+            # The handler's event loop is closed (server shutting down): nobody waits.
+            pass
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    sink: _Sink
+    done: Future
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+@dataclass
+class _Call:
+    fn: Callable[[LLMEngine], Any]
+    done: Future
+
+
+class EngineLoop:
+    """Owns an ``LLMEngine`` on one background thread.
+
+    Args:
+        load: builds the engine; called on the loop thread, so a slow load leaves
+            the HTTP server up and ``/health`` answering 503 meanwhile.
+        on_fatal: called (on the loop thread) when loading or a step fails; ``specula
+            serve`` uses it to stop the HTTP server so the process exits non-zero.
+    """
+
+    def __init__(
+        self,
+        load: Callable[[], LLMEngine],
+        on_fatal: Callable[[BaseException], None] | None = None,
+    ) -> None:
+        self._load = load
+        self._on_fatal = on_fatal
+        self._commands: queue.SimpleQueue[_Add | _Abort | _Call | None] = queue.SimpleQueue()
+        self._sinks: dict[str, _Sink] = {}
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._state = EngineState.LOADING
+        self._error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._snapshot = RuntimeSnapshot()
+        self._step_times = StepTimeStats()
+        self._pending_adds = 0
+        self.engine: LLMEngine | None = None
+        """Set once loaded.  Read-only attributes (``tokenizer``, ``max_model_len``,
+        ``served_model_name``) may be read from other threads; methods may not."""
+        self.speculative_config: dict[str, Any] = {}
+        """``engine.get_speculative_config()``, refreshed by the loop thread each step."""
+
+    @property
+    def state(self) -> EngineState:
+        return self._state
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._error
+
+    def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError("engine loop already started")
+        self._thread = threading.Thread(target=self._run, name="specula-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Stop the thread after the current step; unfinished requests get an error."""
+        self._stop.set()
+        self._commands.put(None)
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    def wait_ready(self, timeout_s: float | None = None) -> bool:
+        """Block until loaded (True) or failed/timed out (False)."""
+        self._ready.wait(timeout_s)
+        return self._state is EngineState.READY
+
+    def snapshot(self) -> RuntimeSnapshot:
+        with self._lock:
+            return self._snapshot
+
+    async def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        out: asyncio.Queue,
+    ) -> None:
+        """Submit a request; its ``RequestOutput`` objects will arrive on ``out``.
+
+        If the loop dies later, ``out`` receives an :class:`EngineDeadError` instead.
+
+        Raises:
+            ValueError: the engine refused the request (``engine.add_request``).
+            EngineDeadError: the engine is not running.
+        """
+        self._check_alive()
+        done: Future = Future()
+        sink = _Sink(asyncio.get_running_loop(), out)
+        with self._lock:
+            self._pending_adds += 1
+        self._commands.put(_Add(request_id, list(prompt_token_ids), params, sink, done))
+        await self._wait(done)
+
+    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """Run ``fn(engine)`` on the loop thread between two steps; return its result.
+
+        This is how settings change at run time (``set_num_speculative_tokens``)
+        without racing a step.
+
+        Raises:
+            Exception: whatever ``fn`` raises.
+            EngineDeadError: the engine is not running.
+        """
+        self._check_alive()
+        done: Future = Future()
+        self._commands.put(_Call(fn, done))
+        return await self._wait(done)
+
+    async def _wait(self, done: Future) -> Any:
+        waiter = asyncio.wrap_future(done)
+        while True:
+            finished, _ = await asyncio.wait({waiter}, timeout=1.0)
+            if finished:
+                return waiter.result()
+            # The loop may have died after our check and before it read the command.
+            if self._state is not EngineState.READY:
+                waiter.cancel()
+                self._check_alive()
+
+    def abort_request(self, request_id: str) -> None:
+        """Abort a request (client went away); no-op if it already finished."""
+        self._commands.put(_Abort(request_id))
+
+    def _check_alive(self) -> None:
+        if self._state is EngineState.READY:
+            return
+        if self._state is EngineState.LOADING:
+            raise EngineDeadError("the model is still loading")
+        raise EngineDeadError(f"the engine is not running: {self._error!r}")
+
+    # ---- loop thread -------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            self.engine = self._load()
+            self.speculative_config = dict(self.engine.get_speculative_config())
+            self._publish_snapshot()
+        except BaseException as exc:  # noqa: BLE001 - any load failure is fatal
+            logger.exception("loading the engine failed")
+            self._die(exc)
+            return
+        self._state = EngineState.READY
+        self._ready.set()
+        logger.info("engine ready: %s", self.engine.served_model_name)
+        try:
+            while not self._stop.is_set():
+                self._drain_commands(block=not self.engine.has_unfinished_requests())
+                if self._stop.is_set():
+                    break
+                if self.engine.has_unfinished_requests():
+                    self._step()
+        except BaseException as exc:  # noqa: BLE001 - a failed step leaves the engine unusable
+            logger.exception("engine step failed")
+            self._die(exc)
+            return
+        self._state = EngineState.STOPPED
+        self._fail_all(EngineDeadError("the server is shutting down"))
+
+    def _drain_commands(self, block: bool) -> None:
+        """Apply every queued command; wait up to ``_IDLE_WAIT_S`` for one if ``block``."""
+        try:
+            cmd = self._commands.get(timeout=_IDLE_WAIT_S) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while cmd is not None:
+            self._apply(cmd)
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _apply(self, cmd: _Add | _Abort | _Call) -> None:
+        assert self.engine is not None
+        if isinstance(cmd, _Abort):
+            if self._sinks.pop(cmd.request_id, None) is not None:
+                self.engine.abort_request(cmd.request_id)
+            return
+        if isinstance(cmd, _Call):
+            if cmd.done.set_running_or_notify_cancel():
+                try:
+                    result = cmd.fn(self.engine)
+                except Exception as exc:  # noqa: BLE001 - reported to the caller
+                    cmd.done.set_exception(exc)
+                else:
+                    cmd.done.set_result(result)
+                self.speculative_config = dict(self.engine.get_speculative_config())
+            return
+        with self._lock:
+            self._pending_adds -= 1
+        if not cmd.done.set_running_or_notify_cancel():
+            return  # the caller gave up waiting
+        try:
+            self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params)
+        except Exception as exc:  # noqa: BLE001 - reported to the caller
+            cmd.done.set_exception(exc)
+        else:
+            self._sinks[cmd.request_id] = cmd.sink
+            cmd.done.set_result(None)
+
+    def _step(self) -> None:
+        assert self.engine is not None
+        k = int(self.speculative_config.get("num_speculative_tokens") or 0)
+        before = self.engine.scheduler_stats()
+        t0 = time.perf_counter()
+        outputs = self.engine.step()
+        elapsed = time.perf_counter() - t0
+        # Requests that ran in this step: those with output, or (when a step only
+        # prefilled without emitting) those the scheduler had running or waiting.
+        batch = len({o.request_id for o in outputs}) or max(
+            1, before["num_requests_running"] + before["num_requests_waiting"]
+        )
+        self._step_times.observe(batch, k, elapsed)
+        for out in outputs:
+            sink = self._sinks.get(out.request_id)
+            if sink is None:
+                continue  # aborted by its client meanwhile
+            if out.finished:
+                del self._sinks[out.request_id]
+            sink.put(out)
+        self.speculative_config = dict(self.engine.get_speculative_config())
+        self._publish_snapshot()
+
+    def _publish_snapshot(self) -> None:
+        assert self.engine is not None
+        sched = self.engine.scheduler_stats()
+        stats = getattr(self.engine, "spec_decoding_stats", None)
+        with self._lock:
+            pending = self._pending_adds
+        snap = RuntimeSnapshot(
+            num_requests_running=int(sched["num_requests_running"]),
+            num_requests_waiting=int(sched["num_requests_waiting"]) + pending,
+            generation_tokens=int(self.engine.generation_tokens_total),
+            step_times=self._step_times,
+            spec_decoding=stats,
+        ).copy()
+        with self._lock:
+            self._snapshot = snap
+
+    def _die(self, exc: BaseException) -> None:
+        self._error = exc
+        self._state = EngineState.DEAD
+        self._ready.set()
+        self._fail_all(EngineDeadError(f"engine failed: {exc!r}"))
+        if self._on_fatal is not None:
+            self._on_fatal(exc)
+
+    def _fail_all(self, exc: EngineDeadError) -> None:
+        for sink in self._sinks.values():
+            sink.put(exc)
+        self._sinks.clear()
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(cmd, _Add | _Call) and cmd.done.set_running_or_notify_cancel():
+                cmd.done.set_exception(exc)

@@ -1,0 +1,157 @@
+"""Server-side runtime metrics: plain step-time counting and its Prometheus export.
+
+The engine loop (:mod:`specula.runtime.server.engine_loop`) times every
+``engine.step()`` and records it in :class:`StepTimeStats`; after each step it
+publishes a :class:`RuntimeSnapshot`.  :class:`RuntimeProm` turns the latest snapshot
+into Prometheus families at scrape time; the speculative-decoding counters come from
+:class:`~specula.runtime.spec_decode.metrics_prom.SpecDecodingProm`.  Both are
+registered in a private ``CollectorRegistry`` per app, never the global one, so
+several apps (tests) in one process do not collide.
+"""
+
+from __future__ import annotations
+
+import bisect
+import copy
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+from specula.runtime.spec_decode.metrics_prom import METRIC_PREFIX, SpecDecodingProm
+
+STEP_DURATION_BUCKETS_S: tuple[float, ...] = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+)
+"""Upper bounds (seconds) of the step-time histogram; CPU tiny models sit at the low
+end, large GPU batches near 0.1 s."""
+
+
+def batch_bucket(batch_size: int) -> str:
+    """Label of the power-of-two batch-size bucket holding ``batch_size``.
+
+    ``1 -> "1"``, ``2 -> "2"``, ``3..4 -> "3-4"``, ``5..8 -> "5-8"``, ... — the same
+    ranges a ``num_speculative_tokens_per_batch_size`` schedule is naturally written in.
+
+    Raises:
+        ValueError: ``batch_size`` < 1.
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if batch_size <= 2:
+        return str(batch_size)
+    upper = 1 << (batch_size - 1).bit_length()
+    return f"{upper // 2 + 1}-{upper}"
+
+
+@dataclass
+class StepTimeSeries:
+    """Histogram state of one (batch bucket, k) label pair."""
+
+    bucket_counts: list[int] = field(
+        default_factory=lambda: [0] * (len(STEP_DURATION_BUCKETS_S) + 1)
+    )
+    """Non-cumulative counts; the last slot is ``+Inf``."""
+    sum_s: float = 0.0
+    count: int = 0
+
+
+@dataclass
+class StepTimeStats:
+    """Plain counts of engine step durations, keyed by ``(batch_bucket, k)``."""
+
+    series: dict[tuple[str, int], StepTimeSeries] = field(default_factory=dict)
+
+    def observe(self, batch_size: int, num_speculative_tokens: int, seconds: float) -> None:
+        """Record one step of ``batch_size`` requests drafting ``num_speculative_tokens``."""
+        key = (batch_bucket(batch_size), num_speculative_tokens)
+        s = self.series.setdefault(key, StepTimeSeries())
+        s.bucket_counts[bisect.bisect_left(STEP_DURATION_BUCKETS_S, seconds)] += 1
+        s.sum_s += seconds
+        s.count += 1
+
+
+@dataclass
+class RuntimeSnapshot:
+    """Everything exported, copied between steps so one scrape is self-consistent."""
+
+    num_requests_running: int = 0
+    num_requests_waiting: int = 0
+    generation_tokens: int = 0
+    step_times: StepTimeStats = field(default_factory=StepTimeStats)
+    spec_decoding: object | None = None
+    """A copy of the engine's ``SpecDecodingStats``; ``None`` without a speculator."""
+
+    def copy(self) -> RuntimeSnapshot:
+        return copy.deepcopy(self)
+
+
+class RuntimeProm(Collector):
+    """Collector of request gauges, the generated-token counter and step times."""
+
+    def __init__(self, get_snapshot: Callable[[], RuntimeSnapshot], model_name: str) -> None:
+        self._get_snapshot = get_snapshot
+        self._model_name = model_name
+
+    def describe(self) -> Iterator[Metric]:
+        yield from self._families(None)
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._families(self._get_snapshot())
+
+    def _families(self, snap: RuntimeSnapshot | None) -> Iterator[Metric]:
+        labels = ["model_name"]
+        values = [self._model_name]
+        running = GaugeMetricFamily(
+            METRIC_PREFIX + "num_requests_running",
+            "Number of requests in the running batch.",
+            labels=labels,
+        )
+        waiting = GaugeMetricFamily(
+            METRIC_PREFIX + "num_requests_waiting",
+            "Number of requests waiting to be scheduled.",
+            labels=labels,
+        )
+        generated = CounterMetricFamily(
+            METRIC_PREFIX + "generation_tokens",
+            "Number of generated tokens (accepted draft, bonus and recovered tokens).",
+            labels=labels,
+        )
+        steps = HistogramMetricFamily(
+            METRIC_PREFIX + "step_duration_seconds",
+            "Wall time of one engine step (prefill of new requests plus one "
+            "speculative-decoding round), by batch-size bucket and k.",
+            labels=[*labels, "batch_bucket", "num_speculative_tokens"],
+        )
+        if snap is not None:
+            running.add_metric(values, snap.num_requests_running)
+            waiting.add_metric(values, snap.num_requests_waiting)
+            generated.add_metric(values, snap.generation_tokens)
+            for (bucket, k), s in sorted(snap.step_times.series.items()):
+                cumulative, acc = [], 0
+                for le, n in zip(
+                    [*map(str, STEP_DURATION_BUCKETS_S), "+Inf"], s.bucket_counts, strict=True
+                ):
+                    acc += n
+                    cumulative.append((le, acc))
+                steps.add_metric([*values, bucket, str(k)], cumulative, s.sum_s)
+        yield from (running, waiting, generated, steps)
+
+
+def build_registry(
+    get_snapshot: Callable[[], RuntimeSnapshot], model_name: str
+) -> CollectorRegistry:
+    """A fresh registry exporting the runtime and speculative-decoding metrics."""
+    registry = CollectorRegistry(auto_describe=True)
+    registry.register(RuntimeProm(get_snapshot, model_name))
+    registry.register(
+        SpecDecodingProm(lambda: get_snapshot().spec_decoding, model_name)  # type: ignore[arg-type, return-value]
+    )
+    return registry

@@ -1,0 +1,201 @@
+"""Request and response bodies of the OpenAI-compatible API.
+
+Field names and defaults follow the OpenAI Completions API
+(https://platform.openai.com/docs/api-reference/completions) and vLLM's
+``vllm/entrypoints/openai/protocol.py``.  Requests forbid unknown fields: a typo such
+as ``max_token`` is answered with 400 rather than silently ignored.  Fields OpenAI
+defines but this runtime does not implement (``logprobs``, ``echo``, ``n`` > 1,
+``best_of`` > 1, penalties, ``logit_bias``, ``suffix``) are accepted only at their
+no-op values, so a client that sends the default still works.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+ERROR_TYPE_INVALID_REQUEST = "invalid_request_error"
+ERROR_TYPE_NOT_FOUND = "not_found_error"
+ERROR_TYPE_UNAVAILABLE = "service_unavailable_error"
+ERROR_TYPE_SERVER = "server_error"
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str = ERROR_TYPE_INVALID_REQUEST
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """``{"error": {"message", "type", "param", "code"}}``, OpenAI's error shape."""
+
+    error: ErrorInfo
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: bool = False
+    """Send one more chunk before ``[DONE]`` with ``usage`` and no choices."""
+
+
+TokenId = Annotated[int, Field(ge=0)]
+NonEmptyTokenIds = Annotated[list[TokenId], Field(min_length=1)]
+
+
+class CompletionRequest(BaseModel):
+    """``POST /v1/completions`` body.
+
+    ``prompt`` is a string, a list of strings (a batch: one choice per prompt), a
+    list of token ids, or a list of token-id lists.
+    """
+
+    model_config = ConfigDict(extra="forbid", strict=False)
+
+    model: str | None = None
+    """Served model name; ``None`` means the one model this server serves."""
+    prompt: str | NonEmptyTokenIds | Annotated[list[str], Field(min_length=1)] | Annotated[
+        list[NonEmptyTokenIds], Field(min_length=1)
+    ]
+    max_tokens: int | None = 16
+    """Most tokens to generate per prompt; ``None`` means up to the context length."""
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    """0 samples greedily."""
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=-1)
+    """0 or -1 disables top-k (vLLM uses -1, OpenAI has no top-k)."""
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    """Stop strings; the returned text ends before the first one (it is not included)."""
+    stop_token_ids: list[TokenId] | None = None
+    ignore_eos: bool = False
+    n: int = 1
+    best_of: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    echo: bool = False
+    logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    suffix: str | None = None
+    user: str | None = None
+    """Accepted and ignored."""
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_not_empty(cls, v: str | list[str] | None) -> str | list[str] | None:
+        values = [v] if isinstance(v, str) else (v or [])
+        if any(s == "" for s in values):
+            raise ValueError("stop strings must not be empty")
+        return v
+
+    @model_validator(mode="after")
+    def _reject_unsupported(self) -> CompletionRequest:
+        # Each check names the field so the error's ``param`` points at it.
+        if self.max_tokens is not None and self.max_tokens <= 0:
+            raise UnsupportedFieldError("max_tokens", "max_tokens must be at least 1")
+        if self.n != 1:
+            raise UnsupportedFieldError("n", "only n=1 is supported")
+        if self.best_of not in (None, 1):
+            raise UnsupportedFieldError("best_of", "only best_of=1 is supported")
+        if self.echo:
+            raise UnsupportedFieldError("echo", "echo is not supported")
+        if self.logprobs is not None:
+            raise UnsupportedFieldError("logprobs", "logprobs are not supported")
+        if self.presence_penalty != 0.0 or self.frequency_penalty != 0.0:
+            raise UnsupportedFieldError("presence_penalty", "penalties are not supported")
+        if self.logit_bias:
+            raise UnsupportedFieldError("logit_bias", "logit_bias is not supported")
+        if self.suffix is not None:
+            raise UnsupportedFieldError("suffix", "suffix is not supported")
+        if self.stream_options is not None and not self.stream:
+            raise UnsupportedFieldError("stream_options", "stream_options needs stream=true")
+        return self
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class UnsupportedFieldError(ValueError):
+    """A request field holds a value this server does not implement.
+
+    Raised inside validation; pydantic wraps it in a ``ValidationError`` whose
+    context keeps this object, so the error body can name ``param``.
+    """
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class SpeculativeConfigUpdate(BaseModel):
+    """``PUT /v1/speculative_config`` body: the k to use from the next step on."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    num_speculative_tokens: int | None = Field(default=None, ge=0)
+    """0 turns speculation off (the draft stays loaded); at most the k the server was
+    started with."""
+    num_speculative_tokens_per_batch_size: list[tuple[int, int, int]] | None = None
+    """``[[start, end, k], ...]`` schedule; part of the admin API's shape, not yet
+    applied by this runtime (answered with 400)."""
+
+    @model_validator(mode="after")
+    def _one_setting(self) -> SpeculativeConfigUpdate:
+        if self.num_speculative_tokens_per_batch_size is not None:
+            raise UnsupportedFieldError(
+                "num_speculative_tokens_per_batch_size",
+                "a per-batch-size schedule is not supported by this runtime yet",
+            )
+        if self.num_speculative_tokens is None:
+            raise UnsupportedFieldError(
+                "num_speculative_tokens", "num_speculative_tokens is required"
+            )
+        return self
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    finish_reason: Literal["stop", "length", "abort"] | None
+    logprobs: None = None
+
+
+def _completion_id() -> str:
+    return f"cmpl-{uuid.uuid4().hex}"
+
+
+class CompletionResponse(BaseModel):
+    id: str = Field(default_factory=_completion_id)
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "specula"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

@@ -1,0 +1,67 @@
+"""The speculator interface: what the engine asks of every drafting method.
+
+Shaped after vLLM Model Runner V2's ``Speculator`` (PRs #40410, #43241): a small abstract
+base, one subclass family per method, no shared mutable config.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from specula.runtime.engine.sampler import SamplingMetadata
+
+
+@dataclass
+class SpeculatorInput:
+    """The requests to draft for in one speculative step."""
+
+    slot_ids: list[int]
+    """KV-cache slot of each request (stable from admission to completion)."""
+    token_ids: list[list[int]]
+    """Per request, every verified token (prompt + output). The last one was just emitted
+    by the target and has not been fed to any model yet."""
+    sampling: SamplingMetadata
+    """Per-request temperature/top-k/top-p and generators; the draft samples under the
+    same processing the verifier applies to the target."""
+
+
+@dataclass
+class DraftProposal:
+    draft_token_ids: torch.Tensor
+    """[num_reqs, k] int64."""
+    draft_probs: torch.Tensor | None
+    """[num_reqs, k, vocab_size] float32, the distributions the draft tokens were sampled
+    from; ``None`` when every request is greedy."""
+
+
+class BaseSpeculator(ABC):
+    """Proposes draft tokens for the target to verify."""
+
+    max_num_speculative_tokens: int
+    """The largest k :meth:`propose` accepts (the k the engine was started with)."""
+
+    @abstractmethod
+    def init_cudagraph_manager(self) -> None:
+        """Set up CUDA-graph managers for the draft forwards (no-op for eager execution)."""
+
+    @abstractmethod
+    def capture(self) -> None:
+        """Capture CUDA graphs for the draft forwards (no-op for eager execution)."""
+
+    @abstractmethod
+    def propose(self, inputs: SpeculatorInput, num_speculative_tokens: int) -> DraftProposal:
+        """Propose ``num_speculative_tokens`` tokens to follow each request's tokens."""
+
+    def add_requests(self, slot_ids: list[int]) -> None:
+        """Forget whatever state earlier occupants of ``slot_ids`` left (new requests).
+        Stateless speculators keep this default, which does nothing."""
+        return None
+
+    def rollback(self, slot_ids: list[int], num_valid_tokens: list[int]) -> None:
+        """After verification, drop draft state beyond the first ``num_valid_tokens[i]``
+        tokens of request ``i`` (those built on rejected draft tokens). Stateless
+        speculators keep this default, which does nothing."""
+        return None

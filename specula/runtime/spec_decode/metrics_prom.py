@@ -1,0 +1,100 @@
+"""Prometheus export of the speculative-decoding counters.
+
+Counting and exporting are separate (as vLLM's ``SpecDecodingStats`` vs
+``SpecDecodingProm``, ``vllm/v1/spec_decode/metrics.py``): the engine updates a plain
+:class:`~specula.runtime.spec_decode.metrics.SpecDecodingStats` every step, and the
+collector here reads a snapshot of it at scrape time.  Reading totals at scrape time
+instead of incrementing ``prometheus_client.Counter`` objects keeps the exported
+values exactly equal to the engine's, with no per-step export cost.
+
+Exported families (``prometheus_client`` appends ``_total`` to counters in the text
+exposition, so the series are e.g. ``specula:spec_decode_num_drafts_total``, the same
+shape as vLLM's ``vllm:spec_decode_num_drafts_total``):
+
+- ``specula:spec_decode_num_drafts``: draft rounds, one per request per step that
+  proposed tokens.
+- ``specula:spec_decode_num_draft_tokens``: draft tokens proposed.
+- ``specula:spec_decode_num_accepted_tokens``: draft tokens the target accepted.
+- ``specula:spec_decode_num_accepted_tokens_per_pos{position}``: accepted draft
+  tokens by position ``0 .. k_max - 1`` in the draft.
+
+From them a scraper derives the acceptance rate ``accepted / draft_tokens``, the mean
+acceptance length ``1 + accepted / drafts`` and the per-position acceptance rate
+``accepted_per_pos[i] / drafts``.  Ratios are deliberately not exported: they cannot
+be aggregated across pods or time windows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Protocol
+
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+METRIC_PREFIX = "specula:"
+
+
+class SpecDecodingCounters(Protocol):
+    """What the exporter reads; matches ``SpecDecodingStats``."""
+
+    num_spec_tokens: int
+    num_drafts: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    num_accepted_tokens_per_pos: list[int]
+
+
+class SpecDecodingProm(Collector):
+    """Collector of the speculative-decoding counters of one engine.
+
+    Args:
+        get_stats: returns a consistent snapshot of the engine's counters (the server
+            copies them between steps), or ``None`` when the engine has no speculator;
+            then nothing is exported, as vLLM does without a speculative config.
+        model_name: value of the ``model_name`` label (the served model name).
+    """
+
+    def __init__(
+        self, get_stats: Callable[[], SpecDecodingCounters | None], model_name: str
+    ) -> None:
+        self._get_stats = get_stats
+        self._model_name = model_name
+
+    def describe(self) -> Iterator[Metric]:
+        # Describing lets ``registry.register`` check name clashes without calling
+        # ``collect`` (which would read engine state at registration time).
+        yield from self._families(None)
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._get_stats()
+        if stats is None:
+            return
+        yield from self._families(stats)
+
+    def _families(self, stats: SpecDecodingCounters | None) -> Iterator[Metric]:
+        labels = ["model_name"]
+        values = [self._model_name]
+        scalar = [
+            ("spec_decode_num_drafts", "Number of spec decoding drafts.", "num_drafts"),
+            ("spec_decode_num_draft_tokens", "Number of draft tokens.", "num_draft_tokens"),
+            (
+                "spec_decode_num_accepted_tokens",
+                "Number of accepted tokens.",
+                "num_accepted_tokens",
+            ),
+        ]
+        for name, doc, attr in scalar:
+            family = CounterMetricFamily(METRIC_PREFIX + name, doc, labels=labels)
+            if stats is not None:
+                family.add_metric(values, float(getattr(stats, attr)))
+            yield family
+        per_pos = CounterMetricFamily(
+            METRIC_PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+            "Accepted tokens per draft position.",
+            labels=[*labels, "position"],
+        )
+        if stats is not None:
+            for position, count in enumerate(stats.num_accepted_tokens_per_pos):
+                per_pos.add_metric([*values, str(position)], float(count))
+        yield per_pos

@@ -1,0 +1,267 @@
+"""Shared fixtures for the runtime tier: tiny random checkpoints that ``transformers``
+saves (``config.json``, ``model.safetensors``, tokenizer files), built once per test run.
+
+Fixtures (all session-scoped, each a ``pathlib.Path`` to a checkpoint directory that
+also holds the tokenizer):
+
+- ``tiny_llama_target``: Llama, 3 layers, GQA (4 query / 2 kv heads), untied lm_head.
+- ``tiny_llama_draft``: Llama, 1 layer, same vocabulary; the target's embeddings, first
+  layer and head with noise added, so it agrees with the target often but not always.
+- ``tiny_qwen3_target``: Qwen3, 2 layers, explicit ``head_dim`` 32 != hidden/heads,
+  tied embeddings.
+- ``tiny_qwen3_draft``: Qwen3, 1 layer, derived from the Qwen3 target like the Llama one.
+- ``tiny_tokenizer``: the byte-level BPE ``PreTrainedTokenizerFast`` saved in each
+  checkpoint (eos ``<|endoftext|>``); ``TINY_VOCAB_SIZE`` is the models' vocab size.
+
+Also: ``hf_model(path)`` loads a checkpoint with ``transformers.AutoModelForCausalLM``
+in float32 (cached per path); ``make_engine(target, draft=None, k=3, max_num_seqs=8,
+**runtime_config_fields)`` builds an ``LLMEngine`` through ``from_config`` (float32,
+``draft_model`` speculator when ``draft`` is given); ``chi_square(counts, probs)`` is
+:func:`chi_square_pvalue`. Torch runs single-threaded in this tier.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+
+# Tiny models gain nothing from intra-op threads, and on a busy machine thread hand-offs
+# cost milliseconds per op.
+torch.set_num_threads(1)
+
+TINY_VOCAB_SIZE = 320
+_CORPUS = [
+    "def speculative_decoding(target, draft, k):",
+    "    # the draft proposes k tokens and the target verifies them in one forward",
+    "The quick brown fox jumps over the lazy dog while the target model verifies.",
+    "Acceptance rate, mean acceptance length and goodput are what the operator tunes.",
+    "import torch\nfrom transformers import AutoTokenizer\nprint('hello, world')",
+    "Kubernetes reconciles a SpeculativeModel into pods that serve completions.",
+]
+
+
+def _train_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TINY_VOCAB_SIZE,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS * 4, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
+    assert len(fast) <= TINY_VOCAB_SIZE
+    return fast
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer():
+    return _train_tokenizer()
+
+
+def save_checkpoint(model, tokenizer, path: Path) -> Path:
+    """Save ``model`` (float32 safetensors) and ``tokenizer`` into ``path``."""
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def derive_draft(target, num_layers: int, noise: float, seed: int):
+    """A shallower copy of ``target``: its embeddings, head and first ``num_layers``
+    layers, perturbed by Gaussian noise of std ``noise``."""
+    config = copy.deepcopy(target.config)
+    config.num_hidden_layers = num_layers
+    if getattr(config, "layer_types", None):
+        config.layer_types = config.layer_types[:num_layers]
+    draft = type(target)(config).eval()
+    state = {k: v for k, v in target.state_dict().items() if k in draft.state_dict()}
+    draft.load_state_dict(state)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * noise)
+    return draft
+
+
+def _damp_later_layers(model, factor: float = 0.2):
+    """Scale the residual contributions of layers 1.. by ``factor``.
+
+    A random model's layers all matter equally, so a shallow draft taken from it agrees
+    with it only by chance (a few percent); damped later layers give the 1-layer drafts
+    about 50% greedy agreement, like a real draft/target pair, while the output stays
+    diverse (``initializer_range`` 0.2: smaller weights make the models repeat tokens).
+    """
+    with torch.no_grad():
+        for layer in model.model.layers[1:]:
+            layer.self_attn.o_proj.weight.mul_(factor)
+            layer.mlp.down_proj.weight.mul_(factor)
+    return model
+
+
+def _llama(tokenizer, num_layers: int, seed: int, **overrides):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=TINY_VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        initializer_range=0.2,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+        pad_token_id=None,
+        tie_word_embeddings=False,
+        **overrides,
+    )
+    return _damp_later_layers(LlamaForCausalLM(config).eval())
+
+
+def _qwen3(tokenizer, num_layers: int, seed: int):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen3Config(
+        vocab_size=TINY_VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        initializer_range=0.2,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+        pad_token_id=None,
+        tie_word_embeddings=True,
+    )
+    return _damp_later_layers(Qwen3ForCausalLM(config).eval())
+
+
+@pytest.fixture(scope="session")
+def _tiny_llama_model(tiny_tokenizer):
+    return _llama(tiny_tokenizer, num_layers=3, seed=0)
+
+
+@pytest.fixture(scope="session")
+def _tiny_qwen3_model(tiny_tokenizer):
+    return _qwen3(tiny_tokenizer, num_layers=2, seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_target(tmp_path_factory, tiny_tokenizer, _tiny_llama_model) -> Path:
+    return save_checkpoint(
+        _tiny_llama_model, tiny_tokenizer, tmp_path_factory.mktemp("llama-target")
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_draft(tmp_path_factory, tiny_tokenizer, _tiny_llama_model) -> Path:
+    draft = derive_draft(_tiny_llama_model, num_layers=1, noise=0.01, seed=2)
+    return save_checkpoint(draft, tiny_tokenizer, tmp_path_factory.mktemp("llama-draft"))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_target(tmp_path_factory, tiny_tokenizer, _tiny_qwen3_model) -> Path:
+    return save_checkpoint(
+        _tiny_qwen3_model, tiny_tokenizer, tmp_path_factory.mktemp("qwen3-target")
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_draft(tmp_path_factory, tiny_tokenizer, _tiny_qwen3_model) -> Path:
+    draft = derive_draft(_tiny_qwen3_model, num_layers=1, noise=0.01, seed=3)
+    return save_checkpoint(draft, tiny_tokenizer, tmp_path_factory.mktemp("qwen3-draft"))
+
+
+@pytest.fixture(scope="session")
+def _hf_models() -> dict[Path, torch.nn.Module]:
+    return {}
+
+
+@pytest.fixture
+def hf_model(_hf_models):
+    """``hf_model(path)`` -> the checkpoint loaded by ``transformers`` (float32, eval)."""
+    from transformers import AutoModelForCausalLM
+
+    def load(path: Path):
+        if path not in _hf_models:
+            _hf_models[path] = AutoModelForCausalLM.from_pretrained(
+                path, dtype=torch.float32
+            ).eval()
+        return _hf_models[path]
+
+    return load
+
+
+def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson chi-square goodness-of-fit p-value of ``counts [n]`` against ``probs [n]``.
+
+    Cells with expected count below 5 are pooled into one (the usual validity rule);
+    the p-value is the regularised upper incomplete gamma ``Q(df/2, x/2)``.
+    """
+    counts = counts.double().flatten()
+    expected = probs.double().flatten() * counts.sum()
+    assert torch.all(counts[expected == 0] == 0), "samples where the target has no mass"
+    small = expected < 5
+    obs = torch.cat([counts[~small], counts[small].sum().reshape(1)])
+    exp = torch.cat([expected[~small], expected[small].sum().reshape(1)])
+    keep = exp > 0
+    obs, exp = obs[keep], exp[keep]
+    stat = ((obs - exp) ** 2 / exp).sum()
+    df = obs.numel() - 1
+    assert df >= 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2.0, dtype=torch.float64), stat / 2.0))
+
+
+@pytest.fixture(scope="session")
+def chi_square():
+    """The :func:`chi_square_pvalue` function, for tests in other files."""
+    return chi_square_pvalue
+
+
+def runtime_config(
+    target: Path, draft: Path | None = None, k: int = 3, max_num_seqs: int = 8, **kw
+):
+    """A float32 :class:`RuntimeConfig` serving ``target`` with ``draft`` as a
+    ``draft_model`` speculator of ``k`` tokens (no speculator when ``draft`` is None)."""
+    from specula.api.runtime_config import RuntimeConfig, SpeculatorRuntimeConfig
+
+    speculator = None
+    if draft is not None:
+        speculator = SpeculatorRuntimeConfig(
+            method="draft_model", model=f"file://{draft}", num_speculative_tokens=k
+        )
+    return RuntimeConfig(
+        model=f"file://{target}",
+        dtype="float32",
+        max_num_seqs=max_num_seqs,
+        speculator=speculator,
+        **kw,
+    )
+
+
+@pytest.fixture(scope="session")
+def make_engine():
+    """``make_engine(target, draft=None, k=3, max_num_seqs=8, **config_fields)`` ->
+    ``LLMEngine.from_config(runtime_config(...))``."""
+    from specula.runtime.engine.llm_engine import LLMEngine
+
+    def make(target: Path, draft: Path | None = None, k: int = 3, max_num_seqs: int = 8, **kw):
+        return LLMEngine.from_config(runtime_config(target, draft, k, max_num_seqs, **kw))
+
+    return make

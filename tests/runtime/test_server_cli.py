@@ -1,0 +1,136 @@
+"""``specula serve``: config merging, config errors, and a real server process."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from specula.cli import build_parser
+from specula.runtime.server.cli import ConfigError, build_runtime_config
+
+pytestmark = pytest.mark.runtime
+
+
+def _args(*argv: str):
+    return build_parser().parse_args(["serve", *argv])
+
+
+def test_flags_alone_build_config():
+    cfg = build_runtime_config(
+        _args("--model", "file:///m/target", "--speculator-model", "file:///m/draft",
+              "--num-speculative-tokens", "5", "--dtype", "float32", "--max-model-len", "256",
+              "--host", "127.0.0.1", "--port", "9001")
+    )
+    assert cfg.model == "file:///m/target"
+    assert cfg.speculator is not None
+    assert cfg.speculator.method == "draft_model"  # implied by --speculator-model
+    assert cfg.speculator.model == "file:///m/draft"
+    assert cfg.speculator.num_speculative_tokens == 5
+    assert (cfg.dtype, cfg.max_model_len, cfg.host, cfg.port) == ("float32", 256, "127.0.0.1", 9001)
+
+
+def test_flags_override_file(tmp_path: Path):
+    path = tmp_path / "runtime.json"
+    path.write_text(json.dumps({
+        "model": "file:///m/target", "port": 8000, "max_model_len": 64,
+        "speculator": {"method": "draft_model", "model": "file:///m/draft",
+                       "num_speculative_tokens": 3},
+    }))
+    cfg = build_runtime_config(_args("--config", str(path), "--port", "8123",
+                                     "--num-speculative-tokens", "2"))
+    assert cfg.port == 8123
+    assert cfg.max_model_len == 64  # from the file, no flag given
+    assert cfg.speculator is not None
+    assert (cfg.speculator.method, cfg.speculator.num_speculative_tokens) == ("draft_model", 2)
+    assert cfg.speculator.model == "file:///m/draft"
+
+
+@pytest.mark.parametrize(
+    ("argv", "fragment"),
+    [
+        ((), "no target model"),
+        (("--model", "s3://bucket/m"), "model"),
+        (("--model", "file:///m", "--num-speculative-tokens", "4"), "needs a speculator"),
+        (("--model", "file:///m", "--speculator-model", "file:///d",
+          "--num-speculative-tokens", "0"), "num_speculative_tokens"),
+        (("--model", "file:///m", "--max-model-len", "8"), "max_model_len"),
+        (("--config", "/nonexistent/runtime.json"), "cannot read"),
+    ],
+)
+def test_invalid_config_is_reported(argv, fragment):
+    with pytest.raises(ConfigError, match=fragment):
+        build_runtime_config(_args(*argv))
+
+
+def test_invalid_config_exits_2_without_loading(tmp_path: Path):
+    bad = tmp_path / "runtime.json"
+    bad.write_text(json.dumps({"model": "file:///m", "unknown_key": 1}))
+    proc = subprocess.run(
+        [sys.executable, "-m", "specula.cli", "serve", "--config", str(bad)],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 2
+    assert "unknown_key" in proc.stderr
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_serve_config_file_subprocess(tmp_path: Path, tiny_llama_target: Path, tiny_llama_draft: Path):
+    port = _free_port()
+    config = tmp_path / "runtime.json"
+    config.write_text(json.dumps({
+        "model": f"file://{tiny_llama_target}",
+        "served_model_name": "tiny",
+        "dtype": "float32",
+        "max_model_len": 64,
+        "host": "127.0.0.1",
+        "port": port,
+        "speculator": {"method": "draft_model", "model": f"file://{tiny_llama_draft}",
+                       "num_speculative_tokens": 2},
+    }))
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "specula.cli", "serve", "--config", str(config)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        status = None
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                status = httpx.get(f"{base}/health", timeout=2).status_code
+            except httpx.TransportError:
+                status = None
+            if status == 200:
+                break
+            time.sleep(0.3)
+        assert status == 200, f"server never became healthy (exit={proc.poll()})"
+        r = httpx.post(f"{base}/v1/completions",
+                       json={"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 4,
+                             "temperature": 0, "ignore_eos": True}, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 4
+        assert httpx.get(f"{base}/v1/speculative_config",
+                         timeout=5).json()["num_speculative_tokens"] == 2
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            out, _ = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate()
+    assert proc.returncode == 0, out

@@ -1,0 +1,94 @@
+"""Greedy speculative decoding emits exactly ``transformers``' greedy tokens, for every
+k in 1..8 and a batch of prompts of different lengths, with a draft that differs from
+the target (so rejections and acceptances both happen)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from specula.runtime.engine.llm_engine import SamplingParams
+
+pytestmark = pytest.mark.runtime
+
+MAX_TOKENS = 24
+PROMPT_LENS = (3, 9, 17, 30)
+
+
+def _prompts(vocab: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    # Avoid the eos id (0) in prompts; generation may still produce it.
+    return [torch.randint(1, vocab, (n,), generator=gen).tolist() for n in PROMPT_LENS]
+
+
+def _hf_greedy(hf, prompt: list[int]) -> list[int]:
+    with torch.no_grad():
+        out = hf.generate(
+            torch.tensor([prompt]), do_sample=False, max_new_tokens=MAX_TOKENS, pad_token_id=0
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize(
+    ("family", "ks"), [("llama", range(1, 9)), ("qwen3", (1, 3, 8))], ids=["llama", "qwen3"]
+)
+def test_greedy_speculative_equals_hf_generate(family, ks, request, hf_model, make_engine):
+    target = request.getfixturevalue(f"tiny_{family}_target")
+    draft = request.getfixturevalue(f"tiny_{family}_draft")
+    hf = hf_model(target)
+    prompts = _prompts(hf.config.vocab_size, seed=11)
+    expected = [_hf_greedy(hf, p) for p in prompts]
+    # Fewer slots than prompts: the last prompt waits and joins a running batch.
+    engine = make_engine(target, draft, k=8, max_num_seqs=3)
+    for k in ks:
+        engine.set_num_speculative_tokens(k)
+        before = (
+            engine.spec_decoding_stats.num_draft_tokens,
+            engine.spec_decoding_stats.num_accepted_tokens,
+        )
+        got = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS))
+        for prompt, g, e in zip(prompts, got, expected, strict=True):
+            assert g == e, f"k={k}, prompt length {len(prompt)}"
+        drafted = engine.spec_decoding_stats.num_draft_tokens - before[0]
+        accepted = engine.spec_decoding_stats.num_accepted_tokens - before[1]
+        # The test must be able to fail: both branches of the verifier ran.
+        assert 0 < accepted < drafted, f"k={k}: accepted {accepted} of {drafted}"
+    per_pos = engine.spec_decoding_stats.num_accepted_tokens_per_pos
+    assert sum(per_pos) == engine.spec_decoding_stats.num_accepted_tokens
+    # Acceptance is a prefix: position i+1 is accepted only after position i.
+    assert all(a >= b for a, b in itertools.pairwise(per_pos))
+    assert not engine.has_unfinished_requests()
+
+
+def test_without_speculator_equals_hf_generate(tiny_llama_target, hf_model, make_engine):
+    hf = hf_model(tiny_llama_target)
+    prompts = _prompts(hf.config.vocab_size, seed=12)
+    engine = make_engine(tiny_llama_target)
+    assert engine.get_speculative_config()["method"] is None
+    got = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS))
+    assert got == [_hf_greedy(hf, p) for p in prompts]
+    assert engine.generation_tokens_total == sum(len(g) for g in got)
+    assert engine.spec_decoding_stats.num_drafts == 0
+
+
+def test_k_changes_between_steps(tiny_llama_target, tiny_llama_draft, hf_model, make_engine):
+    """k = 0 turns speculation off; switching k mid-request keeps the output exact (the
+    draft catches up over tokens it skipped)."""
+    hf = hf_model(tiny_llama_target)
+    prompts = _prompts(hf.config.vocab_size, seed=13)[:2]
+    expected = [_hf_greedy(hf, p) for p in prompts]
+    engine = make_engine(tiny_llama_target, tiny_llama_draft, k=4)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, SamplingParams(max_tokens=MAX_TOKENS))
+    got: dict[str, list[int]] = {"r0": [], "r1": []}
+    schedule = [0, 0, 4, 0, 2, 3, 1, 0, 4]
+    step = 0
+    while engine.has_unfinished_requests():
+        engine.set_num_speculative_tokens(schedule[step % len(schedule)])
+        step += 1
+        for out in engine.step():
+            got[out.request_id] += out.new_token_ids
+    assert [got["r0"], got["r1"]] == expected
+    assert 0 < engine.spec_decoding_stats.num_drafts
