@@ -62,5 +62,10 @@ class RuntimeConfig(BaseModel):
     """``None`` serves the target alone (no speculation)."""
     host: str = "0.0.0.0"
     port: int = Field(default=8000, ge=1, le=65535)
+    """Port of the OpenAI-compatible API (also serves ``/metrics`` and ``/health``)."""
+    metrics_port: int | None = Field(default=None, ge=1, le=65535)
+    """A second port serving only ``/metrics`` (Prometheus exposition), so that scrapers
+    and NetworkPolicies can treat metrics apart from the API; ``None`` serves metrics on
+    ``port`` only."""
     max_num_seqs: int = Field(default=32, ge=1)
     """Most requests decoded together in one batch."""

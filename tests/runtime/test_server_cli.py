@@ -89,7 +89,7 @@ def _free_port() -> int:
 
 
 def test_serve_config_file_subprocess(tmp_path: Path, tiny_llama_target: Path, tiny_llama_draft: Path):
-    port = _free_port()
+    port, metrics_port = _free_port(), _free_port()
     config = tmp_path / "runtime.json"
     config.write_text(json.dumps({
         "model": f"file://{tiny_llama_target}",
@@ -98,6 +98,7 @@ def test_serve_config_file_subprocess(tmp_path: Path, tiny_llama_target: Path, t
         "max_model_len": 64,
         "host": "127.0.0.1",
         "port": port,
+        "metrics_port": metrics_port,
         "speculator": {"method": "draft_model", "model": f"file://{tiny_llama_draft}",
                        "num_speculative_tokens": 2},
     }))
@@ -126,6 +127,13 @@ def test_serve_config_file_subprocess(tmp_path: Path, tiny_llama_target: Path, t
         assert r.json()["usage"]["completion_tokens"] == 4
         assert httpx.get(f"{base}/v1/speculative_config",
                          timeout=5).json()["num_speculative_tokens"] == 2
+        # The dedicated metrics port (the pod's container port ``metrics``) exports the
+        # same counters as the API port.
+        metrics = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).text
+        drafts = [line for line in metrics.splitlines()
+                  if line.startswith("specula:spec_decode_num_drafts_total")]
+        assert drafts and float(drafts[0].rsplit(" ", 1)[1]) > 0, metrics
+        assert "specula:generation_tokens_total" in metrics
     finally:
         proc.send_signal(signal.SIGINT)
         try:

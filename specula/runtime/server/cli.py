@@ -96,6 +96,31 @@ def build_runtime_config(args: argparse.Namespace) -> RuntimeConfig:
         raise ConfigError("invalid runtime config:\n" + "\n".join(lines)) from exc
 
 
+def start_metrics_listener(app: Any, host: str, port: int) -> None:
+    """Serve the app's ``/metrics`` exposition on a port of its own, from a daemon
+    thread (prometheus-client's WSGI server).  Until the engine has loaded, the
+    exposition is empty, as on the API port.
+
+    Raises:
+        OSError: the port cannot be bound.
+    """
+    from prometheus_client import CollectorRegistry, start_http_server
+    from prometheus_client.registry import Collector
+
+    state = app.state.specula
+
+    class _EngineMetrics(Collector):
+        def collect(self):  # type: ignore[no-untyped-def]
+            registry = state.registry()
+            if registry is not None:
+                yield from registry.collect()
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_EngineMetrics())
+    start_http_server(port, addr=host, registry=registry)
+    logger.info("serving /metrics on %s:%d", host, port)
+
+
 def serve(args: argparse.Namespace) -> int:
     """Run the server until interrupted.
 
@@ -129,6 +154,8 @@ def serve(args: argparse.Namespace) -> int:
 
     loop = EngineLoop(lambda: LLMEngine.from_config(config), on_fatal=on_fatal)
     app = create_app(loop)
+    if config.metrics_port is not None and config.metrics_port != config.port:
+        start_metrics_listener(app, config.host, config.metrics_port)
     server = uvicorn.Server(
         uvicorn.Config(app, host=config.host, port=config.port, log_level="info")
     )

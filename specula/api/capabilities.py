@@ -1,0 +1,17 @@
+"""What the Specula runtime can do today.
+
+The CRD accepts every speculation method named in the API so that manifests written
+for a later release still validate; the operator compares a resource's method with
+this set and reports ``Degraded`` / ``MethodNotSupported`` for the others instead of
+starting pods that would fail.
+"""
+
+from __future__ import annotations
+
+IMPLEMENTED_METHODS: frozenset[str] = frozenset({"draft_model"})
+"""Speculation methods the runtime implements (vLLM ``speculative_config.method`` names)."""
+
+
+def is_method_implemented(method: str) -> bool:
+    """Whether ``specula serve`` can run the speculation method ``method``."""
+    return method in IMPLEMENTED_METHODS

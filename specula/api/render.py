@@ -1,0 +1,40 @@
+"""Rendering of the runtime config from a ``SpeculativeModel`` spec."""
+
+from __future__ import annotations
+
+from specula.api.models import SpeculativeModelSpec
+from specula.api.runtime_config import RuntimeConfig, SpeculatorRuntimeConfig
+
+RUNTIME_PORT = 8000
+"""Port the runtime's HTTP server listens on in the pod (API, ``/health`` and ``/metrics``)."""
+
+METRICS_PORT = 9090
+"""Port on which the runtime also serves ``/metrics`` alone (the container port ``metrics``)."""
+
+
+def render_runtime_config(name: str, spec: SpeculativeModelSpec) -> RuntimeConfig:
+    """The config ``specula serve --config`` reads in every pod of resource ``name``.
+
+    Clients address the model by the resource name (``served_model_name``), so
+    replacing the checkpoint behind a resource does not change its API name.
+    Model URIs pass through unchanged; the runtime resolves ``pvc://claim/path``
+    under :data:`specula.api.runtime_config.PVC_MOUNT_ROOT`, where the operator
+    mounts the claim.
+    """
+    speculator = spec.speculator
+    return RuntimeConfig(
+        model=spec.model.uri,
+        served_model_name=name,
+        revision=spec.model.revision,
+        dtype=spec.model.dtype,
+        max_model_len=spec.model.max_model_len,
+        tensor_parallel_size=spec.model.tensor_parallel_size,
+        speculator=SpeculatorRuntimeConfig(
+            method=speculator.method,
+            model=speculator.model.uri if speculator.model is not None else None,
+            num_speculative_tokens=speculator.num_speculative_tokens,
+            draft_tensor_parallel_size=speculator.draft_tensor_parallel_size,
+        ),
+        port=RUNTIME_PORT,
+        metrics_port=METRICS_PORT,
+    )

@@ -1,0 +1,307 @@
+"""Pure builders: a parsed ``SpeculativeModel`` spec in, Kubernetes manifests (dicts) out.
+
+No kopf, no Kubernetes client: handlers call these and apply the result with
+server-side apply, so every manifest here is the complete *intent* of the operator
+for its object (fields it omits are left to the API server's defaults).
+
+All three children of a resource share its name: ConfigMap ``<name>`` (the runtime
+config), Deployment ``<name>`` and Service ``<name>``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from specula.api.models import API_VERSION, KIND, SpeculativeModelSpec
+from specula.api.render import METRICS_PORT, RUNTIME_PORT, render_runtime_config
+from specula.api.runtime_config import PVC_MOUNT_ROOT
+from specula.operator.settings import DEFAULT_RUNTIME_IMAGE
+
+LABEL_NAME = "app.kubernetes.io/name"
+LABEL_INSTANCE = "app.kubernetes.io/instance"
+LABEL_COMPONENT = "app.kubernetes.io/component"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+APP_NAME = "specula"
+COMPONENT_RUNTIME = "runtime"
+MANAGED_BY = "specula-operator"
+
+CONFIG_HASH_ANNOTATION = "specula.dev/config-hash"
+"""Pod-template annotation: sha256 of the ConfigMap data.  A config change alters the
+template and so rolls the pods; an unchanged config leaves the template untouched."""
+
+CONFIG_KEY = "runtime.json"
+CONFIG_DIR = "/etc/specula"
+CONFIG_PATH = f"{CONFIG_DIR}/{CONFIG_KEY}"
+
+CONTAINER_NAME = "runtime"
+HTTP_PORT_NAME = "http"
+METRICS_PORT_NAME = "metrics"
+SERVICE_HTTP_PORT = RUNTIME_PORT
+SERVICE_METRICS_PORT = METRICS_PORT
+"""Service port named ``metrics``: the runtime serves ``/metrics`` on a port of its own
+(``metrics_port`` in the runtime config) so a PodMonitor or ServiceMonitor selects it by
+name and never reaches the API port."""
+
+RUN_AS_USER = 1000
+"""Non-root uid (and gid) of the runtime process; the runtime image owns its files as 1000."""
+
+STARTUP_FAILURE_THRESHOLD = 360
+"""Startup probe attempts at 10 s: up to one hour to download and load a checkpoint
+before the kubelet restarts the pod."""
+
+
+@dataclass(frozen=True)
+class Owner:
+    """The ``SpeculativeModel`` that owns the children."""
+
+    name: str
+    namespace: str
+    uid: str
+
+    def reference(self) -> dict[str, Any]:
+        """An ownerReference making the resource the children's controller, so the
+        garbage collector deletes them with it (foreground deletion waits for them)."""
+        return {
+            "apiVersion": API_VERSION,
+            "kind": KIND,
+            "name": self.name,
+            "uid": self.uid,
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+
+
+def selector_labels(name: str) -> dict[str, str]:
+    """Labels that select the runtime pods of resource ``name``; stable across
+    versions because a Deployment's selector is immutable."""
+    return {
+        LABEL_NAME: APP_NAME,
+        LABEL_INSTANCE: name,
+        LABEL_COMPONENT: COMPONENT_RUNTIME,
+    }
+
+
+def labels(name: str) -> dict[str, str]:
+    """Labels of every child and of the pods."""
+    return {**selector_labels(name), LABEL_MANAGED_BY: MANAGED_BY}
+
+
+def selector_string(name: str) -> str:
+    """:func:`selector_labels` in label-selector syntax (``status.selector``, read by
+    the ``scale`` subresource and so by HPA)."""
+    return ",".join(f"{k}={v}" for k, v in sorted(selector_labels(name).items()))
+
+
+def _metadata(owner: Owner) -> dict[str, Any]:
+    return {
+        "name": owner.name,
+        "namespace": owner.namespace,
+        "labels": labels(owner.name),
+        "ownerReferences": [owner.reference()],
+    }
+
+
+def configmap_data(owner_name: str, spec: SpeculativeModelSpec) -> dict[str, str]:
+    """``{"runtime.json": <RuntimeConfig JSON>}``, serialised deterministically so equal
+    specs give byte-equal data (and equal config hashes)."""
+    config = render_runtime_config(owner_name, spec)
+    text = json.dumps(config.model_dump(mode="json"), indent=2, sort_keys=True) + "\n"
+    return {CONFIG_KEY: text}
+
+
+def config_hash(data: dict[str, str]) -> str:
+    """sha256 hex digest of ConfigMap ``data`` (keys sorted)."""
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+
+
+def build_configmap(owner: Owner, spec: SpeculativeModelSpec) -> dict[str, Any]:
+    """The ConfigMap ``<name>`` holding the runtime config under ``runtime.json``."""
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _metadata(owner),
+        "data": configmap_data(owner.name, spec),
+    }
+
+
+def pvc_claims(spec: SpeculativeModelSpec) -> list[str]:
+    """Claim names of the ``pvc://claim/...`` URIs of target and draft, sorted, unique."""
+    uris = [spec.model.uri]
+    if spec.speculator.model is not None:
+        uris.append(spec.speculator.model.uri)
+    prefix = "pvc://"
+    return sorted({u[len(prefix):].split("/", 1)[0] for u in uris if u.startswith(prefix)})
+
+
+def _quantity(value: int | str) -> str:
+    return str(value)
+
+
+def _resources(spec: SpeculativeModelSpec) -> dict[str, Any]:
+    res = spec.resources
+    limits: dict[str, str] = {}
+    requests: dict[str, str] = {}
+    if res.gpu.count > 0:
+        # Extended resources need only a limit; the request defaults to it.
+        limits[res.gpu.resource_name] = str(res.gpu.count)
+    for key, value in (("cpu", res.cpu), ("memory", res.memory)):
+        if value is not None:
+            limits[key] = requests[key] = _quantity(value)
+    out: dict[str, Any] = {}
+    if limits:
+        out["limits"] = limits
+    if requests:
+        out["requests"] = requests
+    return out
+
+
+def _probe(period_s: int, failure_threshold: int, timeout_s: int) -> dict[str, Any]:
+    return {
+        "httpGet": {"path": "/health", "port": HTTP_PORT_NAME},
+        "periodSeconds": period_s,
+        "failureThreshold": failure_threshold,
+        "timeoutSeconds": timeout_s,
+    }
+
+
+def _container(
+    spec: SpeculativeModelSpec, image: str, mounts: list[dict[str, Any]]
+) -> dict[str, Any]:
+    container: dict[str, Any] = {
+        "name": CONTAINER_NAME,
+        "image": image,
+        "imagePullPolicy": "IfNotPresent",
+        "command": ["specula", "serve", "--config", CONFIG_PATH],
+        "ports": [
+            {"name": HTTP_PORT_NAME, "containerPort": RUNTIME_PORT, "protocol": "TCP"},
+            {"name": METRICS_PORT_NAME, "containerPort": METRICS_PORT, "protocol": "TCP"},
+        ],
+        "startupProbe": _probe(10, STARTUP_FAILURE_THRESHOLD, 5),
+        "readinessProbe": _probe(5, 3, 5),
+        "livenessProbe": _probe(15, 4, 10),
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"]},
+            "runAsNonRoot": True,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "volumeMounts": mounts,
+    }
+    resources = _resources(spec)
+    if resources:
+        container["resources"] = resources
+    if spec.env:
+        container["env"] = [var.to_k8s() for var in spec.env]
+    return container
+
+
+def build_deployment(
+    owner: Owner,
+    spec: SpeculativeModelSpec,
+    *,
+    config_hash: str,
+    default_image: str = DEFAULT_RUNTIME_IMAGE,
+) -> dict[str, Any]:
+    """The Deployment ``<name>`` running ``spec.replicas`` runtime pods.
+
+    ``config_hash`` is :func:`config_hash` of the ConfigMap's data; it goes into the
+    pod template so that only a config change rolls the pods.
+    """
+    mounts: list[dict[str, Any]] = [
+        {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
+        # PyTorch data loaders and NCCL use shared memory; the container default is 64 MiB.
+        {"name": "dshm", "mountPath": "/dev/shm"},
+    ]
+    volumes: list[dict[str, Any]] = [
+        {"name": "config", "configMap": {"name": owner.name}},
+        {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+    ]
+    for index, claim in enumerate(pvc_claims(spec)):
+        # Indexed volume names: claim names may be longer than a volume name allows.
+        volume = f"model-pvc-{index}"
+        volumes.append(
+            {"name": volume, "persistentVolumeClaim": {"claimName": claim, "readOnly": True}}
+        )
+        mounts.append(
+            {"name": volume, "mountPath": f"{PVC_MOUNT_ROOT}/{claim}", "readOnly": True}
+        )
+
+    pod_spec: dict[str, Any] = {
+        # The runtime never calls the Kubernetes API.
+        "automountServiceAccountToken": False,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": RUN_AS_USER,
+            "runAsGroup": RUN_AS_USER,
+            "fsGroup": RUN_AS_USER,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "containers": [_container(spec, spec.image or default_image, mounts)],
+        "volumes": volumes,
+    }
+    if spec.service_account_name:
+        pod_spec["serviceAccountName"] = spec.service_account_name
+    if spec.node_selector:
+        pod_spec["nodeSelector"] = dict(spec.node_selector)
+    if spec.tolerations:
+        pod_spec["tolerations"] = [t.to_k8s() for t in spec.tolerations]
+
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _metadata(owner),
+        "spec": {
+            "replicas": spec.replicas,
+            "selector": {"matchLabels": selector_labels(owner.name)},
+            "template": {
+                "metadata": {
+                    "labels": labels(owner.name),
+                    "annotations": {CONFIG_HASH_ANNOTATION: config_hash},
+                },
+                "spec": pod_spec,
+            },
+        },
+    }
+
+
+def build_service(owner: Owner) -> dict[str, Any]:
+    """The ClusterIP Service ``<name>``: port ``http`` (the OpenAI API) and port
+    ``metrics`` (Prometheus), to the pods' ports of the same names."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(owner),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": selector_labels(owner.name),
+            "ports": [
+                {
+                    "name": HTTP_PORT_NAME,
+                    "port": SERVICE_HTTP_PORT,
+                    "targetPort": HTTP_PORT_NAME,
+                    "protocol": "TCP",
+                },
+                {
+                    "name": METRICS_PORT_NAME,
+                    "port": SERVICE_METRICS_PORT,
+                    "targetPort": METRICS_PORT_NAME,
+                    "protocol": "TCP",
+                },
+            ],
+        },
+    }
+
+
+def build_children(
+    owner: Owner, spec: SpeculativeModelSpec, *, default_image: str = DEFAULT_RUNTIME_IMAGE
+) -> list[dict[str, Any]]:
+    """ConfigMap, Deployment and Service, in the order to apply them (the config
+    exists before pods that mount it)."""
+    configmap = build_configmap(owner, spec)
+    deployment = build_deployment(
+        owner, spec, config_hash=config_hash(configmap["data"]), default_image=default_image
+    )
+    return [configmap, deployment, build_service(owner)]

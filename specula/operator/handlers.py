@@ -1,0 +1,138 @@
+"""kopf wiring: thin handlers that hand plain dicts to :mod:`specula.operator.reconcile`.
+
+- ``SpeculativeModel`` create / update / resume -> :func:`reconcile.reconcile`.
+- Events of owned Deployments -> :func:`reconcile.refresh_status`, so ``readyReplicas``
+  and ``Ready`` follow the pods without waiting for a spec change.
+- Deletion of an owned ConfigMap, Deployment or Service -> reconcile the owner again.
+
+No deletion handler and no timer: children are garbage-collected through their
+owner references, so kopf never needs to put a finalizer on the resources.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import threading
+from typing import Any
+
+import kopf
+
+from specula.api.models import GROUP, PLURAL, VERSION
+from specula.operator.builders import LABEL_MANAGED_BY, MANAGED_BY
+from specula.operator.kube import Kube
+from specula.operator.reconcile import (
+    RetryLater,
+    reconcile,
+    refresh_status,
+    repair_after_child_deleted,
+)
+from specula.operator.settings import OperatorSettings
+
+_OWNED = {LABEL_MANAGED_BY: MANAGED_BY}
+
+
+def _plain(body: Any) -> dict[str, Any]:
+    """A deep plain-dict copy of a kopf body view."""
+    return copy.deepcopy(dict(body))
+
+
+class LazyKube:
+    """One :class:`Kube` for the whole process, created on first use: kopf logs in
+    (filling the client's default configuration) only after startup handlers ran.
+    Held in kopf's memo, which kopf copies shallowly per object, so all share it."""
+
+    def __init__(self, field_manager: str) -> None:
+        self._field_manager = field_manager
+        self._kube: Kube | None = None
+        self._guard = threading.Lock()
+
+    def get(self) -> Kube:
+        with self._guard:
+            if self._kube is None:
+                self._kube = Kube(field_manager=self._field_manager)
+            return self._kube
+
+
+def make_memo(settings: OperatorSettings) -> kopf.Memo:
+    """The memo :func:`build_registry`'s handlers expect."""
+    return kopf.Memo(settings=settings, kube=LazyKube(settings.field_manager))
+
+
+def _kube(memo: Any) -> Kube:
+    return memo["kube"].get()
+
+
+def configure(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
+    """Startup: kopf's bookkeeping under Specula's annotation prefix, no per-run events."""
+    ours: OperatorSettings = memo["settings"]
+    prefix = ours.annotation_prefix
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=prefix)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=prefix, key="last-handled-configuration"
+    )
+    settings.persistence.finalizer = f"{prefix}/finalizer"
+    settings.posting.enabled = ours.post_events
+    settings.posting.level = logging.WARNING
+
+
+def login(**kwargs: Any) -> Any:
+    """In-cluster service account first, then ``$KUBECONFIG``; also configures the
+    ``kubernetes`` client that applies the children."""
+    return kopf.login_via_client(**kwargs)
+
+
+def on_speculative_model(body: kopf.Body, memo: Any, logger: Any, **_: Any) -> None:
+    """Create, update, resume: reconcile the whole resource."""
+    try:
+        status = reconcile(_plain(body), _kube(memo), memo["settings"])
+    except RetryLater as e:
+        raise kopf.TemporaryError(str(e), delay=e.delay) from e
+    ready = next((c for c in status.conditions if c.type == "Ready"), None)
+    if ready is not None:
+        logger.info("reconciled: Ready=%s (%s)", ready.status, ready.reason)
+
+
+def on_deployment_event(event: dict[str, Any], body: kopf.Body, memo: Any, **_: Any) -> None:
+    """An owned Deployment changed: refresh the owner's status; recreate it if deleted."""
+    plain = _plain(body)
+    if event.get("type") == "DELETED":
+        _repair(plain, memo)
+    else:
+        refresh_status(plain, _kube(memo), memo["settings"])
+
+
+def _is_deletion(event: dict[str, Any], **_: Any) -> bool:
+    return event.get("type") == "DELETED"
+
+
+def on_child_deleted(body: kopf.Body, memo: Any, **_: Any) -> None:
+    """An owned ConfigMap or Service was deleted: recreate it."""
+    _repair(_plain(body), memo)
+
+
+def _repair(child: dict[str, Any], memo: Any) -> None:
+    try:
+        repair_after_child_deleted(child, _kube(memo), memo["settings"])
+    except RetryLater as e:
+        # Event handlers are not retried by kopf; the owner's own retry covers it.
+        logging.getLogger(__name__).warning("%s", e)
+
+
+def build_registry() -> kopf.OperatorRegistry:
+    """A fresh registry holding the operator's handlers."""
+    registry = kopf.OperatorRegistry()
+    kopf.on.startup(registry=registry)(configure)
+    kopf.on.login(registry=registry)(login)
+    resource = {"group": GROUP, "version": VERSION, "plural": PLURAL}
+    kopf.on.resume(**resource, registry=registry)(on_speculative_model)
+    kopf.on.create(**resource, registry=registry)(on_speculative_model)
+    kopf.on.update(**resource, registry=registry)(on_speculative_model)
+    kopf.on.event("apps", "v1", "deployments", labels=_OWNED, registry=registry)(
+        on_deployment_event
+    )
+    for plural in ("configmaps", "services"):
+        kopf.on.event("v1", plural, labels=_OWNED, when=_is_deletion, registry=registry)(
+            on_child_deleted
+        )
+    return registry

@@ -1,0 +1,125 @@
+"""The few Kubernetes API calls the operator makes, on the official client.
+
+Everything is exchanged as plain dicts (the builders' output, the API server's
+JSON), so no client model classes leak into the reconcile logic.  Children are
+written with server-side apply under one fixed field manager: applying content the
+server already holds is a no-op there (no ``resourceVersion`` bump, no watch event),
+which is what makes reconciling an unchanged resource change nothing.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import kubernetes
+
+from specula.api.models import GROUP, PLURAL, VERSION
+
+APPLY_PATCH = "application/apply-patch+yaml"
+MERGE_PATCH = "application/merge-patch+json"
+
+ApiException = kubernetes.client.exceptions.ApiException
+
+
+def _json(response: Any) -> dict[str, Any]:
+    return json.loads(response.data)
+
+
+class Kube:
+    """Typed-by-kind wrappers over one ``kubernetes.client.ApiClient``.
+
+    The client reads the process-wide default configuration, which kopf's login
+    handler (``kopf.login_via_client``) fills from the in-cluster service account or
+    ``$KUBECONFIG``.
+    """
+
+    def __init__(self, field_manager: str, api_client: Any | None = None) -> None:
+        self.field_manager = field_manager
+        self._client = api_client or kubernetes.client.ApiClient()
+        self._core = kubernetes.client.CoreV1Api(self._client)
+        self._apps = kubernetes.client.AppsV1Api(self._client)
+        self._custom = kubernetes.client.CustomObjectsApi(self._client)
+
+    def apply(self, manifest: dict[str, Any]) -> dict[str, Any]:
+        """Server-side apply ``manifest`` (ConfigMap, Deployment or Service), taking
+        over fields another manager changed (``force``); returns the live object.
+
+        Raises:
+            ApiException: the API server refused the request.
+            ValueError: an unsupported kind.
+        """
+        kind = manifest["kind"]
+        name = manifest["metadata"]["name"]
+        namespace = manifest["metadata"]["namespace"]
+        patch = {
+            ("v1", "ConfigMap"): self._core.patch_namespaced_config_map,
+            ("apps/v1", "Deployment"): self._apps.patch_namespaced_deployment,
+            ("v1", "Service"): self._core.patch_namespaced_service,
+        }.get((manifest["apiVersion"], kind))
+        if patch is None:
+            raise ValueError(f"cannot apply {manifest['apiVersion']} {kind}")
+        return _json(patch(
+            name,
+            namespace,
+            manifest,
+            field_manager=self.field_manager,
+            force=True,
+            _content_type=APPLY_PATCH,
+            _preload_content=False,
+        ))
+
+    def get_deployment(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """The Deployment, or ``None`` if it does not exist.
+
+        Raises:
+            ApiException: any error but 404.
+        """
+        try:
+            return _json(self._apps.read_namespaced_deployment(
+                name, namespace, _preload_content=False
+            ))
+        except ApiException as e:
+            if e.status == 404:
+                return None
+            raise
+
+    def get_speculative_model(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """The SpeculativeModel, or ``None`` if it does not exist.
+
+        Raises:
+            ApiException: any error but 404.
+        """
+        try:
+            return _json(self._custom.get_namespaced_custom_object(
+                GROUP, VERSION, namespace, PLURAL, name, _preload_content=False
+            ))
+        except ApiException as e:
+            if e.status == 404:
+                return None
+            raise
+
+    def patch_status(
+        self,
+        namespace: str,
+        name: str,
+        status: dict[str, Any],
+        resource_version: str | None = None,
+    ) -> dict[str, Any]:
+        """Merge-patch ``status`` onto the SpeculativeModel's status subresource.
+
+        Lists (``conditions``) are replaced whole.  With ``resource_version`` the write
+        is conditional: the API server answers 409 if the object changed since.
+
+        Raises:
+            ApiException: the API server refused the request (409 on a stale
+                ``resource_version``, 404 if the object is gone).
+        """
+        body: dict[str, Any] = {"status": status}
+        if resource_version is not None:
+            body["metadata"] = {"resourceVersion": resource_version}
+        return _json(self._custom.patch_namespaced_custom_object_status(
+            GROUP, VERSION, namespace, PLURAL, name, body,
+            _content_type=MERGE_PATCH,
+            _preload_content=False,
+        ))

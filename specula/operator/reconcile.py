@@ -1,0 +1,272 @@
+"""Reconcile one ``SpeculativeModel``: parse, build, apply, write status.
+
+Framework-free (kopf lives in :mod:`specula.operator.handlers`); talks to the API
+server only through :class:`specula.operator.kube.Kube`.
+
+Two paths write a resource's status: :func:`reconcile` (after a spec change, through
+kopf) and :func:`refresh_status` (after its Deployment changed).  Both hold a
+per-resource lock from reading the Deployment to writing the status, so a status
+computed from an older Deployment can never overwrite one computed from a newer one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from pydantic import ValidationError
+
+from specula.api.capabilities import IMPLEMENTED_METHODS, is_method_implemented
+from specula.api.models import API_VERSION, KIND, SpeculativeModelSpec, SpeculativeModelStatus
+from specula.operator.builders import Owner, build_children, selector_string
+from specula.operator.kube import ApiException, Kube
+from specula.operator.settings import OperatorSettings
+from specula.operator.status import (
+    REASON_APPLY_FAILED,
+    REASON_INVALID_SPEC,
+    REASON_METHOD_NOT_SUPPORTED,
+    Observation,
+    Problem,
+    compute_status,
+    now_rfc3339,
+)
+
+log = logging.getLogger(__name__)
+
+
+class RetryLater(Exception):
+    """The reconcile failed for a reason that may pass (API error); retry after ``delay`` s."""
+
+    def __init__(self, message: str, delay: float) -> None:
+        super().__init__(message)
+        self.delay = delay
+
+
+_locks: dict[tuple[str, str], threading.Lock] = {}
+_locks_guard = threading.Lock()
+
+
+def _lock(namespace: str, name: str) -> threading.Lock:
+    with _locks_guard:
+        return _locks.setdefault((namespace, name), threading.Lock())
+
+
+def owner_of(body: dict[str, Any]) -> Owner:
+    """The :class:`Owner` identity of a SpeculativeModel object."""
+    meta = body["metadata"]
+    return Owner(name=meta["name"], namespace=meta["namespace"], uid=meta["uid"])
+
+
+def format_validation_error(error: ValidationError, prefix: str = "spec") -> str:
+    """One line per problem, ``spec.speculator.numSpeculativeTokens: <msg>``."""
+    parts = []
+    for err in error.errors():
+        loc = ".".join([prefix, *(str(p) for p in err["loc"])])
+        parts.append(f"{loc}: {err['msg']}")
+    return "; ".join(parts)
+
+
+def parse_spec(body: dict[str, Any]) -> tuple[SpeculativeModelSpec | None, Problem | None]:
+    """The parsed spec, or the :class:`Problem` that stops it from being served."""
+    try:
+        spec = SpeculativeModelSpec.model_validate(body.get("spec") or {})
+    except ValidationError as e:
+        return None, Problem(REASON_INVALID_SPEC, format_validation_error(e))
+    method = spec.speculator.method
+    if not is_method_implemented(method):
+        implemented = ", ".join(sorted(IMPLEMENTED_METHODS))
+        return spec, Problem(
+            REASON_METHOD_NOT_SUPPORTED,
+            f"speculator.method {method!r} is not implemented by the runtime yet "
+            f"(implemented: {implemented}); no runtime pods are created",
+        )
+    return spec, None
+
+
+def parse_status(body: dict[str, Any]) -> SpeculativeModelStatus | None:
+    """The status on the object, or ``None`` when absent or unreadable."""
+    raw = body.get("status")
+    if not raw:
+        return None
+    try:
+        return SpeculativeModelStatus.model_validate(raw)
+    except ValidationError:
+        return None
+
+
+def _write_status(
+    kube: Kube,
+    body: dict[str, Any],
+    status: SpeculativeModelStatus,
+    *,
+    conditional: bool = False,
+) -> bool:
+    """Write ``status`` unless the object already holds exactly it; True if written."""
+    new = status.to_k8s()
+    previous = parse_status(body)
+    if previous is not None and previous.to_k8s() == new:
+        return False
+    meta = body["metadata"]
+    kube.patch_status(
+        meta["namespace"],
+        meta["name"],
+        new,
+        resource_version=meta.get("resourceVersion") if conditional else None,
+    )
+    return True
+
+
+def reconcile(
+    body: dict[str, Any],
+    kube: Kube,
+    settings: OperatorSettings,
+    now: Callable[[], str] = now_rfc3339,
+) -> SpeculativeModelStatus:
+    """Bring the children of ``body`` in line with its spec and write its status.
+
+    An invalid spec (``InvalidSpec``) or a method the runtime lacks
+    (``MethodNotSupported``) is reported as ``Degraded=True`` and leaves the children
+    as they are: nothing is created, and pods of an earlier, supported spec keep
+    serving it.
+
+    Raises:
+        RetryLater: applying the children failed (status says ``ApplyFailed``).
+    """
+    owner = owner_of(body)
+    generation = int(body["metadata"].get("generation") or 0)
+    selector = selector_string(owner.name)
+    with _lock(owner.namespace, owner.name):
+        spec, problem = parse_spec(body)
+        deployment: dict[str, Any] | None = None
+        apply_error: ApiException | None = None
+        if problem is None:
+            assert spec is not None
+            try:
+                applied = [
+                    kube.apply(child)
+                    for child in build_children(owner, spec, default_image=settings.runtime_image)
+                ]
+                deployment = next(obj for obj in applied if obj.get("kind") == "Deployment")
+            except ApiException as e:
+                apply_error = e
+                problem = Problem(REASON_APPLY_FAILED, f"{e.status} {e.reason}: {_api_message(e)}")
+        if problem is not None:
+            deployment = kube.get_deployment(owner.namespace, owner.name)
+
+        status = compute_status(
+            Observation(
+                generation=generation,
+                selector=selector,
+                desired_replicas=spec.replicas if spec is not None else None,
+                num_speculative_tokens=(
+                    spec.speculator.num_speculative_tokens if spec is not None else None
+                ),
+                deployment=deployment,
+                problem=problem,
+            ),
+            parse_status(body),
+            now(),
+        )
+        _write_status(kube, body, status)
+    if apply_error is not None:
+        raise RetryLater(f"applying children failed: {apply_error.reason}", settings.retry_delay_s)
+    return status
+
+
+def _api_message(error: ApiException) -> str:
+    """The API server's ``Status.message`` if the body carries one."""
+    try:
+        return json.loads(error.body or "{}").get("message") or ""
+    except (ValueError, AttributeError):
+        return ""
+
+
+def controller_owner(obj: dict[str, Any]) -> dict[str, Any] | None:
+    """The SpeculativeModel ownerReference marked ``controller`` on a child, if any."""
+    for ref in (obj.get("metadata") or {}).get("ownerReferences") or []:
+        if ref.get("kind") == KIND and ref.get("apiVersion") == API_VERSION and ref.get("controller"):
+            return ref
+    return None
+
+
+def _live_owner(kube: Kube, child: dict[str, Any]) -> dict[str, Any] | None:
+    """The live, not-deleting SpeculativeModel that controls ``child``, if any."""
+    ref = controller_owner(child)
+    if ref is None:
+        return None
+    namespace = child["metadata"]["namespace"]
+    body = kube.get_speculative_model(namespace, ref["name"])
+    if body is None or body["metadata"].get("uid") != ref.get("uid"):
+        return None
+    if body["metadata"].get("deletionTimestamp"):
+        return None
+    return body
+
+
+def repair_after_child_deleted(
+    child: dict[str, Any], kube: Kube, settings: OperatorSettings
+) -> SpeculativeModelStatus | None:
+    """Recreate the children of the owner of a child that was deleted by hand.
+
+    Raises:
+        RetryLater: as :func:`reconcile`.
+    """
+    body = _live_owner(kube, child)
+    if body is None:
+        return None
+    return reconcile(body, kube, settings)
+
+
+def refresh_status(
+    deployment: dict[str, Any],
+    kube: Kube,
+    settings: OperatorSettings,
+    now: Callable[[], str] = now_rfc3339,
+) -> SpeculativeModelStatus | None:
+    """Recompute the owner's ``replicas``, ``readyReplicas`` and conditions after its
+    Deployment changed; children are not touched.
+
+    The status keeps the ``observedGeneration`` of the last :func:`reconcile`, and
+    nothing is written before the first one or while the spec has a problem (those
+    conditions do not depend on the Deployment).  The Deployment is read again under
+    the lock rather than taken from the event, and the write is conditional on the
+    owner's ``resourceVersion``, retried on conflict.
+    """
+    ref = controller_owner(deployment)
+    if ref is None:
+        return None
+    namespace = deployment["metadata"]["namespace"]
+    with _lock(namespace, ref["name"]):
+        for _ in range(settings.status_conflict_retries):
+            body = _live_owner(kube, deployment)
+            if body is None:
+                return None
+            previous = parse_status(body)
+            if previous is None or previous.observed_generation is None:
+                return None
+            spec, problem = parse_spec(body)
+            if problem is not None or spec is None:
+                return None
+            live = kube.get_deployment(namespace, ref["name"])
+            status = compute_status(
+                Observation(
+                    generation=previous.observed_generation,
+                    selector=selector_string(ref["name"]),
+                    desired_replicas=spec.replicas,
+                    num_speculative_tokens=spec.speculator.num_speculative_tokens,
+                    deployment=live,
+                ),
+                previous,
+                now(),
+            )
+            try:
+                _write_status(kube, body, status, conditional=True)
+                return status
+            except ApiException as e:
+                if e.status != 409:
+                    raise
+                log.debug("status of %s/%s changed meanwhile; retrying", namespace, ref["name"])
+    return None

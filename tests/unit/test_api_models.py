@@ -1,0 +1,171 @@
+"""The SpeculativeModel pydantic models: defaults, camelCase wire format, validation,
+and rendering of the runtime config."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from specula.api.capabilities import IMPLEMENTED_METHODS, is_method_implemented
+from specula.api.models import SpeculativeModel, SpeculativeModelSpec, SpeculativeModelStatus
+from specula.api.render import RUNTIME_PORT, render_runtime_config
+from specula.api.runtime_config import RuntimeConfig
+
+
+def spec_dict(**overrides):
+    spec = {
+        "model": {"uri": "hf://Qwen/Qwen3-8B"},
+        "speculator": {"method": "draft_model", "model": {"uri": "hf://Qwen/Qwen3-0.6B"}},
+    }
+    spec.update(overrides)
+    return spec
+
+
+def test_defaults():
+    spec = SpeculativeModelSpec.model_validate(spec_dict())
+    assert spec.model.dtype == "auto"
+    assert spec.model.tensor_parallel_size == 1
+    assert spec.model.max_model_len is None
+    assert spec.speculator.num_speculative_tokens == 3
+    assert spec.speculator.draft_tensor_parallel_size == 1
+    assert spec.replicas == 1
+    assert spec.image is None
+    assert spec.resources.gpu.count == 1
+    assert spec.resources.gpu.resource_name == "nvidia.com/gpu"
+    assert spec.resources.cpu is None and spec.resources.memory is None
+    assert spec.node_selector == {} and spec.tolerations == [] and spec.env == []
+
+
+def test_camel_case_round_trip():
+    raw = spec_dict(
+        replicas=2,
+        resources={"gpu": {"count": 2, "resourceName": "amd.com/gpu"}, "cpu": 8, "memory": "64Gi"},
+        nodeSelector={"gpu": "h100"},
+        tolerations=[{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+        env=[{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}}],
+        serviceAccountName="runtime",
+    )
+    raw["model"].update(maxModelLen=4096, tensorParallelSize=2, dtype="bfloat16")
+    raw["speculator"].update(numSpeculativeTokens=5, draftTensorParallelSize=2)
+    spec = SpeculativeModelSpec.model_validate(raw)
+    assert spec.model.max_model_len == 4096
+    assert spec.resources.gpu.resource_name == "amd.com/gpu"
+    assert spec.resources.cpu == 8 and spec.resources.memory == "64Gi"
+    out = spec.to_k8s()
+    assert out["model"]["tensorParallelSize"] == 2
+    assert out["speculator"]["draftTensorParallelSize"] == 2
+    assert out["nodeSelector"] == {"gpu": "h100"}
+    assert out["env"] == [
+        {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}}
+    ]
+    assert out["tolerations"] == [
+        {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+    ]
+    assert SpeculativeModelSpec.model_validate(out) == spec
+
+
+def test_snake_case_construction():
+    spec = SpeculativeModelSpec(
+        model={"uri": "file:///models/t"},
+        speculator={"method": "ngram", "num_speculative_tokens": 4},
+    )
+    assert spec.speculator.model is None
+    assert spec.to_k8s()["speculator"] == {
+        "method": "ngram",
+        "numSpeculativeTokens": 4,
+        "draftTensorParallelSize": 1,
+    }
+
+
+@pytest.mark.parametrize(
+    ("change", "fragment"),
+    [
+        (lambda s: s["speculator"].update(numSpeculativeTokens=0), "numSpeculativeTokens"),
+        (lambda s: s["speculator"].update(numSpeculativeTokens=17), "numSpeculativeTokens"),
+        (lambda s: s["speculator"].update(method="medusa"), "method"),
+        (lambda s: s["model"].update(dtype="int4"), "dtype"),
+        (lambda s: s["model"].update(uri="s3://bucket/model"), "uri"),
+        (lambda s: s["model"].update(maxModelLen=8), "maxModelLen"),
+        (lambda s: s["model"].update(tensorParallelSize=9), "tensorParallelSize"),
+        (lambda s: s.update(replicas=-1), "replicas"),
+        (lambda s: s["speculator"].pop("model"), "speculator.model.uri is required"),
+        (lambda s: s["speculator"].update(draftTensorParallelSize=3), "draftTensorParallelSize"),
+        (lambda s: s.update(env=[{"name": "A"}, {"name": "A"}]), "env names must be unique"),
+        (lambda s: s.update(unknownField=1), "unknownField"),
+    ],
+)
+def test_invalid_specs_are_rejected(change, fragment):
+    raw = spec_dict()
+    change(raw)
+    with pytest.raises(ValidationError) as info:
+        SpeculativeModelSpec.model_validate(raw)
+    assert fragment in str(info.value)
+
+
+@pytest.mark.parametrize("method", ["mtp", "ngram"])
+def test_methods_without_draft_model(method):
+    spec = SpeculativeModelSpec.model_validate(
+        {"model": {"uri": "hf://a/b"}, "speculator": {"method": method}}
+    )
+    assert spec.speculator.model is None
+
+
+def test_draft_tp_equal_to_target_tp_is_accepted():
+    raw = spec_dict()
+    raw["model"]["tensorParallelSize"] = 4
+    raw["speculator"]["draftTensorParallelSize"] = 4
+    assert SpeculativeModelSpec.model_validate(raw).speculator.draft_tensor_parallel_size == 4
+
+
+def test_whole_object_and_status_parse():
+    obj = SpeculativeModel.model_validate({
+        "apiVersion": "specula.dev/v1alpha1",
+        "kind": "SpeculativeModel",
+        "metadata": {"name": "m", "namespace": "ns"},
+        "spec": spec_dict(),
+        "status": {
+            "observedGeneration": 3,
+            "readyReplicas": 1,
+            "conditions": [{"type": "Ready", "status": "True", "reason": "ReplicasReady"}],
+            "speculation": {"numSpeculativeTokens": 3},
+        },
+    })
+    assert obj.status.observed_generation == 3
+    assert obj.status.conditions[0].status == "True"
+    assert SpeculativeModelStatus().to_k8s() == {"conditions": []}
+
+
+def test_implemented_methods_in_one_place():
+    assert IMPLEMENTED_METHODS == frozenset({"draft_model"})
+    assert is_method_implemented("draft_model")
+    assert not is_method_implemented("eagle3")
+
+
+def test_render_runtime_config():
+    raw = spec_dict()
+    raw["model"].update(revision="main", dtype="bfloat16", maxModelLen=2048)
+    raw["speculator"].update(numSpeculativeTokens=5)
+    config = render_runtime_config("qwen", SpeculativeModelSpec.model_validate(raw))
+    assert isinstance(config, RuntimeConfig)
+    assert config.model == "hf://Qwen/Qwen3-8B"
+    assert config.served_model_name == "qwen"
+    assert config.revision == "main"
+    assert config.dtype == "bfloat16"
+    assert config.max_model_len == 2048
+    assert config.tensor_parallel_size == 1
+    assert config.port == RUNTIME_PORT == 8000
+    assert config.speculator.method == "draft_model"
+    assert config.speculator.model == "hf://Qwen/Qwen3-0.6B"
+    assert config.speculator.num_speculative_tokens == 5
+    assert config.speculator.draft_tensor_parallel_size == 1
+    # The runtime reads it back through the same model.
+    assert RuntimeConfig.model_validate_json(config.model_dump_json()) == config
+
+
+def test_render_runtime_config_without_draft_model():
+    spec = SpeculativeModelSpec.model_validate(
+        {"model": {"uri": "pvc://models/llama"}, "speculator": {"method": "mtp"}}
+    )
+    config = render_runtime_config("llama", spec)
+    assert config.speculator.model is None
+    assert config.model == "pvc://models/llama"

@@ -1,0 +1,187 @@
+"""The generated CRD: structural, complete, deterministic, and equal to the checked-in file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from specula.api.crd import crd_manifest, crd_yaml, structural_violations, to_structural
+
+CHECKED_IN = Path(__file__).resolve().parents[2] / "crds" / "speculativemodel.yaml"
+
+
+@pytest.fixture(scope="module")
+def crd():
+    return yaml.safe_load(crd_yaml())
+
+
+@pytest.fixture(scope="module")
+def version(crd):
+    (v,) = crd["spec"]["versions"]
+    return v
+
+
+@pytest.fixture(scope="module")
+def schema(version):
+    return version["schema"]["openAPIV3Schema"]
+
+
+def walk(node, path=""):
+    yield path, node
+    for name, child in node.get("properties", {}).items():
+        yield from walk(child, f"{path}.{name}")
+    if "items" in node:
+        yield from walk(node["items"], f"{path}[]")
+    if isinstance(node.get("additionalProperties"), dict):
+        yield from walk(node["additionalProperties"], f"{path}{{}}")
+
+
+def test_checked_in_file_is_current():
+    assert CHECKED_IN.read_text() == crd_yaml(), (
+        "crds/speculativemodel.yaml is out of date; regenerate it with "
+        "`specula crd > crds/speculativemodel.yaml`"
+    )
+
+
+def test_output_is_deterministic():
+    assert crd_yaml() == crd_yaml()
+
+
+def test_names_and_scope(crd, version):
+    assert crd["apiVersion"] == "apiextensions.k8s.io/v1"
+    assert crd["kind"] == "CustomResourceDefinition"
+    assert crd["metadata"]["name"] == "speculativemodels.specula.dev"
+    spec = crd["spec"]
+    assert spec["group"] == "specula.dev"
+    assert spec["scope"] == "Namespaced"
+    assert spec["names"] == {
+        "kind": "SpeculativeModel",
+        "listKind": "SpeculativeModelList",
+        "plural": "speculativemodels",
+        "singular": "speculativemodel",
+        "shortNames": ["specmodel", "sm"],
+    }
+    assert version["name"] == "v1alpha1"
+    assert version["served"] is True and version["storage"] is True
+
+
+def test_schema_is_structural(schema):
+    assert structural_violations(schema) == []
+    for path, node in walk(schema):
+        for key in ("$ref", "anyOf", "oneOf", "allOf", "nullable", "title", "const"):
+            assert key not in node, f"{path} has {key}"
+
+
+def test_structural_check_catches_violations():
+    assert structural_violations({"type": "object", "properties": {"a": {}}}) == [".a: no type"]
+    assert structural_violations({"anyOf": [{"type": "string"}]}) != []
+    with pytest.raises(ValueError, match="union"):
+        to_structural({"anyOf": [{"type": "string"}, {"type": "integer"}, {"type": "null"}]}, {})
+
+
+def test_field_constraints(schema):
+    spec = schema["properties"]["spec"]
+    model = spec["properties"]["model"]
+    assert spec["required"] == ["model", "speculator"]
+    assert model["required"] == ["uri"]
+    assert model["properties"]["uri"]["pattern"] == "^(hf|pvc|file)://.+"
+    assert model["properties"]["dtype"]["enum"] == ["auto", "bfloat16", "float16", "float32"]
+    assert model["properties"]["dtype"]["default"] == "auto"
+    assert model["properties"]["maxModelLen"]["minimum"] == 16
+    tp = model["properties"]["tensorParallelSize"]
+    assert (tp["minimum"], tp["maximum"], tp["default"]) == (1, 8, 1)
+
+    spec_props = spec["properties"]
+    speculator = spec_props["speculator"]
+    assert speculator["required"] == ["method"]
+    assert speculator["properties"]["method"]["enum"] == [
+        "eagle3", "mtp", "gemma4_mtp", "dflash", "draft_model", "ngram",
+    ]
+    k = speculator["properties"]["numSpeculativeTokens"]
+    assert (k["minimum"], k["maximum"], k["default"]) == (1, 16, 3)
+    assert speculator["properties"]["draftTensorParallelSize"]["default"] == 1
+    draft_uri = speculator["properties"]["model"]["properties"]["uri"]
+    assert draft_uri["pattern"] == "^(hf|pvc|file)://.+"
+
+    assert spec_props["replicas"]["minimum"] == 0 and spec_props["replicas"]["default"] == 1
+    resources = spec_props["resources"]["properties"]
+    assert resources["gpu"]["properties"]["resourceName"]["default"] == "nvidia.com/gpu"
+    assert resources["cpu"] == {
+        "description": resources["cpu"]["description"],
+        "x-kubernetes-int-or-string": True,
+    }
+    assert resources["memory"]["x-kubernetes-int-or-string"] is True
+    assert spec_props["nodeSelector"]["additionalProperties"] == {"type": "string"}
+    assert spec_props["tolerations"]["items"]["type"] == "object"
+    env = spec_props["env"]
+    assert env["x-kubernetes-list-type"] == "map"
+    assert env["x-kubernetes-list-map-keys"] == ["name"]
+    value_from = env["items"]["properties"]["valueFrom"]
+    assert value_from["x-kubernetes-preserve-unknown-fields"] is True
+    assert spec_props["serviceAccountName"]["type"] == "string"
+    assert spec_props["image"]["type"] == "string"
+
+
+def test_cel_rules(schema):
+    spec = schema["properties"]["spec"]
+    speculator_rules = [
+        r["rule"] for r in spec["properties"]["speculator"]["x-kubernetes-validations"]
+    ]
+    assert speculator_rules == ["self.method in ['mtp', 'ngram'] || has(self.model)"]
+    (tp_rule,) = spec["x-kubernetes-validations"]
+    assert "self.speculator.draftTensorParallelSize == 1" in tp_rule["rule"]
+    assert "self.model.tensorParallelSize" in tp_rule["rule"]
+    (name_rule,) = schema["x-kubernetes-validations"]
+    assert name_rule["rule"] == "size(self.metadata.name) <= 63"
+
+
+def test_every_list_is_bounded(schema):
+    """CEL cost estimation multiplies by list sizes: lists carry maxItems."""
+    for path, node in walk(schema):
+        if node.get("type") == "array":
+            assert "maxItems" in node, f"{path} has no maxItems"
+
+
+def test_status_schema(schema):
+    status = schema["properties"]["status"]["properties"]
+    assert set(status) == {
+        "observedGeneration", "replicas", "readyReplicas", "selector", "conditions", "speculation",
+    }
+    conditions = status["conditions"]
+    assert conditions["x-kubernetes-list-type"] == "map"
+    assert conditions["x-kubernetes-list-map-keys"] == ["type"]
+    item = conditions["items"]
+    assert set(item["properties"]) == {
+        "type", "status", "reason", "message", "lastTransitionTime", "observedGeneration",
+    }
+    assert item["properties"]["lastTransitionTime"]["format"] == "date-time"
+    assert status["speculation"]["properties"]["numSpeculativeTokens"]["type"] == "integer"
+
+
+def test_subresources(version):
+    assert version["subresources"] == {
+        "status": {},
+        "scale": {
+            "specReplicasPath": ".spec.replicas",
+            "statusReplicasPath": ".status.replicas",
+            "labelSelectorPath": ".status.selector",
+        },
+    }
+
+
+def test_printer_columns(version):
+    columns = {c["name"]: c for c in version["additionalPrinterColumns"]}
+    assert list(columns) == ["Method", "K", "Ready", "Replicas", "Age"]
+    assert columns["Method"]["jsonPath"] == ".spec.speculator.method"
+    assert columns["K"]["jsonPath"] == ".status.speculation.numSpeculativeTokens"
+    assert columns["Ready"]["jsonPath"] == '.status.conditions[?(@.type=="Ready")].status'
+    assert columns["Replicas"]["jsonPath"] == ".spec.replicas"
+    assert columns["Age"] == {
+        "name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp",
+    }
+
+
+def test_manifest_matches_yaml():
+    assert yaml.safe_load(crd_yaml()) == crd_manifest()
