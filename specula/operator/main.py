@@ -21,7 +21,7 @@ def run_operator(args: argparse.Namespace) -> int:
         ValueError: a ``SPECULA_*`` environment variable does not parse.
     """
     settings = OperatorSettings.from_env()
-    kopf.configure(verbose=bool(getattr(args, "verbose", False)))
+    kopf.configure(verbose=bool(getattr(args, "verbose", False)), log_prefix=True)
     namespaces = list(getattr(args, "namespace", None) or [])
     kopf.run(
         registry=build_registry(),
