@@ -95,6 +95,7 @@ def test_num_speculative_tokens_bounds(engine):
     assert engine.get_speculative_config() == {
         "method": "draft_model",
         "num_speculative_tokens": 4,
+        "num_speculative_tokens_per_batch_size": None,
         "max_num_speculative_tokens": 4,
         "model": engine.speculator_config.model,
     }

@@ -300,7 +300,7 @@ def test_put_speculative_config_between_steps(client, target_hf, hf_tokenizer):
                            ("num_speculative_tokens", str(k))))] > 0
         for bad, param in [({"num_speculative_tokens": K + 1}, "num_speculative_tokens"),
                            ({"num_speculative_tokens": -1}, "num_speculative_tokens"),
-                           ({"num_speculative_tokens_per_batch_size": [[1, 4, 2]]},
+                           ({"num_speculative_tokens_per_batch_size": [[2, 4, 2]]},
                             "num_speculative_tokens_per_batch_size"),
                            ({"k": 2}, "k")]:
             r = client.put("/v1/speculative_config", json=bad)

@@ -8,6 +8,10 @@ emitted token plus the ``k`` drafts in ONE batched forward, and the rejection sa
 bonus token. Rejected positions are rolled back by lowering cache lengths. Without a
 speculator (or with ``k = 0``) the step decodes one token per request.
 
+``k`` is either one configured value or, with a per-batch-size schedule
+(:mod:`specula.runtime.engine.spec_schedule`), looked up each step from the number of
+requests in that step's speculative round. Both change only between steps.
+
 The engine is single-threaded and not thread-safe: call it from one thread.
 """
 
@@ -25,6 +29,12 @@ from specula.runtime.engine.request import Request, RequestOutput
 from specula.runtime.engine.sampler import SamplingMetadata, sample
 from specula.runtime.engine.sampling_params import SamplingParams
 from specula.runtime.engine.scheduler import Scheduler
+from specula.runtime.engine.spec_schedule import (
+    SCHEDULE_PARAM,
+    BatchSizeSchedule,
+    SpeculativeConfigError,
+    check_k,
+)
 from specula.runtime.loader import resolve_model_uri
 from specula.runtime.models.config import ModelConfig, resolve_dtype
 from specula.runtime.models.registry import load_model
@@ -33,7 +43,13 @@ from specula.runtime.spec_decode.metrics import SpecDecodingStats
 from specula.runtime.spec_decode.registry import create_speculator
 from specula.runtime.spec_decode.rejection_sampler import rejection_sample
 
-__all__ = ["LLMEngine", "RequestOutput", "SamplingParams", "SpecDecodingStats"]
+__all__ = [
+    "LLMEngine",
+    "RequestOutput",
+    "SamplingParams",
+    "SpecDecodingStats",
+    "SpeculativeConfigError",
+]
 
 
 class LLMEngine:
@@ -91,7 +107,13 @@ class LLMEngine:
             self.max_num_speculative_tokens = speculator_config.num_speculative_tokens
             self.speculator.init_cudagraph_manager()
             self.speculator.capture()
-        self.num_speculative_tokens = self.max_num_speculative_tokens
+        self.num_speculative_tokens: int | None = self.max_num_speculative_tokens
+        """The configured k, or ``None`` while a per-batch-size schedule is in force."""
+        self.speculative_schedule: BatchSizeSchedule | None = None
+        self.last_step_num_reqs = 0
+        """Requests in the last step's decode round (0 when it decoded none)."""
+        self.last_step_num_speculative_tokens = 0
+        """The k the last decode round drafted (0: plain decoding, or no round ran)."""
         model = load_model(target_dir, self.dtype, self.device, self.model_config)
         # Verification writes k positions past the last emitted token.
         self.runner = ModelRunner(
@@ -177,30 +199,79 @@ class LLMEngine:
     # ---- speculation settings -------------------------------------------------------
 
     def get_speculative_config(self) -> dict[str, Any]:
-        """The speculation in effect, as ``GET /v1/speculative_config`` returns it."""
+        """The configured speculation, as ``GET /v1/speculative_config`` returns it.
+
+        ``num_speculative_tokens`` is the configured single k, ``None`` while a
+        per-batch-size schedule is in force; ``num_speculative_tokens_per_batch_size``
+        is that schedule as ``[[start, end, k], ...]``, else ``None``. The k a step
+        actually used is :attr:`last_step_num_speculative_tokens`.
+        """
         spec = self.speculator_config
+        schedule = self.speculative_schedule
         return {
             "method": spec.method if spec else None,
             "num_speculative_tokens": self.num_speculative_tokens,
+            "num_speculative_tokens_per_batch_size": schedule.as_lists() if schedule else None,
             "max_num_speculative_tokens": self.max_num_speculative_tokens,
             "model": spec.model if spec else None,
         }
 
-    def set_num_speculative_tokens(self, k: int) -> None:
-        """Use ``k`` draft tokens per step from the next step on; ``0`` turns speculation
-        off without unloading the draft.
+    def set_speculative_config(
+        self,
+        num_speculative_tokens: int | None = None,
+        num_speculative_tokens_per_batch_size: list[tuple[int, int, int]] | None = None,
+    ) -> None:
+        """Set one k, or a per-batch-size schedule ``[[start, end, k], ...]`` (rules in
+        :mod:`specula.runtime.engine.spec_schedule`), from the next step on. Give exactly
+        one. k = 0 turns speculation off without unloading the draft. Nothing changes
+        when the setting is refused.
 
         Raises:
-            ValueError: ``k`` outside ``[0, max_num_speculative_tokens]`` or no speculator.
+            SpeculativeConfigError (a ``ValueError``): no speculator, neither or both
+                arguments, a k outside ``[0, max_num_speculative_tokens]``, or an invalid
+                schedule (the message names the offending range).
         """
-        if self.speculator is None:
-            raise ValueError("no speculator is configured; num_speculative_tokens is fixed at 0")
-        if not 0 <= k <= self.max_num_speculative_tokens:
-            raise ValueError(
-                f"num_speculative_tokens {k} outside [0, {self.max_num_speculative_tokens}] "
-                "(the maximum is the value the engine was started with)"
+        if (num_speculative_tokens is None) == (num_speculative_tokens_per_batch_size is None):
+            raise SpeculativeConfigError(
+                "give exactly one of num_speculative_tokens and "
+                "num_speculative_tokens_per_batch_size",
+                param="num_speculative_tokens", code="invalid_value",
             )
-        self.num_speculative_tokens = k
+        param = "num_speculative_tokens" if num_speculative_tokens is not None else SCHEDULE_PARAM
+        if self.speculator is None:
+            raise SpeculativeConfigError(
+                "no speculator is configured; num_speculative_tokens is fixed at 0",
+                param=param, code="no_speculator",
+            )
+        if num_speculative_tokens_per_batch_size is not None:
+            self.speculative_schedule = BatchSizeSchedule.parse(
+                num_speculative_tokens_per_batch_size, self.max_num_speculative_tokens
+            )
+            self.num_speculative_tokens = None
+            return
+        assert num_speculative_tokens is not None
+        check_k(num_speculative_tokens, self.max_num_speculative_tokens)
+        self.num_speculative_tokens = num_speculative_tokens
+        self.speculative_schedule = None
+
+    def set_num_speculative_tokens(self, k: int) -> None:
+        """Use ``k`` draft tokens per step from the next step on (clearing any
+        per-batch-size schedule); ``0`` turns speculation off without unloading the draft.
+
+        Raises:
+            SpeculativeConfigError (a ``ValueError``): ``k`` outside
+                ``[0, max_num_speculative_tokens]`` or no speculator.
+        """
+        self.set_speculative_config(num_speculative_tokens=k)
+
+    def num_speculative_tokens_for(self, num_reqs: int) -> int:
+        """The k a speculative round of ``num_reqs`` (>= 1) requests drafts."""
+        if self.speculator is None:
+            return 0
+        if self.speculative_schedule is not None:
+            return self.speculative_schedule.k_for(num_reqs)
+        assert self.num_speculative_tokens is not None
+        return self.num_speculative_tokens
 
     # ---- stepping -------------------------------------------------------------------
 
@@ -213,9 +284,11 @@ class LLMEngine:
         if admitted:
             self._prefill(admitted, emitted)
         active = [r for r in self.scheduler.running if not r.finished]
+        k = self.num_speculative_tokens_for(len(active)) if active else 0
+        self.last_step_num_reqs, self.last_step_num_speculative_tokens = len(active), k
         if active:
-            if self.speculator is not None and self.num_speculative_tokens > 0:
-                self._speculative_step(active, emitted)
+            if k > 0:
+                self._speculative_step(active, k, emitted)
             else:
                 self._decode_step(active, emitted)
         outputs, self._pending = self._pending, []
@@ -283,9 +356,10 @@ class LLMEngine:
             request.num_computed_tokens = len(request.token_ids)
             self._emit(request, [token], emitted)
 
-    def _speculative_step(self, requests: list[Request], emitted: dict[Request, list[int]]) -> None:
+    def _speculative_step(
+        self, requests: list[Request], k: int, emitted: dict[Request, list[int]]
+    ) -> None:
         assert self.speculator is not None
-        k = self.num_speculative_tokens
         num_reqs = len(requests)
         slots = [r.slot for r in requests]
         sampling = self._sampling(requests)

@@ -6,9 +6,16 @@ Routes:
 - ``GET /v1/models``: the one served model, OpenAI list format.
 - ``GET /health``: 200 once the engine is loaded and its loop is alive, else 503.
 - ``GET /metrics``: Prometheus text exposition from a per-app registry.
-- ``GET /v1/speculative_config``: the engine's speculative configuration in effect.
-- ``PUT /v1/speculative_config``: ``{"num_speculative_tokens": k}`` applied between two
-  steps, no restart; k is bounded by the value the server was started with.
+- ``GET /v1/speculative_config``: the engine's speculative configuration
+  (:meth:`~specula.runtime.engine.llm_engine.LLMEngine.get_speculative_config`).
+- ``PUT /v1/speculative_config``: ``{"num_speculative_tokens": k}`` or
+  ``{"num_speculative_tokens_per_batch_size": [[start, end, k], ...]}`` (exactly one),
+  applied by the engine thread between two steps, no restart. The 200 answer comes
+  after it is applied (the next step uses it) and carries the new configuration.
+  Refusals are 400 with an OpenAI error body whose ``param`` names the field and whose
+  ``code`` is ``above_max`` (a k above the value the server was started with; the
+  message names that maximum), ``invalid_value``, ``invalid_schedule`` (the message
+  names the bad range) or ``no_speculator``; the configuration is then unchanged.
 
 Handlers run on the event loop; the engine runs on the thread of an
 :class:`~specula.runtime.server.engine_loop.EngineLoop`, which the app's lifespan
@@ -29,6 +36,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import BaseModel, ValidationError
 
+from specula.runtime.engine.spec_schedule import SpeculativeConfigError
 from specula.runtime.server import completions
 from specula.runtime.server.engine_loop import EngineDeadError, EngineLoop, EngineState
 from specula.runtime.server.errors import APIError, install_error_handlers
@@ -156,10 +164,15 @@ def create_app(loop: EngineLoop, *, manage_loop: bool = True) -> FastAPI:
         update = await parse_body(raw, SpeculativeConfigUpdate)
         state.ready_engine()
         k = update.num_speculative_tokens
+        schedule = update.num_speculative_tokens_per_batch_size
         try:
-            await loop.call(lambda engine: engine.set_num_speculative_tokens(k))
-        except ValueError as exc:
-            raise APIError(400, str(exc), param="num_speculative_tokens") from exc
+            await loop.call(
+                lambda engine: engine.set_speculative_config(
+                    num_speculative_tokens=k, num_speculative_tokens_per_batch_size=schedule
+                )
+            )
+        except SpeculativeConfigError as exc:
+            raise APIError(400, str(exc), param=exc.param, code=exc.code) from exc
         except EngineDeadError as exc:
             raise completions.engine_unavailable(exc) from exc
         return JSONResponse(loop.speculative_config)

@@ -7,9 +7,11 @@ commands (add, abort) through a thread-safe queue and receive each step's
 ``loop.call_soon_threadsafe``.  This is the shape of vLLM's ``AsyncLLMEngine``
 background loop, reduced to one process.
 
-The thread also times every step (for the step-time histogram) and, after each step,
-publishes a :class:`~specula.runtime.server.metrics.RuntimeSnapshot` that scrapes
-read, so a scrape never sees the engine's counters half-updated.
+The thread also times every step for the step-time histogram, labelled with the batch
+size and the k that step's decode round actually used (under a per-batch-size schedule
+it differs from step to step). After each step and each setting change it publishes a
+:class:`~specula.runtime.server.metrics.RuntimeSnapshot` that scrapes read, so a scrape
+never sees the engine's counters half-updated.
 """
 
 from __future__ import annotations
@@ -111,6 +113,7 @@ class EngineLoop:
         self._snapshot = RuntimeSnapshot()
         self._step_times = StepTimeStats()
         self._pending_adds = 0
+        self._last_round_k: int | None = None
         self.engine: LLMEngine | None = None
         """Set once loaded.  Read-only attributes (``tokenizer``, ``max_model_len``,
         ``served_model_name``) may be read from other threads; methods may not."""
@@ -173,8 +176,9 @@ class EngineLoop:
     async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
         """Run ``fn(engine)`` on the loop thread between two steps; return its result.
 
-        This is how settings change at run time (``set_num_speculative_tokens``)
-        without racing a step.
+        This is how settings change at run time (``set_speculative_config``) without
+        racing a step: the loop thread drains commands only between steps, so the step
+        after ``fn`` returns is the first to see the change.
 
         Raises:
             Exception: whatever ``fn`` raises.
@@ -256,13 +260,19 @@ class EngineLoop:
             return
         if isinstance(cmd, _Call):
             if cmd.done.set_running_or_notify_cancel():
+                error: Exception | None = None
                 try:
                     result = cmd.fn(self.engine)
                 except Exception as exc:  # noqa: BLE001 - reported to the caller
-                    cmd.done.set_exception(exc)
+                    error = exc
+                # Refresh before answering: the caller reads ``speculative_config`` as
+                # soon as its future resolves.
+                self.speculative_config = dict(self.engine.get_speculative_config())
+                self._publish_snapshot()
+                if error is not None:
+                    cmd.done.set_exception(error)
                 else:
                     cmd.done.set_result(result)
-                self.speculative_config = dict(self.engine.get_speculative_config())
             return
         with self._lock:
             self._pending_adds -= 1
@@ -278,17 +288,19 @@ class EngineLoop:
 
     def _step(self) -> None:
         assert self.engine is not None
-        k = int(self.speculative_config.get("num_speculative_tokens") or 0)
-        before = self.engine.scheduler_stats()
         t0 = time.perf_counter()
         outputs = self.engine.step()
         elapsed = time.perf_counter() - t0
-        # Requests that ran in this step: those with output, or (when a step only
-        # prefilled without emitting) those the scheduler had running or waiting.
-        batch = len({o.request_id for o in outputs}) or max(
-            1, before["num_requests_running"] + before["num_requests_waiting"]
-        )
-        self._step_times.observe(batch, k, elapsed)
+        batch = self.engine.last_step_num_reqs
+        # A step without a decode round (every admitted request finished at prefill, or
+        # it only reported aborts) is no sample of T(batch, k): leave it out.
+        if batch > 0:
+            self._last_round_k = self.engine.last_step_num_speculative_tokens
+            self._step_times.observe(batch, self._last_round_k, elapsed)
+        # Publish before delivering: a client that has its last token and then scrapes
+        # must find the step's tokens already counted.
+        self.speculative_config = dict(self.engine.get_speculative_config())
+        self._publish_snapshot()
         for out in outputs:
             sink = self._sinks.get(out.request_id)
             if sink is None:
@@ -296,8 +308,6 @@ class EngineLoop:
             if out.finished:
                 del self._sinks[out.request_id]
             sink.put(out)
-        self.speculative_config = dict(self.engine.get_speculative_config())
-        self._publish_snapshot()
 
     def _publish_snapshot(self) -> None:
         assert self.engine is not None
@@ -305,12 +315,17 @@ class EngineLoop:
         stats = getattr(self.engine, "spec_decoding_stats", None)
         with self._lock:
             pending = self._pending_adds
+        k = self._last_round_k
+        if k is None:  # no decode round yet: what a lone request would use
+            k = self.engine.num_speculative_tokens_for(1)
         snap = RuntimeSnapshot(
             num_requests_running=int(sched["num_requests_running"]),
             num_requests_waiting=int(sched["num_requests_waiting"]) + pending,
             generation_tokens=int(self.engine.generation_tokens_total),
             step_times=self._step_times,
             spec_decoding=stats,
+            num_speculative_tokens=k,
+            max_num_speculative_tokens=self.engine.max_num_speculative_tokens,
         ).copy()
         with self._lock:
             self._snapshot = snap

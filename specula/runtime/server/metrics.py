@@ -28,10 +28,13 @@ from prometheus_client.registry import Collector
 from specula.runtime.spec_decode.metrics_prom import METRIC_PREFIX, SpecDecodingProm
 
 STEP_DURATION_BUCKETS_S: tuple[float, ...] = (
-    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+    0.0005, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05,
+    0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
 )
-"""Upper bounds (seconds) of the step-time histogram; CPU tiny models sit at the low
-end, large GPU batches near 0.1 s."""
+"""Upper bounds (seconds) of the step-time histogram, 0.5 ms .. 10 s. Roughly 1.5x
+apart from 1 ms to 1 s, where steps live (tiny CPU models and small GPU batches at a
+few ms, large GPU batches at 10-300 ms), so quantiles of T(batch, k) are resolved to
+about a third; coarser beyond, where only pathological steps land."""
 
 
 def batch_bucket(batch_size: int) -> str:
@@ -88,6 +91,11 @@ class RuntimeSnapshot:
     step_times: StepTimeStats = field(default_factory=StepTimeStats)
     spec_decoding: object | None = None
     """A copy of the engine's ``SpecDecodingStats``; ``None`` without a speculator."""
+    num_speculative_tokens: int = 0
+    """The k the last decode round drafted (0: plain decoding); before any round, the
+    k a single request would get."""
+    max_num_speculative_tokens: int = 0
+    """The largest k the engine accepts (its startup value; 0 without a speculator)."""
 
     def copy(self) -> RuntimeSnapshot:
         return copy.deepcopy(self)
@@ -124,16 +132,29 @@ class RuntimeProm(Collector):
             "Number of generated tokens (accepted draft, bonus and recovered tokens).",
             labels=labels,
         )
+        k_in_effect = GaugeMetricFamily(
+            METRIC_PREFIX + "num_speculative_tokens",
+            "Draft tokens per request in the last speculative round (the k in effect; "
+            "0 when the last step decoded without speculation).",
+            labels=labels,
+        )
+        k_max = GaugeMetricFamily(
+            METRIC_PREFIX + "max_num_speculative_tokens",
+            "Largest num_speculative_tokens the runtime accepts (its startup value).",
+            labels=labels,
+        )
         steps = HistogramMetricFamily(
             METRIC_PREFIX + "step_duration_seconds",
-            "Wall time of one engine step (prefill of new requests plus one "
-            "speculative-decoding round), by batch-size bucket and k.",
+            "Wall time of one engine step (prefill of new requests plus one decode "
+            "round), by batch-size bucket of the decode round and the k it drafted.",
             labels=[*labels, "batch_bucket", "num_speculative_tokens"],
         )
         if snap is not None:
             running.add_metric(values, snap.num_requests_running)
             waiting.add_metric(values, snap.num_requests_waiting)
             generated.add_metric(values, snap.generation_tokens)
+            k_in_effect.add_metric(values, snap.num_speculative_tokens)
+            k_max.add_metric(values, snap.max_num_speculative_tokens)
             for (bucket, k), s in sorted(snap.step_times.series.items()):
                 cumulative, acc = [], 0
                 for le, n in zip(
@@ -142,7 +163,7 @@ class RuntimeProm(Collector):
                     acc += n
                     cumulative.append((le, acc))
                 steps.add_metric([*values, bucket, str(k)], cumulative, s.sum_s)
-        yield from (running, waiting, generated, steps)
+        yield from (running, waiting, generated, k_in_effect, k_max, steps)
 
 
 def build_registry(

@@ -15,7 +15,14 @@ import time
 import uuid
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    field_validator,
+    model_validator,
+)
 
 ERROR_TYPE_INVALID_REQUEST = "invalid_request_error"
 ERROR_TYPE_NOT_FOUND = "not_found_error"
@@ -136,27 +143,34 @@ class UnsupportedFieldError(ValueError):
 
 
 class SpeculativeConfigUpdate(BaseModel):
-    """``PUT /v1/speculative_config`` body: the k to use from the next step on."""
+    """``PUT /v1/speculative_config`` body: exactly one of a single k or a
+    per-batch-size schedule, used from the next engine step on.
+
+    Only the shape is checked here; the bounds (k at most the value the server was
+    started with) and the schedule's rules are the engine's
+    (:mod:`specula.runtime.engine.spec_schedule`), so there is one source of truth.
+    """
 
     model_config = ConfigDict(extra="forbid")
 
-    num_speculative_tokens: int | None = Field(default=None, ge=0)
+    num_speculative_tokens: StrictInt | None = None
     """0 turns speculation off (the draft stays loaded); at most the k the server was
-    started with."""
-    num_speculative_tokens_per_batch_size: list[tuple[int, int, int]] | None = None
-    """``[[start, end, k], ...]`` schedule; part of the admin API's shape, not yet
-    applied by this runtime (answered with 400)."""
+    started with. Clears any schedule."""
+    num_speculative_tokens_per_batch_size: (
+        list[tuple[StrictInt, StrictInt, StrictInt]] | None
+    ) = None
+    """``[[start, end, k], ...]``: inclusive ranges of the number of requests in a
+    step, the first starting at 1, contiguous; larger batches use the last k."""
 
     @model_validator(mode="after")
     def _one_setting(self) -> SpeculativeConfigUpdate:
-        if self.num_speculative_tokens_per_batch_size is not None:
+        if (self.num_speculative_tokens is None) == (
+            self.num_speculative_tokens_per_batch_size is None
+        ):
             raise UnsupportedFieldError(
+                "num_speculative_tokens",
+                "give exactly one of num_speculative_tokens and "
                 "num_speculative_tokens_per_batch_size",
-                "a per-batch-size schedule is not supported by this runtime yet",
-            )
-        if self.num_speculative_tokens is None:
-            raise UnsupportedFieldError(
-                "num_speculative_tokens", "num_speculative_tokens is required"
             )
         return self
 

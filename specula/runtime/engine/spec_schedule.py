@@ -1,0 +1,140 @@
+"""Run-time speculation settings: one k, or k chosen per step by batch size.
+
+A per-batch-size schedule has the shape of vLLM's ``num_speculative_tokens_per_batch_size``
+speculative-config field (the batch-size dependence of the best k is SmartSpec's
+finding, arXiv 2406.14066): a list
+of inclusive ranges ``[start, end, k]`` over the number of requests in a speculative
+round. The first range starts at 1, ranges are sorted, contiguous and non-overlapping,
+and batch sizes above the last range's ``end`` use the last range's ``k``.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+
+class SpeculativeConfigError(ValueError):
+    """A speculation setting the engine refuses.
+
+    Attributes:
+        param: the request field at fault (``num_speculative_tokens`` or
+            ``num_speculative_tokens_per_batch_size``).
+        code: a machine-readable reason: ``no_speculator``, ``above_max`` (a k above the
+            maximum the engine was started with), ``invalid_value`` (a negative k) or
+            ``invalid_schedule``.
+    """
+
+    def __init__(self, message: str, *, param: str, code: str) -> None:
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+
+SCHEDULE_PARAM = "num_speculative_tokens_per_batch_size"
+K_PARAM = "num_speculative_tokens"
+
+
+def check_k(k: int, max_k: int, *, param: str = K_PARAM, where: str = "") -> None:
+    """Check ``0 <= k <= max_k``.
+
+    Raises:
+        SpeculativeConfigError: ``k`` negative (``invalid_value``) or above ``max_k``
+            (``above_max``; the message names the maximum).
+    """
+    if isinstance(k, bool) or not isinstance(k, int):
+        raise SpeculativeConfigError(
+            f"{where}num_speculative_tokens must be an integer, got {k!r}",
+            param=param,
+            code="invalid_value",
+        )
+    if k < 0:
+        raise SpeculativeConfigError(
+            f"{where}num_speculative_tokens {k} outside [0, {max_k}]",
+            param=param,
+            code="invalid_value",
+        )
+    if k > max_k:
+        raise SpeculativeConfigError(
+            f"{where}num_speculative_tokens {k} outside [0, {max_k}] (the maximum is the "
+            f"value the engine was started with, max_num_speculative_tokens={max_k})",
+            param=param,
+            code="above_max",
+        )
+
+
+@dataclass(frozen=True)
+class BatchSizeSchedule:
+    """A validated ``[[start, end, k], ...]`` schedule; :meth:`k_for` looks k up."""
+
+    ranges: tuple[tuple[int, int, int], ...]
+
+    @classmethod
+    def parse(
+        cls, ranges: list[tuple[int, int, int]] | list[list[int]], max_k: int
+    ) -> BatchSizeSchedule:
+        """Validate ``ranges`` against the rules in the module docstring.
+
+        Raises:
+            SpeculativeConfigError: an empty schedule, a range that is not three
+                integers, ``start < 1`` or ``end < start``, a first range not starting
+                at 1, a gap or overlap with the previous range (``invalid_schedule``), or
+                a k outside ``[0, max_k]`` (``above_max`` / ``invalid_value``). The
+                message names the offending range by index and value.
+        """
+        if not ranges:
+            raise SpeculativeConfigError(
+                "the schedule is empty; give at least one [start, end, k] range",
+                param=SCHEDULE_PARAM,
+                code="invalid_schedule",
+            )
+        parsed: list[tuple[int, int, int]] = []
+        for i, entry in enumerate(ranges):
+            where = f"range {i} {list(entry)!r}: "
+            if len(entry) != 3 or any(isinstance(v, bool) or not isinstance(v, int) for v in entry):
+                raise SpeculativeConfigError(
+                    f"{where}each range must be three integers [start, end, k]",
+                    param=SCHEDULE_PARAM,
+                    code="invalid_schedule",
+                )
+            start, end, k = entry
+            if end < start:
+                raise SpeculativeConfigError(
+                    f"{where}end {end} is below start {start}",
+                    param=SCHEDULE_PARAM,
+                    code="invalid_schedule",
+                )
+            if i == 0 and start != 1:
+                raise SpeculativeConfigError(
+                    f"{where}the first range must start at batch size 1, not {start}",
+                    param=SCHEDULE_PARAM,
+                    code="invalid_schedule",
+                )
+            if i > 0:
+                prev_end = parsed[-1][1]
+                if start <= prev_end:
+                    raise SpeculativeConfigError(
+                        f"{where}overlaps the previous range, which ends at {prev_end}",
+                        param=SCHEDULE_PARAM,
+                        code="invalid_schedule",
+                    )
+                if start > prev_end + 1:
+                    raise SpeculativeConfigError(
+                        f"{where}leaves a gap: batch sizes {prev_end + 1}..{start - 1} "
+                        "are in no range",
+                        param=SCHEDULE_PARAM,
+                        code="invalid_schedule",
+                    )
+            check_k(k, max_k, param=SCHEDULE_PARAM, where=where)
+            parsed.append((start, end, k))
+        return cls(tuple(parsed))
+
+    def k_for(self, batch_size: int) -> int:
+        """The k for a speculative round of ``batch_size`` (>= 1) requests; sizes above
+        the last range use the last range's k."""
+        i = bisect.bisect_left([end for _, end, _ in self.ranges], batch_size)
+        return self.ranges[min(i, len(self.ranges) - 1)][2]
+
+    def as_lists(self) -> list[list[int]]:
+        """The JSON shape, ``[[start, end, k], ...]``."""
+        return [list(r) for r in self.ranges]

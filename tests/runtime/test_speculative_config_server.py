@@ -1,0 +1,351 @@
+"""``PUT /v1/speculative_config`` on a live server: switching k and per-batch-size
+schedules while requests are in flight keeps greedy output exact, the new setting shows
+in the step-time histogram and the gauges, and refusals are 400 with the server still
+serving."""
+
+from __future__ import annotations
+
+import itertools
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+from transformers import AutoTokenizer
+
+from specula.runtime.engine.spec_schedule import BatchSizeSchedule
+from specula.runtime.server.app import create_app
+from specula.runtime.server.engine_loop import EngineLoop
+from specula.runtime.server.metrics import batch_bucket
+
+pytestmark = pytest.mark.runtime
+
+K = 3
+MODEL = "tiny-target"
+PATH = "/v1/speculative_config"
+
+
+@pytest.fixture(scope="module")
+def serve():
+    """``serve(engine)`` -> base URL of a uvicorn server around ``engine``, stopped at
+    module teardown."""
+    servers: list[tuple[uvicorn.Server, threading.Thread]] = []
+
+    def start(engine) -> str:
+        loop = EngineLoop(lambda: engine)
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        server = uvicorn.Server(uvicorn.Config(create_app(loop), log_level="warning"))
+        thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+        thread.start()
+        servers.append((server, thread))
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.02)
+        assert loop.wait_ready(60)
+        host, port = sock.getsockname()
+        return f"http://{host}:{port}"
+
+    yield start
+    for server, thread in servers:
+        server.should_exit = True
+        thread.join(30)
+
+
+@pytest.fixture(scope="module")
+def server(serve, tiny_llama_target: Path, tiny_llama_draft: Path, make_engine) -> str:
+    return serve(
+        make_engine(
+            tiny_llama_target, tiny_llama_draft, k=K, max_num_seqs=8, served_model_name=MODEL
+        )
+    )
+
+
+@pytest.fixture(scope="module")
+def client(server: str) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture(autouse=True)
+def _restore_k(request):
+    yield
+    if "client" in request.fixturenames:
+        r = request.getfixturevalue("client").put(PATH, json={"num_speculative_tokens": K})
+        assert r.status_code == 200, r.text
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_llama_target: Path):
+    return AutoTokenizer.from_pretrained(tiny_llama_target)
+
+
+def hf_greedy_text(model, tokenizer, prompt_ids: list[int], n: int) -> str:
+    """``transformers`` greedy ``generate`` to exactly ``n`` tokens (requests set
+    ``ignore_eos``), decoded as the server decodes."""
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt_ids]),
+            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+            max_new_tokens=n,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    ids = out[0, len(prompt_ids) :].tolist()
+    return tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+def complete(client: httpx.Client, prompt, max_tokens: int) -> list[str]:
+    r = client.post(
+        "/v1/completions",
+        json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True},
+    )
+    assert r.status_code == 200, r.text
+    return [c["text"] for c in r.json()["choices"]]
+
+
+def metrics(client: httpx.Client) -> dict[tuple[str, tuple], float]:
+    r = client.get("/metrics")
+    assert r.status_code == 200
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(r.text)
+        for s in family.samples
+    }
+
+
+def step_counts(samples) -> dict[tuple[str, int], float]:
+    """``{(batch_bucket, k): steps}`` from the step-time histogram."""
+    out = {}
+    for (name, labels), v in samples.items():
+        if name == "specula:step_duration_seconds_count":
+            d = dict(labels)
+            out[(d["batch_bucket"], int(d["num_speculative_tokens"]))] = v
+    return out
+
+
+def delta(after: dict, before: dict) -> dict:
+    return {
+        key: v - before.get(key, 0.0) for key, v in after.items() if v - before.get(key, 0.0) > 0
+    }
+
+
+def counter(samples, name: str) -> float:
+    return samples[(f"specula:{name}", (("model_name", MODEL),))]
+
+
+def prompts(n: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, 320, (5 + 4 * i,), generator=gen).tolist() for i in range(n)]
+
+
+# ---- switching while requests are in flight ------------------------------------------
+
+
+def test_switches_in_flight_keep_greedy_output(
+    server, client, hf_model, tiny_llama_target, tokenizer
+):
+    hf = hf_model(tiny_llama_target)
+    batch = prompts(4, seed=31)
+    max_tokens = [40, 48, 56, 64]
+    expected = [hf_greedy_text(hf, tokenizer, p, n) for p, n in zip(batch, max_tokens, strict=True)]
+    updates = [
+        {"num_speculative_tokens": 1},
+        {"num_speculative_tokens": 0},
+        {"num_speculative_tokens_per_batch_size": [[1, 2, 3], [3, 256, 1]]},
+        {"num_speculative_tokens": K + 1},  # refused mid-flight: must disturb nothing
+        {"num_speculative_tokens": K},
+        {"num_speculative_tokens_per_batch_size": [[1, 3, 0], [4, 8, 2]]},
+        {"num_speculative_tokens": 2},
+    ]
+    done = threading.Event()
+    applied: list[dict] = []
+
+    def switch() -> None:
+        with httpx.Client(base_url=server, timeout=60) as c:
+            for body in itertools.cycle(updates):
+                if done.is_set():
+                    return
+                r = c.put(PATH, json=body)
+                if "num_speculative_tokens" in body and body["num_speculative_tokens"] > K:
+                    assert r.status_code == 400, r.text
+                    continue
+                assert r.status_code == 200, r.text
+                applied.append(body)
+                time.sleep(0.005)
+
+    def one(i: int) -> str:
+        with httpx.Client(base_url=server, timeout=60) as c:
+            return complete(c, batch[i], max_tokens[i])[0]
+
+    before = metrics(client)
+    with ThreadPoolExecutor(6) as pool:
+        switcher = pool.submit(switch)
+        try:
+            got = list(pool.map(one, range(len(batch))))
+        finally:
+            done.set()
+        switcher.result()
+    assert got == expected
+    # Several settings really took turns during generation, including k = 0.
+    assert len(applied) >= len(updates)
+    used_k = {k for _, k in delta(step_counts(metrics(client)), step_counts(before))}
+    assert 0 in used_k and len(used_k) >= 3, used_k
+
+
+# ---- the new setting takes effect ----------------------------------------------------
+
+
+@pytest.mark.parametrize("k", [2, 0, K])
+def test_single_k_takes_effect(client, k):
+    r = client.put(PATH, json={"num_speculative_tokens": k})
+    assert r.status_code == 200, r.text
+    assert r.json()["num_speculative_tokens"] == k
+    before = metrics(client)
+    complete(client, prompts(1, seed=32)[0], 12)
+    after = metrics(client)
+    drafts = counter(after, "spec_decode_num_drafts_total") - counter(
+        before, "spec_decode_num_drafts_total"
+    )
+    draft_tokens = counter(after, "spec_decode_num_draft_tokens_total") - counter(
+        before, "spec_decode_num_draft_tokens_total"
+    )
+    assert draft_tokens == k * drafts
+    assert (drafts > 0) == (k > 0)
+    assert set(delta(step_counts(after), step_counts(before))) == {("1", k)}
+    assert counter(after, "num_speculative_tokens") == k
+    assert counter(after, "max_num_speculative_tokens") == K
+
+
+def test_schedule_picks_k_by_batch_size(client):
+    schedule = [[1, 1, 3], [2, 256, 1]]
+    r = client.put(PATH, json={"num_speculative_tokens_per_batch_size": schedule})
+    assert r.status_code == 200, r.text
+    lookup = BatchSizeSchedule.parse(schedule, K)
+
+    before = metrics(client)
+    complete(client, prompts(1, seed=33)[0], 12)
+    alone = delta(step_counts(metrics(client)), step_counts(before))
+    assert set(alone) == {("1", 3)}
+
+    before = metrics(client)
+    complete(client, prompts(5, seed=34), 16)  # one request of five prompts: one batch
+    after = metrics(client)
+    batched = delta(step_counts(after), step_counts(before))
+    assert any(bucket != "1" for bucket, _ in batched), batched
+    for bucket, k in batched:
+        # Every batch size inside a bucket maps to the same k for this schedule.
+        sizes = [b for b in range(1, 9) if batch_bucket(b) == bucket]
+        assert {lookup.k_for(b) for b in sizes} == {k}, (bucket, k)
+    assert counter(after, "num_speculative_tokens") in (1, 3)
+
+
+# ---- GET, refusals -------------------------------------------------------------------
+
+
+def test_get_reflects_put(client):
+    schedule = [[1, 8, 3], [9, 32, 2], [33, 256, 0]]
+    put = client.put(PATH, json={"num_speculative_tokens_per_batch_size": schedule})
+    assert put.status_code == 200, put.text
+    got = client.get(PATH).json()
+    assert got == put.json()
+    assert got["num_speculative_tokens_per_batch_size"] == schedule
+    assert got["num_speculative_tokens"] is None
+    assert (got["method"], got["max_num_speculative_tokens"]) == ("draft_model", K)
+
+    put = client.put(PATH, json={"num_speculative_tokens": 1})
+    assert client.get(PATH).json() == put.json()
+    assert (
+        put.json()["num_speculative_tokens"],
+        put.json()["num_speculative_tokens_per_batch_size"],
+    ) == (1, None)
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "code", "message"),
+    [
+        (
+            {"num_speculative_tokens": K + 1},
+            "num_speculative_tokens",
+            "above_max",
+            f"max_num_speculative_tokens={K}",
+        ),
+        ({"num_speculative_tokens": -1}, "num_speculative_tokens", "invalid_value", "outside"),
+        (
+            {"num_speculative_tokens_per_batch_size": [[1, 4, 2], [6, 8, 1]]},
+            "num_speculative_tokens_per_batch_size",
+            "invalid_schedule",
+            "range 1 [6, 8, 1]",
+        ),
+        (
+            {"num_speculative_tokens_per_batch_size": [[1, 4, 2], [3, 8, 1]]},
+            "num_speculative_tokens_per_batch_size",
+            "invalid_schedule",
+            "overlaps",
+        ),
+        (
+            {"num_speculative_tokens_per_batch_size": [[2, 8, 1]]},
+            "num_speculative_tokens_per_batch_size",
+            "invalid_schedule",
+            "start at batch size 1",
+        ),
+        (
+            {"num_speculative_tokens_per_batch_size": [[1, 8, K + 1]]},
+            "num_speculative_tokens_per_batch_size",
+            "above_max",
+            f"={K}",
+        ),
+        (
+            {"num_speculative_tokens": 1, "num_speculative_tokens_per_batch_size": [[1, 8, 1]]},
+            "num_speculative_tokens",
+            None,
+            "exactly one",
+        ),
+        ({}, "num_speculative_tokens", None, "exactly one"),
+        ({"num_speculative_tokens": 1, "method": "eagle3"}, "method", None, "unknown field"),
+        ({"num_speculative_tokens": "2"}, "num_speculative_tokens", None, ""),
+    ],
+    ids=[
+        "above-max",
+        "negative",
+        "gap",
+        "overlap",
+        "not-from-1",
+        "schedule-above-max",
+        "both",
+        "neither",
+        "extra-field",
+        "string-k",
+    ],
+)
+def test_refused_with_400_and_server_keeps_serving(client, body, param, code, message):
+    before = client.get(PATH).json()
+    r = client.put(PATH, json=body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert (error["param"], error["code"]) == (param, code)
+    assert message in error["message"]
+    assert client.get(PATH).json() == before
+    assert len(complete(client, [5, 6, 7], 4)[0]) > 0
+
+
+def test_no_speculator_is_400(serve, tiny_llama_target: Path, make_engine):
+    base = serve(make_engine(tiny_llama_target, served_model_name=MODEL))
+    with httpx.Client(base_url=base, timeout=60) as c:
+        r = c.put(PATH, json={"num_speculative_tokens": 0})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["code"] == "no_speculator"
+        assert "no speculator" in r.json()["error"]["message"]
+        assert c.get(PATH).json()["method"] is None
+        samples = metrics(c)
+        assert counter(samples, "max_num_speculative_tokens") == 0
+        assert counter(samples, "num_speculative_tokens") == 0
