@@ -1,0 +1,357 @@
+"""Step-time model T(B, k): seconds per engine step at batch size B drafting k tokens.
+
+Form (linear in its coefficients, all >= 0)::
+
+    T(B, k) = fixed + per_draft_step * k + per_sequence * B + per_draft_token * B * k
+              + per_verified_token * max(0, B * (k + 1) - knee(B))
+
+- ``fixed``: reading the target's weights once per step plus launches — the
+  memory-bound floor of decoding;
+- ``per_draft_step``: one draft forward (its weights and launches), paid k times;
+- ``per_sequence``: each sequence's KV-cache reads;
+- ``per_draft_token``: drafting one token for one sequence (draft compute and KV);
+- ``per_verified_token``: target compute per verified token once the step is
+  compute-bound, i.e. once the ``B * (k + 1)`` tokens take longer to compute than the
+  weights and KV take to read: ``knee(B) = (fixed + per_sequence * B) /
+  per_verified_token``, evaluated with the *prior* coefficients so the model stays
+  linear (a roofline, Williams et al. 2009; the verification cost structure SmartSpec
+  fits, arXiv 2406.14066 sec. 4).
+
+Below the knee extra draft tokens are almost free; above it each one costs a full token
+of target compute.  The knee matters most: without it a fit to small batches predicts
+cheap speculation at batch 128 as well.  Where a (batch bucket, k) pair has been
+measured, the prediction is corrected to the measurement (ratio shrunk towards 1);
+other k in a measured bucket take the nearest measured k's correction.
+
+Observations come from the runtime's ``specula:step_duration_seconds`` histogram
+labelled by ``batch_bucket`` (``"1"``, ``"2"``, ``"3-4"``, ``"5-8"``, ...) and
+``num_speculative_tokens``; only ``_sum`` and ``_count`` are used (a mean per label pair).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from specula.tuning._prom import Samples, parse_samples
+
+
+def batch_bucket(batch_size: int) -> str:
+    """Power-of-two bucket label of a batch size, as the runtime labels steps.
+
+    ``1 -> "1"``, ``2 -> "2"``, ``3..4 -> "3-4"``, ``5..8 -> "5-8"``, ...
+
+    Raises:
+        ValueError: ``batch_size`` < 1.
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if batch_size <= 2:
+        return str(batch_size)
+    upper = 1 << (batch_size - 1).bit_length()
+    return f"{upper // 2 + 1}-{upper}"
+
+
+def bucket_range(label: str) -> tuple[int, int]:
+    """Inclusive batch-size range of a bucket label (``"5-8" -> (5, 8)``).
+
+    Raises:
+        ValueError: not a ``"n"`` or ``"lo-hi"`` label.
+    """
+    try:
+        if "-" in label:
+            lo, hi = label.split("-", 1)
+            return int(lo), int(hi)
+        n = int(label)
+        return n, n
+    except ValueError as exc:
+        raise ValueError(f"bad batch_bucket label {label!r}") from exc
+
+
+@dataclass(frozen=True)
+class StepTimeSeries:
+    """Count and total seconds of the steps of one (batch bucket, k) label pair."""
+
+    count: float = 0.0
+    sum_s: float = 0.0
+
+    @property
+    def mean_s(self) -> float | None:
+        return self.sum_s / self.count if self.count > 0 else None
+
+
+@dataclass(frozen=True)
+class StepTimeHistogram:
+    """``specula:step_duration_seconds`` reduced to (count, sum) per (bucket, k)."""
+
+    series: dict[tuple[str, int], StepTimeSeries] = field(default_factory=dict)
+
+    @classmethod
+    def from_prometheus_text(cls, text: str) -> StepTimeHistogram:
+        """Histogram series from a ``/metrics`` body, summed over other labels.
+
+        Raises:
+            ValueError: invalid exposition or labels.
+        """
+        return cls.from_samples(parse_samples(text))
+
+    @classmethod
+    def from_samples(cls, samples: Samples) -> StepTimeHistogram:
+        """Histogram from already-parsed samples (see :func:`_prom.parse_samples`)."""
+        counts: dict[tuple[str, int], float] = {}
+        sums: dict[tuple[str, int], float] = {}
+        for name, target in (
+            ("step_duration_seconds_count", counts),
+            ("step_duration_seconds_sum", sums),
+        ):
+            for labels, value in samples.get(name, ()):
+                try:
+                    key = (labels["batch_bucket"], int(labels["num_speculative_tokens"]))
+                except (KeyError, ValueError) as exc:
+                    raise ValueError(f"bad step-time labels {labels}") from exc
+                bucket_range(key[0])
+                target[key] = target.get(key, 0.0) + value
+        return cls(
+            {k: StepTimeSeries(count=counts[k], sum_s=sums.get(k, 0.0)) for k in counts}
+        )
+
+    def __add__(self, other: StepTimeHistogram) -> StepTimeHistogram:
+        out = dict(self.series)
+        for key, s in other.series.items():
+            o = out.get(key, StepTimeSeries())
+            out[key] = StepTimeSeries(count=o.count + s.count, sum_s=o.sum_s + s.sum_s)
+        return StepTimeHistogram(out)
+
+    def is_reset_from(self, prev: StepTimeHistogram) -> bool:
+        """True when a series disappeared or went down: the pod restarted."""
+        for key, p in prev.series.items():
+            c = self.series.get(key)
+            if c is None or c.count < p.count or c.sum_s < p.sum_s:
+                return True
+        return False
+
+    def delta(self, prev: StepTimeHistogram | None) -> StepTimeHistogram:
+        """Increase since ``prev`` (``self`` after a reset, empty for ``prev=None``)."""
+        if prev is None:
+            return StepTimeHistogram()
+        if self.is_reset_from(prev):
+            return self
+        out = {}
+        for key, c in self.series.items():
+            p = prev.series.get(key, StepTimeSeries())
+            if c.count - p.count > 0:
+                out[key] = StepTimeSeries(count=c.count - p.count, sum_s=c.sum_s - p.sum_s)
+        return StepTimeHistogram(out)
+
+    @property
+    def total_count(self) -> float:
+        return sum(s.count for s in self.series.values())
+
+    @property
+    def total_seconds(self) -> float:
+        return sum(s.sum_s for s in self.series.values())
+
+    def steps_by_bucket(self) -> dict[str, float]:
+        """Number of steps per batch bucket, over all k."""
+        out: dict[str, float] = {}
+        for (bucket, _), s in self.series.items():
+            out[bucket] = out.get(bucket, 0.0) + s.count
+        return out
+
+    def to_dict(self) -> list[list]:
+        return [[b, k, s.count, s.sum_s] for (b, k), s in sorted(self.series.items())]
+
+    @classmethod
+    def from_dict(cls, rows: list[list]) -> StepTimeHistogram:
+        return cls({(str(b), int(k)): StepTimeSeries(float(c), float(s)) for b, k, c, s in rows})
+
+
+@dataclass(frozen=True)
+class CostParams:
+    """Coefficients of the step-time model, in seconds (see module docstring)."""
+
+    fixed_s: float
+    per_draft_step_s: float
+    per_sequence_s: float
+    per_draft_token_s: float
+    per_verified_token_s: float
+
+    def features(self, batch_size: float, k: int) -> list[float]:
+        """Regressors of each coefficient, with the knee taken from these params."""
+        knee = (self.fixed_s + self.per_sequence_s * batch_size) / self.per_verified_token_s
+        return [
+            1.0,
+            float(k),
+            batch_size,
+            batch_size * k,
+            max(0.0, batch_size * (k + 1) - knee),
+        ]
+
+    def as_list(self) -> list[float]:
+        return [
+            self.fixed_s,
+            self.per_draft_step_s,
+            self.per_sequence_s,
+            self.per_draft_token_s,
+            self.per_verified_token_s,
+        ]
+
+
+DEFAULT_COST_PARAMS = CostParams(
+    fixed_s=8.0e-3,
+    per_draft_step_s=0.6e-3,
+    per_sequence_s=0.08e-3,
+    per_draft_token_s=0.005e-3,
+    per_verified_token_s=0.04e-3,
+)
+"""Placeholder curve until a deployment's own steps are measured: an ~8B bf16 target on
+one H100-class GPU — 16 GB of weights at ~2.5 TB/s effective ≈ 6.4 ms plus ~1.5 ms of
+launches; ~0.08 ms per sequence of KV-cache reads at 1-2k tokens of context; ~0.04 ms
+per verified token (16 GFLOP at ~400 TFLOP/s), so a step turns compute-bound around
+200 tokens — with a one-layer EAGLE-style draft head (~0.6 ms per draft step).  Derived
+from datasheet figures, not measured; the fit replaces it as soon as the histogram has
+data, and it is also the prior the fit is shrunk towards."""
+
+
+@dataclass(frozen=True)
+class CostObservation:
+    """Mean step time of ``count`` steps at one (batch bucket, k)."""
+
+    bucket: str
+    batch_size: float
+    """Representative (mean) batch size of those steps."""
+    k: int
+    mean_s: float
+    count: float
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float]:
+    # Gaussian elimination with partial pivoting; a is small and positive definite.
+    n = len(b)
+    m = [row[:] + [b[i]] for i, row in enumerate(a)]
+    for c in range(n):
+        piv = max(range(c, n), key=lambda r: abs(m[r][c]))
+        m[c], m[piv] = m[piv], m[c]
+        for r in range(c + 1, n):
+            f = m[r][c] / m[c][c]
+            for j in range(c, n + 1):
+                m[r][j] -= f * m[c][j]
+    x = [0.0] * n
+    for r in range(n - 1, -1, -1):
+        x[r] = (m[r][n] - sum(m[r][j] * x[j] for j in range(r + 1, n))) / m[r][r]
+    return x
+
+
+def _nonneg_quadratic_min(h: list[list[float]], g: list[float]) -> list[float]:
+    """argmin of 0.5 u'Hu - g'u over u >= 0 for positive definite H.
+
+    Lawson-Hanson active-set method (Lawson & Hanson 1974, "Solving Least Squares
+    Problems", ch. 23) on the normal equations; exact in finitely many steps.
+    """
+    n = len(g)
+    free: list[int] = []
+    u = [0.0] * n
+    for _ in range(4 * n + 4):
+        grad = [g[p] - sum(h[p][q] * u[q] for q in range(n)) for p in range(n)]
+        cand = [p for p in range(n) if p not in free and grad[p] > 1e-12]
+        if not cand:
+            break
+        free.append(max(cand, key=lambda p: grad[p]))
+        while True:
+            z = [0.0] * n
+            sol = _solve([[h[p][q] for q in free] for p in free], [g[p] for p in free])
+            for p, v in zip(free, sol, strict=True):
+                z[p] = v
+            if all(z[p] > 0 for p in free):
+                u = z
+                break
+            # Step from u towards z until a free coordinate hits zero, then drop it.
+            t = min(u[p] / (u[p] - z[p]) for p in free if z[p] <= 0)
+            u = [u[p] + t * (z[p] - u[p]) for p in range(n)]
+            free = [p for p in free if u[p] > 1e-15]
+            for p in range(n):
+                if p not in free:
+                    u[p] = 0.0
+    return u
+
+
+@dataclass(frozen=True)
+class StepCostModel:
+    """T(B, k) in seconds: the global fit, corrected where (bucket, k) was measured.
+
+    Build with :meth:`fit`; ``StepCostModel()`` is the documented default curve.
+    """
+
+    params: CostParams = DEFAULT_COST_PARAMS
+    prior: CostParams = DEFAULT_COST_PARAMS
+    """Coefficients the knee is computed from."""
+    corrections: dict[str, dict[int, float]] = field(default_factory=dict)
+    """Bucket -> k -> measured / predicted step time (shrunk towards 1)."""
+
+    @classmethod
+    def fit(
+        cls,
+        observations: Iterable[CostObservation],
+        prior: CostParams = DEFAULT_COST_PARAMS,
+        prior_weight: float = 1.0,
+        correction_prior_weight: float = 4.0,
+        max_weight: float = 1000.0,
+    ) -> StepCostModel:
+        """Fit the model to mean step times.
+
+        Minimises relative squared error, ``sum_i w_i ((y_i - T_i) / y_i)^2`` with
+        ``w_i = min(count_i, max_weight)``, plus ``prior_weight * sum_p ((c_p - c0_p) /
+        c0_p)^2``, which pulls the coefficients the data cannot separate (with one k
+        observed, the draft cost; below the knee, the compute cost) towards ``prior``;
+        coefficients are non-negative.  Then each measured (bucket, k) gets the
+        correction ``(sum w y/T + c) / (sum w + c)`` with ``c = correction_prior_weight``.
+        """
+        obs = [o for o in observations if o.count > 0 and o.mean_s > 0]
+        if not obs:
+            return cls(params=prior, prior=prior)
+        scale = prior.as_list()
+        n = len(scale)
+        h = [[0.0] * n for _ in range(n)]
+        g = [0.0] * n
+        for o in obs:
+            w = min(o.count, max_weight)
+            x = prior.features(o.batch_size, o.k)
+            # Scaled unknowns u_p = c_p / c0_p, residual relative to y.
+            row = [x[p] * scale[p] / o.mean_s for p in range(n)]
+            for p in range(n):
+                g[p] += w * row[p]
+                for q in range(n):
+                    h[p][q] += w * row[p] * row[q]
+        for p in range(n):
+            h[p][p] += prior_weight
+            g[p] += prior_weight
+        u = _nonneg_quadratic_min(h, g)
+        model = cls(params=CostParams(*(u[p] * scale[p] for p in range(n))), prior=prior)
+
+        sums: dict[str, dict[int, list[float]]] = {}
+        for o in obs:
+            w = min(o.count, max_weight)
+            acc = sums.setdefault(o.bucket, {}).setdefault(o.k, [0.0, 0.0])
+            acc[0] += w * o.mean_s / model._global(o.batch_size, o.k)
+            acc[1] += w
+        corrections = {
+            b: {
+                k: (num + correction_prior_weight) / (den + correction_prior_weight)
+                for k, (num, den) in by_k.items()
+            }
+            for b, by_k in sums.items()
+        }
+        return cls(params=model.params, prior=prior, corrections=corrections)
+
+    def _global(self, batch_size: float, k: int) -> float:
+        x = self.prior.features(batch_size, k)
+        return sum(c * f for c, f in zip(self.params.as_list(), x, strict=True))
+
+    def predict(self, batch_size: float, k: int) -> float:
+        """Seconds per step at ``batch_size`` (>= 1, may be fractional) and ``k``."""
+        base = self._global(batch_size, k)
+        by_k = self.corrections.get(batch_bucket(max(1, round(batch_size))))
+        if not by_k:
+            return base
+        nearest = min(by_k, key=lambda m: (abs(m - k), m))
+        return base * by_k[nearest]

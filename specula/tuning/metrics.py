@@ -1,0 +1,119 @@
+"""One pod's scrape, as the tuner needs it, and windows summed across pods.
+
+A scrape holds the speculative-decoding counters, the ``generation_tokens`` counter
+and the step-time histogram.  The tuner works on *windows*: the increase of every
+counter between two scrapes of each pod, summed over pods (ratio of sums).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from specula.tuning._prom import parse_samples, total
+from specula.tuning.acceptance import SpecDecodeCounters, counter_delta
+from specula.tuning.cost import StepTimeHistogram
+
+
+@dataclass(frozen=True)
+class RuntimeMetrics:
+    """Counters of one pod (cumulative) or of a window (increases, summed over pods)."""
+
+    counters: SpecDecodeCounters = field(default_factory=SpecDecodeCounters)
+    generation_tokens: float = 0.0
+    """Tokens emitted (accepted draft, bonus and recovered tokens; all tokens at k = 0)."""
+    step_times: StepTimeHistogram = field(default_factory=StepTimeHistogram)
+
+    @classmethod
+    def from_prometheus_text(cls, text: str) -> RuntimeMetrics:
+        """Parse a ``/metrics`` body (``specula:`` or ``vllm:`` names).
+
+        Raises:
+            ValueError: invalid exposition.
+        """
+        samples = parse_samples(text)
+        return cls(
+            counters=SpecDecodeCounters.from_samples(samples),
+            generation_tokens=total(samples, "generation_tokens_total"),
+            step_times=StepTimeHistogram.from_samples(samples),
+        )
+
+    def __add__(self, other: RuntimeMetrics) -> RuntimeMetrics:
+        return RuntimeMetrics(
+            counters=self.counters + other.counters,
+            generation_tokens=self.generation_tokens + other.generation_tokens,
+            step_times=self.step_times + other.step_times,
+        )
+
+    def is_reset_from(self, prev: RuntimeMetrics) -> bool:
+        """True when any counter went down: the process restarted."""
+        return (
+            self.counters.is_reset_from(prev.counters)
+            or self.generation_tokens < prev.generation_tokens
+            or self.step_times.is_reset_from(prev.step_times)
+        )
+
+    def delta(self, prev: RuntimeMetrics | None) -> RuntimeMetrics:
+        """Increase since ``prev``.  A restart (any counter down) resets them all, so the
+        whole of ``self`` is the delta; ``prev=None`` (first scrape) gives an empty window.
+        """
+        if prev is None:
+            return RuntimeMetrics()
+        if self.is_reset_from(prev):
+            return self
+        return RuntimeMetrics(
+            counters=counter_delta(prev.counters, self.counters),
+            generation_tokens=self.generation_tokens - prev.generation_tokens,
+            step_times=self.step_times.delta(prev.step_times),
+        )
+
+    @property
+    def mean_batch_size(self) -> float | None:
+        """Steps' mean batch size, ``generation_tokens / (steps * mean acceptance length)``
+        (each sequence emits E tokens per step); ``None`` without steps."""
+        steps = self.step_times.total_count
+        if steps <= 0 or self.generation_tokens <= 0:
+            return None
+        mal = self.counters.mean_acceptance_length or 1.0
+        return self.generation_tokens / (steps * mal)
+
+    @property
+    def measured_goodput(self) -> float | None:
+        """Tokens per second of engine-busy time (``generation_tokens / sum of step
+        seconds``): comparable with the model's G(k) whatever the idle time."""
+        busy = self.step_times.total_seconds
+        if busy <= 0:
+            return None
+        return self.generation_tokens / busy
+
+    def to_dict(self) -> dict:
+        """JSON-ready form (for keeping per-pod baselines on the resource)."""
+        return {
+            "counters": self.counters.to_dict(),
+            "generationTokens": self.generation_tokens,
+            "stepTimes": self.step_times.to_dict(),
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> RuntimeMetrics:
+        return cls(
+            counters=SpecDecodeCounters.from_dict(data.get("counters", {})),
+            generation_tokens=float(data.get("generationTokens", 0.0)),
+            step_times=StepTimeHistogram.from_dict(data.get("stepTimes", [])),
+        )
+
+
+def window_delta(
+    prev: Mapping[str, RuntimeMetrics], cur: Mapping[str, RuntimeMetrics]
+) -> RuntimeMetrics:
+    """Sum over pods of each pod's increase between two scrape rounds.
+
+    Args:
+        prev: pod name -> previous scrape (pods seen for the first time have none and
+            contribute nothing this window; they count from the next one).
+        cur: pod name -> this scrape; pods that disappeared simply stop contributing.
+    """
+    acc = RuntimeMetrics()
+    for pod, metrics in sorted(cur.items()):
+        acc = acc + metrics.delta(prev.get(pod))
+    return acc
