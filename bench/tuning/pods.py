@@ -1,6 +1,7 @@
 """Simulated runtime pods: cumulative counters rendered as Prometheus text.
 
-Each interval a pod runs ``INTERVAL_S`` seconds of steps at the k in effect; drafts
+Each interval a pod runs ``INTERVAL_S`` seconds of steps, each drafting the k in effect
+for its batch size (one k, or a per-batch-size schedule as the runtime executes it); drafts
 are accepted position by position (a_0 ~ Bin(drafts, alpha_0), a_j ~ Bin(a_{j-1},
 alpha_j), the chain rule of speculative acceptance), and step times get 2 % noise.
 The tuner reads only :meth:`SimPod.exposition`, exactly as it reads a real pod.
@@ -36,6 +37,14 @@ def batch_bucket(batch_size: int) -> str:
     return f"{upper // 2 + 1}-{upper}"
 
 
+def k_for_batch(schedule: tuple[tuple[int, int, int], ...], batch_size: int) -> int:
+    """The runtime's rule: the range holding the batch size, else the last range's k."""
+    for start, end, k in schedule:
+        if start <= batch_size <= end:
+            return k
+    return schedule[-1][2]
+
+
 @dataclass
 class SimPod:
     name: str
@@ -58,22 +67,24 @@ class SimPod:
         alphas: tuple[float, ...],
         batch_mix: tuple[tuple[int, float], ...],
         k: int,
+        schedule: tuple[tuple[int, int, int], ...] | None = None,
     ) -> None:
         for b, frac in batch_mix:
-            t = cost.step_s(b, k)
+            kb = k if schedule is None else k_for_batch(schedule, b)
+            t = cost.step_s(b, kb)
             n_steps = round(frac * INTERVAL_S / t)
-            key = (batch_bucket(b), k)
+            key = (batch_bucket(b), kb)
             series = self.steps.setdefault(key, [0.0, 0.0])
             series[0] += n_steps
             series[1] += n_steps * t * (1.0 + rng.gauss(0.0, STEP_NOISE_SD))
-            drafts = n_steps * b if k > 0 else 0
+            drafts = n_steps * b if kb > 0 else 0
             reached, accepted = drafts, 0
-            for j in range(k):
+            for j in range(kb):
                 reached = binomial(rng, reached, alphas[j])
                 self.per_pos[j] += reached
                 accepted += reached
             self.drafts += drafts
-            self.draft_tokens += drafts * k
+            self.draft_tokens += drafts * kb
             self.accepted += accepted
             # Every sequence emits its accepted draft tokens plus one bonus/recovered
             # token per step; at k = 0 that is one token per sequence per step.

@@ -93,8 +93,9 @@ def to_structural(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
 
     out: dict[str, Any] = {k: node[k] for k in _KEPT_KEYS if k in node}
     if "description" in out:
-        # Docstrings use reStructuredText literals; kubectl explain shows plain text.
-        out["description"] = out["description"].replace("``", "`")
+        # Docstrings use reStructuredText literals and wrap lines; kubectl explain
+        # shows plain text and wraps it itself.
+        out["description"] = " ".join(out["description"].replace("``", "`").split())
     if "const" in node:
         node.setdefault("enum", [node["const"]])
     if "enum" in node:
@@ -204,7 +205,7 @@ def openapi_schema() -> dict[str, Any]:
 
 
 def printer_columns() -> list[dict[str, Any]]:
-    """``kubectl get sm`` columns: Method, K, Ready, Replicas, Age."""
+    """``kubectl get sm`` columns: Method, K, Accept-Len, Ready, Replicas, Age."""
     return [
         {"name": "Method", "type": "string", "jsonPath": ".spec.speculator.method"},
         {
@@ -212,6 +213,13 @@ def printer_columns() -> list[dict[str, Any]]:
             "type": "integer",
             "description": "Speculative tokens per step in effect",
             "jsonPath": ".status.speculation.numSpeculativeTokens",
+        },
+        {
+            "name": "Accept-Len",
+            "type": "number",
+            "format": "float",
+            "description": "Mean acceptance length (tokens per draft round) measured last",
+            "jsonPath": ".status.speculation.meanAcceptanceLength",
         },
         {
             "name": "Ready",

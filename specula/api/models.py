@@ -15,9 +15,17 @@ Python gets the same answer.
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    WithJsonSchema,
+    model_validator,
+)
 from pydantic.alias_generators import to_camel
 
 from specula.api.runtime_config import MODEL_URI_PATTERN, Dtype, SpeculatorMethod
@@ -50,6 +58,40 @@ FreeForm = Annotated[
 """An object passed through to a Kubernetes core type unchanged (``env[].valueFrom``)."""
 
 ModelUri = Annotated[str, Field(pattern=MODEL_URI_PATTERN, max_length=2048)]
+
+MAX_SPECULATIVE_TOKENS = 16
+"""Largest k anywhere in the API (the runtime sizes its buffers by the pod's k)."""
+
+DURATION_PATTERN = r"^([0-9]+(\.[0-9]+)?(ms|s|m|h))+$"
+"""A Go duration (``time.ParseDuration``) without sign or microseconds: ``30s``,
+``2m``, ``1m30s``, ``500ms``; the form CEL's ``duration()`` reads."""
+
+_DURATION_PART = re.compile(r"([0-9]+(?:\.[0-9]+)?)(ms|s|m|h)")
+_DURATION_UNIT_S = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def parse_duration(text: str) -> float:
+    """Seconds of a duration string such as ``"1m30s"`` (see :data:`DURATION_PATTERN`).
+
+    Raises:
+        ValueError: not a duration of that form.
+    """
+    if not re.fullmatch(DURATION_PATTERN, text):
+        raise ValueError(f"not a duration like 30s, 2m or 1m30s: {text!r}")
+    return sum(float(n) * _DURATION_UNIT_S[u] for n, u in _DURATION_PART.findall(text))
+
+
+def _min_duration(minimum_s: float) -> AfterValidator:
+    def check(text: str) -> str:
+        if parse_duration(text) < minimum_s:
+            raise ValueError(f"must be at least {minimum_s:g}s, got {text}")
+        return text
+
+    return AfterValidator(check)
+
+
+Duration = Annotated[str, Field(pattern=DURATION_PATTERN, max_length=32)]
+"""A duration string; see :data:`DURATION_PATTERN`."""
 
 
 class _Base(BaseModel):
@@ -107,8 +149,10 @@ class SpeculatorSpec(_Base):
     """Speculation method (vLLM ``speculative_config.method`` names)."""
     model: DraftModelSpec | None = None
     """Draft checkpoint; required unless ``method`` is ``mtp`` or ``ngram``."""
-    num_speculative_tokens: int = Field(default=3, ge=1, le=16)
-    """k: draft tokens proposed per step, and the most the tuner may set later."""
+    num_speculative_tokens: int = Field(default=3, ge=1, le=MAX_SPECULATIVE_TOKENS)
+    """k: draft tokens proposed per step when a pod starts (and what ``tuning.mode``
+    ``Off`` keeps); the tuner moves it within ``tuning.minSpeculativeTokens`` ..
+    ``tuning.maxSpeculativeTokens``."""
     draft_tensor_parallel_size: int = Field(default=1, ge=1, le=8)
     """Tensor-parallel degree of the draft model: 1 or the target's degree."""
 
@@ -120,6 +164,84 @@ class SpeculatorSpec(_Base):
                 f"(method is {self.method})"
             )
         return self
+
+
+TuningMode = Literal["Off", "Recommend", "Auto"]
+
+
+class TuningSpec(_Base):
+    """How the operator tunes k (``num_speculative_tokens``) from the pods' acceptance
+    counters and step times, maximising goodput.
+
+    The runtime refuses a k above the one it started with, so in ``Auto`` mode the pods
+    start with ``maxSpeculativeTokens`` (their bound) and the operator sets the k in
+    effect, initially ``speculator.numSpeculativeTokens``, through each pod's admin API
+    (``PUT /v1/speculative_config``).  In ``Off`` and ``Recommend`` mode the pods start
+    with ``speculator.numSpeculativeTokens``, which is then also the k in effect.
+    """
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": (
+                        "!has(self.maxSpeculativeTokens) || "
+                        "(has(self.minSpeculativeTokens) ? self.minSpeculativeTokens : 0)"
+                        " <= self.maxSpeculativeTokens"
+                    ),
+                    "message": "minSpeculativeTokens must not exceed maxSpeculativeTokens",
+                    "fieldPath": ".minSpeculativeTokens",
+                    "reason": "FieldValueInvalid",
+                },
+                {
+                    "rule": "!has(self.interval) || duration(self.interval) >= duration('1s')",
+                    "message": "interval must be at least 1s",
+                    "fieldPath": ".interval",
+                    "reason": "FieldValueInvalid",
+                },
+            ]
+        }
+    )
+
+    mode: TuningMode = "Recommend"
+    """``Off``: the pods keep ``speculator.numSpeculativeTokens`` (a k set by an earlier
+    ``Auto`` is put back); ``Recommend``: measure and record the best k in status
+    without applying it; ``Auto``: apply it to every ready pod without a restart."""
+    min_speculative_tokens: int = Field(default=0, ge=0, le=MAX_SPECULATIVE_TOKENS)
+    """Smallest k the tuner may choose; 0 lets it turn speculation off where drafting
+    does not pay (the draft stays loaded)."""
+    max_speculative_tokens: int | None = Field(default=None, ge=0, le=MAX_SPECULATIVE_TOKENS)
+    """Largest k the tuner may choose; default ``speculator.numSpeculativeTokens``.  In
+    ``Auto`` mode the pods start with this k as their bound, so changing it rolls them."""
+    interval: Annotated[Duration, _min_duration(1.0)] = "30s"
+    """Measurement window: the pods are scraped and a decision taken once per interval."""
+    cooldown: Duration = "2m"
+    """No new change until this long after the last one (the window after a change
+    verifies it and may revert it)."""
+    min_gain: float = Field(default=0.05, ge=0.0, le=1.0)
+    """Predicted goodput gain (fraction) a change must bring with 95% posterior
+    probability; hysteresis against flapping."""
+
+    @model_validator(mode="after")
+    def _min_le_max(self) -> TuningSpec:
+        if self.max_speculative_tokens is not None and (
+            self.min_speculative_tokens > self.max_speculative_tokens
+        ):
+            raise ValueError(
+                f"minSpeculativeTokens ({self.min_speculative_tokens}) must not exceed "
+                f"maxSpeculativeTokens ({self.max_speculative_tokens})"
+            )
+        return self
+
+    @property
+    def interval_s(self) -> float:
+        """``interval`` in seconds."""
+        return parse_duration(self.interval)
+
+    @property
+    def cooldown_s(self) -> float:
+        """``cooldown`` in seconds."""
+        return parse_duration(self.cooldown)
 
 
 class GpuResources(_Base):
@@ -181,7 +303,24 @@ class SpeculativeModelSpec(_Base):
                     ),
                     "fieldPath": ".speculator.draftTensorParallelSize",
                     "reason": "FieldValueInvalid",
-                }
+                },
+                {
+                    "rule": (
+                        "!has(self.tuning) || ("
+                        "(!has(self.tuning.minSpeculativeTokens)"
+                        " || self.tuning.minSpeculativeTokens"
+                        " <= self.speculator.numSpeculativeTokens)"
+                        " && (!has(self.tuning.maxSpeculativeTokens)"
+                        " || self.speculator.numSpeculativeTokens"
+                        " <= self.tuning.maxSpeculativeTokens))"
+                    ),
+                    "message": (
+                        "speculator.numSpeculativeTokens must lie within "
+                        "[tuning.minSpeculativeTokens, tuning.maxSpeculativeTokens]"
+                    ),
+                    "fieldPath": ".speculator.numSpeculativeTokens",
+                    "reason": "FieldValueInvalid",
+                },
             ]
         }
     )
@@ -210,6 +349,23 @@ class SpeculativeModelSpec(_Base):
     """Extra environment variables of the runtime container (e.g. ``HF_TOKEN``)."""
     service_account_name: str | None = Field(default=None, max_length=253)
     """Service account the pods run as."""
+    tuning: TuningSpec = Field(default_factory=TuningSpec)
+    """Tuning of k from live acceptance; default: ``Recommend``."""
+
+    @property
+    def max_speculative_tokens(self) -> int:
+        """Largest k the tuner may choose (``tuning.maxSpeculativeTokens`` or, unset,
+        ``speculator.numSpeculativeTokens``)."""
+        explicit = self.tuning.max_speculative_tokens
+        return self.speculator.num_speculative_tokens if explicit is None else explicit
+
+    @property
+    def startup_num_speculative_tokens(self) -> int:
+        """k the pods start with, their upper bound for ``PUT /v1/speculative_config``:
+        ``max_speculative_tokens`` in ``Auto`` mode, else ``speculator.numSpeculativeTokens``."""
+        if self.tuning.mode == "Auto":
+            return max(self.max_speculative_tokens, self.speculator.num_speculative_tokens)
+        return self.speculator.num_speculative_tokens
 
     @model_validator(mode="after")
     def _env_names_unique(self) -> SpeculativeModelSpec:
@@ -217,6 +373,17 @@ class SpeculativeModelSpec(_Base):
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
             raise ValueError(f"env names must be unique, duplicated: {', '.join(duplicates)}")
+        return self
+
+    @model_validator(mode="after")
+    def _k_within_tuning_bounds(self) -> SpeculativeModelSpec:
+        k = self.speculator.num_speculative_tokens
+        lo, hi = self.tuning.min_speculative_tokens, self.max_speculative_tokens
+        if not lo <= k <= hi:
+            raise ValueError(
+                f"speculator.numSpeculativeTokens ({k}) must lie within "
+                f"[tuning.minSpeculativeTokens, tuning.maxSpeculativeTokens] = [{lo}, {hi}]"
+            )
         return self
 
     @model_validator(mode="after")
@@ -239,7 +406,7 @@ class Condition(_Base):
     model_config = ConfigDict(extra="ignore")
 
     type: str = Field(max_length=316)
-    """``Ready``, ``Progressing`` or ``Degraded``."""
+    """``Ready``, ``Progressing``, ``Degraded`` or ``Tuned``."""
     status: ConditionStatus
     reason: str = Field(default="", max_length=1024)
     """CamelCase machine-readable cause of the last transition or update."""
@@ -254,13 +421,73 @@ class Condition(_Base):
 
 
 class SpeculationStatus(_Base):
-    """Speculation parameters in effect."""
+    """Speculation in effect and what the tuner measured over its last window."""
 
     model_config = ConfigDict(extra="ignore")
 
     num_speculative_tokens: int | None = None
-    """k currently applied to the runtime."""
+    """k in effect on the pods."""
+    recommended_num_speculative_tokens: int | None = None
+    """k the tuner found best in its last decision (applied only in ``Auto`` mode)."""
+    schedule: list[Annotated[list[int], Field(min_length=3, max_length=3)]] | None = Field(
+        default=None, max_length=32
+    )
+    """Best per-batch-size k for the measured acceptance, ``[[start, end, k], ...]``
+    (inclusive ranges of the number of requests in a step, the first from 1), in the
+    form of the runtime's ``num_speculative_tokens_per_batch_size``; a recommendation."""
+    acceptance_rate: float | None = None
+    """Accepted / proposed draft tokens over the last window with drafts (all pods)."""
+    mean_acceptance_length: float | None = None
+    """Tokens emitted per draft round, ``1 + accepted / drafts``, over that window."""
+    per_position_acceptance_rate: list[float] | None = Field(default=None, max_length=16)
+    """Posterior mean conditional acceptance rate of draft positions 0 .. k-1."""
+    goodput_tokens_per_second: float | None = None
+    """Measured tokens emitted per second of engine step time, summed over pods' steps."""
+    predicted_goodput_tokens_per_second: float | None = None
+    """Goodput the cost model predicts for the recommended k at the window's batch sizes."""
+    sampled_drafts: int | None = None
+    """Draft rounds behind the acceptance figures (that window, all pods)."""
+    measured_pods: int | None = None
+    """Pods scraped successfully in the last window."""
+    last_update_time: str | None = Field(default=None, json_schema_extra={"format": "date-time"})
+    """RFC 3339 time of the last measurement."""
 
+
+class TuningHistoryEntry(_Base):
+    """One change of k decided by the tuner (applied, or recommended)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    time: str = Field(json_schema_extra={"format": "date-time"})
+    """RFC 3339 time of the decision."""
+    from_: int = Field(alias="from", ge=0)
+    """k before."""
+    to: int = Field(ge=0)
+    """k chosen."""
+    reason: str = Field(max_length=64)
+    """Policy reason: ``HigherGoodput``, ``Explore``, ``Revert`` or ``Bounds``."""
+    predicted_gain: float | None = None
+    """Predicted goodput gain of ``to`` over ``from`` (fraction; 0.1 is +10%)."""
+    applied: bool = False
+    """Whether the change was applied to the pods (``Auto``) or only recommended."""
+    message: str = Field(default="", max_length=1024)
+
+
+class TunerStatus(_Base):
+    """The tuner's memory, kept on the object so an operator restart loses nothing.
+    Internal to the operator; its content may change between versions."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    state: FreeForm | None = None
+    """The tuning policy's state as JSON (evidence, cooldown start, k before the last
+    change, goodput before it, exploration budget, blacklist)."""
+    baselines: FreeForm | None = None
+    """Pod -> the counters of its last scrape, so the next window is their increase."""
+    last_scrape_time: float | None = None
+    """Unix seconds of the last scrape (start of the current window)."""
+    pending_pods: list[str] = Field(default_factory=list, max_length=1024)
+    """Ready pods that have not accepted the k in effect yet (retried every tick)."""
 
 class SpeculativeModelStatus(_Base):
     """Observed state, written by the operator."""
@@ -283,9 +510,13 @@ class SpeculativeModelStatus(_Base):
             "x-kubernetes-list-map-keys": ["type"],
         },
     )
-    """``Ready``, ``Progressing`` and ``Degraded``, one entry per type."""
+    """``Ready``, ``Progressing``, ``Degraded`` and ``Tuned``, one entry per type."""
     speculation: SpeculationStatus | None = None
-    """Speculation parameters in effect."""
+    """Speculation in effect and the tuner's last measurement."""
+    tuning_history: list[TuningHistoryEntry] | None = Field(default=None, max_length=10)
+    """The last changes of k the tuner decided, oldest first."""
+    tuner: TunerStatus | None = None
+    """The tuner's state (operator-internal)."""
 
 
 class SpeculativeModel(_Base):

@@ -4,9 +4,11 @@
 - Events of owned Deployments -> :func:`reconcile.refresh_status`, so ``readyReplicas``
   and ``Ready`` follow the pods without waiting for a spec change.
 - Deletion of an owned ConfigMap, Deployment or Service -> reconcile the owner again.
+- A timer every ``tuning_tick_s`` -> :func:`tuning.tune` (measure, decide, apply k).
 
-No deletion handler and no timer: children are garbage-collected through their
-owner references, so kopf never needs to put a finalizer on the resources.
+No deletion handler: children are garbage-collected through their owner references.
+kopf puts its finalizer on the resources only so that it can stop their tuning timer
+before they go.
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ from specula.operator.reconcile import (
     refresh_status,
     repair_after_child_deleted,
 )
+from specula.operator.runtime_client import RuntimeClient
 from specula.operator.settings import OperatorSettings
+from specula.operator.tuning import tune
 
 _OWNED = {LABEL_MANAGED_BY: MANAGED_BY}
 
@@ -56,7 +60,11 @@ class LazyKube:
 
 def make_memo(settings: OperatorSettings) -> kopf.Memo:
     """The memo :func:`build_registry`'s handlers expect."""
-    return kopf.Memo(settings=settings, kube=LazyKube(settings.field_manager))
+    return kopf.Memo(
+        settings=settings,
+        kube=LazyKube(settings.field_manager),
+        runtime_client=RuntimeClient(settings.scrape_timeout_s),
+    )
 
 
 def _kube(memo: Any) -> Kube:
@@ -102,6 +110,15 @@ def on_deployment_event(event: dict[str, Any], body: kopf.Body, memo: Any, **_: 
         refresh_status(plain, _kube(memo), memo["settings"])
 
 
+def on_tuning_tick(body: kopf.Body, memo: Any, logger: Any, **_: Any) -> None:
+    """Timer: one tuning tick (see :mod:`specula.operator.tuning`)."""
+    update = tune(_plain(body), _kube(memo), memo["runtime_client"], memo["settings"])
+    if update is not None:
+        tuned = next((c for c in update.conditions if c.type == "Tuned"), None)
+        if tuned is not None:
+            logger.debug("tuning: Tuned=%s (%s)", tuned.status, tuned.reason)
+
+
 def _is_deletion(event: dict[str, Any], **_: Any) -> bool:
     return event.get("type") == "DELETED"
 
@@ -119,8 +136,10 @@ def _repair(child: dict[str, Any], memo: Any) -> None:
         logging.getLogger(__name__).warning("%s", e)
 
 
-def build_registry() -> kopf.OperatorRegistry:
-    """A fresh registry holding the operator's handlers."""
+def build_registry(settings: OperatorSettings | None = None) -> kopf.OperatorRegistry:
+    """A fresh registry holding the operator's handlers (``settings`` gives the tuning
+    timer's period)."""
+    settings = settings or OperatorSettings()
     registry = kopf.OperatorRegistry()
     kopf.on.startup(registry=registry)(configure)
     kopf.on.login(registry=registry)(login)
@@ -128,6 +147,7 @@ def build_registry() -> kopf.OperatorRegistry:
     kopf.on.resume(**resource, registry=registry)(on_speculative_model)
     kopf.on.create(**resource, registry=registry)(on_speculative_model)
     kopf.on.update(**resource, registry=registry)(on_speculative_model)
+    kopf.timer(**resource, interval=settings.tuning_tick_s, registry=registry)(on_tuning_tick)
     kopf.on.event("apps", "v1", "deployments", labels=_OWNED, registry=registry)(
         on_deployment_event
     )

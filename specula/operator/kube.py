@@ -40,6 +40,7 @@ class Kube:
         self._core = kubernetes.client.CoreV1Api(self._client)
         self._apps = kubernetes.client.AppsV1Api(self._client)
         self._custom = kubernetes.client.CustomObjectsApi(self._client)
+        self._discovery = kubernetes.client.DiscoveryV1Api(self._client)
 
     def apply(self, manifest: dict[str, Any]) -> dict[str, Any]:
         """Server-side apply ``manifest`` (ConfigMap, Deployment or Service), taking
@@ -123,3 +124,47 @@ class Kube:
             _content_type=MERGE_PATCH,
             _preload_content=False,
         ))
+
+    def list_endpoint_slices(self, namespace: str, service: str) -> list[dict[str, Any]]:
+        """EndpointSlices of Service ``service`` (label ``kubernetes.io/service-name``).
+
+        Raises:
+            ApiException: the API server refused the request.
+        """
+        return _json(self._discovery.list_namespaced_endpoint_slice(
+            namespace,
+            label_selector=f"kubernetes.io/service-name={service}",
+            _preload_content=False,
+        )).get("items") or []
+
+    def post_event(
+        self, body: dict[str, Any], type_: str, reason: str, message: str, now: str
+    ) -> None:
+        """Record a ``core/v1`` Event about the SpeculativeModel ``body``.
+
+        Raises:
+            ApiException: the API server refused the request.
+        """
+        meta = body["metadata"]
+        self._core.create_namespaced_event(meta["namespace"], {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
+            "involvedObject": {
+                "apiVersion": body.get("apiVersion"),
+                "kind": body.get("kind"),
+                "name": meta["name"],
+                "namespace": meta["namespace"],
+                "uid": meta.get("uid"),
+                "resourceVersion": meta.get("resourceVersion"),
+            },
+            "type": type_,
+            "reason": reason,
+            "message": message,
+            "firstTimestamp": now,
+            "lastTimestamp": now,
+            "count": 1,
+            "source": {"component": self.field_manager},
+            "reportingComponent": self.field_manager,
+            "reportingInstance": self.field_manager,
+        }, _preload_content=False)

@@ -24,7 +24,7 @@ def run_operator(args: argparse.Namespace) -> int:
     kopf.configure(verbose=bool(getattr(args, "verbose", False)), log_prefix=True)
     namespaces = list(getattr(args, "namespace", None) or [])
     kopf.run(
-        registry=build_registry(),
+        registry=build_registry(settings),
         memo=make_memo(settings),
         standalone=bool(getattr(args, "standalone", True)),
         clusterwide=not namespaces,

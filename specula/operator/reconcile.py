@@ -3,10 +3,11 @@
 Framework-free (kopf lives in :mod:`specula.operator.handlers`); talks to the API
 server only through :class:`specula.operator.kube.Kube`.
 
-Two paths write a resource's status: :func:`reconcile` (after a spec change, through
-kopf) and :func:`refresh_status` (after its Deployment changed).  Both hold a
-per-resource lock from reading the Deployment to writing the status, so a status
-computed from an older Deployment can never overwrite one computed from a newer one.
+Three paths write a resource's status: :func:`reconcile` (after a spec change, through
+kopf), :func:`refresh_status` (after its Deployment changed) and the tuner
+(:mod:`specula.operator.tuning`).  All hold a per-resource lock (:func:`lock_for`) from
+reading the object to writing its status, so a status computed from an older view can
+never overwrite one computed from a newer one, and none drops the others' fields.
 """
 
 from __future__ import annotations
@@ -49,9 +50,18 @@ _locks: dict[tuple[str, str], threading.Lock] = {}
 _locks_guard = threading.Lock()
 
 
-def _lock(namespace: str, name: str) -> threading.Lock:
+def lock_for(namespace: str, name: str) -> threading.Lock:
+    """The lock held by every writer of one resource's status (reconcile, status
+    refresh, tuner) from reading the object to writing its status."""
     with _locks_guard:
         return _locks.setdefault((namespace, name), threading.Lock())
+
+
+def _same_object(live: dict[str, Any] | None, body: dict[str, Any]) -> dict[str, Any]:
+    """``live`` if it is the same object as ``body`` (same uid), else ``body``."""
+    if live is not None and live["metadata"].get("uid") == body["metadata"].get("uid"):
+        return live
+    return body
 
 
 def owner_of(body: dict[str, Any]) -> Owner:
@@ -138,7 +148,10 @@ def reconcile(
     owner = owner_of(body)
     generation = int(body["metadata"].get("generation") or 0)
     selector = selector_string(owner.name)
-    with _lock(owner.namespace, owner.name):
+    with lock_for(owner.namespace, owner.name):
+        # The status is built on the object as stored now, not as kopf delivered it:
+        # the tuner writes status too (under this lock), and an older copy would undo it.
+        live = _same_object(kube.get_speculative_model(owner.namespace, owner.name), body)
         spec, problem = parse_spec(body)
         deployment: dict[str, Any] | None = None
         apply_error: ApiException | None = None
@@ -166,11 +179,12 @@ def reconcile(
                 ),
                 deployment=deployment,
                 problem=problem,
+                tuning_mode=spec.tuning.mode if spec is not None else None,
             ),
-            parse_status(body),
+            parse_status(live),
             now(),
         )
-        _write_status(kube, body, status)
+        _write_status(kube, live, status)
     if apply_error is not None:
         raise RetryLater(f"applying children failed: {apply_error.reason}", settings.retry_delay_s)
     return status
@@ -239,7 +253,7 @@ def refresh_status(
     if ref is None:
         return None
     namespace = deployment["metadata"]["namespace"]
-    with _lock(namespace, ref["name"]):
+    with lock_for(namespace, ref["name"]):
         for _ in range(settings.status_conflict_retries):
             body = _live_owner(kube, deployment)
             if body is None:
@@ -258,6 +272,7 @@ def refresh_status(
                     desired_replicas=spec.replicas,
                     num_speculative_tokens=spec.speculator.num_speculative_tokens,
                     deployment=live,
+                    tuning_mode=spec.tuning.mode,
                 ),
                 previous,
                 now(),

@@ -50,6 +50,15 @@ class OperatorSettings:
     """Whether kopf posts a Kubernetes Event for every handler run.  Off: conditions
     carry the state, and per-run events are noise."""
 
+    tuning_tick_s: float = 5.0
+    """Period of the tuning timer, seconds.  Each resource is measured every
+    ``spec.tuning.interval`` (rounded to ticks); pods that refused a new k are retried
+    every tick.  Environment: ``SPECULA_TUNING_TICK_S``."""
+
+    scrape_timeout_s: float = 3.0
+    """Timeout of each HTTP request to a pod (``/metrics``, admin API), seconds.
+    Environment: ``SPECULA_SCRAPE_TIMEOUT_S``."""
+
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> OperatorSettings:
         """Defaults overridden by ``SPECULA_*`` environment variables.
@@ -63,4 +72,8 @@ class OperatorSettings:
             kwargs["runtime_image"] = env["SPECULA_RUNTIME_IMAGE"]
         if env.get("SPECULA_RETRY_DELAY_S"):
             kwargs["retry_delay_s"] = float(env["SPECULA_RETRY_DELAY_S"])
+        if env.get("SPECULA_TUNING_TICK_S"):
+            kwargs["tuning_tick_s"] = float(env["SPECULA_TUNING_TICK_S"])
+        if env.get("SPECULA_SCRAPE_TIMEOUT_S"):
+            kwargs["scrape_timeout_s"] = float(env["SPECULA_SCRAPE_TIMEOUT_S"])
         return cls(**kwargs)

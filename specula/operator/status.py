@@ -15,6 +15,8 @@ from specula.api.models import Condition, SpeculationStatus, SpeculativeModelSta
 READY = "Ready"
 PROGRESSING = "Progressing"
 DEGRADED = "Degraded"
+TUNED = "Tuned"
+"""Written by the tuner (:mod:`specula.operator.tuner`), never by a reconcile."""
 CONDITION_TYPES = (READY, PROGRESSING, DEGRADED)
 
 # Reasons.  A problem reason is used for all three conditions while it lasts.
@@ -90,6 +92,8 @@ class Observation:
     deployment: dict[str, Any] | None = None
     """The runtime Deployment as the API server returned it; ``None`` if absent."""
     problem: Problem | None = None
+    tuning_mode: str | None = None
+    """``spec.tuning.mode``; ``None`` when the spec did not parse."""
 
 
 def _deployment_counts(deployment: dict[str, Any] | None) -> tuple[int, int]:
@@ -174,8 +178,11 @@ def compute_status(
     """The status to write for ``obs``, given the status on the object.
 
     ``replicas``/``readyReplicas`` come from the Deployment's status (0 when it has
-    none); ``speculation.numSpeculativeTokens`` is the spec's value, or the previous
-    one while the spec does not parse.
+    none).  The tuner's fields (``speculation`` measurements, ``tuningHistory``,
+    ``tuner``, the ``Tuned`` condition) are carried over unchanged.  While the tuner
+    is not in charge (mode ``Off``, or it has not measured yet)
+    ``speculation.numSpeculativeTokens`` is the spec's value, or the previous one while
+    the spec does not parse; once it is, the tuner reports the k in effect.
     """
     previous = previous or SpeculativeModelStatus()
     conditions = list(previous.conditions)
@@ -183,14 +190,24 @@ def compute_status(
         conditions = set_condition(conditions, new, now)
 
     replicas, ready = _deployment_counts(obs.deployment)
+    speculation = previous.speculation
+    tuner_in_charge = (
+        obs.tuning_mode in ("Recommend", "Auto")
+        and previous.tuner is not None
+        and previous.tuner.state is not None
+    )
     k = obs.num_speculative_tokens
-    if k is None and previous.speculation is not None:
-        k = previous.speculation.num_speculative_tokens
+    if k is not None and not tuner_in_charge:
+        speculation = (speculation or SpeculationStatus()).model_copy(
+            update={"num_speculative_tokens": k}
+        )
     return SpeculativeModelStatus(
         observed_generation=obs.generation,
         replicas=replicas,
         ready_replicas=ready,
         selector=obs.selector,
         conditions=conditions,
-        speculation=SpeculationStatus(num_speculative_tokens=k) if k is not None else None,
+        speculation=speculation,
+        tuning_history=previous.tuning_history,
+        tuner=previous.tuner,
     )

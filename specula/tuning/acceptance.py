@@ -11,10 +11,10 @@ Counters (vLLM semantics, ``vllm/v1/spec_decode/metrics.py``; cumulative per pod
 The conditional acceptance rate at position j (0-based) is
 ``alpha_j = a_j / a_{j-1}`` with ``a_{-1} = num_drafts``: a draft reaches position j
 only if positions < j were accepted.  This holds exactly when every draft in the
-window used the same k; positions >= k are not observed at all.  Windows are
-attributed to the k in effect (the tuner changes k between windows); when k changed
-inside a window, positions below the smaller k are still exact and deeper positions
-are slightly biased, which we accept rather than guess at per-draft k.
+window used the same k; positions >= k are not observed at all.  When drafts of one
+window used several k (a per-batch-size schedule, or a change inside the window), the
+step-time histogram's drafts per k correct the trials of the deeper positions
+(:func:`position_observations_by_k`).
 
 Each position gets a Beta posterior (the conjugate prior of a Bernoulli rate): a
 Beta-Binomial model of accept/reject trials.  Unobserved positions keep their prior,
@@ -212,6 +212,46 @@ def position_observations(
         accepted = min(max(delta.num_accepted_tokens_per_pos[j], 0.0), trials)
         out.append((trials, accepted))
         trials = accepted
+    return out
+
+
+def position_observations_by_k(
+    delta: SpecDecodeCounters, drafts_by_k: dict[int, float]
+) -> list[tuple[float, float]]:
+    """Per-position ``(trials, accepted)`` of a window whose drafts used several k.
+
+    Under a per-batch-size schedule each step drafts the k of its batch size, so the
+    drafts that reached position j - 1 include some that stopped there (k = j): the
+    trials of position j are ``a_{j-1}`` times the fraction of those drafts that had
+    k > j.  That fraction is estimated from the step-time histogram's drafts per k
+    (``drafts_by_k``: steps times the bucket's representative batch size) as
+    ``D(k > j) / D(k > j - 1)``.  This assumes that whether a draft's prefix was
+    accepted does not depend on its k (i.e. on the batch size it ran at); it is exact
+    when one k was used, and otherwise biased only as far as acceptance differs between
+    the batch sizes of one window and the representative batch sizes are off.
+    ``trials_0 = num_drafts`` is exact.
+
+    Args:
+        delta: the window's counter increases.
+        drafts_by_k: k -> drafts drafted with k (k = 0 entries are ignored).
+
+    Returns:
+        ``(trials, accepted)`` for positions 0 .. (largest k drafted) - 1, capped at the
+        length of ``num_accepted_tokens_per_pos``; accepted counts clipped to the trials.
+    """
+    ks = {k: d for k, d in drafts_by_k.items() if k > 0 and d > 0}
+    if not ks:
+        return []
+    out: list[tuple[float, float]] = []
+    trials = max(delta.num_drafts, 0.0)
+    reach_prev = sum(ks.values())
+    for j in range(min(max(ks), len(delta.num_accepted_tokens_per_pos))):
+        reach = sum(d for k, d in ks.items() if k > j)
+        if j > 0:
+            trials *= reach / reach_prev
+        accepted = min(max(delta.num_accepted_tokens_per_pos[j], 0.0), trials)
+        out.append((trials, accepted))
+        trials, reach_prev = accepted, reach
     return out
 
 

@@ -1,6 +1,6 @@
 """Step-time model T(B, k): seconds per engine step at batch size B drafting k tokens.
 
-Form (linear in its coefficients, all >= 0)::
+Form (a roofline; linear in its coefficients, all >= 0, given the knee)::
 
     T(B, k) = fixed + per_draft_step * k + per_sequence * B + per_draft_token * B * k
               + per_verified_token * max(0, B * (k + 1) - knee(B))
@@ -12,14 +12,20 @@ Form (linear in its coefficients, all >= 0)::
 - ``per_draft_token``: drafting one token for one sequence (draft compute and KV);
 - ``per_verified_token``: target compute per verified token once the step is
   compute-bound, i.e. once the ``B * (k + 1)`` tokens take longer to compute than the
-  weights and KV take to read: ``knee(B) = (fixed + per_sequence * B) /
-  per_verified_token``, evaluated with the *prior* coefficients so the model stays
-  linear (a roofline, Williams et al. 2009; the verification cost structure SmartSpec
+  weights and KV take to read: ``knee(B) = s * (fixed0 + per_sequence0 * B) /
+  per_verified_token0`` with the *prior* coefficients (subscript 0) and a fitted scale
+  ``s`` (a roofline, Williams et al. 2009; the verification cost structure SmartSpec
   fits, arXiv 2406.14066 sec. 4).
 
 Below the knee extra draft tokens are almost free; above it each one costs a full token
 of target compute.  The knee matters most: without it a fit to small batches predicts
-cheap speculation at batch 128 as well.  Where a (batch bucket, k) pair has been
+cheap speculation at batch 128 as well, and a knee taken from datasheet defaults puts
+the switch to small k at the wrong load.  The fit is a profile least squares: for each
+knee scale on a grid (log2 s in [-2, 2]) the coefficients are the non-negative
+penalised least-squares solution, the scale is the grid point (refined by a parabola
+through its neighbours) of least penalised loss, with a Gaussian prior on ``log s``
+centred on the default so that data which cannot place the knee (every step far below
+or far above it) leave it at the default.  Where a (batch bucket, k) pair has been
 measured, the prediction is corrected to the measurement (ratio shrunk towards 1);
 other k in a measured bucket take the nearest measured k's correction.
 
@@ -31,7 +37,7 @@ labelled by ``batch_bucket`` (``"1"``, ``"2"``, ``"3-4"``, ``"5-8"``, ...) and
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from specula.tuning._prom import Samples, parse_samples
 
@@ -176,9 +182,14 @@ class CostParams:
     per_draft_token_s: float
     per_verified_token_s: float
 
-    def features(self, batch_size: float, k: int) -> list[float]:
-        """Regressors of each coefficient, with the knee taken from these params."""
-        knee = (self.fixed_s + self.per_sequence_s * batch_size) / self.per_verified_token_s
+    def knee_tokens(self, batch_size: float) -> float:
+        """Verified tokens per step at which the step turns compute-bound (these params)."""
+        return (self.fixed_s + self.per_sequence_s * batch_size) / self.per_verified_token_s
+
+    def features(self, batch_size: float, k: int, knee_scale: float = 1.0) -> list[float]:
+        """Regressors of each coefficient, with the knee taken from these params times
+        ``knee_scale``."""
+        knee = knee_scale * self.knee_tokens(batch_size)
         return [
             1.0,
             float(k),
@@ -285,6 +296,8 @@ class StepCostModel:
     params: CostParams = DEFAULT_COST_PARAMS
     prior: CostParams = DEFAULT_COST_PARAMS
     """Coefficients the knee is computed from."""
+    knee_scale: float = 1.0
+    """Fitted knee over the prior's knee (1: the default knee)."""
     corrections: dict[str, dict[int, float]] = field(default_factory=dict)
     """Bucket -> k -> measured / predicted step time (shrunk towards 1)."""
 
@@ -296,41 +309,79 @@ class StepCostModel:
         prior_weight: float = 1.0,
         correction_prior_weight: float = 4.0,
         max_weight: float = 1000.0,
+        knee_prior_weight: float = 2.0,
+        fit_knee: bool = True,
     ) -> StepCostModel:
         """Fit the model to mean step times.
 
         Minimises relative squared error, ``sum_i w_i ((y_i - T_i) / y_i)^2`` with
         ``w_i = min(count_i, max_weight)``, plus ``prior_weight * sum_p ((c_p - c0_p) /
         c0_p)^2``, which pulls the coefficients the data cannot separate (with one k
-        observed, the draft cost; below the knee, the compute cost) towards ``prior``;
-        coefficients are non-negative.  Then each measured (bucket, k) gets the
-        correction ``(sum w y/T + c) / (sum w + c)`` with ``c = correction_prior_weight``.
+        observed, the draft cost; below the knee, the compute cost) towards ``prior``,
+        plus ``knee_prior_weight * (log2 s)^2`` for the knee scale ``s``; coefficients
+        are non-negative.  Then each measured (bucket, k) gets the correction ``(sum w
+        y/T + c) / (sum w + c)`` with ``c = correction_prior_weight``.
+
+        Args:
+            fit_knee: ``False`` keeps the knee at the prior's (``s = 1``).
         """
         obs = [o for o in observations if o.count > 0 and o.mean_s > 0]
         if not obs:
             return cls(params=prior, prior=prior)
         scale = prior.as_list()
-        n = len(scale)
-        h = [[0.0] * n for _ in range(n)]
-        g = [0.0] * n
-        for o in obs:
-            w = min(o.count, max_weight)
-            x = prior.features(o.batch_size, o.k)
-            # Scaled unknowns u_p = c_p / c0_p, residual relative to y.
-            row = [x[p] * scale[p] / o.mean_s for p in range(n)]
+        weights = [min(o.count, max_weight) for o in obs]
+
+        def solve(log_s: float) -> tuple[float, list[float]]:
+            knee = 2.0**log_s
+            n = len(scale)
+            h = [[0.0] * n for _ in range(n)]
+            g = [0.0] * n
+            rows = []
+            for o, w in zip(obs, weights, strict=True):
+                x = prior.features(o.batch_size, o.k, knee)
+                # Scaled unknowns u_p = c_p / c0_p, residual relative to y.
+                row = [x[p] * scale[p] / o.mean_s for p in range(n)]
+                rows.append(row)
+                for p in range(n):
+                    if row[p] == 0.0:
+                        continue
+                    g[p] += w * row[p]
+                    for q in range(n):
+                        h[p][q] += w * row[p] * row[q]
             for p in range(n):
-                g[p] += w * row[p]
-                for q in range(n):
-                    h[p][q] += w * row[p] * row[q]
-        for p in range(n):
-            h[p][p] += prior_weight
-            g[p] += prior_weight
-        u = _nonneg_quadratic_min(h, g)
-        model = cls(params=CostParams(*(u[p] * scale[p] for p in range(n))), prior=prior)
+                h[p][p] += prior_weight
+                g[p] += prior_weight
+            u = _nonneg_quadratic_min(h, g)
+            loss = sum(
+                w * (1.0 - sum(r * c for r, c in zip(row, u, strict=True))) ** 2
+                for w, row in zip(weights, rows, strict=True)
+            )
+            loss += prior_weight * sum((c - 1.0) ** 2 for c in u)
+            loss += knee_prior_weight * log_s * log_s
+            return loss, u
+
+        step = 0.5
+        grid = [i * step for i in range(-4, 5)] if fit_knee else [0.0]
+        fits = {x: solve(x) for x in grid}
+        best = min(grid, key=lambda x: fits[x][0])
+        log_s, (loss, u) = best, fits[best]
+        if fit_knee and -2.0 < best < 2.0:
+            # Parabola through the best grid point and its neighbours: the knee to a few %.
+            lo, hi = fits[best - step][0], fits[best + step][0]
+            curv = lo + hi - 2.0 * loss
+            if curv > 0:
+                x = best + 0.5 * step * (lo - hi) / curv
+                fx = solve(x)
+                if fx[0] < loss:
+                    log_s, (loss, u) = x, fx
+        model = cls(
+            params=CostParams(*(u[p] * scale[p] for p in range(len(scale)))),
+            prior=prior,
+            knee_scale=2.0**log_s,
+        )
 
         sums: dict[str, dict[int, list[float]]] = {}
-        for o in obs:
-            w = min(o.count, max_weight)
+        for o, w in zip(obs, weights, strict=True):
             acc = sums.setdefault(o.bucket, {}).setdefault(o.k, [0.0, 0.0])
             acc[0] += w * o.mean_s / model._global(o.batch_size, o.k)
             acc[1] += w
@@ -341,10 +392,10 @@ class StepCostModel:
             }
             for b, by_k in sums.items()
         }
-        return cls(params=model.params, prior=prior, corrections=corrections)
+        return replace(model, corrections=corrections)
 
     def _global(self, batch_size: float, k: int) -> float:
-        x = self.prior.features(batch_size, k)
+        x = self.prior.features(batch_size, k, self.knee_scale)
         return sum(c * f for c, f in zip(self.params.as_list(), x, strict=True))
 
     def predict(self, batch_size: float, k: int) -> float:

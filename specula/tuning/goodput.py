@@ -173,7 +173,7 @@ def optimal_schedule(
     """Per-batch-size best k as a schedule (see :func:`build_schedule`); the runtime's
     batch buckets (1, 2, 3, 5, 9, 17, ...) are the breakpoints, since the cost model's
     per-bucket corrections may jump there."""
-    breakpoints = [1, 2, *(2**i + 1 for i in range(1, max_batch_size.bit_length() + 1))]
+    breakpoints = schedule_breakpoints(max_batch_size)
     return build_schedule(
         lambda b: best_k(alphas, cost, BatchDistribution.single(b), candidates)[0],
         max_batch_size,
@@ -193,3 +193,26 @@ def schedule_k(schedule: Sequence[Sequence[int]], batch_size: int) -> int:
         if start <= batch_size <= end:
             return k
     return schedule[-1][2]
+
+
+def ks_goodput(
+    ks: Sequence[int], alphas: Sequence[float], cost: StepCostModel, batches: BatchDistribution
+) -> float:
+    """Tokens per second when the step at ``batches.points[i]`` drafts ``ks[i]`` tokens
+    (a per-batch-size schedule evaluated on a batch distribution).
+
+    Raises:
+        ValueError: ``ks`` and the points differ in length.
+    """
+    if len(ks) != len(batches.points):
+        raise ValueError(f"{len(ks)} k for {len(batches.points)} batch sizes")
+    pairs = list(zip(batches.points, ks, strict=True))
+    tokens = sum(w * b * expected_accepted_length(alphas, k) for (b, w), k in pairs)
+    seconds = sum(w * cost.predict(b, k) for (b, w), k in pairs)
+    return tokens / seconds
+
+
+def schedule_breakpoints(max_batch_size: int) -> list[int]:
+    """First batch sizes of the runtime's batch buckets (1, 2, 3, 5, 9, 17, ...): where the
+    cost model's per-bucket corrections may make the best k jump."""
+    return [1, 2, *(2**i + 1 for i in range(1, max_batch_size.bit_length() + 1))]

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from specula.tuning._prom import parse_samples, total
 from specula.tuning.acceptance import SpecDecodeCounters, counter_delta
 from specula.tuning.cost import StepTimeHistogram
+from specula.tuning.goodput import bucket_representatives
 
 
 @dataclass(frozen=True)
@@ -69,13 +70,28 @@ class RuntimeMetrics:
 
     @property
     def mean_batch_size(self) -> float | None:
-        """Steps' mean batch size, ``generation_tokens / (steps * mean acceptance length)``
-        (each sequence emits E tokens per step); ``None`` without steps."""
+        """Steps' mean batch size, ``(generation_tokens - accepted draft tokens) /
+        steps``: each sequence emits one bonus or recovered token per step besides its
+        accepted draft tokens, whatever the k of the step (so this holds under a
+        per-batch-size schedule, where some steps do not draft); ``None`` without steps."""
         steps = self.step_times.total_count
         if steps <= 0 or self.generation_tokens <= 0:
             return None
-        mal = self.counters.mean_acceptance_length or 1.0
-        return self.generation_tokens / (steps * mal)
+        plain = self.generation_tokens - max(self.counters.num_accepted_tokens, 0.0)
+        return plain / steps if plain > 0 else None
+
+    def drafts_by_k(self) -> dict[int, float]:
+        """Drafts per k (k > 0) from the step-time histogram: steps times each bucket's
+        representative batch size (see :func:`~specula.tuning.goodput.bucket_representatives`)."""
+        steps = self.step_times.steps_by_bucket()
+        if not steps:
+            return {}
+        rep = bucket_representatives(steps, self.mean_batch_size)
+        out: dict[int, float] = {}
+        for (bucket, k), series in self.step_times.series.items():
+            if k > 0 and series.count > 0:
+                out[k] = out.get(k, 0.0) + series.count * rep[bucket]
+        return out
 
     @property
     def measured_goodput(self) -> float | None:

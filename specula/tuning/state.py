@@ -14,14 +14,23 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
-from specula.tuning.acceptance import AcceptancePrior, position_observations
+from specula.tuning.acceptance import (
+    AcceptancePrior,
+    position_observations,
+    position_observations_by_k,
+)
 from specula.tuning.cost import DEFAULT_COST_PARAMS, CostObservation, CostParams
 from specula.tuning.goodput import bucket_representatives
 from specula.tuning.metrics import RuntimeMetrics
 
 TuningMode = Literal["Off", "Recommend", "Auto"]
 
-STATE_VERSION = 1
+STATE_VERSION = 2
+"""Version 2 added ``schedule``, ``previousSchedule`` and ``probeFailures``; version-1
+dicts are read with those absent (a single k, no failed probes)."""
+
+Schedule = tuple[tuple[int, int, int], ...]
+"""``num_speculative_tokens_per_batch_size`` as ``((start, end, k), ...)``."""
 
 
 @dataclass(frozen=True)
@@ -44,7 +53,7 @@ class TuningSettings:
     """Act only on a predicted goodput gain of at least this fraction (hysteresis)."""
     probability_threshold: float = 0.95
     """Required posterior probability that the gain exceeds ``min_gain``."""
-    big_gain: float = 0.20
+    big_gain: float = 0.15
     """Predicted gain above which the tuner jumps straight to the best k instead of
     moving one step."""
     explore_budget: float = 0.1
@@ -55,9 +64,22 @@ class TuningSettings:
     ``min_gain`` because an exploration is checked by measurement and reverted."""
     explore_burst: float = 4.0
     """Cap of saved-up exploration moves, enough to climb a few steps in a row."""
+    explore_cost_margin: float = 0.10
+    """Right after the load moved to another batch bucket, a neighbouring k whose
+    acceptance is known but whose step time there is unmeasured is probed once when its
+    predicted goodput is within this fraction of the current k's: the step time of an
+    unmeasured (bucket, k) is an extrapolation (the memory-bound floor cannot be seen
+    from compute-bound steps), wrong by about this much."""
+    new_load_windows: float = 2.0
+    """The load counts as new while the current k has at most this many windows' worth
+    of steps measured on the window's main bucket."""
     revert_tolerance: float = 0.05
     """Revert a change whose measured goodput falls this fraction below what the old
     k would have given over the same window."""
+    explore_revert_tolerance: float = 0.02
+    """The same for a change made by exploration: it was taken without a probable gain
+    (sometimes against a predicted loss, to measure a step time), so it is kept only if
+    it does about as well as the k it left."""
     blacklist_s: float = 600.0
     """A reverted-from k is not chosen again for this long (prevents flapping)."""
     min_steps: float = 50.0
@@ -77,6 +99,20 @@ class TuningSettings:
     """A window whose observed rate differs from the posterior by more than this many
     standard deviations is a workload shift: evidence for positions the window did not
     observe is dropped, since it describes the old workload."""
+    unobserved_half_life_s: float = 240.0
+    """Half-life of the evidence of positions a window did not draft at all.  Nothing
+    new is learnt about them, so this sets how soon the tuner probes them again (an
+    ``Explore`` once the evidence has faded to the prior): longer than
+    ``acceptance_half_life_s`` so that a k the tuner left because its deeper positions
+    did not pay is not re-probed every few minutes."""
+    max_probe_backoff: int = 3
+    """After each probe that did not pay (reverted, or left again), the half-life above
+    doubles, up to ``2 ** max_probe_backoff`` times; a probe that paid resets it."""
+    apply_schedule: bool = False
+    """Decide a per-batch-size schedule (``num_speculative_tokens_per_batch_size``)
+    instead of one k: each engine step then drafts the k of its batch size, so load
+    changes are followed between decisions.  The caller must apply
+    ``Decision.num_speculative_tokens_per_batch_size`` when it is set."""
     monte_carlo_samples: int = 256
     """Posterior draws for the probability of a gain."""
     seed: int = 0
@@ -126,6 +162,14 @@ class TuningState:
     decisions: int = 0
     """Number of decisions taken; seeds the Monte Carlo draws."""
     last_reason: str | None = None
+    schedule: Schedule | None = None
+    """Per-batch-size schedule in effect (``None``: the single k above is in effect;
+    otherwise ``num_speculative_tokens`` is the schedule's k at the batch size the
+    last window ran at)."""
+    previous_schedule: Schedule | None = None
+    """Schedule before the last change (the revert target; ``None``: a single k)."""
+    probe_failures: int = 0
+    """Probes in a row that did not pay (see ``TuningSettings.max_probe_backoff``)."""
 
     @classmethod
     def initial(cls, num_speculative_tokens: int, settings: TuningSettings) -> TuningState:
@@ -151,16 +195,21 @@ class TuningState:
             "evidenceTime": self.evidence_time,
             "decisions": self.decisions,
             "lastReason": self.last_reason,
+            "schedule": _schedule_list(self.schedule),
+            "previousSchedule": _schedule_list(self.previous_schedule),
+            "probeFailures": self.probe_failures,
         }
 
     @classmethod
     def from_dict(cls, data: dict) -> TuningState:
         """Inverse of :meth:`to_dict`.
 
+        Version-1 dicts (before schedules) are migrated: no schedule, no failed probes.
+
         Raises:
             ValueError: unknown version or missing ``numSpeculativeTokens``.
         """
-        if data.get("version", STATE_VERSION) != STATE_VERSION:
+        if data.get("version", STATE_VERSION) not in (1, STATE_VERSION):
             raise ValueError(f"unsupported tuning state version {data.get('version')}")
         if "numSpeculativeTokens" not in data:
             raise ValueError("tuning state lacks numSpeculativeTokens")
@@ -183,6 +232,9 @@ class TuningState:
             evidence_time=data.get("evidenceTime"),
             decisions=int(data.get("decisions", 0)),
             last_reason=data.get("lastReason"),
+            schedule=_schedule_tuple(data.get("schedule")),
+            previous_schedule=_schedule_tuple(data.get("previousSchedule")),
+            probe_failures=int(data.get("probeFailures", 0)),
         )
 
     def cost_observations(self) -> list[CostObservation]:
@@ -192,6 +244,16 @@ class TuningState:
             for b, k, c, s, bs in self.step_times
             if c > 0
         ]
+
+
+def _schedule_list(schedule: Schedule | None) -> list[list[int]] | None:
+    return None if schedule is None else [list(r) for r in schedule]
+
+
+def _schedule_tuple(rows: list | None) -> Schedule | None:
+    if rows is None:
+        return None
+    return tuple((int(a), int(b), int(k)) for a, b, k in rows)
 
 
 def with_window(
@@ -205,9 +267,15 @@ def with_window(
     """
     dt = settings.interval_s if state.evidence_time is None else max(now - state.evidence_time, 0.0)
     fa = 0.5 ** (dt / settings.acceptance_half_life_s)
+    backoff = 2 ** min(state.probe_failures, settings.max_probe_backoff)
+    fu = 0.5 ** (dt / (settings.unobserved_half_life_s * backoff))
     fc = 0.5 ** (dt / settings.cost_half_life_s)
     cap = settings.max_effective_trials
-    obs = position_observations(window.counters, state.num_speculative_tokens)
+    drafts_by_k = window.drafts_by_k()
+    if drafts_by_k:
+        obs = position_observations_by_k(window.counters, drafts_by_k)
+    else:
+        obs = position_observations(window.counters, state.num_speculative_tokens)
     n_pos = max(len(state.acceptance_trials), len(obs), settings.max_speculative_tokens)
     trials = [*state.acceptance_trials, *([0.0] * (n_pos - len(state.acceptance_trials)))]
     accepted = [*state.acceptance_accepted, *([0.0] * (n_pos - len(state.acceptance_accepted)))]
@@ -226,8 +294,9 @@ def with_window(
         if shift and j >= len(obs):
             trials[j], accepted[j] = 0.0, 0.0
             continue
-        trials[j] *= fa
-        accepted[j] *= fa
+        f = fa if j < len(obs) else fu
+        trials[j] *= f
+        accepted[j] *= f
         if j < len(obs):
             trials[j] += obs[j][0]
             accepted[j] += obs[j][1]

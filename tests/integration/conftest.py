@@ -155,6 +155,8 @@ def operator(control_plane: ControlPlane, namespace: str) -> Iterator[OperatorPr
         kubeconfig=control_plane.kubeconfig,
         namespace=namespace,
         log_path=control_plane.workdir / "operator.log",
+        # A short tuning tick so tests can use tuning intervals of a second or two.
+        env={"SPECULA_TUNING_TICK_S": "1"},
     )
     _diagnostics.append(lambda: op.tail(60))
     t0 = time.monotonic()

@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from .kube_control_plane import (
@@ -37,13 +37,15 @@ class OperatorProcess:
     kubeconfig: Path
     namespace: str
     log_path: Path
+    env: dict[str, str] = field(default_factory=dict)
+    """Extra environment of the operator (``SPECULA_*`` settings)."""
     proc: subprocess.Popen | None = None
     liveness_port: int = 0
     starts: int = 0
 
     def start(self, timeout: float = 60) -> None:
         self.liveness_port = free_port()
-        env = dict(os.environ)
+        env = {**os.environ, **self.env}
         env["KUBECONFIG"] = str(self.kubeconfig)
         env["PYTHONUNBUFFERED"] = "1"
         argv = [

@@ -186,3 +186,26 @@ def wait_condition(
         return f"{name} condition {type_}={status} reason={reason}; conditions now {conds}"
 
     return wait_for(matches, timeout=timeout, message=describe)
+
+
+def endpoint_slice_body(service: str, address: str, ports: dict[str, int]) -> dict[str, Any]:
+    """An EndpointSlice of Service ``service`` with one ready endpoint at ``address``.
+
+    No kubelet runs pods in this tier, and kube-controller-manager runs no
+    EndpointSlice controller for them, so a slice written by a test stays as written;
+    ``ports`` maps port names (``http``, ``metrics``) to numbers.
+    """
+    return {
+        "apiVersion": "discovery.k8s.io/v1",
+        "kind": "EndpointSlice",
+        "metadata": {
+            "name": f"{service}-test",
+            "labels": {
+                "kubernetes.io/service-name": service,
+                "endpointslice.kubernetes.io/managed-by": "specula-integration-test",
+            },
+        },
+        "addressType": "IPv4",
+        "endpoints": [{"addresses": [address], "conditions": {"ready": True}}],
+        "ports": [{"name": n, "port": p, "protocol": "TCP"} for n, p in sorted(ports.items())],
+    }

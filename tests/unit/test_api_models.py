@@ -7,7 +7,12 @@ import pytest
 from pydantic import ValidationError
 
 from specula.api.capabilities import IMPLEMENTED_METHODS, is_method_implemented
-from specula.api.models import SpeculativeModel, SpeculativeModelSpec, SpeculativeModelStatus
+from specula.api.models import (
+    SpeculativeModel,
+    SpeculativeModelSpec,
+    SpeculativeModelStatus,
+    parse_duration,
+)
 from specula.api.render import RUNTIME_PORT, render_runtime_config
 from specula.api.runtime_config import RuntimeConfig
 
@@ -169,3 +174,83 @@ def test_render_runtime_config_without_draft_model():
     config = render_runtime_config("llama", spec)
     assert config.speculator.model is None
     assert config.model == "pvc://models/llama"
+
+
+def test_tuning_defaults():
+    spec = SpeculativeModelSpec.model_validate(spec_dict())
+    t = spec.tuning
+    assert (t.mode, t.min_speculative_tokens, t.max_speculative_tokens) == ("Recommend", 0, None)
+    assert (t.interval_s, t.cooldown_s, t.min_gain) == (30.0, 120.0, 0.05)
+    # Unset, the tuner's bound is the spec's k, and the pods start with it.
+    assert spec.max_speculative_tokens == 3
+    assert spec.startup_num_speculative_tokens == 3
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [("30s", 30.0), ("2m", 120.0), ("1m30s", 90.0), ("500ms", 0.5), ("1.5h", 5400.0)],
+)
+def test_parse_duration(text, seconds):
+    assert parse_duration(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["", "30", "-1s", "1d", "s", "1m 30s"])
+def test_parse_duration_rejects(text):
+    with pytest.raises(ValueError, match="duration"):
+        parse_duration(text)
+
+
+@pytest.mark.parametrize(
+    ("tuning", "k", "fragment"),
+    [
+        ({"minSpeculativeTokens": 3, "maxSpeculativeTokens": 2}, 2, "must not exceed"),
+        ({"maxSpeculativeTokens": 2}, 3, "must lie within"),
+        ({"minSpeculativeTokens": 4}, 3, "must lie within"),
+        ({"maxSpeculativeTokens": 17}, 3, "less than or equal to 16"),
+        ({"mode": "Sometimes"}, 3, "mode"),
+        ({"interval": "500ms"}, 3, "at least 1s"),
+        ({"interval": "soon"}, 3, "pattern"),
+        ({"minGain": 1.5}, 3, "less than or equal to 1"),
+    ],
+)
+def test_invalid_tuning_is_rejected(tuning, k, fragment):
+    raw = spec_dict(tuning=tuning)
+    raw["speculator"]["numSpeculativeTokens"] = k
+    with pytest.raises(ValidationError, match=fragment):
+        SpeculativeModelSpec.model_validate(raw)
+
+
+def test_auto_mode_starts_pods_at_the_tuning_bound():
+    raw = spec_dict(tuning={"mode": "Auto", "minSpeculativeTokens": 1, "maxSpeculativeTokens": 6})
+    auto = SpeculativeModelSpec.model_validate(raw)
+    assert auto.startup_num_speculative_tokens == 6
+    assert render_runtime_config("m", auto).speculator.num_speculative_tokens == 6
+    raw["tuning"]["mode"] = "Recommend"
+    recommend = SpeculativeModelSpec.model_validate(raw)
+    assert recommend.startup_num_speculative_tokens == 3
+    assert render_runtime_config("m", recommend).speculator.num_speculative_tokens == 3
+    assert auto.to_k8s()["tuning"] == {
+        "mode": "Auto", "minSpeculativeTokens": 1, "maxSpeculativeTokens": 6,
+        "interval": "30s", "cooldown": "2m", "minGain": 0.05,
+    }
+
+
+def test_tuning_status_round_trips():
+    raw = {
+        "speculation": {
+            "numSpeculativeTokens": 2, "recommendedNumSpeculativeTokens": 3,
+            "schedule": [[1, 8, 3], [9, 256, 2]], "acceptanceRate": 0.61,
+            "meanAcceptanceLength": 2.2, "perPositionAcceptanceRate": [0.7, 0.5],
+            "goodputTokensPerSecond": 812.5, "sampledDrafts": 4000,
+            "lastUpdateTime": "2027-01-15T08:00:00Z",
+        },
+        "tuningHistory": [{"time": "2027-01-15T08:00:00Z", "from": 3, "to": 2,
+                           "reason": "HigherGoodput", "predictedGain": 0.08, "applied": True,
+                           "message": "k 3->2"}],
+        "tuner": {"state": {"version": 1, "numSpeculativeTokens": 2},
+                  "baselines": {"pod-a": {"generationTokens": 5.0}},
+                  "lastScrapeTime": 1.8e9, "pendingPods": ["pod-b"]},
+    }
+    status = SpeculativeModelStatus.model_validate(raw)
+    assert status.tuning_history[0].from_ == 3
+    assert status.to_k8s() == {**raw, "conditions": []}

@@ -130,9 +130,20 @@ def test_cel_rules(schema):
         r["rule"] for r in spec["properties"]["speculator"]["x-kubernetes-validations"]
     ]
     assert speculator_rules == ["self.method in ['mtp', 'ngram'] || has(self.model)"]
-    (tp_rule,) = spec["x-kubernetes-validations"]
+    tp_rule, k_rule = spec["x-kubernetes-validations"]
     assert "self.speculator.draftTensorParallelSize == 1" in tp_rule["rule"]
     assert "self.model.tensorParallelSize" in tp_rule["rule"]
+    assert k_rule["fieldPath"] == ".speculator.numSpeculativeTokens"
+    assert "self.tuning.minSpeculativeTokens <= self.speculator.numSpeculativeTokens" in (
+        " ".join(k_rule["rule"].split())
+    )
+    assert "self.speculator.numSpeculativeTokens <= self.tuning.maxSpeculativeTokens" in (
+        " ".join(k_rule["rule"].split())
+    )
+    tuning = spec["properties"]["tuning"]
+    min_max, interval = tuning["x-kubernetes-validations"]
+    assert "<= self.maxSpeculativeTokens" in min_max["rule"]
+    assert "duration(self.interval) >= duration('1s')" in interval["rule"]
     (name_rule,) = schema["x-kubernetes-validations"]
     assert name_rule["rule"] == "size(self.metadata.name) <= 63"
 
@@ -148,6 +159,7 @@ def test_status_schema(schema):
     status = schema["properties"]["status"]["properties"]
     assert set(status) == {
         "observedGeneration", "replicas", "readyReplicas", "selector", "conditions", "speculation",
+        "tuningHistory", "tuner",
     }
     conditions = status["conditions"]
     assert conditions["x-kubernetes-list-type"] == "map"
@@ -157,7 +169,40 @@ def test_status_schema(schema):
         "type", "status", "reason", "message", "lastTransitionTime", "observedGeneration",
     }
     assert item["properties"]["lastTransitionTime"]["format"] == "date-time"
-    assert status["speculation"]["properties"]["numSpeculativeTokens"]["type"] == "integer"
+    speculation = status["speculation"]["properties"]
+    assert speculation["numSpeculativeTokens"]["type"] == "integer"
+    for name in (
+        "acceptanceRate", "meanAcceptanceLength", "goodputTokensPerSecond",
+        "predictedGoodputTokensPerSecond",
+    ):
+        assert speculation[name]["type"] == "number", name
+    assert speculation["perPositionAcceptanceRate"]["items"] == {"type": "number"}
+    assert speculation["schedule"]["items"]["items"] == {"type": "integer"}
+    assert speculation["sampledDrafts"]["type"] == "integer"
+    assert speculation["lastUpdateTime"]["format"] == "date-time"
+    history = status["tuningHistory"]
+    assert history["maxItems"] == 10
+    assert set(history["items"]["required"]) == {"time", "from", "to", "reason"}
+    assert history["items"]["properties"]["predictedGain"]["type"] == "number"
+    tuner = status["tuner"]["properties"]
+    assert tuner["state"]["x-kubernetes-preserve-unknown-fields"] is True
+    assert tuner["baselines"]["x-kubernetes-preserve-unknown-fields"] is True
+
+
+def test_tuning_schema(schema):
+    tuning = schema["properties"]["spec"]["properties"]["tuning"]["properties"]
+    assert tuning["mode"]["enum"] == ["Off", "Recommend", "Auto"]
+    assert tuning["mode"]["default"] == "Recommend"
+    assert (tuning["minSpeculativeTokens"]["minimum"], tuning["minSpeculativeTokens"]["default"]) == (
+        0, 0
+    )
+    assert tuning["maxSpeculativeTokens"]["maximum"] == 16
+    assert "default" not in tuning["maxSpeculativeTokens"]
+    assert tuning["interval"]["default"] == "30s" and tuning["cooldown"]["default"] == "2m"
+    assert tuning["minGain"] == {
+        "type": "number", "default": 0.05, "minimum": 0.0, "maximum": 1.0,
+        "description": tuning["minGain"]["description"],
+    }
 
 
 def test_subresources(version):
@@ -173,7 +218,9 @@ def test_subresources(version):
 
 def test_printer_columns(version):
     columns = {c["name"]: c for c in version["additionalPrinterColumns"]}
-    assert list(columns) == ["Method", "K", "Ready", "Replicas", "Age"]
+    assert list(columns) == ["Method", "K", "Accept-Len", "Ready", "Replicas", "Age"]
+    assert columns["Accept-Len"]["jsonPath"] == ".status.speculation.meanAcceptanceLength"
+    assert columns["Accept-Len"]["type"] == "number"
     assert columns["Method"]["jsonPath"] == ".spec.speculator.method"
     assert columns["K"]["jsonPath"] == ".status.speculation.numSpeculativeTokens"
     assert columns["Ready"]["jsonPath"] == '.status.conditions[?(@.type=="Ready")].status'

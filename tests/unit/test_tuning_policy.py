@@ -114,7 +114,8 @@ def test_explores_unobserved_depth_within_budget():
     assert reasons and set(reasons) <= {"Explore", "HigherGoodput"}
     assert state.num_speculative_tokens >= 6
     ks = [2] + [d.num_speculative_tokens for d in decisions if d.apply]
-    assert all(abs(b - a) == 1 for a, b in zip(ks, ks[1:], strict=False))  # one step each
+    # Upwards into undrafted positions the step doubles k, never more.
+    assert all(b <= max(a + 1, 2 * a) for a, b in zip(ks, ks[1:], strict=False))
     # Without budget there is no exploration.
     broke = replace(TuningState.initial(2, AUTO), explore_tokens=0.0)
     no_budget = replace(AUTO, explore_budget=0.0)
@@ -122,23 +123,45 @@ def test_explores_unobserved_depth_within_budget():
     assert all(d.reason != "Explore" for d in decisions)
 
 
+def test_exploration_doubles_k_then_stops_at_the_model_best():
+    d0 = decide(TuningState.initial(3, AUTO), window(3, [0.9] * 8, batch=1), AUTO, T0)
+    assert d0.reason == "Explore" and d0.num_speculative_tokens == 6
+    # Confirmed by the next window: no cooldown, the token is given back, next step.
+    d1 = decide(d0.state, window(6, [0.9] * 8, batch=1), AUTO, T0 + 30)
+    assert d1.apply and d1.num_speculative_tokens == 8
+    assert d1.state.explore_tokens >= d0.state.explore_tokens
+
+
 def test_reverts_when_measured_goodput_is_worse():
     state = TuningState.initial(3, AUTO)
     d0 = decide(state, window(3, [0.9] * 8, batch=1), AUTO, T0)
-    assert d0.reason == "Explore" and d0.num_speculative_tokens == 4
-    # The new k turns out 30 % slower than the model believed.
-    d1 = decide(d0.state, window(4, [0.9] * 8, batch=1, slowdown=1.3), AUTO, T0 + 30)
+    assert d0.reason == "Explore" and d0.num_speculative_tokens == 6
+    # The new k turns out so much slower than the model believed that it loses.
+    slowdown = (1.0 + d0.predicted_gain) / 0.9
+    d1 = decide(d0.state, window(6, [0.9] * 8, batch=1, slowdown=slowdown), AUTO, T0 + 30)
     assert d1.reason == "Revert" and d1.num_speculative_tokens == 3 and d1.apply
-    assert 4 in d1.state.blacklist and not d1.state.pending_verification
+    assert 6 in d1.state.blacklist and not d1.state.pending_verification
+    assert d1.state.probe_failures == 1
     # Blacklisted k is not explored again while the entry lasts.
     decisions, _ = run(d1.state, [0.9] * 8, 6, batch=1, start=T0 + 30)
-    assert all(d.num_speculative_tokens != 4 for d in decisions)
+    assert all(d.num_speculative_tokens != 6 for d in decisions)
 
 
 def test_change_is_kept_when_verified():
     d0 = decide(TuningState.initial(3, AUTO), window(3, [0.9] * 8, batch=1), AUTO, T0)
-    d1 = decide(d0.state, window(4, [0.9] * 8, batch=1), AUTO, T0 + 30)
-    assert d1.reason == "Cooldown" and not d1.state.pending_verification
+    d1 = decide(d0.state, window(6, [0.9] * 8, batch=1), AUTO, T0 + 30)
+    # Verified (kept), and confirmed as better than k=3: the tuner may move on at once.
+    assert d1.reason not in ("Revert", "Cooldown")
+    assert d1.state.num_speculative_tokens >= 6
+
+
+def test_unconfirmed_change_keeps_the_cooldown():
+    # Slightly worse than the old k would have been (within the revert tolerance):
+    # kept, but the cooldown holds.
+    d0 = decide(TuningState.initial(3, AUTO), window(3, [0.9] * 8, batch=1), AUTO, T0)
+    slowdown = (1.0 + d0.predicted_gain) / 0.98
+    d1 = decide(d0.state, window(6, [0.9] * 8, batch=1, slowdown=slowdown), AUTO, T0 + 30)
+    assert d1.reason == "Cooldown" and not d1.apply and not d1.state.pending_verification
 
 
 def test_state_round_trips_through_json():
@@ -148,6 +171,17 @@ def test_state_round_trips_through_json():
     assert data["numSpeculativeTokens"] == state.num_speculative_tokens
     with pytest.raises(ValueError):
         TuningState.from_dict({"version": 99, "numSpeculativeTokens": 3})
+
+
+def test_version_1_state_is_migrated():
+    _, state = run(TuningState.initial(3, AUTO), [0.85] * 8, 3, batch=4)
+    old = state.to_dict()
+    for key in ("schedule", "previousSchedule", "probeFailures"):
+        del old[key]
+    old["version"] = 1
+    migrated = TuningState.from_dict(json.loads(json.dumps(old)))
+    assert migrated == replace(state, schedule=None, previous_schedule=None, probe_failures=0)
+    assert migrated.to_dict()["version"] == 2
 
 
 def test_restart_continues_identically():

@@ -1,0 +1,216 @@
+"""One tuning tick of one ``SpeculativeModel``: the I/O around :mod:`specula.operator.tuner`.
+
+The kopf timer calls :func:`tune` every ``OperatorSettings.tuning_tick_s``; the
+resource's own ``spec.tuning.interval`` is enforced here from ``status.tuner``
+(kopf timers have one interval per handler).  A tick is one of:
+
+- ``Off``: nothing, except putting ``speculator.numSpeculativeTokens`` back on the pods
+  once if an earlier ``Auto`` may have changed it;
+- between windows: re-send the k in effect to pods that refused it (``Auto``);
+- a window: read the ready pods' ``/metrics`` and ``GET /v1/speculative_config``,
+  decide, ``PUT`` the new k to the pods that need it (``Auto``), write status, post
+  Events.
+
+Status is written under the resource's lock (:func:`reconcile.lock_for`) on a fresh
+copy of the object, conditional on its ``resourceVersion``, so the tuner and the
+reconciler never undo each other's fields.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from typing import Any
+
+from specula.api.models import SpeculativeModelSpec, SpeculativeModelStatus
+from specula.operator import tuner as pure
+from specula.operator.kube import ApiException, Kube
+from specula.operator.reconcile import lock_for, parse_spec, parse_status
+from specula.operator.runtime_client import RuntimeClient
+from specula.operator.settings import OperatorSettings
+
+log = logging.getLogger(__name__)
+
+_idle_until: dict[tuple[str, str], float] = {}
+"""Resources whose Service had no ready endpoint: Unix time of the next look.  Only
+saves API calls; losing it (a restart) costs one extra EndpointSlice list."""
+
+
+def _rfc3339(now: float) -> str:
+    return datetime.fromtimestamp(now, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _fresh(kube: Kube, body: dict[str, Any]) -> dict[str, Any] | None:
+    """The object as stored now, if it is still the same live object."""
+    meta = body["metadata"]
+    live = kube.get_speculative_model(meta["namespace"], meta["name"])
+    if live is None or live["metadata"].get("uid") != meta.get("uid"):
+        return None
+    if live["metadata"].get("deletionTimestamp"):
+        return None
+    return live
+
+
+def _endpoints(kube: Kube, body: dict[str, Any]) -> list[pure.Endpoint]:
+    meta = body["metadata"]
+    return pure.ready_endpoints(kube.list_endpoint_slices(meta["namespace"], meta["name"]))
+
+
+def _unchanged(patch: dict[str, Any], status: SpeculativeModelStatus | None) -> bool:
+    raw = status.to_k8s() if status is not None else {}
+    return all(raw.get(key) == value for key, value in patch.items())
+
+
+def _write(
+    kube: Kube,
+    body: dict[str, Any],
+    settings: OperatorSettings,
+    build: Callable[[SpeculativeModelStatus | None, int | None], pure.StatusUpdate],
+    now: float,
+) -> pure.StatusUpdate | None:
+    """Build the update on the stored object and write it if it changes anything;
+    retried on conflict.  Events are posted once, after the write."""
+    meta = body["metadata"]
+    update: pure.StatusUpdate | None = None
+    with lock_for(meta["namespace"], meta["name"]):
+        for _ in range(settings.status_conflict_retries):
+            live = _fresh(kube, body)
+            if live is None:
+                return None
+            current = parse_status(live)
+            update = build(current, live["metadata"].get("generation"))
+            if _unchanged(update.patch, current):
+                break
+            try:
+                kube.patch_status(
+                    meta["namespace"], meta["name"], update.patch,
+                    resource_version=live["metadata"].get("resourceVersion"),
+                )
+                break
+            except ApiException as e:
+                if e.status != 409:
+                    raise
+    if update is not None:
+        for event in update.events:
+            try:
+                kube.post_event(body, event.type, event.reason, event.message, _rfc3339(now))
+            except ApiException as e:
+                log.warning("cannot post event %s on %s: %s", event.reason, meta["name"], e.reason)
+    return update
+
+
+def tune(
+    body: dict[str, Any],
+    kube: Kube,
+    client: RuntimeClient,
+    settings: OperatorSettings,
+    clock: Callable[[], float] = time.time,
+) -> pure.StatusUpdate | None:
+    """One timer tick for resource ``body``; returns what was written, if anything.
+
+    Resources whose spec does not parse or whose method the runtime lacks are left
+    alone (their pods are not running).
+
+    Raises:
+        ApiException: reading the object or its EndpointSlices, or writing status failed.
+    """
+    spec, problem = parse_spec(body)
+    if spec is None or problem is not None:
+        return None
+    live = _fresh(kube, body)
+    if live is None:
+        return None
+    current = parse_status(live)
+    now = clock()
+    key = (body["metadata"]["namespace"], body["metadata"]["name"])
+    if spec.tuning.mode == "Off":
+        _idle_until.pop(key, None)
+        return _off(body, spec, current, kube, client, settings, now)
+    tuner_status = current.tuner if current is not None else None
+    if not pure.is_due(tuner_status, spec.tuning.interval_s, settings.tuning_tick_s, now):
+        return _retry_pending(body, spec, current, kube, client, settings, now)
+    if _idle_until.get(key, 0.0) > now:
+        return None
+    endpoints = _endpoints(kube, body)
+    if not endpoints:
+        _idle_until[key] = now + spec.tuning.interval_s
+    else:
+        _idle_until.pop(key, None)
+    readings = client.read_all(endpoints)
+    evaluation = pure.evaluate(spec, current, readings, now, _rfc3339(now))
+    failures: dict[str, str] = {}
+    if evaluation.to_apply and evaluation.target_config is not None:
+        failures = client.put_all(evaluation.to_apply, evaluation.target_config)
+    if evaluation.decision is not None:
+        d = evaluation.decision
+        changed = d.num_speculative_tokens not in (None, d.current_num_speculative_tokens)
+        log.log(
+            logging.INFO if changed or failures else logging.DEBUG,
+            "%s/%s: %s (k=%s -> %s, applied to %d pod(s), %d failed)",
+            key[0], key[1], d.reason, d.current_num_speculative_tokens,
+            d.num_speculative_tokens, len(evaluation.to_apply) - len(failures), len(failures),
+        )
+    return _write(
+        kube, body, settings,
+        lambda cur, gen: pure.finish(evaluation, failures, cur, gen, _rfc3339(now)),
+        now,
+    )
+
+
+def _retry_pending(
+    body: dict[str, Any],
+    spec: SpeculativeModelSpec,
+    current: SpeculativeModelStatus | None,
+    kube: Kube,
+    client: RuntimeClient,
+    settings: OperatorSettings,
+    now: float,
+) -> pure.StatusUpdate | None:
+    """Between windows in ``Auto`` mode: re-send the k in effect to pending pods."""
+    if spec.tuning.mode != "Auto" or current is None or current.tuner is None:
+        return None
+    pending = set(current.tuner.pending_pods)
+    if not pending:
+        return None
+    state = pure.load_state(spec, current.tuner)
+    config = pure.target_config(state)
+    target = state.num_speculative_tokens if state.schedule is None else str(
+        config["num_speculative_tokens_per_batch_size"]
+    )
+    endpoints = [e for e in _endpoints(kube, body) if e.pod in pending]
+    failures = client.put_all(endpoints, config)
+    retried = [e.pod for e in endpoints]
+    return _write(
+        kube, body, settings,
+        lambda cur, gen: pure.after_retry(
+            target, retried, failures, cur or SpeculativeModelStatus(), gen, _rfc3339(now)
+        ),
+        now,
+    )
+
+
+def _off(
+    body: dict[str, Any],
+    spec: SpeculativeModelSpec,
+    current: SpeculativeModelStatus | None,
+    kube: Kube,
+    client: RuntimeClient,
+    settings: OperatorSettings,
+    now: float,
+) -> pure.StatusUpdate | None:
+    """``Off``: put the spec's k back once after tuning ran, then stay quiet."""
+    failures: dict[str, str] | None = None
+    if pure.needs_restore(spec, current):
+        failures = client.put_all(
+            _endpoints(kube, body),
+            {"num_speculative_tokens": spec.speculator.num_speculative_tokens},
+        )
+    return _write(
+        kube, body, settings,
+        lambda cur, gen: pure.disabled(
+            spec, cur or SpeculativeModelStatus(), failures, gen, _rfc3339(now)
+        ),
+        now,
+    )

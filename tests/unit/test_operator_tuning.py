@@ -1,0 +1,401 @@
+"""The operator's pure tuning steps: endpoints from EndpointSlices, windows against
+stored baselines, decisions turned into status, conditions and events."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specula.api.models import SpeculativeModelSpec, SpeculativeModelStatus, TuningHistoryEntry
+from specula.operator import tuner
+from specula.operator.status import TUNED, Observation, compute_status, get_condition
+from specula.operator.tuner import Endpoint, PodReading
+from specula.tuning import RuntimeMetrics, TuningState
+
+NOW = 1_800_000_000.0
+NOW_S = "2027-01-15T08:00:00Z"
+
+
+def spec(mode="Auto", k=2, **tuning):
+    return SpeculativeModelSpec.model_validate({
+        "model": {"uri": "hf://org/target"},
+        "speculator": {
+            "method": "draft_model", "model": {"uri": "hf://org/draft"},
+            "numSpeculativeTokens": k,
+        },
+        "tuning": {"mode": mode, "maxSpeculativeTokens": 4, "interval": "10s",
+                   "cooldown": "0s", **tuning},
+    })
+
+
+def exposition(*, drafts, accepted_per_pos, k, steps, step_s, generated, batch_bucket="3-4"):
+    """``/metrics`` text as the runtime exports it (counters are cumulative)."""
+    per_pos = list(accepted_per_pos) + [0] * (k - len(accepted_per_pos))
+    lab = 'model_name="m"'
+    lines = [
+        "# TYPE specula:spec_decode_num_drafts counter",
+        f"specula:spec_decode_num_drafts_total{{{lab}}} {drafts}",
+        "# TYPE specula:spec_decode_num_draft_tokens counter",
+        f"specula:spec_decode_num_draft_tokens_total{{{lab}}} {drafts * k}",
+        "# TYPE specula:spec_decode_num_accepted_tokens counter",
+        f"specula:spec_decode_num_accepted_tokens_total{{{lab}}} {sum(per_pos)}",
+        "# TYPE specula:spec_decode_num_accepted_tokens_per_pos counter",
+        *(
+            f'specula:spec_decode_num_accepted_tokens_per_pos_total{{{lab},position="{j}"}} {n}'
+            for j, n in enumerate(per_pos)
+        ),
+        "# TYPE specula:generation_tokens counter",
+        f"specula:generation_tokens_total{{{lab}}} {generated}",
+        "# TYPE specula:step_duration_seconds histogram",
+        f'specula:step_duration_seconds_bucket{{{lab},batch_bucket="{batch_bucket}",'
+        f'num_speculative_tokens="{k}",le="+Inf"}} {steps}',
+        f'specula:step_duration_seconds_count{{{lab},batch_bucket="{batch_bucket}",'
+        f'num_speculative_tokens="{k}"}} {steps}',
+        f'specula:step_duration_seconds_sum{{{lab},batch_bucket="{batch_bucket}",'
+        f'num_speculative_tokens="{k}"}} {step_s}',
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def reading(pod, k, scale=1.0, *, configured=None, rate=0.6):
+    """A pod that drafted ``1000 * scale`` rounds at ``k`` with acceptance ``rate`` per
+    position (conditional), 4 sequences per step."""
+    drafts = int(1000 * scale)
+    per_pos, alive = [], float(drafts)
+    for _ in range(k):
+        alive *= rate
+        per_pos.append(int(alive))
+    steps = drafts // 4
+    text = exposition(
+        drafts=drafts, accepted_per_pos=per_pos, k=k, steps=steps,
+        step_s=steps * 0.02, generated=drafts + sum(per_pos),
+    )
+    cfg = {"num_speculative_tokens": k if configured is None else configured,
+           "num_speculative_tokens_per_batch_size": None, "max_num_speculative_tokens": 4}
+    return PodReading(
+        Endpoint(pod, "10.0.0.1", 8000, 9090),
+        metrics=RuntimeMetrics.from_prometheus_text(text),
+        speculative_config=cfg,
+    )
+
+
+def roundtrip(status: SpeculativeModelStatus, update: tuner.StatusUpdate) -> SpeculativeModelStatus:
+    """``status`` after the API server applied ``update.patch`` as a JSON merge patch."""
+    raw = status.to_k8s()
+    for key, value in update.patch.items():
+        if value is None:
+            raw.pop(key, None)
+        else:
+            raw[key] = value
+    # Everything written must be JSON (the CRD's preserve-unknown-fields included).
+    return SpeculativeModelStatus.model_validate(json.loads(json.dumps(raw)))
+
+
+# --- endpoints ---------------------------------------------------------------------
+
+
+def test_ready_endpoints_from_slices():
+    slices = [
+        {
+            "ports": [{"name": "http", "port": 8000}, {"name": "metrics", "port": 9090}],
+            "endpoints": [
+                {"addresses": ["10.0.0.2"], "conditions": {"ready": True},
+                 "targetRef": {"kind": "Pod", "name": "sm-b"}},
+                {"addresses": ["10.0.0.1"], "targetRef": {"kind": "Pod", "name": "sm-a"}},
+                {"addresses": ["10.0.0.3"], "conditions": {"ready": False},
+                 "targetRef": {"name": "sm-c"}},
+                {"addresses": ["10.0.0.4"], "conditions": {"ready": True, "terminating": True},
+                 "targetRef": {"name": "sm-d"}},
+                {"addresses": [], "conditions": {"ready": True}},
+            ],
+        },
+        # The same pod in a second slice (slices may overlap during updates).
+        {"ports": [{"name": "http", "port": 8000}],
+         "endpoints": [{"addresses": ["10.0.0.2"], "targetRef": {"name": "sm-b"}}]},
+        {"ports": [{"name": "http", "port": 8000}],
+         "endpoints": [{"addresses": ["fd00::5"], "conditions": {"ready": True}}]},
+    ]
+    eps = tuner.ready_endpoints(slices)
+    assert [e.pod for e in eps] == ["fd00::5", "sm-a", "sm-b"]
+    a = eps[1]
+    assert a.metrics_url == "http://10.0.0.1:9090/metrics"
+    assert a.admin_url == "http://10.0.0.1:8000/v1/speculative_config"
+    v6 = eps[0]
+    assert v6.metrics_url == "http://[fd00::5]:8000/metrics"  # no metrics port: http's
+    assert Endpoint("p", "10.0.0.9", None, None).admin_url is None
+
+
+def test_is_due():
+    state = tuner.TunerStatus(last_scrape_time=NOW)
+    assert tuner.is_due(None, 30, 5, NOW)
+    assert not tuner.is_due(state, 30, 5, NOW + 10)
+    assert tuner.is_due(state, 30, 5, NOW + 27.5)  # within half a tick
+    assert tuner.is_due(state, 30, 5, NOW - 100)  # clock went back
+
+
+def test_settings_follow_the_spec():
+    s = tuner.tuning_settings(spec("Recommend", k=3, minSpeculativeTokens=1, minGain=0.1,
+                                   interval="1m30s", cooldown="2m"))
+    assert (s.mode, s.min_speculative_tokens, s.max_speculative_tokens) == ("Recommend", 1, 4)
+    assert (s.interval_s, s.cooldown_s, s.min_gain) == (90.0, 120.0, 0.1)
+
+
+def test_unreadable_state_starts_afresh():
+    st = tuner.load_state(spec(k=3), tuner.TunerStatus(state={"version": 99}))
+    assert st.num_speculative_tokens == 3 and st.decisions == 0
+
+
+# --- windows and decisions -----------------------------------------------------------
+
+
+def test_no_endpoints_writes_no_state():
+    ev = tuner.evaluate(spec(), None, [], NOW, NOW_S)
+    assert ev.decision is None and ev.problem[0] == tuner.REASON_NO_ENDPOINTS
+    update = tuner.finish(ev, {}, None, 1, NOW_S)
+    assert update.patch["tuner"] is None  # nothing measured, nothing to remember
+    cond = get_condition(update.conditions, TUNED)
+    assert (cond.status, cond.reason) == ("False", "NoEndpoints")
+    assert update.events == []
+
+
+def test_scrape_failure_keeps_baselines_of_unreachable_pods():
+    first = tuner.evaluate(spec(), None, [reading("a", 2)], NOW, NOW_S)
+    status = roundtrip(SpeculativeModelStatus(), tuner.finish(first, {}, None, 1, NOW_S))
+    failed = PodReading(Endpoint("a", "10.0.0.1", 8000, 9090), error="ConnectTimeout: timed out")
+    ev = tuner.evaluate(spec(), status, [failed], NOW + 10, NOW_S)
+    assert ev.problem == (tuner.REASON_SCRAPE_FAILED, "a: ConnectTimeout: timed out")
+    assert set(ev.tuner.baselines) == {"a"}
+    assert ev.tuner.state == status.tuner.state
+
+
+def test_first_window_sets_baselines_and_applies_the_spec_k_in_auto():
+    # The pod started at its bound (4); the spec asks for 2.
+    ev = tuner.evaluate(spec("Auto", k=2), None, [reading("a", 4, configured=4)], NOW, NOW_S)
+    assert ev.decision.reason == "InsufficientData"  # no previous scrape: empty window
+    assert ev.target_num_speculative_tokens == 2
+    assert [e.pod for e in ev.to_apply] == ["a"]
+    assert set(ev.tuner.baselines) == {"a"}
+    assert ev.tuner.last_scrape_time == NOW
+    update = tuner.finish(ev, {}, None, 1, NOW_S)
+    cond = get_condition(update.conditions, TUNED)
+    assert (cond.status, cond.reason) == ("False", "InsufficientData")
+    assert update.patch["speculation"]["numSpeculativeTokens"] == 2
+
+
+def _two_windows(mode, k, rate, configured=None):
+    s = spec(mode, k=k, minGain=0.01)
+    first = tuner.evaluate(s, None, [reading("a", k, configured=configured)], NOW, NOW_S)
+    status = roundtrip(SpeculativeModelStatus(), tuner.finish(first, {}, None, 1, NOW_S))
+    second = tuner.evaluate(
+        s, status, [reading("a", k, scale=2.0, rate=rate, configured=configured)],
+        NOW + 10, NOW_S,
+    )
+    return status, second
+
+
+def test_window_is_the_counter_increase_since_the_baseline():
+    _, ev = _two_windows("Recommend", 2, 0.6)
+    d = ev.decision
+    assert d.sampled_drafts == 1000  # 2000 cumulative minus the 1000 baseline
+    assert d.acceptance_rate == pytest.approx((1200 - 600 + 720 - 360) / 2000)
+    spec_status = ev.speculation
+    assert spec_status.sampled_drafts == 1000
+    assert spec_status.acceptance_rate == pytest.approx(d.acceptance_rate, abs=1e-6)
+    assert spec_status.mean_acceptance_length == pytest.approx(1 + 960 / 1000, abs=1e-6)
+    assert len(spec_status.per_position_acceptance_rate) == 2
+    assert spec_status.last_update_time == NOW_S
+    assert spec_status.schedule[0][0] == 1
+
+
+def test_recommend_mode_records_without_applying():
+    # Counters that make drafting deeper look worthwhile or not, the test does not
+    # presume which: it checks what is recorded for whatever was decided.
+    status, ev = _two_windows("Recommend", 2, 0.95)
+    assert ev.target_num_speculative_tokens is None and ev.to_apply == []
+    d = ev.decision
+    assert not d.apply
+    assert ev.speculation.num_speculative_tokens == 2  # the pods' k, unchanged
+    expected = d.num_speculative_tokens if d.num_speculative_tokens is not None else 2
+    assert ev.speculation.recommended_num_speculative_tokens == expected
+    update = tuner.finish(ev, {}, status, 1, NOW_S)
+    cond = get_condition(update.conditions, TUNED)
+    if d.reason == "InsufficientData":
+        assert cond.reason == "InsufficientData"
+    else:
+        assert (cond.status, cond.reason) == ("True", "Recommended")
+        assert cond.message.startswith(d.reason)
+    for entry in update.patch.get("tuningHistory") or []:
+        assert entry["applied"] is False
+
+
+def test_recommend_mode_takes_the_k_the_pods_report():
+    # The state says 2, but the pod runs 3 (set by hand, or by an earlier Auto).
+    s = spec("Recommend", k=2)
+    ev = tuner.evaluate(s, None, [reading("a", 3)], NOW, NOW_S)
+    assert ev.speculation.num_speculative_tokens == 3
+    assert TuningState.from_dict(ev.tuner.state).num_speculative_tokens == 3
+
+
+def _decision_status(reason, current, new, apply, gain=0.1):
+    from specula.tuning import Decision
+
+    state = TuningState(num_speculative_tokens=new if apply else current)
+    return Decision(
+        num_speculative_tokens=new, apply=apply, reason=reason, message=f"k {current}->{new}",
+        current_num_speculative_tokens=current, state=state, predicted_gain=gain,
+    )
+
+
+def test_history_records_changes_and_keeps_the_last_ten():
+    history = None
+    for i in range(12):
+        d = _decision_status("HigherGoodput", i % 4, (i % 4) + 1, apply=True)
+        history, entry = tuner._history(history, d, f"2027-01-15T08:00:{i:02d}Z")
+        assert entry is not None and entry.applied
+    assert len(history) == 10
+    assert history[-1].time == "2027-01-15T08:00:11Z"
+    assert history[0].time == "2027-01-15T08:00:02Z"
+    # Keeping k, or a repeated recommendation, adds nothing.
+    keep = _decision_status("NoGain", 2, None, apply=False)
+    assert tuner._history(history, keep, NOW_S) == (history, None)
+    rec = _decision_status("HigherGoodput", 3, 2, apply=False)
+    history, entry = tuner._history(history, rec, NOW_S)
+    assert entry is not None and not entry.applied
+    assert tuner._history(history, rec, NOW_S) == (history, None)
+    assert history[-1].to_k8s()["from"] == 3
+
+
+def _auto_evaluation(failures):
+    ev = tuner.evaluate(spec("Auto", k=2), None, [reading("a", 4, configured=4),
+                                                  reading("b", 2, configured=2)], NOW, NOW_S)
+    assert [e.pod for e in ev.to_apply] == ["a"]
+    return ev, tuner.finish(ev, failures, None, 7, NOW_S)
+
+
+def test_apply_failure_is_reported_and_retried():
+    ev, update = _auto_evaluation({"a": "HTTP 400 above_max: too large"})
+    cond = get_condition(update.conditions, TUNED)
+    assert (cond.status, cond.reason, cond.observed_generation) == ("False", "ApplyFailed", 7)
+    assert "a: HTTP 400 above_max" in cond.message
+    assert update.patch["tuner"]["pendingPods"] == ["a"]
+    assert [(e.type, e.reason) for e in update.events] == [("Warning", "ApplyFailed")]
+
+    status = roundtrip(SpeculativeModelStatus(), update)
+    retried = tuner.after_retry(2, ["a"], {}, status, 7, NOW_S)
+    cond = get_condition(retried.conditions, TUNED)
+    assert (cond.status, cond.reason) == ("True", "Applied")
+    assert "pendingPods" not in (retried.patch["tuner"] or {})
+    assert [(e.type, e.reason) for e in retried.events] == [("Normal", "Applied")]
+
+
+def test_applied_change_posts_an_event_and_history():
+    d = _decision_status("Explore", 2, 3, apply=True)
+    ev = tuner.Evaluation(
+        tuner=tuner.TunerStatus(state=d.state.to_dict()),
+        speculation=None, history=None, decision=d, target_num_speculative_tokens=3,
+        new_history_entry=TuningHistoryEntry(
+            time=NOW_S, from_=2, to=3, reason="Explore", applied=True, message="m"
+        ),
+    )
+    update = tuner.finish(ev, {}, None, 1, NOW_S)
+    cond = get_condition(update.conditions, TUNED)
+    assert (cond.status, cond.reason) == ("True", "Applied")
+    assert [(e.type, e.reason) for e in update.events] == [("Normal", "Explore")]
+    assert update.events[0].message.startswith("k 2->3 applied")
+
+
+def test_finish_keeps_other_conditions_and_transition_time():
+    current = SpeculativeModelStatus.model_validate({"conditions": [
+        {"type": "Ready", "status": "True", "reason": "ReplicasReady",
+         "lastTransitionTime": "2027-01-01T00:00:00Z"},
+    ]})
+    ev = tuner.evaluate(spec(), current, [], NOW, NOW_S)
+    first = tuner.finish(ev, {}, current, 1, NOW_S)
+    assert [c.type for c in first.conditions] == ["Ready", "Tuned"]
+    again = tuner.finish(ev, {}, roundtrip(current, first), 1, "2027-01-15T09:00:00Z")
+    assert get_condition(again.conditions, TUNED).last_transition_time == NOW_S
+
+
+# --- Off mode and the reconcile's view -----------------------------------------------
+
+
+def test_off_mode_restores_the_spec_k_then_forgets():
+    s = spec("Off", k=2)
+    tuned = SpeculativeModelStatus(
+        tuner=tuner.TunerStatus(state=TuningState(num_speculative_tokens=3).to_dict())
+    )
+    assert tuner.needs_restore(s, tuned)
+    assert not tuner.needs_restore(spec("Auto"), tuned)
+    failed = tuner.disabled(s, tuned, {"a": "ConnectError"}, 1, NOW_S)
+    assert get_condition(failed.conditions, TUNED).reason == "ApplyFailed"
+    assert failed.patch["tuner"] is not None  # retried next tick
+    done = tuner.disabled(s, tuned, {}, 1, NOW_S)
+    assert done.patch["tuner"] is None
+    assert done.patch["speculation"]["numSpeculativeTokens"] == 2
+    assert [e.reason for e in done.events] == ["Restored"]
+    quiet = tuner.disabled(s, roundtrip(tuned, done), None, 1, NOW_S)
+    assert get_condition(quiet.conditions, TUNED).reason == "Disabled" and quiet.events == []
+
+
+@pytest.mark.parametrize(("mode", "has_state", "expected_k"), [
+    ("Off", True, 2), ("Recommend", False, 2), ("Recommend", True, 3), ("Auto", True, 3),
+])
+def test_reconcile_keeps_the_tuners_fields(mode, has_state, expected_k):
+    previous = SpeculativeModelStatus.model_validate({
+        "speculation": {"numSpeculativeTokens": 3, "meanAcceptanceLength": 2.5},
+        "tuningHistory": [{"time": NOW_S, "from": 2, "to": 3, "reason": "Explore",
+                           "applied": True}],
+        "tuner": {"state": TuningState(num_speculative_tokens=3).to_dict()} if has_state else {},
+        "conditions": [{"type": "Tuned", "status": "True", "reason": "Applied"}],
+    })
+    status = compute_status(
+        Observation(generation=1, selector="s", desired_replicas=1, num_speculative_tokens=2,
+                    tuning_mode=mode),
+        previous, NOW_S,
+    )
+    assert status.speculation.num_speculative_tokens == expected_k
+    assert status.speculation.mean_acceptance_length == 2.5
+    assert status.tuning_history == previous.tuning_history
+    assert status.tuner == previous.tuner
+    assert get_condition(status.conditions, TUNED).reason == "Applied"
+
+
+def test_tuning_settings_from_env():
+    from specula.operator.settings import OperatorSettings
+
+    s = OperatorSettings.from_env({"SPECULA_TUNING_TICK_S": "1", "SPECULA_SCRAPE_TIMEOUT_S": "0.5"})
+    assert (s.tuning_tick_s, s.scrape_timeout_s) == (1.0, 0.5)
+    assert (OperatorSettings().tuning_tick_s, OperatorSettings().scrape_timeout_s) == (5.0, 3.0)
+
+
+def test_apply_failure_warns_once_per_set_of_failing_pods():
+    _, update = _auto_evaluation({"a": "ConnectError"})
+    status = roundtrip(SpeculativeModelStatus(), update)
+    ev = tuner.evaluate(spec("Auto", k=2), status, [reading("a", 4, configured=4)], NOW + 10, NOW_S)
+    again = tuner.finish(ev, {"a": "ConnectError"}, status, 7, NOW_S)
+    assert get_condition(again.conditions, TUNED).reason == "ApplyFailed"
+    assert again.events == []
+
+
+def test_target_config_is_the_schedule_or_the_single_k():
+    single = TuningState(num_speculative_tokens=3)
+    assert tuner.target_config(single) == {"num_speculative_tokens": 3}
+    scheduled = TuningState(num_speculative_tokens=3, schedule=((1, 8, 4), (9, 256, 2)))
+    config = tuner.target_config(scheduled)
+    assert config == {"num_speculative_tokens_per_batch_size": [[1, 8, 4], [9, 256, 2]]}
+    pod = reading("a", 2)
+    assert pod.runs({"num_speculative_tokens": 2}) and not pod.runs(config)
+    on_schedule = PodReading(pod.endpoint, pod.metrics, {
+        "num_speculative_tokens": None,
+        "num_speculative_tokens_per_batch_size": [[1, 8, 4], [9, 256, 2]],
+    })
+    assert on_schedule.runs(config) and on_schedule.num_speculative_tokens is None
+    assert not on_schedule.runs({"num_speculative_tokens": 2})
+
+
+def test_unreadable_baseline_counts_as_a_new_pod():
+    status = SpeculativeModelStatus(tuner=tuner.TunerStatus(baselines={"a": {"stepTimes": 7}}))
+    ev = tuner.evaluate(spec("Recommend"), status, [reading("a", 2)], NOW, NOW_S)
+    assert ev.decision.sampled_drafts == 0
+    assert RuntimeMetrics.from_dict(ev.tuner.baselines["a"]).counters.num_drafts == 1000
