@@ -360,9 +360,10 @@ class SpeculativeModelSpec(_Base):
         return self.speculator.num_speculative_tokens if explicit is None else explicit
 
     @property
-    def startup_num_speculative_tokens(self) -> int:
-        """k the pods start with, their upper bound for ``PUT /v1/speculative_config``:
-        ``max_speculative_tokens`` in ``Auto`` mode, else ``speculator.numSpeculativeTokens``."""
+    def pod_max_num_speculative_tokens(self) -> int:
+        """The pods' upper bound for ``PUT /v1/speculative_config`` (they start at
+        ``speculator.numSpeculativeTokens``): ``max_speculative_tokens`` in ``Auto``
+        mode, so the tuner can move k up to it without a restart, else the spec's k."""
         if self.tuning.mode == "Auto":
             return max(self.max_speculative_tokens, self.speculator.num_speculative_tokens)
         return self.speculator.num_speculative_tokens

@@ -21,10 +21,10 @@ def render_runtime_config(name: str, spec: SpeculativeModelSpec) -> RuntimeConfi
     under :data:`specula.api.runtime_config.PVC_MOUNT_ROOT`, where the operator
     mounts the claim.
 
-    The runtime's ``num_speculative_tokens`` is the k a pod starts with and the most
-    it accepts later: in ``Auto`` tuning mode that is ``tuning.maxSpeculativeTokens``
-    (the operator then sets the k in effect through the admin API), otherwise
-    ``speculator.numSpeculativeTokens``.
+    Pods start at ``speculator.numSpeculativeTokens``; the most they accept later
+    (``max_num_speculative_tokens``) is ``tuning.maxSpeculativeTokens`` in ``Auto``
+    tuning mode, where the operator moves k through the admin API, otherwise the
+    spec's k.
     """
     speculator = spec.speculator
     return RuntimeConfig(
@@ -37,7 +37,8 @@ def render_runtime_config(name: str, spec: SpeculativeModelSpec) -> RuntimeConfi
         speculator=SpeculatorRuntimeConfig(
             method=speculator.method,
             model=speculator.model.uri if speculator.model is not None else None,
-            num_speculative_tokens=spec.startup_num_speculative_tokens,
+            num_speculative_tokens=speculator.num_speculative_tokens,
+            max_num_speculative_tokens=spec.pod_max_num_speculative_tokens,
             draft_tensor_parallel_size=speculator.draft_tensor_parallel_size,
         ),
         port=RUNTIME_PORT,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 MODEL_URI_PATTERN = r"^(hf|pvc|file)://.+"
 """Accepted model URI schemes: ``hf://org/name`` (Hugging Face Hub repository,
@@ -34,10 +34,28 @@ class SpeculatorRuntimeConfig(BaseModel):
     model: str | None = Field(default=None, pattern=MODEL_URI_PATTERN)
     """URI of the draft checkpoint; ``None`` for methods that need none (mtp, ngram)."""
     num_speculative_tokens: int = Field(default=3, ge=1, le=16)
-    """k: draft tokens proposed per step.  Also the upper bound a running pod accepts
-    through ``PUT /v1/speculative_config``."""
+    """k: draft tokens proposed per step when the pod starts."""
+    max_num_speculative_tokens: int | None = Field(default=None, ge=1, le=16)
+    """The largest k a running pod accepts through ``PUT /v1/speculative_config``; the
+    speculator's buffers are sized by it.  ``None`` means ``num_speculative_tokens``."""
     draft_tensor_parallel_size: int = Field(default=1, ge=1, le=8)
     """Tensor-parallel degree of the draft model (1 or the target's degree)."""
+
+    @model_validator(mode="after")
+    def _max_covers_start(self) -> SpeculatorRuntimeConfig:
+        if self.max_num_speculative_tokens is not None and (
+            self.max_num_speculative_tokens < self.num_speculative_tokens
+        ):
+            raise ValueError(
+                f"max_num_speculative_tokens ({self.max_num_speculative_tokens}) is below "
+                f"num_speculative_tokens ({self.num_speculative_tokens})"
+            )
+        return self
+
+    @property
+    def max_k(self) -> int:
+        """The bound in force: ``max_num_speculative_tokens`` or, unset, the startup k."""
+        return self.max_num_speculative_tokens or self.num_speculative_tokens
 
 
 class RuntimeConfig(BaseModel):

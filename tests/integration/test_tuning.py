@@ -12,6 +12,7 @@ recorded.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 
 import pytest
@@ -152,7 +153,7 @@ def test_auto_mode_applies_decisions_and_keeps_state_across_restart(
     start_k = 2
     runtime_server.set_num_speculative_tokens(SERVER_MAX_K)
     create_sm(custom_objects, namespace, _tuned_sm(name, "Auto", start_k))
-    # Auto mode: the pods start with maxSpeculativeTokens as their bound.
+    # Auto mode: the pods start at the spec's k, bounded by maxSpeculativeTokens.
     config = wait_for(
         lambda: next(iter(
             cm for cm in core_v1.list_namespaced_config_map(namespace).items
@@ -161,11 +162,14 @@ def test_auto_mode_applies_decisions_and_keeps_state_across_restart(
         timeout=30,
         message=f"ConfigMap {name}",
     )
-    assert f'"num_speculative_tokens": {SERVER_MAX_K}' in config.data["runtime.json"]
+    rendered = json.loads(config.data["runtime.json"])["speculator"]
+    assert rendered["num_speculative_tokens"] == start_k
+    assert rendered["max_num_speculative_tokens"] == SERVER_MAX_K
     _point_service_at(discovery_v1, namespace, name, runtime_server)
     try:
         with Traffic(runtime_server) as traffic:
-            # First the operator sets the spec's k on the pod that started at its bound.
+            # First the operator brings the pod, which runs another k (as a pod restarted
+            # by hand or left over from an earlier spec would), to the spec's k.
             wait_for(
                 lambda: runtime_server.speculative_config()["num_speculative_tokens"] == start_k,
                 timeout=30, interval=0.3, message=f"server k set to {start_k}",

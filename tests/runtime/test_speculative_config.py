@@ -171,3 +171,52 @@ def test_single_k_is_used_whatever_the_batch(engine):
         if engine.last_step_num_reqs:
             seen.add(engine.last_step_num_speculative_tokens)
     assert seen == {3}
+
+
+def test_pod_starts_below_its_maximum(tiny_llama_target, tiny_llama_draft, hf_model):
+    """``num_speculative_tokens`` is where a pod starts; ``max_num_speculative_tokens``
+    bounds what it accepts later (the tuner raises k up to it without a restart)."""
+    from specula.api.runtime_config import RuntimeConfig, SpeculatorRuntimeConfig
+    from specula.runtime.engine.llm_engine import LLMEngine
+
+    config = RuntimeConfig(
+        model=f"file://{tiny_llama_target}",
+        dtype="float32",
+        max_num_seqs=2,
+        speculator=SpeculatorRuntimeConfig(
+            method="draft_model",
+            model=f"file://{tiny_llama_draft}",
+            num_speculative_tokens=2,
+            max_num_speculative_tokens=6,
+        ),
+    )
+    engine = LLMEngine.from_config(config)
+    spec = engine.get_speculative_config()
+    assert (spec["num_speculative_tokens"], spec["max_num_speculative_tokens"]) == (2, 6)
+    prompt = [5, 9, 13, 2, 7]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    engine.add_request("a", prompt, params)
+    first = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            first += out.new_token_ids
+            if engine.spec_decoding_stats.num_drafts:
+                # Raised above the startup k mid-request, up to the maximum.
+                engine.set_num_speculative_tokens(6)
+    stats = engine.spec_decoding_stats
+    assert stats.num_draft_tokens > 2 * stats.num_drafts  # some rounds drafted 6
+    assert first == _hf_greedy(hf_model(tiny_llama_target), prompt, 24)
+    with pytest.raises(SpeculativeConfigError, match="6"):
+        engine.set_num_speculative_tokens(7)
+
+
+def test_maximum_below_startup_k_is_rejected(tiny_llama_draft):
+    from pydantic import ValidationError
+
+    from specula.api.runtime_config import SpeculatorRuntimeConfig
+
+    with pytest.raises(ValidationError, match="max_num_speculative_tokens"):
+        SpeculatorRuntimeConfig(
+            method="draft_model", model=f"file://{tiny_llama_draft}",
+            num_speculative_tokens=4, max_num_speculative_tokens=3,
+        )

@@ -183,7 +183,7 @@ def test_tuning_defaults():
     assert (t.interval_s, t.cooldown_s, t.min_gain) == (30.0, 120.0, 0.05)
     # Unset, the tuner's bound is the spec's k, and the pods start with it.
     assert spec.max_speculative_tokens == 3
-    assert spec.startup_num_speculative_tokens == 3
+    assert spec.pod_max_num_speculative_tokens == 3
 
 
 @pytest.mark.parametrize(
@@ -220,14 +220,17 @@ def test_invalid_tuning_is_rejected(tuning, k, fragment):
         SpeculativeModelSpec.model_validate(raw)
 
 
-def test_auto_mode_starts_pods_at_the_tuning_bound():
+def test_auto_mode_bounds_pods_by_the_tuning_maximum():
     raw = spec_dict(tuning={"mode": "Auto", "minSpeculativeTokens": 1, "maxSpeculativeTokens": 6})
     auto = SpeculativeModelSpec.model_validate(raw)
-    assert auto.startup_num_speculative_tokens == 6
-    assert render_runtime_config("m", auto).speculator.num_speculative_tokens == 6
+    assert auto.pod_max_num_speculative_tokens == 6
+    rendered = render_runtime_config("m", auto).speculator
+    assert (rendered.num_speculative_tokens, rendered.max_num_speculative_tokens) == (3, 6)
     raw["tuning"]["mode"] = "Recommend"
     recommend = SpeculativeModelSpec.model_validate(raw)
-    assert recommend.startup_num_speculative_tokens == 3
+    assert recommend.pod_max_num_speculative_tokens == 3
+    rendered = render_runtime_config("m", recommend).speculator
+    assert (rendered.num_speculative_tokens, rendered.max_num_speculative_tokens) == (3, 3)
     assert render_runtime_config("m", recommend).speculator.num_speculative_tokens == 3
     assert auto.to_k8s()["tuning"] == {
         "mode": "Auto", "minSpeculativeTokens": 1, "maxSpeculativeTokens": 6,

@@ -104,10 +104,12 @@ class LLMEngine:
                 dtype=self.dtype,
                 device=self.device,
             )
-            self.max_num_speculative_tokens = speculator_config.num_speculative_tokens
+            self.max_num_speculative_tokens = speculator_config.max_k
             self.speculator.init_cudagraph_manager()
             self.speculator.capture()
-        self.num_speculative_tokens: int | None = self.max_num_speculative_tokens
+        self.num_speculative_tokens: int | None = (
+            speculator_config.num_speculative_tokens if speculator_config is not None else 0
+        )
         """The configured k, or ``None`` while a per-batch-size schedule is in force."""
         self.speculative_schedule: BatchSizeSchedule | None = None
         self.last_step_num_reqs = 0

@@ -48,7 +48,7 @@ def create_speculator(
     return PlainDraftModelSpeculator(
         draft_dir=draft_dir,
         target_config=target_config,
-        num_speculative_tokens=config.num_speculative_tokens,
+        num_speculative_tokens=config.max_k,
         max_num_seqs=max_num_seqs,
         max_model_len=max_model_len,
         dtype=dtype,
