@@ -212,7 +212,8 @@ class TuningSpec(_Base):
     does not pay (the draft stays loaded)."""
     max_speculative_tokens: int | None = Field(default=None, ge=0, le=MAX_SPECULATIVE_TOKENS)
     """Largest k the tuner may choose; default ``speculator.numSpeculativeTokens``.  In
-    ``Auto`` mode the pods start with this k as their bound, so changing it rolls them."""
+    ``Auto`` mode it is the pods' bound for k (they start at the spec's k), so changing
+    it rolls them."""
     interval: Annotated[Duration, _min_duration(1.0)] = "30s"
     """Measurement window: the pods are scraped and a decision taken once per interval."""
     cooldown: Duration = "2m"
