@@ -35,7 +35,10 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--speculator-method", default=None,
                    choices=["eagle3", "mtp", "gemma4_mtp", "dflash", "draft_model", "ngram"])
     p.add_argument("--speculator-model", default=None, help="draft checkpoint URI")
-    p.add_argument("--num-speculative-tokens", type=int, default=None)
+    p.add_argument("--num-speculative-tokens", type=int, default=None,
+                   help="k the server starts with")
+    p.add_argument("--max-num-speculative-tokens", type=int, default=None,
+                   help="largest k PUT /v1/speculative_config may set (default: the start k)")
     p.add_argument("--dtype", default=None, choices=["auto", "bfloat16", "float16", "float32"])
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=None)
@@ -49,6 +52,11 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--port", type=int, default=0, help="0 picks a free port")
     p.add_argument("--retrain", action="store_true", help="train again even if cached")
+    p.add_argument("--no-tune", dest="tune", action="store_false",
+                   help="skip the tuning phase (the tuner choosing k as prompts switch "
+                        "between code and prose)")
+    p.add_argument("--tune-intervals", type=int, default=18,
+                   help="tuning intervals, split into code, prose and code phases")
 
 
 def _add_crd(sub: argparse._SubParsersAction) -> None:

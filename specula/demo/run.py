@@ -9,6 +9,9 @@ alone.
 3. Serve the target alone, send the same prompts, and compare: greedy speculative decoding must
    reproduce the target's greedy output exactly (Leviathan et al., arXiv 2211.17192), so any
    difference is a bug and fails the demo.
+4. Unless ``--no-tune``: serve the pair again at a start k below its maximum and let the tuner
+   (:mod:`specula.tuning`) choose k, interval by interval, while the prompts switch from code
+   to prose and back (:mod:`specula.demo.tuning`).
 """
 
 from __future__ import annotations
@@ -181,8 +184,13 @@ def run_demo(args: argparse.Namespace) -> int:
     from specula.demo.train import COMPLETE_MARKER, ensure_models
 
     k, max_tokens = args.num_speculative_tokens, args.max_tokens
+    tune = getattr(args, "tune", True)
+    tune_intervals = getattr(args, "tune_intervals", 18)
     if k < 1 or max_tokens < 1:
         print("specula demo: --num-speculative-tokens and --max-tokens must be >= 1")
+        return 2
+    if tune and tune_intervals < 3:
+        print("specula demo: --tune-intervals must be >= 3 (one per phase)")
         return 2
     try:
         model_dir, report, trained_now = ensure_models(retrain=args.retrain)
@@ -225,16 +233,33 @@ def run_demo(args: argparse.Namespace) -> int:
                                                    strict=True)) if a != b]
     summary = _summary(spec, base, k, identical=not mismatches)
     _print_table(summary)
+    tuning = None
+    if tune:
+        from specula.demo.tuning import run_tuning
+
+        try:
+            tuning = run_tuning(model_dir, list(PROMPTS), tune_intervals, max_tokens, args.port)
+        except ServerError as exc:
+            print(f"specula demo: tuning: {exc}")
+            return 1
+        except httpx.HTTPError as exc:
+            print(f"specula demo: tuning: request failed: {exc}")
+            return 1
+        except KeyboardInterrupt:
+            print("\nspecula demo: interrupted; servers stopped")
+            return 130
     results = {
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "machine": {"platform": platform.platform(), "processor": platform.processor()},
-        "command": {"num_speculative_tokens": k, "max_tokens": max_tokens},
+        "command": {"num_speculative_tokens": k, "max_tokens": max_tokens, "tune": tune,
+                    "tune_intervals": tune_intervals if tune else None},
         "model_dir": str(model_dir),
         "training": {key: report[key] for key in ("params", "target_val_loss", "draft_val_loss",
                                                    "greedy_agreement", "wall_s")},
         "summary": summary,
         "runs": [asdict(spec), asdict(base)],
         "prompts": list(PROMPTS),
+        "tuning": tuning,
     }
     out = model_dir / "demo-results.json"
     out.write_text(json.dumps(results, indent=2, default=str))

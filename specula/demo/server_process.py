@@ -28,6 +28,8 @@ class ServerError(RuntimeError):
 class ServerProcess:
     """``specula serve ARGS --host 127.0.0.1 --port PORT`` with its output in ``log_path``.
 
+    ``env`` adds to (or overrides) this process's environment for the child.
+
     Use as a context manager: entering starts the process and waits for ``/health``;
     leaving (also on an exception or Ctrl-C) sends SIGTERM, waits ``stop_timeout_s`` and
     then SIGKILLs, so no server outlives the demo.
@@ -40,6 +42,7 @@ class ServerProcess:
         port: int = 0,
         start_timeout_s: float = 300.0,
         stop_timeout_s: float = 15.0,
+        env: dict[str, str] | None = None,
     ) -> None:
         self.host = "127.0.0.1"
         self.port = port or free_port(self.host)
@@ -48,6 +51,7 @@ class ServerProcess:
         self._args = serve_args
         self._start_timeout_s = start_timeout_s
         self._stop_timeout_s = stop_timeout_s
+        self._env = dict(env or {})
         self._proc: subprocess.Popen | None = None
         self._log = None
 
@@ -74,7 +78,7 @@ class ServerProcess:
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self._env}
         self._proc = subprocess.Popen(
             self.command, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             env=env,

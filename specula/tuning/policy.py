@@ -394,7 +394,13 @@ def decide(
             target = max(winners, key=lambda k: (g_mean[k], -k))
             gain = g_mean[target] / g_cur - 1.0
             if abs(target - k_cur) > 1 and gain < s.big_gain:
-                target = k_cur + (1 if target > k_cur else -1)
+                # Small gains move one step at a time: to the nearest k towards the
+                # target that is itself a probable winner, so the move never goes to a
+                # k predicted worse, nor to one disallowed (blacklisted after a revert).
+                up = target > k_cur
+                target = min(
+                    (k for k in winners if (k > k_cur) == up), key=lambda k: abs(k - k_cur)
+                )
                 gain = g_mean[target] / g_cur - 1.0
             return out(
                 "HigherGoodput",

@@ -54,6 +54,30 @@ def test_flags_override_file(tmp_path: Path):
     assert cfg.speculator.model == "file:///m/draft"
 
 
+def test_max_num_speculative_tokens_flag(tmp_path: Path):
+    cfg = build_runtime_config(
+        _args("--model", "file:///m/target", "--speculator-model", "file:///m/draft",
+              "--num-speculative-tokens", "3", "--max-num-speculative-tokens", "8")
+    )
+    assert cfg.speculator is not None
+    assert (cfg.speculator.num_speculative_tokens, cfg.speculator.max_num_speculative_tokens) == (3, 8)
+    assert cfg.speculator.max_k == 8
+    # The flag alone raises the bound of a speculator given in the file, keeping its start k.
+    path = tmp_path / "runtime.json"
+    path.write_text(json.dumps({
+        "model": "file:///m/target",
+        "speculator": {"method": "draft_model", "model": "file:///m/draft",
+                       "num_speculative_tokens": 2},
+    }))
+    cfg = build_runtime_config(_args("--config", str(path), "--max-num-speculative-tokens", "6"))
+    assert cfg.speculator is not None
+    assert (cfg.speculator.num_speculative_tokens, cfg.speculator.max_k) == (2, 6)
+    # Without the flag the bound is the start k.
+    cfg = build_runtime_config(_args("--model", "file:///m/target",
+                                     "--speculator-model", "file:///m/draft"))
+    assert cfg.speculator is not None and cfg.speculator.max_num_speculative_tokens is None
+
+
 @pytest.mark.parametrize(
     ("argv", "fragment"),
     [
@@ -63,6 +87,10 @@ def test_flags_override_file(tmp_path: Path):
         (("--model", "file:///m", "--speculator-model", "file:///d",
           "--num-speculative-tokens", "0"), "num_speculative_tokens"),
         (("--model", "file:///m", "--max-model-len", "8"), "max_model_len"),
+        (("--model", "file:///m", "--max-num-speculative-tokens", "8"), "--max-num-speculative-tokens needs a speculator"),
+        (("--model", "file:///m", "--speculator-model", "file:///d",
+          "--num-speculative-tokens", "4", "--max-num-speculative-tokens", "2"),
+         "is below num_speculative_tokens"),
         (("--config", "/nonexistent/runtime.json"), "cannot read"),
     ],
 )

@@ -98,6 +98,18 @@ def test_moves_one_step_unless_gain_is_big():
     assert d.state.previous_num_speculative_tokens == 6
 
 
+def test_one_step_move_skips_a_blacklisted_neighbour():
+    # k = 5 was reverted recently: a small gain towards 3 goes to the nearest probable
+    # winner past it, never into the blacklist (and never raises).
+    low = [0.3] * 8
+    never_jump = replace(AUTO, big_gain=100.0)
+    state = replace(TuningState.initial(6, AUTO), blacklist={5: T0 + 600})
+    d = decide(state, window(6, low, batch=64), never_jump, T0)
+    assert d.reason == "HigherGoodput" and d.apply
+    assert d.num_speculative_tokens == 4
+    assert d.probability >= 0.95 and d.predicted_gain > 0.05
+
+
 def test_recommend_mode_does_not_apply():
     rec = replace(AUTO, mode="Recommend")
     d = decide(TuningState.initial(6, rec), window(6, [0.3] * 8, batch=64), rec, T0)

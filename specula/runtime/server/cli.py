@@ -67,7 +67,8 @@ def build_runtime_config(args: argparse.Namespace) -> RuntimeConfig:
     method = getattr(args, "speculator_method", None)
     draft = getattr(args, "speculator_model", None)
     k = getattr(args, "num_speculative_tokens", None)
-    if method is not None or draft is not None or k is not None:
+    max_k = getattr(args, "max_num_speculative_tokens", None)
+    if method is not None or draft is not None or k is not None or max_k is not None:
         spec = data.get("speculator")
         spec = dict(spec) if isinstance(spec, dict) else {}
         if method is not None:
@@ -77,9 +78,12 @@ def build_runtime_config(args: argparse.Namespace) -> RuntimeConfig:
             spec.setdefault("method", "draft_model")
         if k is not None:
             spec["num_speculative_tokens"] = k
+        if max_k is not None:
+            spec["max_num_speculative_tokens"] = max_k
         if "method" not in spec:
+            flag = "--num-speculative-tokens" if k is not None else "--max-num-speculative-tokens"
             raise ConfigError(
-                "--num-speculative-tokens needs a speculator: pass --speculator-method "
+                f"{flag} needs a speculator: pass --speculator-method "
                 "and/or --speculator-model (or a speculator in --config)"
             )
         data["speculator"] = spec
