@@ -76,7 +76,7 @@ class TuningSettings:
     revert_tolerance: float = 0.05
     """Revert a change whose measured goodput falls this fraction below what the old
     k would have given over the same window."""
-    explore_revert_tolerance: float = 0.02
+    explore_revert_tolerance: float = 0.01
     """The same for a change made by exploration: it was taken without a probable gain
     (sometimes against a predicted loss, to measure a step time), so it is kept only if
     it does about as well as the k it left."""
