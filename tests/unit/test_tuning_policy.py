@@ -171,7 +171,8 @@ def test_unconfirmed_change_keeps_the_cooldown():
     # Slightly worse than the old k would have been (within the revert tolerance):
     # kept, but the cooldown holds.
     d0 = decide(TuningState.initial(3, AUTO), window(3, [0.9] * 8, batch=1), AUTO, T0)
-    slowdown = (1.0 + d0.predicted_gain) / 0.98
+    assert d0.reason == "Explore"
+    slowdown = (1.0 + d0.predicted_gain) / (1.0 - AUTO.explore_revert_tolerance / 2)
     d1 = decide(d0.state, window(6, [0.9] * 8, batch=1, slowdown=slowdown), AUTO, T0 + 30)
     assert d1.reason == "Cooldown" and not d1.apply and not d1.state.pending_verification
 
