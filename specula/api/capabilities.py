@@ -8,7 +8,7 @@ starting pods that would fail.
 
 from __future__ import annotations
 
-IMPLEMENTED_METHODS: frozenset[str] = frozenset({"draft_model"})
+IMPLEMENTED_METHODS: frozenset[str] = frozenset({"draft_model", "ngram"})
 """Speculation methods the runtime implements (vLLM ``speculative_config.method`` names)."""
 
 

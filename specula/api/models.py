@@ -140,7 +140,15 @@ class SpeculatorSpec(_Base):
                     "message": "speculator.model.uri is required unless method is mtp or ngram",
                     "fieldPath": ".model",
                     "reason": "FieldValueRequired",
-                }
+                },
+                {
+                    "rule": "!has(self.promptLookupMin) || !has(self.promptLookupMax)"
+                    " || self.promptLookupMin <= self.promptLookupMax",
+                    "message": "speculator.promptLookupMin must not exceed "
+                    "speculator.promptLookupMax",
+                    "fieldPath": ".promptLookupMin",
+                    "reason": "FieldValueInvalid",
+                },
             ]
         }
     )
@@ -155,6 +163,12 @@ class SpeculatorSpec(_Base):
     ``tuning.maxSpeculativeTokens``."""
     draft_tensor_parallel_size: int = Field(default=1, ge=1, le=8)
     """Tensor-parallel degree of the draft model: 1 or the target's degree."""
+    prompt_lookup_min: int | None = Field(default=None, ge=1, le=16)
+    """Method ``ngram`` only (other methods ignore it): the shortest n-gram that prompt
+    lookup matches; default 1."""
+    prompt_lookup_max: int | None = Field(default=None, ge=1, le=16)
+    """Method ``ngram`` only (other methods ignore it): the longest n-gram that prompt
+    lookup tries first; default ``max(4, promptLookupMin)``."""
 
     @model_validator(mode="after")
     def _draft_model_required(self) -> SpeculatorSpec:
@@ -162,6 +176,12 @@ class SpeculatorSpec(_Base):
             raise ValueError(
                 f"speculator.model.uri is required unless method is mtp or ngram "
                 f"(method is {self.method})"
+            )
+        lookup_min, lookup_max = self.prompt_lookup_min, self.prompt_lookup_max
+        if lookup_min is not None and lookup_max is not None and lookup_min > lookup_max:
+            raise ValueError(
+                f"speculator.promptLookupMin ({lookup_min}) must not exceed "
+                f"speculator.promptLookupMax ({lookup_max})"
             )
         return self
 

@@ -40,6 +40,8 @@ def render_runtime_config(name: str, spec: SpeculativeModelSpec) -> RuntimeConfi
             num_speculative_tokens=speculator.num_speculative_tokens,
             max_num_speculative_tokens=spec.pod_max_num_speculative_tokens,
             draft_tensor_parallel_size=speculator.draft_tensor_parallel_size,
+            prompt_lookup_min=speculator.prompt_lookup_min,
+            prompt_lookup_max=speculator.prompt_lookup_max,
         ),
         port=RUNTIME_PORT,
         metrics_port=METRICS_PORT,

@@ -23,6 +23,10 @@ PVC_MOUNT_ROOT = "/models/pvc"
 Dtype = Literal["auto", "bfloat16", "float16", "float32"]
 SpeculatorMethod = Literal["eagle3", "mtp", "gemma4_mtp", "dflash", "draft_model", "ngram"]
 
+DEFAULT_PROMPT_LOOKUP_MIN = 1
+DEFAULT_PROMPT_LOOKUP_MAX = 4
+"""n-gram sizes prompt lookup (method ``ngram``) uses when the config leaves them unset."""
+
 
 class SpeculatorRuntimeConfig(BaseModel):
     """How the runtime drafts tokens."""
@@ -40,6 +44,12 @@ class SpeculatorRuntimeConfig(BaseModel):
     speculator's buffers are sized by it.  ``None`` means ``num_speculative_tokens``."""
     draft_tensor_parallel_size: int = Field(default=1, ge=1, le=8)
     """Tensor-parallel degree of the draft model (1 or the target's degree)."""
+    prompt_lookup_min: int | None = Field(default=None, ge=1, le=16)
+    """``ngram`` only (ignored by other methods): the shortest n-gram prompt lookup
+    matches; ``None`` means 1."""
+    prompt_lookup_max: int | None = Field(default=None, ge=1, le=16)
+    """``ngram`` only (ignored by other methods): the longest n-gram prompt lookup tries
+    first; ``None`` means ``max(4, prompt_lookup_min)``."""
 
     @model_validator(mode="after")
     def _max_covers_start(self) -> SpeculatorRuntimeConfig:
@@ -50,7 +60,18 @@ class SpeculatorRuntimeConfig(BaseModel):
                 f"max_num_speculative_tokens ({self.max_num_speculative_tokens}) is below "
                 f"num_speculative_tokens ({self.num_speculative_tokens})"
             )
+        lookup_min, lookup_max = self.prompt_lookup_min, self.prompt_lookup_max
+        if lookup_min is not None and lookup_max is not None and lookup_min > lookup_max:
+            raise ValueError(
+                f"prompt_lookup_min ({lookup_min}) exceeds prompt_lookup_max ({lookup_max})"
+            )
         return self
+
+    @property
+    def prompt_lookup_range(self) -> tuple[int, int]:
+        """``(prompt_lookup_min, prompt_lookup_max)`` with the defaults filled in."""
+        lookup_min = self.prompt_lookup_min or DEFAULT_PROMPT_LOOKUP_MIN
+        return lookup_min, self.prompt_lookup_max or max(DEFAULT_PROMPT_LOOKUP_MAX, lookup_min)
 
     @property
     def max_k(self) -> int:

@@ -129,7 +129,11 @@ def test_cel_rules(schema):
     speculator_rules = [
         r["rule"] for r in spec["properties"]["speculator"]["x-kubernetes-validations"]
     ]
-    assert speculator_rules == ["self.method in ['mtp', 'ngram'] || has(self.model)"]
+    assert speculator_rules == [
+        "self.method in ['mtp', 'ngram'] || has(self.model)",
+        "!has(self.promptLookupMin) || !has(self.promptLookupMax)"
+        " || self.promptLookupMin <= self.promptLookupMax",
+    ]
     tp_rule, k_rule = spec["x-kubernetes-validations"]
     assert "self.speculator.draftTensorParallelSize == 1" in tp_rule["rule"]
     assert "self.model.tensorParallelSize" in tp_rule["rule"]

@@ -368,22 +368,36 @@ class LLMEngine:
         proposal = self.speculator.propose(
             SpeculatorInput(slots, [r.token_ids for r in requests], sampling), k
         )
+        draft_lens = proposal.num_draft_tokens or [k] * num_reqs
+        # Verify only as far as the longest real draft; nothing drafted: plain decoding.
+        k = max(draft_lens)
+        if k == 0:
+            self._decode_step(requests, emitted)
+            return
+        draft_ids = proposal.draft_token_ids[:, :k]  # [num_reqs, k]
+        draft_probs = None if proposal.draft_probs is None else proposal.draft_probs[:, :k]
         lens = [len(r.token_ids) for r in requests]
         assert all(r.num_computed_tokens == n - 1 for r, n in zip(requests, lens, strict=True))
         last_ids = torch.tensor([r.token_ids[-1] for r in requests], dtype=torch.long)
-        verify_ids = torch.cat([last_ids[:, None], proposal.draft_token_ids.cpu()], dim=1)
+        verify_ids = torch.cat([last_ids[:, None], draft_ids.cpu()], dim=1)
         hidden = self.runner.forward(
             slots, verify_ids.flatten(), [k + 1] * num_reqs, [n - 1 for n in lens]
         )  # [num_reqs * (k + 1), hidden_size]
         logits = self.runner.compute_logits(hidden).view(num_reqs, k + 1, -1)
-        output_ids, num_accepted = rejection_sample(
-            proposal.draft_token_ids, proposal.draft_probs, logits, sampling
-        )
-        output_ids, num_accepted = output_ids.tolist(), num_accepted.tolist()
+        output_ids, num_accepted = rejection_sample(draft_ids, draft_probs, logits, sampling)
+        # Padding past a short draft is verified like a real proposal (one-hot draft
+        # probability), so the token at position draft_lens[i] is a valid target sample
+        # whether it was accepted or recovered; acceptance stops there.
+        num_accepted = [
+            min(a, n) for a, n in zip(num_accepted.tolist(), draft_lens, strict=True)
+        ]
+        output_ids = output_ids.tolist()
         self.speculator.rollback(slots, [n + a for n, a in zip(lens, num_accepted, strict=True)])
         for i, request in enumerate(requests):
             accepted = num_accepted[i]
-            self.spec_decoding_stats.observe_draft(k, accepted)
+            # As vLLM: a request that proposed nothing is not a draft.
+            if draft_lens[i] > 0:
+                self.spec_decoding_stats.observe_draft(draft_lens[i], accepted)
             request.num_computed_tokens = lens[i] + accepted
             self._emit(request, output_ids[i][: accepted + 1], emitted)
 

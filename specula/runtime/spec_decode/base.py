@@ -35,6 +35,10 @@ class DraftProposal:
     draft_probs: torch.Tensor | None
     """[num_reqs, k, vocab_size] float32, the distributions the draft tokens were sampled
     from; ``None`` when every request is greedy."""
+    num_draft_tokens: list[int] | None = None
+    """Per request, how many leading draft tokens are real (``0 .. k``; the rest is
+    padding the engine does not verify); ``None`` means all ``k`` for every request.
+    Methods that may find nothing to propose (n-gram lookup) set it."""
 
 
 class BaseSpeculator(ABC):

@@ -16,7 +16,7 @@ class UnsupportedSpeculatorMethod(NotImplementedError):
     """The runtime config names a method this runtime does not implement yet."""
 
 
-SUPPORTED_METHODS = ("draft_model",)
+SUPPORTED_METHODS = ("draft_model", "ngram")
 
 
 def create_speculator(
@@ -39,6 +39,17 @@ def create_speculator(
         raise UnsupportedSpeculatorMethod(
             f"speculator method {config.method!r} is not implemented; "
             f"supported: {', '.join(SUPPORTED_METHODS)}"
+        )
+    if config.method == "ngram":
+        from specula.runtime.spec_decode.ngram import NgramSpeculator
+
+        lookup_min, lookup_max = config.prompt_lookup_range
+        return NgramSpeculator(
+            num_speculative_tokens=config.max_k,
+            vocab_size=target_config.vocab_size,
+            prompt_lookup_min=lookup_min,
+            prompt_lookup_max=lookup_max,
+            device=device,
         )
     if config.model is None:
         raise ValueError(f"speculator method {config.method!r} needs a draft model URI")
