@@ -7,6 +7,12 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.specula-installed
 PYTEST_ARGS ?=
 
+# pytest with the control-plane binaries built or reused first; their absence fails the run.
+define with_control_plane
+@bin_dir="$$(bash hack/control-plane.sh)" || { echo "make: control plane unavailable" >&2; exit 1; }; \
+SPECULA_CONTROL_PLANE_BIN="$$bin_dir" $(BIN)/python -m pytest $(PYTEST_ARGS) $(1)
+endef
+
 .PHONY: setup demo test test-unit test-runtime test-integration lint crd crd-check control-plane clean
 
 $(STAMP): pyproject.toml
@@ -28,8 +34,7 @@ demo: $(STAMP)
 
 ## test: every tier (unit, runtime, integration); a missing control plane is a failure
 test: $(STAMP)
-	@bin_dir="$$(bash hack/control-plane.sh)" || { echo "make test: control plane unavailable" >&2; exit 1; }; \
-	SPECULA_CONTROL_PLANE_BIN="$$bin_dir" $(BIN)/python -m pytest -m "not gpu" $(PYTEST_ARGS) tests
+	$(call with_control_plane,-m "not gpu" tests)
 
 test-unit: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS) tests/unit
@@ -38,8 +43,7 @@ test-runtime: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS) tests/runtime
 
 test-integration: $(STAMP)
-	@bin_dir="$$(bash hack/control-plane.sh)" || exit 1; \
-	SPECULA_CONTROL_PLANE_BIN="$$bin_dir" $(BIN)/python -m pytest $(PYTEST_ARGS) tests/integration
+	$(call with_control_plane,tests/integration)
 
 ## lint: ruff, the import-layer contracts, and the checked-in CRD
 lint: $(STAMP) crd-check

@@ -1,4 +1,5 @@
-"""Client side of the demo: concurrent greedy completions and the speculative-decoding counters.
+"""Client side of the demo: concurrent greedy completions, ``/metrics`` scrapes (parsed by
+:class:`specula.tuning.RuntimeMetrics`) and the admin API.
 
 The figures derived from the counters use vLLM's definitions (``vllm/v1/spec_decode/metrics.py``):
 
@@ -11,86 +12,18 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
-#: Metric prefixes accepted: this runtime's, and vLLM's for the same counters.
-PREFIXES: tuple[str, ...] = ("specula:", "vllm:")
+from specula.tuning import RuntimeMetrics, SpecDecodeCounters
 
 
-@dataclass
-class SpecCounters:
-    """Counter values read from one ``/metrics`` scrape (summed over label sets)."""
-
-    num_drafts: float = 0.0
-    num_draft_tokens: float = 0.0
-    num_accepted_tokens: float = 0.0
-    accepted_per_pos: dict[int, float] = field(default_factory=dict)
-    """Accepted draft tokens by 0-based draft position."""
-    generation_tokens: float = 0.0
-
-    def __sub__(self, other: SpecCounters) -> SpecCounters:
-        positions = set(self.accepted_per_pos) | set(other.accepted_per_pos)
-        return SpecCounters(
-            num_drafts=self.num_drafts - other.num_drafts,
-            num_draft_tokens=self.num_draft_tokens - other.num_draft_tokens,
-            num_accepted_tokens=self.num_accepted_tokens - other.num_accepted_tokens,
-            accepted_per_pos={
-                p: self.accepted_per_pos.get(p, 0.0) - other.accepted_per_pos.get(p, 0.0)
-                for p in sorted(positions)
-            },
-            generation_tokens=self.generation_tokens - other.generation_tokens,
-        )
-
-    def acceptance_rate(self) -> float | None:
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
-
-    def mean_acceptance_length(self) -> float | None:
-        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None
-
-    def per_position_acceptance(self) -> list[float]:
-        if not self.num_drafts:
-            return []
-        return [self.accepted_per_pos[p] / self.num_drafts for p in sorted(self.accepted_per_pos)]
-
-
-def _strip(name: str) -> str | None:
-    for prefix in PREFIXES:
-        if name.startswith(prefix):
-            name = name[len(prefix):]
-            return name[: -len("_total")] if name.endswith("_total") else name
-    return None
-
-
-def parse_counters(text: str) -> SpecCounters:
-    """Parse a Prometheus text exposition into :class:`SpecCounters`.
-
-    Counter samples may carry the ``_total`` suffix or not, and either prefix in
-    :data:`PREFIXES`; other metrics are ignored. Missing counters read as 0.
-
-    Raises:
-        ValueError: the text is not valid Prometheus exposition format.
-    """
-    out = SpecCounters()
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name.endswith(("_created", "_bucket", "_count", "_sum")):
-                continue
-            name = _strip(sample.name)
-            if name == "spec_decode_num_drafts":
-                out.num_drafts += sample.value
-            elif name == "spec_decode_num_draft_tokens":
-                out.num_draft_tokens += sample.value
-            elif name == "spec_decode_num_accepted_tokens":
-                out.num_accepted_tokens += sample.value
-            elif name == "spec_decode_num_accepted_tokens_per_pos":
-                pos = int(sample.labels["position"])
-                out.accepted_per_pos[pos] = out.accepted_per_pos.get(pos, 0.0) + sample.value
-            elif name == "generation_tokens":
-                out.generation_tokens += sample.value
-    return out
+def per_position_acceptance(counters: SpecDecodeCounters) -> list[float]:
+    """Accepted tokens at each draft position (0-based) per draft; ``[]`` without drafts."""
+    if counters.num_drafts <= 0:
+        return []
+    return [a / counters.num_drafts for a in counters.num_accepted_tokens_per_pos]
 
 
 @dataclass
@@ -110,10 +43,6 @@ class BatchResult:
     @property
     def completion_tokens(self) -> int:
         return sum(c.completion_tokens for c in self.completions)
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.completion_tokens / self.wall_s if self.wall_s > 0 else 0.0
 
 
 class DemoClient:
@@ -142,10 +71,31 @@ class DemoClient:
         r.raise_for_status()
         return r.json()
 
-    def counters(self) -> SpecCounters:
+    def metrics(self) -> RuntimeMetrics:
+        """One ``/metrics`` scrape (``specula:`` or ``vllm:`` names).
+
+        Raises:
+            httpx.HTTPStatusError: the server answered 4xx/5xx.
+            ValueError: the body is not valid Prometheus exposition.
+        """
         r = self._http.get("/metrics")
         r.raise_for_status()
-        return parse_counters(r.text)
+        return RuntimeMetrics.from_prometheus_text(r.text)
+
+    def put_speculative_config(self, body: dict) -> int:
+        """``PUT /v1/speculative_config`` with ``body``; returns the k the server reports in
+        effect.
+
+        Raises:
+            httpx.HTTPStatusError: the server refused (the body is in the message).
+        """
+        r = self._http.put("/v1/speculative_config", json=body)
+        if r.is_error:
+            raise httpx.HTTPStatusError(
+                f"PUT /v1/speculative_config {body} -> {r.status_code}: {r.text}",
+                request=r.request, response=r,
+            )
+        return int(r.json()["num_speculative_tokens"])
 
     def complete(self, model: str, prompt: str, max_tokens: int) -> Completion:
         """One greedy completion (temperature 0, EOS honoured).

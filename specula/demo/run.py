@@ -26,8 +26,9 @@ from pathlib import Path
 
 import httpx
 
-from specula.demo.measure import BatchResult, DemoClient, SpecCounters
+from specula.demo.measure import BatchResult, DemoClient, per_position_acceptance
 from specula.demo.server_process import ServerError, ServerProcess
+from specula.tuning import SpecDecodeCounters
 
 #: Beginnings of Python code, in the style of the training corpus.
 PROMPTS: tuple[str, ...] = (
@@ -58,7 +59,10 @@ class ServedRun:
     completions: list[str]
     completion_tokens: int
     wall_s: float
-    counters: SpecCounters
+    counters: SpecDecodeCounters
+    """Increase of the speculative-decoding counters over the timed rounds."""
+    generation_tokens: float
+    """Increase of ``generation_tokens`` over the timed rounds."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -80,24 +84,26 @@ def _measure(servers: dict[str, ServerProcess], max_tokens: int) -> dict[str, Se
             except httpx.HTTPError:
                 configs[label] = None
             c.run_batch(names[label], prompts, WARMUP_TOKENS)
-        before = {label: c.counters() for label, c in clients.items()}
+        before = {label: c.metrics() for label, c in clients.items()}
         rounds: dict[str, list[BatchResult]] = {label: [] for label in clients}
         for _ in range(TIMED_ROUNDS):
             for label, c in clients.items():
                 rounds[label].append(c.run_batch(names[label], prompts, max_tokens))
-        after = {label: c.counters() for label, c in clients.items()}
+        after = {label: c.metrics() for label, c in clients.items()}
     finally:
         for c in clients.values():
             c.close()
     runs = {}
     for label, results in rounds.items():
+        window = after[label].delta(before[label])
         texts = [c.text for c in results[0].completions]
         if any([c.text for c in r.completions] != texts for r in results[1:]):
             print(f"WARNING: {label}: greedy completions differ between identical rounds")
         runs[label] = ServedRun(
             label=label, model_name=names[label], speculative_config=configs[label],
             completions=texts, completion_tokens=sum(r.completion_tokens for r in results),
-            wall_s=sum(r.wall_s for r in results), counters=after[label] - before[label],
+            wall_s=sum(r.wall_s for r in results), counters=window.counters,
+            generation_tokens=window.generation_tokens,
         )
     return runs
 
@@ -143,9 +149,9 @@ def _summary(spec: ServedRun, base: ServedRun, k: int, identical: bool) -> dict:
         "num_drafts": c.num_drafts,
         "num_draft_tokens": c.num_draft_tokens,
         "num_accepted_tokens": c.num_accepted_tokens,
-        "acceptance_rate": c.acceptance_rate(),
-        "mean_acceptance_length": c.mean_acceptance_length(),
-        "per_position_acceptance_rate": c.per_position_acceptance(),
+        "acceptance_rate": c.acceptance_rate,
+        "mean_acceptance_length": c.mean_acceptance_length,
+        "per_position_acceptance_rate": per_position_acceptance(c),
         "greedy_outputs_identical": identical,
     }
 
@@ -192,6 +198,7 @@ def run_demo(args: argparse.Namespace) -> int:
     if tune and tune_intervals < 3:
         print("specula demo: --tune-intervals must be >= 3 (one per phase)")
         return 2
+    stage = ""  # prefixes error messages with the phase that failed
     try:
         model_dir, report, trained_now = ensure_models(retrain=args.retrain)
         _print_training(model_dir, report, trained_now)
@@ -218,36 +225,27 @@ def run_demo(args: argparse.Namespace) -> int:
                   f"{TIMED_ROUNDS} timed rounds per server (alternating)")
             runs = _measure({"speculative": spec_server, "target only": base_server}, max_tokens)
         spec, base = runs["speculative"], runs["target only"]
+
+        _print_completions(spec)
+        mismatches = [i for i, (a, b) in enumerate(zip(spec.completions, base.completions,
+                                                       strict=True)) if a != b]
+        summary = _summary(spec, base, k, identical=not mismatches)
+        _print_table(summary)
+        tuning = None
+        if tune:
+            from specula.demo.tuning import run_tuning
+
+            stage = "tuning: "
+            tuning = run_tuning(model_dir, list(PROMPTS), tune_intervals, max_tokens, args.port)
     except ServerError as exc:
-        print(f"specula demo: {exc}")
+        print(f"specula demo: {stage}{exc}")
         return 1
     except httpx.HTTPError as exc:
-        print(f"specula demo: request failed: {exc}")
+        print(f"specula demo: {stage}request failed: {exc}")
         return 1
     except KeyboardInterrupt:
         print("\nspecula demo: interrupted; servers stopped")
         return 130
-
-    _print_completions(spec)
-    mismatches = [i for i, (a, b) in enumerate(zip(spec.completions, base.completions,
-                                                   strict=True)) if a != b]
-    summary = _summary(spec, base, k, identical=not mismatches)
-    _print_table(summary)
-    tuning = None
-    if tune:
-        from specula.demo.tuning import run_tuning
-
-        try:
-            tuning = run_tuning(model_dir, list(PROMPTS), tune_intervals, max_tokens, args.port)
-        except ServerError as exc:
-            print(f"specula demo: tuning: {exc}")
-            return 1
-        except httpx.HTTPError as exc:
-            print(f"specula demo: tuning: request failed: {exc}")
-            return 1
-        except KeyboardInterrupt:
-            print("\nspecula demo: interrupted; servers stopped")
-            return 130
     results = {
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "machine": {"platform": platform.platform(), "processor": platform.processor()},

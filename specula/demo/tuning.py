@@ -18,11 +18,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import httpx
-
 from specula.demo.measure import DemoClient
 from specula.demo.server_process import ServerProcess
-from specula.tuning import RuntimeMetrics, TuningSettings, TuningState, decide, window_delta
+from specula.operator.tuner import target_config
+from specula.tuning import TuningSettings, TuningState, decide, window_delta
 
 #: Plain English openings: far from the Python source the demo models were trained on.
 PROSE_PROMPTS: tuple[str, ...] = (
@@ -182,27 +181,6 @@ def format_phase(p: dict) -> str:
             f"{_fmt(p['mean_acceptance_length'], '.2f')}; k {path} (ends at {p['k_end']})")
 
 
-def _scrape(client: httpx.Client) -> RuntimeMetrics:
-    r = client.get("/metrics")
-    r.raise_for_status()
-    return RuntimeMetrics.from_prometheus_text(r.text)
-
-
-def _put_k(client: httpx.Client, body: dict) -> int:
-    """Apply a decision; returns the k the server reports in effect.
-
-    Raises:
-        httpx.HTTPStatusError: the server refused (the body is in the message).
-    """
-    r = client.put("/v1/speculative_config", json=body)
-    if r.is_error:
-        raise httpx.HTTPStatusError(
-            f"PUT /v1/speculative_config {body} -> {r.status_code}: {r.text}",
-            request=r.request, response=r,
-        )
-    return int(r.json()["num_speculative_tokens"])
-
-
 def run_tuning(
     model_dir: Path, code_prompts: list[str], num_intervals: int, max_tokens: int, port: int = 0,
 ) -> dict:
@@ -236,30 +214,25 @@ def run_tuning(
     records: list[IntervalRecord] = []
     with server:
         client = DemoClient(server.base_url)
-        admin = httpx.Client(base_url=server.base_url, timeout=60.0)
         try:
             name = client.model_name()
             for kind in ("code", "prose"):  # untimed: first calls pay one-time costs
                 client.run_batch(name, prompts[kind], 8)
             k = int(client.speculative_config()["num_speculative_tokens"])
             state = TuningState.initial(k, settings)
-            prev = {"demo": _scrape(admin)}
+            prev = {"demo": client.metrics()}
             print(f"\n{HEADER}")
             for i, workload in enumerate(schedule, 1):
                 wall = sum(client.run_batch(name, prompts[workload], max_tokens).wall_s
                            for _ in range(BATCHES_PER_INTERVAL))
-                cur = {"demo": _scrape(admin)}
+                cur = {"demo": client.metrics()}
                 window = window_delta(prev, cur)
                 prev = cur
                 decision = decide(state, window, settings, now=i * settings.interval_s)
                 k_after = k
                 if decision.apply:
-                    if decision.num_speculative_tokens_per_batch_size is not None:
-                        body = {"num_speculative_tokens_per_batch_size":
-                                decision.num_speculative_tokens_per_batch_size}
-                    else:
-                        body = {"num_speculative_tokens": decision.num_speculative_tokens}
-                    k_after = _put_k(admin, body)
+                    # The configuration the applied state is in: its schedule, else its k.
+                    k_after = client.put_speculative_config(target_config(decision.state))
                 state = decision.state
                 c = window.counters
                 rec = IntervalRecord(
@@ -276,7 +249,6 @@ def run_tuning(
                 print(format_interval(rec), flush=True)
                 k = k_after
         finally:
-            admin.close()
             client.close()
     phases = summarize_phases(records)
     print("\ntuning summary (k chosen by the tuner in each phase):")

@@ -333,7 +333,7 @@ def evaluate(
             if not readings
             else (
                 REASON_SCRAPE_FAILED,
-                "; ".join(f"{pod}: {err}" for pod, err in sorted(errors.items())),
+                _detail(errors),
             )
         )
         # Pods that are gone take their baselines with them; unreachable ones keep
@@ -436,19 +436,31 @@ def _tuner_json(tuner: TunerStatus | None) -> dict[str, Any] | None:
     return raw or None
 
 
-def _patch(
+def _detail(errors: dict[str, str]) -> str:
+    """``pod: error; ...`` in pod order."""
+    return "; ".join(f"{pod}: {err}" for pod, err in sorted(errors.items()))
+
+
+def _update(
+    current: SpeculativeModelStatus,
+    cond: Condition,
     tuner: TunerStatus | None,
     speculation: SpeculationStatus | None,
     history: list[TuningHistoryEntry] | None,
-    conditions: list[Condition],
-) -> dict[str, Any]:
-    return {
+    events: list[Event],
+    now_rfc3339: str,
+) -> StatusUpdate:
+    """``cond`` set among ``current``'s conditions, and the merge patch of the tuner's
+    fields."""
+    conditions = set_condition(list(current.conditions), cond, now_rfc3339)
+    patch = {
         # An explicit null removes the field (JSON merge patch).
         "tuner": _tuner_json(tuner),
         "speculation": speculation.to_k8s() if speculation is not None else None,
         "tuningHistory": [e.to_k8s() for e in history] if history else None,
         "conditions": [c.to_k8s() for c in conditions],
     }
+    return StatusUpdate(patch=patch, conditions=conditions, events=events)
 
 
 def finish(
@@ -476,8 +488,7 @@ def finish(
         cond = _tuned(False, reason, message, generation)
     elif failures:
         k = evaluation.target_num_speculative_tokens
-        detail = "; ".join(f"{pod}: {err}" for pod, err in sorted(failures.items()))
-        message = f"{len(failures)} pod(s) did not accept k={k}: {detail}"
+        message = f"{len(failures)} pod(s) did not accept k={k}: {_detail(failures)}"
         cond = _tuned(False, REASON_APPLY_FAILED, message, generation)
         # One warning per new set of failing pods, not one per window.
         before = current.tuner.pending_pods if current.tuner is not None else []
@@ -498,13 +509,9 @@ def finish(
             verb = "applying"
         events.append(Event("Normal", entry.reason, f"k {entry.from_}->{entry.to} {verb}: {entry.message}"[:1024]))
     if evaluation.scrape_errors and d is not None:
-        detail = "; ".join(f"{p}: {e}" for p, e in sorted(evaluation.scrape_errors.items()))
-        events.append(Event("Warning", REASON_SCRAPE_FAILED, detail[:1024]))
-    conditions = set_condition(list(current.conditions), cond, now_rfc3339)
-    return StatusUpdate(
-        patch=_patch(tuner, evaluation.speculation, evaluation.history, conditions),
-        conditions=conditions,
-        events=events,
+        events.append(Event("Warning", REASON_SCRAPE_FAILED, _detail(evaluation.scrape_errors)[:1024]))
+    return _update(
+        current, cond, tuner, evaluation.speculation, evaluation.history, events, now_rfc3339
     )
 
 
@@ -521,10 +528,9 @@ def after_retry(
     tuner = (current.tuner or TunerStatus()).model_copy(update={"pending_pods": sorted(failures)})
     events: list[Event] = []
     if failures:
-        detail = "; ".join(f"{pod}: {err}" for pod, err in sorted(failures.items()))
         cond = _tuned(
             False, REASON_APPLY_FAILED,
-            f"{len(failures)} pod(s) did not accept k={target}: {detail}", generation,
+            f"{len(failures)} pod(s) did not accept k={target}: {_detail(failures)}", generation,
         )
     else:
         cond = _tuned(
@@ -532,11 +538,8 @@ def after_retry(
             generation,
         )
         events.append(Event("Normal", REASON_APPLIED, cond.message[:1024]))
-    conditions = set_condition(list(current.conditions), cond, now_rfc3339)
-    return StatusUpdate(
-        patch=_patch(tuner, current.speculation, current.tuning_history, conditions),
-        conditions=conditions,
-        events=events,
+    return _update(
+        current, cond, tuner, current.speculation, current.tuning_history, events, now_rfc3339
     )
 
 
@@ -558,10 +561,10 @@ def disabled(
     tuner = current.tuner
     speculation = current.speculation
     if restore_failures:
-        detail = "; ".join(f"{pod}: {err}" for pod, err in sorted(restore_failures.items()))
         cond = _tuned(
             False, REASON_APPLY_FAILED,
-            f"tuning is Off; {len(restore_failures)} pod(s) did not take k={k} back: {detail}",
+            f"tuning is Off; {len(restore_failures)} pod(s) did not take k={k} back: "
+            f"{_detail(restore_failures)}",
             generation,
         )
     else:
@@ -572,12 +575,7 @@ def disabled(
         speculation = (speculation or SpeculationStatus()).model_copy(
             update={"num_speculative_tokens": k, "recommended_num_speculative_tokens": None}
         )
-    conditions = set_condition(list(current.conditions), cond, now_rfc3339)
-    return StatusUpdate(
-        patch=_patch(tuner, speculation, current.tuning_history, conditions),
-        conditions=conditions,
-        events=events,
-    )
+    return _update(current, cond, tuner, speculation, current.tuning_history, events, now_rfc3339)
 
 
 def needs_restore(spec: SpeculativeModelSpec, current: SpeculativeModelStatus | None) -> bool:

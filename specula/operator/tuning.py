@@ -66,19 +66,24 @@ def _unchanged(patch: dict[str, Any], status: SpeculativeModelStatus | None) -> 
 def _write(
     kube: Kube,
     body: dict[str, Any],
+    live: dict[str, Any],
     settings: OperatorSettings,
     build: Callable[[SpeculativeModelStatus | None, int | None], pure.StatusUpdate],
     now: float,
 ) -> pure.StatusUpdate | None:
-    """Build the update on the stored object and write it if it changes anything;
-    retried on conflict.  Events are posted once, after the write."""
+    """Build the update on ``live`` (the object as read at the start of the tick) and
+    write it if it changes anything.  The write is conditional on ``live``'s
+    ``resourceVersion``, so a change since then is a conflict: the object is read again
+    and the update rebuilt.  Events are posted once, after the write."""
     meta = body["metadata"]
     update: pure.StatusUpdate | None = None
     with lock_for(meta["namespace"], meta["name"]):
-        for _ in range(settings.status_conflict_retries):
-            live = _fresh(kube, body)
-            if live is None:
-                return None
+        for attempt in range(settings.status_conflict_retries):
+            if attempt > 0:
+                refreshed = _fresh(kube, body)
+                if refreshed is None:
+                    return None
+                live = refreshed
             current = parse_status(live)
             update = build(current, live["metadata"].get("generation"))
             if _unchanged(update.patch, current):
@@ -127,10 +132,10 @@ def tune(
     key = (body["metadata"]["namespace"], body["metadata"]["name"])
     if spec.tuning.mode == "Off":
         _idle_until.pop(key, None)
-        return _off(body, spec, current, kube, client, settings, now)
+        return _off(body, live, spec, current, kube, client, settings, now)
     tuner_status = current.tuner if current is not None else None
     if not pure.is_due(tuner_status, spec.tuning.interval_s, settings.tuning_tick_s, now):
-        return _retry_pending(body, spec, current, kube, client, settings, now)
+        return _retry_pending(body, live, spec, current, kube, client, settings, now)
     if _idle_until.get(key, 0.0) > now:
         return None
     endpoints = _endpoints(kube, body)
@@ -153,7 +158,7 @@ def tune(
             d.num_speculative_tokens, len(evaluation.to_apply) - len(failures), len(failures),
         )
     return _write(
-        kube, body, settings,
+        kube, body, live, settings,
         lambda cur, gen: pure.finish(evaluation, failures, cur, gen, _rfc3339(now)),
         now,
     )
@@ -161,6 +166,7 @@ def tune(
 
 def _retry_pending(
     body: dict[str, Any],
+    live: dict[str, Any],
     spec: SpeculativeModelSpec,
     current: SpeculativeModelStatus | None,
     kube: Kube,
@@ -183,7 +189,7 @@ def _retry_pending(
     failures = client.put_all(endpoints, config)
     retried = [e.pod for e in endpoints]
     return _write(
-        kube, body, settings,
+        kube, body, live, settings,
         lambda cur, gen: pure.after_retry(
             target, retried, failures, cur or SpeculativeModelStatus(), gen, _rfc3339(now)
         ),
@@ -193,6 +199,7 @@ def _retry_pending(
 
 def _off(
     body: dict[str, Any],
+    live: dict[str, Any],
     spec: SpeculativeModelSpec,
     current: SpeculativeModelStatus | None,
     kube: Kube,
@@ -208,7 +215,7 @@ def _off(
             {"num_speculative_tokens": spec.speculator.num_speculative_tokens},
         )
     return _write(
-        kube, body, settings,
+        kube, body, live, settings,
         lambda cur, gen: pure.disabled(
             spec, cur or SpeculativeModelStatus(), failures, gen, _rfc3339(now)
         ),

@@ -133,6 +133,39 @@ def die_with_parent() -> None:
     libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
+def spawn(
+    argv: list[str],
+    log_path: Path,
+    env: dict[str, str] | None = None,
+    cwd: Path | None = None,
+) -> subprocess.Popen:
+    """Start ``argv`` in its own session, output appended to ``log_path``; it dies
+    with the test process."""
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(
+            argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            cwd=cwd,
+            start_new_session=True,
+            preexec_fn=die_with_parent,
+        )
+
+
+def stop_process(proc: subprocess.Popen | None, grace: float) -> None:
+    """SIGTERM, then SIGKILL if ``proc`` has not exited after ``grace`` seconds."""
+    if proc is None or proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(5)
+
+
 def _tail_text(text: str, lines: int) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
@@ -155,16 +188,7 @@ class Component:
     proc: subprocess.Popen | None = None
 
     def start(self) -> None:
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(
-                self.argv,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=self.env,
-                start_new_session=True,
-                preexec_fn=die_with_parent,
-            )
+        self.proc = spawn(self.argv, self.log_path, env=self.env)
 
     def check_alive(self) -> None:
         """Raises ControlPlaneError if the process has exited."""
@@ -172,14 +196,7 @@ class Component:
             raise ControlPlaneError(f"{self.name} exited with {self.proc.returncode}")
 
     def stop(self, grace: float = 10.0) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(grace)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(5)
+        stop_process(self.proc, grace)
 
     def tail(self, lines: int = 40) -> str:
         return f"--- {self.name} ({self.log_path}) ---\n{tail_file(self.log_path, lines)}"

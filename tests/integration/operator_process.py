@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -19,8 +18,9 @@ from pathlib import Path
 from .kube_control_plane import (
     REPO_ROOT,
     ControlPlaneError,
-    die_with_parent,
     free_port,
+    spawn,
+    stop_process,
     tail_file,
     wait_for,
 )
@@ -61,17 +61,7 @@ class OperatorProcess:
         ]
         with open(self.log_path, "ab") as log:
             log.write(f"\n=== start #{self.starts + 1}: {' '.join(argv)}\n".encode())
-            log.flush()
-            self.proc = subprocess.Popen(
-                argv,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=env,
-                cwd=REPO_ROOT,
-                start_new_session=True,
-                preexec_fn=die_with_parent,
-            )
+        self.proc = spawn(argv, self.log_path, env=env, cwd=REPO_ROOT)
         self.starts += 1
         wait_for(
             self._live,
@@ -92,15 +82,8 @@ class OperatorProcess:
             raise ControlPlaneError(f"operator exited with {self.proc.returncode}")
 
     def stop(self, grace: float = 20.0) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
         # SIGTERM lets kopf finish in-flight handlers and release its watches.
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(grace)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(5)
+        stop_process(self.proc, grace)
 
     def restart(self) -> None:
         self.stop()

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import httpx
 
-from .kube_control_plane import REPO_ROOT, die_with_parent, tail_file, wait_for
+from .kube_control_plane import REPO_ROOT, spawn, stop_process, tail_file, wait_for
 
 _RUNTIME_CONFTEST = REPO_ROOT / "tests" / "runtime" / "conftest.py"
 
@@ -152,14 +152,12 @@ class RuntimeServer:
             },
         }))
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(
-                self.test_host.command(
-                    [sys.executable, "-m", "specula.cli", "serve", "--config", str(config)]
-                ),
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                cwd=REPO_ROOT, start_new_session=True, preexec_fn=die_with_parent,
-            )
+        self.proc = spawn(
+            self.test_host.command(
+                [sys.executable, "-m", "specula.cli", "serve", "--config", str(config)]
+            ),
+            self.log_path, env=env, cwd=REPO_ROOT,
+        )
         wait_for(self._healthy, timeout=timeout, interval=0.5, message="specula serve /health")
 
     def _healthy(self) -> bool:
@@ -171,14 +169,7 @@ class RuntimeServer:
             return False
 
     def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.terminate()
-        try:
-            self.proc.wait(20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(5)
+        stop_process(self.proc, grace=20)
 
     def speculative_config(self) -> dict:
         response = httpx.get(f"{self.base_url}/v1/speculative_config", timeout=5)

@@ -106,11 +106,11 @@ def _damp_later_layers(model, factor: float = 0.2):
     return model
 
 
-def _llama(tokenizer, num_layers: int, seed: int, **overrides):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
+def _tiny_causal_lm(config_cls, model_cls, tokenizer, num_layers: int, seed: int, **overrides):
+    """A tiny random ``model_cls``: the shape every test checkpoint shares, plus the
+    architecture-specific ``overrides``."""
     torch.manual_seed(seed)
-    config = LlamaConfig(
+    config = config_cls(
         vocab_size=TINY_VOCAB_SIZE,
         hidden_size=64,
         intermediate_size=128,
@@ -123,33 +123,25 @@ def _llama(tokenizer, num_layers: int, seed: int, **overrides):
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=None,
         pad_token_id=None,
-        tie_word_embeddings=False,
         **overrides,
     )
-    return _damp_later_layers(LlamaForCausalLM(config).eval())
+    return _damp_later_layers(model_cls(config).eval())
+
+
+def _llama(tokenizer, num_layers: int, seed: int, **overrides):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    overrides = {"tie_word_embeddings": False, **overrides}
+    return _tiny_causal_lm(LlamaConfig, LlamaForCausalLM, tokenizer, num_layers, seed, **overrides)
 
 
 def _qwen3(tokenizer, num_layers: int, seed: int):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    torch.manual_seed(seed)
-    config = Qwen3Config(
-        vocab_size=TINY_VOCAB_SIZE,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=256,
-        rms_norm_eps=1e-6,
-        initializer_range=0.2,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=None,
-        pad_token_id=None,
-        tie_word_embeddings=True,
+    return _tiny_causal_lm(
+        Qwen3Config, Qwen3ForCausalLM, tokenizer, num_layers, seed,
+        head_dim=32, tie_word_embeddings=True,
     )
-    return _damp_later_layers(Qwen3ForCausalLM(config).eval())
 
 
 @pytest.fixture(scope="session")
@@ -206,6 +198,75 @@ def hf_model(_hf_models):
         return _hf_models[path]
 
     return load
+
+
+def hf_greedy_ids(model, prompt_ids: list[int], n: int) -> list[int]:
+    """``transformers`` greedy ``generate`` to exactly ``n`` new tokens, run past eos
+    (the runtime's requests set ``ignore_eos``)."""
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt_ids]),
+            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+            max_new_tokens=n,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    generated = out[0, len(prompt_ids) :].tolist()
+    assert len(generated) == n
+    return generated
+
+
+@pytest.fixture(scope="session")
+def hf_greedy():
+    """The :func:`hf_greedy_ids` function, for tests in other files."""
+    return hf_greedy_ids
+
+
+def exact_joint_probs(
+    hf, prompt: list[int], temperature: float, top_k: int, length: int
+) -> dict[tuple[int, ...], float]:
+    """P(first ``length`` tokens) under ``hf`` after ``prompt``, with temperature and
+    top-k applied, by enumerating the top-k tree (``top_k ** length`` forwards)."""
+    joint = {(): 1.0}
+    for _ in range(length):
+        nxt = {}
+        for prefix, mass in joint.items():
+            with torch.no_grad():
+                logits = hf(torch.tensor([prompt + list(prefix)])).logits[0, -1].double()
+            values, index = logits.topk(top_k)
+            probs = torch.zeros_like(logits)
+            probs[index] = torch.softmax(values / temperature, dim=-1)
+            for tok in probs.nonzero().flatten().tolist():
+                nxt[prefix + (tok,)] = mass * probs[tok].item()
+        joint = nxt
+    return joint
+
+
+def target_distribution_pvalue(outputs: list[list[int]], joint: dict) -> float:
+    """Chi-square p-value of generated ``outputs`` against the exact ``joint`` of
+    :func:`exact_joint_probs`; fails if an output has zero probability there."""
+    cells = sorted(joint)
+    index = {c: i for i, c in enumerate(cells)}
+    counts = torch.zeros(len(cells))
+    for out in outputs:
+        assert tuple(out) in index, f"{out} has zero probability under the target"
+        counts[index[tuple(out)]] += 1
+    probs = torch.tensor([joint[c] for c in cells])
+    assert abs(probs.sum().item() - 1.0) < 1e-6
+    return chi_square_pvalue(counts, probs)
+
+
+@pytest.fixture(scope="session")
+def target_pvalue():
+    """``target_pvalue(hf, prompt, outputs, temperature, top_k, length)`` -> chi-square
+    p-value of ``outputs`` against ``hf``'s exact processed distribution."""
+
+    def pvalue(hf, prompt, outputs, temperature: float, top_k: int, length: int) -> float:
+        joint = exact_joint_probs(hf, prompt, temperature, top_k, length)
+        return target_distribution_pvalue(outputs, joint)
+
+    return pvalue
 
 
 def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:

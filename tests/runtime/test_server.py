@@ -16,7 +16,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-import torch
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoTokenizer
@@ -103,24 +102,6 @@ def hf_tokenizer(tiny_llama_target: Path):
     return AutoTokenizer.from_pretrained(tiny_llama_target)
 
 
-def hf_greedy(model, prompt_ids: list[int], n: int) -> list[int]:
-    """``transformers`` greedy ``generate``, run to ``n`` tokens even past eos (the
-    server's requests set ``ignore_eos``)."""
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt_ids]),
-            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
-            max_new_tokens=n,
-            min_new_tokens=None,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-    generated = out[0, len(prompt_ids):].tolist()
-    assert len(generated) == n
-    return generated
-
-
 def decode(tokenizer, ids: list[int]) -> str:
     return tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
@@ -168,7 +149,7 @@ def metrics(client: httpx.Client) -> dict[tuple[str, tuple], float]:
 # ---- completions ---------------------------------------------------------------------
 
 
-def test_greedy_completion_equals_transformers(client, target_hf, hf_tokenizer):
+def test_greedy_completion_equals_transformers(client, target_hf, hf_tokenizer, hf_greedy):
     prompt = "the quick brown fox"
     ids = hf_tokenizer(prompt)["input_ids"]
     ref = hf_greedy(target_hf, ids, 12)
@@ -184,7 +165,7 @@ def test_greedy_completion_equals_transformers(client, target_hf, hf_tokenizer):
                              "total_tokens": len(ids) + 12}
 
 
-def test_batch_of_prompts_and_token_ids(client, target_hf, hf_tokenizer):
+def test_batch_of_prompts_and_token_ids(client, target_hf, hf_tokenizer, hf_greedy):
     prompts = ["a", "hello world, this is a longer prompt", "x y z"]
     refs = [decode(hf_tokenizer, hf_greedy(target_hf, hf_tokenizer(p)["input_ids"], 9))
             for p in prompts]
@@ -282,7 +263,7 @@ def test_models_health_and_speculative_config(client, engine):
     assert spec["num_speculative_tokens"] == K
 
 
-def test_put_speculative_config_between_steps(client, target_hf, hf_tokenizer):
+def test_put_speculative_config_between_steps(client, target_hf, hf_tokenizer, hf_greedy):
     prompt = "change k at run time"
     ref = decode(hf_tokenizer, hf_greedy(target_hf, hf_tokenizer(prompt)["input_ids"], 10))
     try:

@@ -25,19 +25,6 @@ def _restore_k(engine):
     engine.set_num_speculative_tokens(K_MAX)
 
 
-def _hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
-    with torch.no_grad():
-        out = hf.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            do_sample=False,
-            max_new_tokens=n,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-    return out[0, len(prompt) :].tolist()
-
-
 # ---- validation ----------------------------------------------------------------------
 
 
@@ -130,7 +117,7 @@ def test_schedule_lookup():
 
 
 def test_schedule_picks_k_by_batch_size_and_output_stays_greedy(
-    engine, tiny_llama_target, hf_model
+    engine, tiny_llama_target, hf_model, hf_greedy
 ):
     """Requests of different lengths finish at different steps, so the batch shrinks
     4 -> 1 and each step must draft the k its batch size maps to."""
@@ -158,7 +145,7 @@ def test_schedule_picks_k_by_batch_size_and_output_stays_greedy(
     assert all(k == expected_k[b] for b, k in rounds), rounds
     assert stats.num_draft_tokens - drafted_before == sum(b * k for b, k in rounds)
     for i, (p, n) in enumerate(zip(prompts, lengths, strict=True)):
-        assert got[f"s{i}"] == _hf_greedy(hf, p, n), f"request {i}"
+        assert got[f"s{i}"] == hf_greedy(hf, p, n), f"request {i}"
 
 
 def test_single_k_is_used_whatever_the_batch(engine):
@@ -173,7 +160,9 @@ def test_single_k_is_used_whatever_the_batch(engine):
     assert seen == {3}
 
 
-def test_pod_starts_below_its_maximum(tiny_llama_target, tiny_llama_draft, hf_model):
+def test_pod_starts_below_its_maximum(
+    tiny_llama_target, tiny_llama_draft, hf_model, hf_greedy
+):
     """``num_speculative_tokens`` is where a pod starts; ``max_num_speculative_tokens``
     bounds what it accepts later (the tuner raises k up to it without a restart)."""
     from specula.api.runtime_config import RuntimeConfig, SpeculatorRuntimeConfig
@@ -205,7 +194,7 @@ def test_pod_starts_below_its_maximum(tiny_llama_target, tiny_llama_draft, hf_mo
                 engine.set_num_speculative_tokens(6)
     stats = engine.spec_decoding_stats
     assert stats.num_draft_tokens > 2 * stats.num_drafts  # some rounds drafted 6
-    assert first == _hf_greedy(hf_model(tiny_llama_target), prompt, 24)
+    assert first == hf_greedy(hf_model(tiny_llama_target), prompt, 24)
     with pytest.raises(SpeculativeConfigError, match="6"):
         engine.set_num_speculative_tokens(7)
 

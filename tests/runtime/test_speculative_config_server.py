@@ -88,22 +88,6 @@ def tokenizer(tiny_llama_target: Path):
     return AutoTokenizer.from_pretrained(tiny_llama_target)
 
 
-def hf_greedy_text(model, tokenizer, prompt_ids: list[int], n: int) -> str:
-    """``transformers`` greedy ``generate`` to exactly ``n`` tokens (requests set
-    ``ignore_eos``), decoded as the server decodes."""
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt_ids]),
-            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
-            max_new_tokens=n,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-    ids = out[0, len(prompt_ids) :].tolist()
-    return tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
-
-
 def complete(client: httpx.Client, prompt, max_tokens: int) -> list[str]:
     r = client.post(
         "/v1/completions",
@@ -152,12 +136,18 @@ def prompts(n: int, seed: int) -> list[list[int]]:
 
 
 def test_switches_in_flight_keep_greedy_output(
-    server, client, hf_model, tiny_llama_target, tokenizer
+    server, client, hf_model, hf_greedy, tiny_llama_target, tokenizer
 ):
     hf = hf_model(tiny_llama_target)
     batch = prompts(4, seed=31)
     max_tokens = [40, 48, 56, 64]
-    expected = [hf_greedy_text(hf, tokenizer, p, n) for p, n in zip(batch, max_tokens, strict=True)]
+    # Decoded as the server decodes.
+    expected = [
+        tokenizer.decode(
+            hf_greedy(hf, p, n), skip_special_tokens=True, clean_up_tokenization_spaces=False
+        )
+        for p, n in zip(batch, max_tokens, strict=True)
+    ]
     updates = [
         {"num_speculative_tokens": 1},
         {"num_speculative_tokens": 0},

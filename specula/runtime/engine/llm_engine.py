@@ -347,13 +347,20 @@ class LLMEngine:
             request.num_computed_tokens = request.num_prompt_tokens
             self._emit(request, [token], emitted)
 
-    def _decode_step(self, requests: list[Request], emitted: dict[Request, list[int]]) -> None:
+    def _decode_step(
+        self,
+        requests: list[Request],
+        emitted: dict[Request, list[int]],
+        sampling: SamplingMetadata | None = None,
+    ) -> None:
         starts = [len(r.token_ids) - 1 for r in requests]
         input_ids = torch.tensor([r.token_ids[-1] for r in requests], dtype=torch.long)
         hidden = self.runner.forward(
             [r.slot for r in requests], input_ids, [1] * len(requests), starts
         )
-        token_ids, _ = sample(self.runner.compute_logits(hidden), self._sampling(requests))
+        if sampling is None:
+            sampling = self._sampling(requests)
+        token_ids, _ = sample(self.runner.compute_logits(hidden), sampling)
         for request, token in zip(requests, token_ids.tolist(), strict=True):
             request.num_computed_tokens = len(request.token_ids)
             self._emit(request, [token], emitted)
@@ -372,7 +379,7 @@ class LLMEngine:
         # Verify only as far as the longest real draft; nothing drafted: plain decoding.
         k = max(draft_lens)
         if k == 0:
-            self._decode_step(requests, emitted)
+            self._decode_step(requests, emitted, sampling)  # same requests: reuse sampling
             return
         draft_ids = proposal.draft_token_ids[:, :k]  # [num_reqs, k]
         draft_probs = None if proposal.draft_probs is None else proposal.draft_probs[:, :k]

@@ -118,7 +118,8 @@ class EngineLoop:
         """Set once loaded.  Read-only attributes (``tokenizer``, ``max_model_len``,
         ``served_model_name``) may be read from other threads; methods may not."""
         self.speculative_config: dict[str, Any] = {}
-        """``engine.get_speculative_config()``, refreshed by the loop thread each step."""
+        """``engine.get_speculative_config()``, refreshed by the loop thread at load and
+        after every ``_Call`` (the only way settings change)."""
 
     @property
     def state(self) -> EngineState:
@@ -298,8 +299,8 @@ class EngineLoop:
             self._last_round_k = self.engine.last_step_num_speculative_tokens
             self._step_times.observe(batch, self._last_round_k, elapsed)
         # Publish before delivering: a client that has its last token and then scrapes
-        # must find the step's tokens already counted.
-        self.speculative_config = dict(self.engine.get_speculative_config())
+        # must find the step's tokens already counted. (``speculative_config`` changes
+        # only through a ``_Call``, which refreshes it; no need to rebuild it per step.)
         self._publish_snapshot()
         for out in outputs:
             sink = self._sinks.get(out.request_id)

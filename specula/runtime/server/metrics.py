@@ -27,6 +27,9 @@ from prometheus_client.registry import Collector
 
 from specula.runtime.spec_decode.metrics_prom import METRIC_PREFIX, SpecDecodingProm
 
+# One labelling shared with the tuner that reads the histogram back (re-exported here).
+from specula.tuning.cost import batch_bucket as batch_bucket
+
 STEP_DURATION_BUCKETS_S: tuple[float, ...] = (
     0.0005, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05,
     0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
@@ -35,23 +38,6 @@ STEP_DURATION_BUCKETS_S: tuple[float, ...] = (
 apart from 1 ms to 1 s, where steps live (tiny CPU models and small GPU batches at a
 few ms, large GPU batches at 10-300 ms), so quantiles of T(batch, k) are resolved to
 about a third; coarser beyond, where only pathological steps land."""
-
-
-def batch_bucket(batch_size: int) -> str:
-    """Label of the power-of-two batch-size bucket holding ``batch_size``.
-
-    ``1 -> "1"``, ``2 -> "2"``, ``3..4 -> "3-4"``, ``5..8 -> "5-8"``, ... — the same
-    ranges a ``num_speculative_tokens_per_batch_size`` schedule is naturally written in.
-
-    Raises:
-        ValueError: ``batch_size`` < 1.
-    """
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    if batch_size <= 2:
-        return str(batch_size)
-    upper = 1 << (batch_size - 1).bit_length()
-    return f"{upper // 2 + 1}-{upper}"
 
 
 @dataclass

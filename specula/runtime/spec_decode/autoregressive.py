@@ -49,11 +49,8 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
         Raises:
             ValueError: ``num_speculative_tokens`` outside ``[1, max_num_speculative_tokens]``.
         """
+        self.check_num_speculative_tokens(num_speculative_tokens)
         k = num_speculative_tokens
-        if not 1 <= k <= self.max_num_speculative_tokens:
-            raise ValueError(
-                f"num_speculative_tokens {k} outside [1, {self.max_num_speculative_tokens}]"
-            )
         slots = inputs.slot_ids
         num_reqs = len(slots)
         starts = [self.num_cached_tokens[s] for s in slots]

@@ -59,6 +59,18 @@ class BaseSpeculator(ABC):
     def propose(self, inputs: SpeculatorInput, num_speculative_tokens: int) -> DraftProposal:
         """Propose ``num_speculative_tokens`` tokens to follow each request's tokens."""
 
+    def check_num_speculative_tokens(self, num_speculative_tokens: int) -> None:
+        """Validate the ``k`` a :meth:`propose` call was given.
+
+        Raises:
+            ValueError: ``num_speculative_tokens`` outside ``[1, max_num_speculative_tokens]``.
+        """
+        k = num_speculative_tokens
+        if not 1 <= k <= self.max_num_speculative_tokens:
+            raise ValueError(
+                f"num_speculative_tokens {k} outside [1, {self.max_num_speculative_tokens}]"
+            )
+
     def add_requests(self, slot_ids: list[int]) -> None:
         """Forget whatever state earlier occupants of ``slot_ids`` left (new requests).
         Stateless speculators keep this default, which does nothing."""

@@ -102,11 +102,8 @@ class NgramSpeculator(BaseSpeculator):
         Raises:
             ValueError: ``num_speculative_tokens`` outside ``[1, max_num_speculative_tokens]``.
         """
+        self.check_num_speculative_tokens(num_speculative_tokens)
         k = num_speculative_tokens
-        if not 1 <= k <= self.max_num_speculative_tokens:
-            raise ValueError(
-                f"num_speculative_tokens {k} outside [1, {self.max_num_speculative_tokens}]"
-            )
         drafts = [
             find_ngram_draft(toks, self.prompt_lookup_min, self.prompt_lookup_max, k)
             for toks in inputs.token_ids
