@@ -38,7 +38,11 @@ from specula.runtime.engine.spec_schedule import (
 from specula.runtime.loader import resolve_model_uri
 from specula.runtime.models.config import ModelConfig, resolve_dtype
 from specula.runtime.models.registry import load_model
-from specula.runtime.spec_decode.base import BaseSpeculator, SpeculatorInput
+from specula.runtime.spec_decode.base import (
+    BaseSpeculator,
+    SpeculatorInput,
+    TargetHiddenStates,
+)
 from specula.runtime.spec_decode.metrics import SpecDecodingStats
 from specula.runtime.spec_decode.registry import create_speculator
 from specula.runtime.spec_decode.rejection_sampler import rejection_sample
@@ -99,14 +103,13 @@ class LLMEngine:
             self.speculator = create_speculator(
                 speculator_config,
                 self.model_config,
+                target_dir=target_dir,
                 max_num_seqs=max_num_seqs,
                 max_model_len=self.max_model_len,
                 dtype=self.dtype,
                 device=self.device,
             )
             self.max_num_speculative_tokens = speculator_config.max_k
-            self.speculator.init_cudagraph_manager()
-            self.speculator.capture()
         self.num_speculative_tokens: int | None = (
             speculator_config.num_speculative_tokens if speculator_config is not None else 0
         )
@@ -121,6 +124,15 @@ class LLMEngine:
         self.runner = ModelRunner(
             model, max_num_seqs, self.max_model_len + self.max_num_speculative_tokens, self.device
         )
+        self.aux_hidden_state_layers: tuple[int, ...] = ()
+        """Target layers whose hidden states the speculator consumes (EAGLE-3)."""
+        if self.speculator is not None:
+            self.aux_hidden_state_layers = model.check_aux_hidden_state_layers(
+                self.speculator.aux_hidden_state_layers
+            )
+            self.speculator.bind_target(self.runner)
+            self.speculator.init_cudagraph_manager()
+            self.speculator.capture()
         self.scheduler = Scheduler(max_num_seqs)
         self.spec_decoding_stats = SpecDecodingStats(
             num_spec_tokens=self.max_num_speculative_tokens
@@ -330,6 +342,46 @@ class LLMEngine:
             [r.params for r in requests], [r.generator for r in requests], self.device
         )
 
+    def _target_forward(
+        self,
+        slots: list[int],
+        input_ids: torch.Tensor,
+        query_lens: list[int],
+        starts: list[int],
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Target forward; also returns the aux hidden states the speculator needs."""
+        return self.runner.forward_with_aux(
+            slots, input_ids, query_lens, starts, self.aux_hidden_state_layers
+        )
+
+    def _observe_target(
+        self,
+        slots: list[int],
+        starts: list[int],
+        query_lens: list[int],
+        num_committed: list[int],
+        hidden: torch.Tensor,
+        aux: torch.Tensor | None,
+    ) -> None:
+        """Hand the speculator the target's hidden states of the first
+        ``num_committed[i]`` of request ``i``'s ``query_lens[i]`` rows of ``hidden``
+        (``[sum(query_lens), hidden_size]``), when it conditions on them."""
+        if self.speculator is None or not self.speculator.uses_target_hidden_states:
+            return
+        offsets = torch.tensor([0, *query_lens[:-1]]).cumsum(0).tolist()
+        rows = torch.cat(
+            [torch.arange(o, o + n) for o, n in zip(offsets, num_committed, strict=True)]
+        ).to(hidden.device)
+        self.speculator.observe_target(
+            TargetHiddenStates(
+                slot_ids=slots,
+                start_positions=starts,
+                num_rows=num_committed,
+                hidden_states=hidden[rows],
+                aux_hidden_states=None if aux is None else aux[rows],
+            )
+        )
+
     def _emit(self, request: Request, tokens: list[int], emitted: dict[Request, list[int]]) -> None:
         appended = request.append_tokens(tokens, self.tokenizer, self.max_model_len)
         emitted.setdefault(request, []).extend(appended)
@@ -338,11 +390,12 @@ class LLMEngine:
         slots = [r.slot for r in requests]
         lens = [r.num_prompt_tokens for r in requests]
         input_ids = torch.tensor([t for r in requests for t in r.token_ids], dtype=torch.long)
-        hidden = self.runner.forward(slots, input_ids, lens, [0] * len(requests))
+        hidden, aux = self._target_forward(slots, input_ids, lens, [0] * len(requests))
         last = torch.tensor(lens).cumsum(0) - 1
         token_ids, _ = sample(self.runner.compute_logits(hidden[last]), self._sampling(requests))
         if self.speculator is not None:
             self.speculator.add_requests(slots)
+            self._observe_target(slots, [0] * len(requests), lens, lens, hidden, aux)
         for request, token in zip(requests, token_ids.tolist(), strict=True):
             request.num_computed_tokens = request.num_prompt_tokens
             self._emit(request, [token], emitted)
@@ -354,10 +407,11 @@ class LLMEngine:
         sampling: SamplingMetadata | None = None,
     ) -> None:
         starts = [len(r.token_ids) - 1 for r in requests]
+        slots = [r.slot for r in requests]
         input_ids = torch.tensor([r.token_ids[-1] for r in requests], dtype=torch.long)
-        hidden = self.runner.forward(
-            [r.slot for r in requests], input_ids, [1] * len(requests), starts
-        )
+        ones = [1] * len(requests)
+        hidden, aux = self._target_forward(slots, input_ids, ones, starts)
+        self._observe_target(slots, starts, ones, ones, hidden, aux)
         if sampling is None:
             sampling = self._sampling(requests)
         token_ids, _ = sample(self.runner.compute_logits(hidden), sampling)
@@ -387,7 +441,7 @@ class LLMEngine:
         assert all(r.num_computed_tokens == n - 1 for r, n in zip(requests, lens, strict=True))
         last_ids = torch.tensor([r.token_ids[-1] for r in requests], dtype=torch.long)
         verify_ids = torch.cat([last_ids[:, None], draft_ids.cpu()], dim=1)
-        hidden = self.runner.forward(
+        hidden, aux = self._target_forward(
             slots, verify_ids.flatten(), [k + 1] * num_reqs, [n - 1 for n in lens]
         )  # [num_reqs * (k + 1), hidden_size]
         logits = self.runner.compute_logits(hidden).view(num_reqs, k + 1, -1)
@@ -400,6 +454,10 @@ class LLMEngine:
         ]
         output_ids = output_ids.tolist()
         self.speculator.rollback(slots, [n + a for n, a in zip(lens, num_accepted, strict=True)])
+        self._observe_target(
+            slots, [n - 1 for n in lens], [k + 1] * num_reqs,
+            [a + 1 for a in num_accepted], hidden, aux,
+        )
         for i, request in enumerate(requests):
             accepted = num_accepted[i]
             # As vLLM: a request that proposed nothing is not a draft.

@@ -50,6 +50,23 @@ class ModelRunner:
         Returns:
             [num_tokens, hidden_size]
         """
+        hidden, _ = self.forward_with_aux(
+            slot_ids, input_ids, query_lens, start_positions, (), positions
+        )
+        return hidden
+
+    def forward_with_aux(
+        self,
+        slot_ids: list[int],
+        input_ids: torch.Tensor,
+        query_lens: list[int],
+        start_positions: list[int],
+        aux_layer_ids: tuple[int, ...],
+        positions: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:meth:`forward` that also returns the model's auxiliary hidden states
+        ``[num_tokens, len(aux_layer_ids) * hidden_size]`` (``None`` when
+        ``aux_layer_ids`` is empty); see ``LlamaForCausalLM.forward_with_aux``."""
         assert input_ids.ndim == 1 and input_ids.shape[0] == sum(query_lens)
         self.kv_cache.ensure_capacity(
             max(s + q for s, q in zip(start_positions, query_lens, strict=True))
@@ -57,7 +74,9 @@ class ModelRunner:
         metadata = build_attention_metadata(slot_ids, query_lens, start_positions, self.device)
         if positions is None:
             positions = metadata.cache_positions
-        return self.model(input_ids.to(self.device), positions, self.kv_cache.layers, metadata)
+        return self.model.forward_with_aux(
+            input_ids.to(self.device), positions, self.kv_cache.layers, metadata, aux_layer_ids
+        )
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_positions, hidden_size] -> [num_positions, vocab_size] float32."""

@@ -142,12 +142,56 @@ class LlamaForCausalLM(nn.Module):
         Returns:
             [num_tokens, hidden_size] final (normed) hidden states.
         """
+        hidden, _ = self.forward_with_aux(input_ids, positions, kv_caches, metadata, ())
+        return hidden
+
+    def check_aux_hidden_state_layers(self, layer_ids: Sequence[int]) -> tuple[int, ...]:
+        """Validate auxiliary hidden-state layer ids (see :meth:`forward_with_aux`).
+
+        Raises:
+            ValueError: an id outside ``[0, num_hidden_layers]``; the message names the
+                field and both values.
+        """
+        num_layers = self.config.num_hidden_layers
+        for i in layer_ids:
+            if not 0 <= i <= num_layers:
+                raise ValueError(
+                    f"aux_hidden_state_layer_ids contains {i}, outside [0, {num_layers}] "
+                    f"for a target with num_hidden_layers={num_layers}"
+                )
+        return tuple(layer_ids)
+
+    def forward_with_aux(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: KVCaches,
+        metadata: AttentionMetadata,
+        aux_layer_ids: Sequence[int],
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:meth:`forward`, also returning auxiliary hidden states.
+
+        Aux id ``i`` is the residual stream entering decoder layer ``i`` (Hugging Face's
+        ``output_hidden_states[i]``: ``0`` is the embedding output, ``num_hidden_layers``
+        the last layer's output before the final norm), as EAGLE-3 (arXiv 2503.01840)
+        and vLLM's ``aux_hidden_state_layers`` define them.
+
+        Returns:
+            ``(hidden [num_tokens, hidden_size], aux [num_tokens, len(aux_layer_ids) *
+            hidden_size] | None)``; ``aux`` concatenates the states in the order of
+            ``aux_layer_ids`` and is ``None`` when that is empty.
+        """
         assert input_ids.ndim == 1 and input_ids.shape == positions.shape
         hidden = self.model.embed_tokens(input_ids)  # [num_tokens, hidden_size]
         cos, sin = self.rotary.cos_sin(positions, hidden.dtype)  # [num_tokens, head_dim]
-        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+        captured: dict[int, torch.Tensor] = {}
+        for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches, strict=True)):
+            if i in aux_layer_ids:
+                captured[i] = hidden
             hidden = layer(hidden, cos, sin, kv_cache, metadata)
-        return self.model.norm(hidden)
+        captured[len(self.model.layers)] = hidden
+        aux = torch.cat([captured[i] for i in aux_layer_ids], dim=-1) if aux_layer_ids else None
+        return self.model.norm(hidden), aux
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_positions, hidden_size] -> [num_positions, vocab_size] float32 logits."""

@@ -8,10 +8,14 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from specula.runtime.engine.sampler import SamplingMetadata
+
+if TYPE_CHECKING:
+    from specula.runtime.engine.model_runner import ModelRunner
 
 
 @dataclass
@@ -41,11 +45,41 @@ class DraftProposal:
     Methods that may find nothing to propose (n-gram lookup) set it."""
 
 
+@dataclass
+class TargetHiddenStates:
+    """The target's hidden states at the positions one target forward verified.
+
+    Rows are flattened request by request: request ``i`` contributes ``num_rows[i]`` rows
+    for cache positions ``start_positions[i] .. start_positions[i] + num_rows[i] - 1``,
+    whose input tokens are now committed (the prompt after a prefill; the last emitted
+    token plus the accepted draft tokens after a verification; the last emitted token
+    after a plain decode step). Rows built on rejected draft tokens are never included.
+    """
+
+    slot_ids: list[int]
+    start_positions: list[int]
+    num_rows: list[int]
+    hidden_states: torch.Tensor
+    """[sum(num_rows), hidden_size] the target's final (normed) hidden states."""
+    aux_hidden_states: torch.Tensor | None
+    """[sum(num_rows), len(aux_hidden_state_layers) * hidden_size], or ``None`` when the
+    speculator asked for no auxiliary layers."""
+
+
 class BaseSpeculator(ABC):
     """Proposes draft tokens for the target to verify."""
 
     max_num_speculative_tokens: int
     """The largest k :meth:`propose` accepts (the k the engine was started with)."""
+
+    uses_target_hidden_states: bool = False
+    """True when the method conditions on the target's hidden states (EAGLE, MTP,
+    DFlash, Gemma4 MTP): the engine then hands them over through :meth:`observe_target`
+    after every target forward. False spares the engine that work."""
+
+    aux_hidden_state_layers: tuple[int, ...] = ()
+    """Target layers whose input residual stream the method needs (EAGLE-3 auxiliary
+    hidden states); ids as ``LlamaForCausalLM.forward_with_aux`` defines them."""
 
     @abstractmethod
     def init_cudagraph_manager(self) -> None:
@@ -70,6 +104,23 @@ class BaseSpeculator(ABC):
             raise ValueError(
                 f"num_speculative_tokens {k} outside [1, {self.max_num_speculative_tokens}]"
             )
+
+    def bind_target(self, target_runner: ModelRunner) -> None:
+        """Called once by the engine after the target is loaded, before any request.
+        Methods that share the target's weights (embeddings, LM head) or read its KV cache
+        (Gemma4 MTP) keep the runner; validation against the target happens here.
+        The default keeps nothing.
+
+        Raises:
+            ValueError: the draft does not fit this target (names the field and values).
+        """
+        return None
+
+    def observe_target(self, states: TargetHiddenStates) -> None:
+        """Receive the target's hidden states at newly committed positions (called
+        after every target forward when :attr:`uses_target_hidden_states` is true).
+        The default ignores them."""
+        return None
 
     def add_requests(self, slot_ids: list[int]) -> None:
         """Forget whatever state earlier occupants of ``slot_ids`` left (new requests).

@@ -1,7 +1,13 @@
-"""Maps ``speculator.method`` of the runtime config to a speculator class."""
+"""Maps ``speculator.method`` of the runtime config to a speculator factory.
+
+Each method registers one factory in :data:`SPECULATOR_FACTORIES`; the speculator
+classes are imported lazily so that loading one method never imports another's code.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -16,12 +22,75 @@ class UnsupportedSpeculatorMethod(NotImplementedError):
     """The runtime config names a method this runtime does not implement yet."""
 
 
-SUPPORTED_METHODS = ("draft_model", "ngram")
+@dataclass(frozen=True)
+class SpeculatorContext:
+    """What every factory gets besides the method's own config."""
+
+    config: SpeculatorRuntimeConfig
+    target_config: ModelConfig
+    target_dir: Path
+    """The target checkpoint (MTP heads live inside it)."""
+    max_num_seqs: int
+    max_model_len: int
+    dtype: torch.dtype
+    device: torch.device
+
+    def draft_dir(self) -> Path:
+        """The resolved draft checkpoint.
+
+        Raises:
+            ValueError: the config names no draft model.
+            FileNotFoundError: the checkpoint cannot be found.
+        """
+        if self.config.model is None:
+            raise ValueError(f"speculator method {self.config.method!r} needs a draft model URI")
+        return resolve_model_uri(self.config.model)
+
+
+def _ngram(ctx: SpeculatorContext) -> BaseSpeculator:
+    from specula.runtime.spec_decode.ngram import NgramSpeculator
+
+    lookup_min, lookup_max = ctx.config.prompt_lookup_range
+    return NgramSpeculator(
+        num_speculative_tokens=ctx.config.max_k,
+        vocab_size=ctx.target_config.vocab_size,
+        prompt_lookup_min=lookup_min,
+        prompt_lookup_max=lookup_max,
+        device=ctx.device,
+    )
+
+
+def _draft_model(ctx: SpeculatorContext) -> BaseSpeculator:
+    from specula.runtime.spec_decode.draft_model import PlainDraftModelSpeculator
+
+    return PlainDraftModelSpeculator(
+        draft_dir=ctx.draft_dir(),
+        target_config=ctx.target_config,
+        num_speculative_tokens=ctx.config.max_k,
+        max_num_seqs=ctx.max_num_seqs,
+        max_model_len=ctx.max_model_len,
+        dtype=ctx.dtype,
+        device=ctx.device,
+    )
+
+
+SPECULATOR_FACTORIES: dict[str, Callable[[SpeculatorContext], BaseSpeculator]] = {
+    "draft_model": _draft_model,
+    "ngram": _ngram,
+}
+"""Method name (vLLM ``speculative_config.method``) -> factory."""
+
+
+def supported_methods() -> tuple[str, ...]:
+    """The methods this runtime implements."""
+    return tuple(SPECULATOR_FACTORIES)
 
 
 def create_speculator(
     config: SpeculatorRuntimeConfig,
     target_config: ModelConfig,
+    *,
+    target_dir: Path,
     max_num_seqs: int,
     max_model_len: int,
     dtype: torch.dtype,
@@ -31,37 +100,17 @@ def create_speculator(
 
     Raises:
         UnsupportedSpeculatorMethod: the method is not implemented.
-        ValueError: the method needs a draft model URI and has none, or the draft's
-            vocabulary differs from the target's.
+        ValueError: the method needs a draft model URI and has none, or the draft does
+            not fit the target (the message names the field and both values).
         FileNotFoundError: the draft checkpoint cannot be found.
     """
-    if config.method not in SUPPORTED_METHODS:
+    factory = SPECULATOR_FACTORIES.get(config.method)
+    if factory is None:
         raise UnsupportedSpeculatorMethod(
             f"speculator method {config.method!r} is not implemented; "
-            f"supported: {', '.join(SUPPORTED_METHODS)}"
+            f"supported: {', '.join(supported_methods())}"
         )
-    if config.method == "ngram":
-        from specula.runtime.spec_decode.ngram import NgramSpeculator
-
-        lookup_min, lookup_max = config.prompt_lookup_range
-        return NgramSpeculator(
-            num_speculative_tokens=config.max_k,
-            vocab_size=target_config.vocab_size,
-            prompt_lookup_min=lookup_min,
-            prompt_lookup_max=lookup_max,
-            device=device,
-        )
-    if config.model is None:
-        raise ValueError(f"speculator method {config.method!r} needs a draft model URI")
-    from specula.runtime.spec_decode.draft_model import PlainDraftModelSpeculator
-
-    draft_dir: Path = resolve_model_uri(config.model)
-    return PlainDraftModelSpeculator(
-        draft_dir=draft_dir,
-        target_config=target_config,
-        num_speculative_tokens=config.max_k,
-        max_num_seqs=max_num_seqs,
-        max_model_len=max_model_len,
-        dtype=dtype,
-        device=device,
+    ctx = SpeculatorContext(
+        config, target_config, Path(target_dir), max_num_seqs, max_model_len, dtype, device
     )
+    return factory(ctx)

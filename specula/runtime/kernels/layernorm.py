@@ -1,0 +1,186 @@
+"""RMSNorm (Zhang & Sennrich, arXiv 1910.07467), plain and fused with the residual add.
+
+Two weight conventions, both with float32 statistics:
+
+- Llama (``gemma=False``, as :class:`specula.runtime.models.layers.RMSNorm` and Hugging
+  Face ``LlamaRMSNorm``): ``weight * (x * rsqrt(mean(x^2) + eps)).to(dtype)``, the
+  normalised value rounded to the activation dtype before the weight multiplies it;
+- Gemma (``gemma=True``, as Hugging Face ``GemmaRMSNorm``): ``(x * rsqrt(mean(x^2) + eps)
+  * (1 + weight)).to(dtype)``, all in float32.
+
+The fused form does what a decoder layer does between sublayers, in one pass over the
+row: ``residual_out = x + residual`` (rounded to the activation dtype, as the unfused
+add would be) and ``out = rmsnorm(residual_out)``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_MAX_HIDDEN = 65536
+"""One program holds a whole row in registers."""
+
+
+@triton.jit
+def _rms_norm_kernel(
+    out_ptr,  # [num_tokens, hidden_size]
+    residual_out_ptr,  # [num_tokens, hidden_size], written when HAS_RESIDUAL
+    x_ptr,  # [num_tokens, hidden_size]
+    residual_ptr,  # [num_tokens, hidden_size], read when HAS_RESIDUAL
+    weight_ptr,  # [hidden_size]
+    eps,
+    stride_out,
+    stride_res_out,
+    stride_x,
+    stride_res,
+    HIDDEN: tl.constexpr,
+    BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    GEMMA: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < HIDDEN
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    dtype = x.dtype
+    if HAS_RESIDUAL:
+        res = tl.load(residual_ptr + row * stride_res + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + res.to(tl.float32)).to(dtype)
+        tl.store(residual_out_ptr + row * stride_res_out + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    variance = tl.sum(xf * xf, axis=0) / HIDDEN
+    normed = xf * tl.rsqrt(variance + eps)
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if GEMMA:
+        y = normed * (1.0 + w)
+    else:
+        y = w * normed.to(dtype).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _check_rows(name: str, t: torch.Tensor, like: torch.Tensor) -> None:
+    assert t.shape == like.shape and t.dtype == like.dtype, f"{name}: shape/dtype mismatch"
+    assert t.stride(-1) == 1, f"{name}: last dim must be contiguous"
+
+
+def _launch(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    gemma: bool,
+    out: torch.Tensor | None,
+    residual_out: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    assert x.ndim == 2 and x.stride(-1) == 1, "x must be [num_tokens, hidden_size], rows dense"
+    assert x.dtype in (torch.float16, torch.bfloat16, torch.float32)
+    num_tokens, hidden = x.shape
+    assert weight.ndim == 1 and weight.shape[0] == hidden and weight.is_contiguous()
+    assert weight.dtype == x.dtype, "weight must be in the activation dtype"
+    assert hidden <= _MAX_HIDDEN
+    out = torch.empty_like(x) if out is None else out
+    _check_rows("out", out, x)
+    if residual is not None:
+        _check_rows("residual", residual, x)
+        residual_out = torch.empty_like(x) if residual_out is None else residual_out
+        _check_rows("residual_out", residual_out, x)
+    if num_tokens == 0:
+        return out, residual_out
+    block = triton.next_power_of_2(hidden)
+    res_in = residual if residual is not None else x
+    res_out = residual_out if residual is not None else out
+    _rms_norm_kernel[(num_tokens,)](
+        out,
+        res_out,
+        x,
+        res_in,
+        weight,
+        eps,
+        out.stride(0),
+        res_out.stride(0),
+        x.stride(0),
+        res_in.stride(0),
+        HIDDEN=hidden,
+        BLOCK=block,
+        HAS_RESIDUAL=residual is not None,
+        GEMMA=gemma,
+        num_warps=min(16, max(1, block // 512)),
+    )
+    return out, residual_out
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    *,
+    gemma: bool = False,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """RMSNorm of each row.
+
+    Args:
+        x: [num_tokens, hidden_size] float16/bfloat16/float32, rows dense.
+        weight: [hidden_size] in ``x.dtype``.
+        eps: added to the mean square.
+        gemma: scale by ``1 + weight`` in float32 (Gemma) instead of Llama's convention.
+        out: optional output buffer like ``x`` (may be ``x`` itself).
+
+    Returns:
+        [num_tokens, hidden_size] in ``x.dtype``.
+
+    Raises:
+        AssertionError: shapes, dtypes or layouts do not match the above.
+    """
+    return _launch(x, None, weight, eps, gemma, out, None)[0]
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    *,
+    gemma: bool = False,
+    out: torch.Tensor | None = None,
+    residual_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``residual_out = x + residual``; ``out = rms_norm(residual_out)``, in one pass.
+
+    Args:
+        x, residual: [num_tokens, hidden_size] of one dtype, rows dense.
+        weight, eps, gemma: as :func:`rms_norm`.
+        out, residual_out: optional buffers like ``x``; passing ``out=x,
+            residual_out=residual`` updates in place (each program reads its row before
+            writing it).
+
+    Returns:
+        ``(out, residual_out)``, both [num_tokens, hidden_size] in ``x.dtype``.
+
+    Raises:
+        AssertionError: shapes, dtypes or layouts do not match the above.
+    """
+    out, residual_out = _launch(x, residual, weight, eps, gemma, out, residual_out)
+    return out, residual_out
+
+
+def rms_norm_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    *,
+    gemma: bool = False,
+    residual: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Torch reference of :func:`rms_norm` (``residual=None``) and
+    :func:`fused_add_rms_norm`; returns ``(out, residual_out or None)``."""
+    residual_out = None
+    if residual is not None:
+        x = residual_out = x + residual
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if gemma:
+        return (normed * (1.0 + weight.float())).to(x.dtype), residual_out
+    return weight * normed.to(x.dtype), residual_out

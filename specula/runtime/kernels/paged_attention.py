@@ -1,0 +1,403 @@
+"""Paged attention for decode and for the (k + 1)-token verification query.
+
+The KV cache uses vLLM's paged layout: ``key_cache, value_cache [num_blocks, block_size,
+num_kv_heads, head_dim]``; request ``i`` owns the blocks listed in ``block_table[i]``, so
+its token ``t`` lives in block ``block_table[i, t // block_size]`` at offset
+``t % block_size``. Every request has the same query length ``q_len`` (1 for decode,
+``k + 1`` for verifying ``k`` draft tokens); its query tokens are the last ``q_len`` of its
+``seq_lens[i]`` context tokens, and query token ``j`` sees keys ``[0, seq_lens[i] - q_len + j]``
+(causal within the query).
+
+One program handles the ``q_len * (num_heads // num_kv_heads)`` query rows that share a KV
+head, so each key/value tile is read once for the whole GQA group and every query token
+(that read is what bounds decode). Long contexts are split across programs
+(flash-decoding: Dao et al., https://crfm.stanford.edu/2023/10/12/flashdecoding.html):
+each split writes a partial output and its log-sum-exp, and a second kernel merges them,
+so a batch-1 decode still fills the GPU. Online softmax as in FlashAttention (arXiv
+2205.14135), in base 2.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+_MIN_TOKENS_PER_SPLIT = 128
+"""A split reads at least this many keys: fewer would cost more in the merge than the
+extra parallelism gains."""
+_MAX_SPLITS = 64
+_BLOCK_N = 64
+"""Keys per inner-loop tile."""
+_MAX_BLOCK_M = 64
+"""Query rows (query tokens x heads of a GQA group) per program."""
+
+
+@triton.jit
+def _paged_attention_kernel(
+    out_ptr,  # [num_tokens, num_heads, head_dim], written when NUM_SPLITS == 1
+    partial_out_ptr,  # [num_tokens, num_heads, NUM_SPLITS, head_dim] float32
+    partial_lse_ptr,  # [num_tokens, num_heads, NUM_SPLITS] float32, base-2
+    query_ptr,  # [num_tokens, num_heads, head_dim]
+    key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache_ptr,
+    block_table_ptr,  # [num_reqs, max_blocks_per_req] int32
+    seq_lens_ptr,  # [num_reqs] int32
+    scale_log2,  # softmax scale * log2(e)
+    q_len,
+    num_heads,
+    num_m_blocks,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_bt,
+    GROUP_SIZE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+):
+    req = tl.program_id(0)
+    kv_head = tl.program_id(1) // num_m_blocks
+    m_block = tl.program_id(1) % num_m_blocks
+    split = tl.program_id(2)
+
+    # Row m of the tile is query token m // GROUP_SIZE, head m % GROUP_SIZE of the group.
+    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_valid = offs_m < q_len * GROUP_SIZE
+    q_idx = offs_m // GROUP_SIZE
+    head = kv_head * GROUP_SIZE + offs_m % GROUP_SIZE
+    token = req * q_len + q_idx
+    offs_d = tl.arange(0, BLOCK_D)
+    d_valid = offs_d < HEAD_DIM
+
+    q_ptrs = query_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=row_valid[:, None] & d_valid[None, :], other=0.0)
+
+    seq_len = tl.load(seq_lens_ptr + req)
+    # Keys [0, key_limit) are visible to each row; padded rows see none.
+    key_limit = tl.where(row_valid, seq_len - q_len + q_idx + 1, 0)
+    ctx_end = tl.maximum(tl.max(key_limit, axis=0), 0)
+    tokens_per_split = tl.cdiv(tl.cdiv(ctx_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    split_start = split * tokens_per_split
+    split_end = tl.minimum(split_start + tokens_per_split, ctx_end)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    table_row = block_table_ptr + req.to(tl.int64) * stride_bt
+    for start_n in range(split_start, split_end, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_valid = offs_n < split_end
+        block = tl.load(table_row + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
+        in_block = offs_n % BLOCK_SIZE
+        kv_mask = n_valid[:, None] & d_valid[None, :]
+        k_off = block * stride_kb + in_block * stride_ks + kv_head * stride_kh
+        k = tl.load(key_cache_ptr + k_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * scale_log2
+        visible = n_valid[None, :] & (offs_n[None, :] < key_limit[:, None])
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # A row with nothing visible yet keeps -inf; subtracting 0 then keeps exp2 at 0
+        # instead of producing NaN from -inf - -inf.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v_off = block * stride_vb + in_block * stride_vs + kv_head * stride_vh
+        v = tl.load(value_cache_ptr + v_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
+        m_i = m_new
+
+    has_keys = l_i > 0.0
+    acc = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    out_mask = row_valid[:, None] & d_valid[None, :]
+    if NUM_SPLITS == 1:
+        o_ptrs = out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        row = (token.to(tl.int64) * num_heads + head) * NUM_SPLITS + split
+        tl.store(partial_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=out_mask)
+        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+        tl.store(partial_lse_ptr + row, lse, mask=row_valid)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    out_ptr,  # [num_tokens, num_heads, head_dim]
+    partial_out_ptr,  # [num_tokens, num_heads, NUM_SPLITS, head_dim] float32
+    partial_lse_ptr,  # [num_tokens, num_heads, NUM_SPLITS] float32, base-2
+    num_heads,
+    stride_ot,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    row = token.to(tl.int64) * num_heads + head
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_valid = offs_s < NUM_SPLITS
+    d_valid = offs_d < HEAD_DIM
+    lse = tl.load(partial_lse_ptr + row * NUM_SPLITS + offs_s, mask=s_valid, other=float("-inf"))
+    lse_max = tl.max(lse, axis=0)
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    weight = tl.exp2(lse - lse_max)  # 0 for empty splits
+    parts = tl.load(
+        partial_out_ptr + (row * NUM_SPLITS + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+        mask=s_valid[:, None] & d_valid[None, :],
+        other=0.0,
+    )
+    total = tl.sum(weight, axis=0)
+    merged = tl.sum(parts * weight[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)
+    o_ptrs = out_ptr + token * stride_ot + head * stride_oh + offs_d
+    tl.store(o_ptrs, merged.to(out_ptr.dtype.element_ty), mask=d_valid)
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def default_num_splits(
+    num_reqs: int, num_kv_heads: int, num_m_blocks: int, max_context: int, device: torch.device
+) -> int:
+    """How many programs share one request's context: enough to give every SM two
+    programs, but no split shorter than ``_MIN_TOKENS_PER_SPLIT`` keys of ``max_context``.
+
+    A pure function of host-side sizes, so a CUDA graph captured with one value stays
+    valid for every ``seq_lens`` up to ``max_context``.
+    """
+    programs = num_reqs * num_kv_heads * num_m_blocks
+    wanted = triton.cdiv(2 * _num_sms(device), programs)
+    by_length = triton.cdiv(max_context, _MIN_TOKENS_PER_SPLIT)
+    return max(1, min(wanted, by_length, _MAX_SPLITS))
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    q_len: int = 1,
+    *,
+    num_splits: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of ``q_len`` new query tokens per request over the paged KV cache.
+
+    The new tokens' keys and values must already be in the cache (see
+    :func:`specula.runtime.kernels.reshape_and_cache.reshape_and_cache`).
+
+    Args:
+        query: [num_reqs * q_len, num_heads, head_dim], request-major; last dim contiguous.
+        key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim], same
+            dtype as ``query`` (float16, bfloat16 or float32); last dim contiguous.
+        block_table: [num_reqs, max_blocks_per_req] int32 block ids.
+        seq_lens: [num_reqs] int32, context length including the ``q_len`` new tokens;
+            0 marks a padding request (its output is 0).
+        scale: softmax scale, usually ``head_dim ** -0.5``.
+        q_len: query tokens per request: 1 for decode, ``k + 1`` for verification.
+        num_splits: programs per (request, KV head) along the context; default from
+            :func:`default_num_splits` with ``max_blocks_per_req * block_size`` as the
+            longest context. Fixed per launch shape, independent of ``seq_lens`` values,
+            so no device-to-host copy happens.
+        out: optional [num_reqs * q_len, num_heads, head_dim] output buffer.
+
+    Returns:
+        [num_reqs * q_len, num_heads, head_dim] in ``query.dtype``.
+
+    Raises:
+        AssertionError: shapes, dtypes or layouts do not match the above.
+    """
+    assert query.ndim == 3 and key_cache.ndim == 4 and value_cache.shape == key_cache.shape
+    assert block_table.ndim == 2 and block_table.dtype == torch.int32
+    assert seq_lens.ndim == 1 and seq_lens.dtype == torch.int32
+    assert query.dtype in (torch.float16, torch.bfloat16, torch.float32)
+    assert key_cache.dtype == query.dtype == value_cache.dtype
+    assert query.stride(-1) == 1 and key_cache.stride(-1) == 1 and value_cache.stride(-1) == 1
+    assert block_table.stride(-1) == 1 and seq_lens.is_contiguous()
+    num_tokens, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, cache_head_dim = key_cache.shape
+    num_reqs = block_table.shape[0]
+    assert cache_head_dim == head_dim and num_heads % num_kv_heads == 0
+    assert q_len >= 1 and num_tokens == num_reqs * q_len and seq_lens.shape[0] == num_reqs
+    group_size = num_heads // num_kv_heads
+    if out is None:
+        out = torch.empty_like(query)
+    assert out.shape == query.shape and out.dtype == query.dtype and out.stride(-1) == 1
+    if num_reqs == 0:
+        return out
+
+    rows = q_len * group_size
+    block_m = max(16, min(_MAX_BLOCK_M, triton.next_power_of_2(rows)))
+    num_m_blocks = triton.cdiv(rows, block_m)
+    if num_splits is None:
+        max_context = block_table.shape[1] * block_size
+        num_splits = default_num_splits(
+            num_reqs, num_kv_heads, num_m_blocks, max_context, query.device
+        )
+    assert num_splits >= 1
+    if num_splits > 1:
+        partial_out = torch.empty(
+            num_tokens, num_heads, num_splits, head_dim, dtype=torch.float32, device=query.device
+        )
+        partial_lse = torch.empty(
+            num_tokens, num_heads, num_splits, dtype=torch.float32, device=query.device
+        )
+    else:
+        partial_out = partial_lse = out  # unused by the kernel when NUM_SPLITS == 1
+    block_d = triton.next_power_of_2(max(head_dim, 16))
+    # float32 caches are for tests and references: keep their dot products exact.
+    precision = "ieee" if query.dtype == torch.float32 else "tf32"
+    grid = (num_reqs, num_kv_heads * num_m_blocks, num_splits)
+    _paged_attention_kernel[grid](
+        out,
+        partial_out,
+        partial_lse,
+        query,
+        key_cache,
+        value_cache,
+        block_table,
+        seq_lens,
+        scale * math.log2(math.e),
+        q_len,
+        num_heads,
+        num_m_blocks,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        value_cache.stride(2),
+        block_table.stride(0),
+        GROUP_SIZE=group_size,
+        BLOCK_SIZE=block_size,
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        BLOCK_M=block_m,
+        BLOCK_N=_BLOCK_N,
+        NUM_SPLITS=num_splits,
+        INPUT_PRECISION=precision,
+        num_warps=4,
+    )
+    if num_splits > 1:
+        _merge_splits_kernel[(num_tokens, num_heads)](
+            out,
+            partial_out,
+            partial_lse,
+            num_heads,
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=head_dim,
+            BLOCK_D=block_d,
+            NUM_SPLITS=num_splits,
+            BLOCK_S=triton.next_power_of_2(num_splits),
+        )
+    return out
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    num_splits: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Decode attention: one query token per request, ``query [num_reqs, num_heads,
+    head_dim]``. See :func:`paged_attention` for the other arguments and errors."""
+    return paged_attention(
+        query, key_cache, value_cache, block_table, seq_lens, scale, 1,
+        num_splits=num_splits, out=out,
+    )  # fmt: skip
+
+
+def paged_verify_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    num_speculative_tokens: int,
+    *,
+    num_splits: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Verification attention: the last emitted token and ``num_speculative_tokens`` draft
+    tokens per request, ``query [num_reqs * (k + 1), num_heads, head_dim]``, causal among
+    themselves. See :func:`paged_attention` for the other arguments and errors."""
+    return paged_attention(
+        query, key_cache, value_cache, block_table, seq_lens, scale,
+        num_speculative_tokens + 1, num_splits=num_splits, out=out,
+    )  # fmt: skip
+
+
+def gather_kv(
+    cache: torch.Tensor, block_table: torch.Tensor, req: int, seq_len: int
+) -> torch.Tensor:
+    """The first ``seq_len`` cached tokens of request ``req`` as ``[seq_len, num_kv_heads,
+    head_dim]`` (host-side indexing; for references and tests)."""
+    block_size = cache.shape[1]
+    blocks = block_table[req, : triton.cdiv(seq_len, block_size)].long()
+    return cache[blocks].flatten(0, 1)[:seq_len]
+
+
+def paged_attention_reference(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    q_len: int = 1,
+) -> torch.Tensor:
+    """Torch reference of :func:`paged_attention` (same arguments and result): gathers each
+    request's keys and values through the block table and computes the masked softmax in
+    float32, one request at a time."""
+    num_heads = query.shape[1]
+    group_size = num_heads // key_cache.shape[2]
+    out = torch.zeros_like(query)
+    for req, seq_len in enumerate(seq_lens.tolist()):
+        if seq_len == 0:
+            continue
+        keys = gather_kv(key_cache, block_table, req, seq_len).float()
+        values = gather_kv(value_cache, block_table, req, seq_len).float()
+        keys = keys.repeat_interleave(group_size, dim=1)  # [seq_len, num_heads, head_dim]
+        values = values.repeat_interleave(group_size, dim=1)
+        q = query[req * q_len : (req + 1) * q_len].float()  # [q_len, num_heads, head_dim]
+        scores = torch.einsum("qhd,khd->hqk", q, keys) * scale
+        key_pos = torch.arange(seq_len, device=query.device)
+        query_pos = seq_len - q_len + torch.arange(q_len, device=query.device)
+        scores = scores.masked_fill(key_pos[None, None, :] > query_pos[None, :, None], -math.inf)
+        probs = scores.softmax(dim=-1)
+        out[req * q_len : (req + 1) * q_len] = torch.einsum("hqk,khd->qhd", probs, values).to(
+            query.dtype
+        )
+    return out

@@ -1,0 +1,153 @@
+"""Rotary position embedding (RoFormer, arXiv 2104.09864) applied in place, "rotate half"
+(GPT-NeoX) layout, as :func:`specula.runtime.models.layers.apply_rotary`.
+
+The first ``rotary_dim`` channels of each head are split into halves ``x1, x2`` and
+become ``x1 * cos - x2 * sin`` and ``x2 * cos + x1 * sin``; channels past ``rotary_dim``
+(partial rotary) pass through. ``cos`` and ``sin`` come from a table indexed by position,
+laid out as vLLM's ``cos_sin_cache``: ``[max_position, rotary_dim]`` holding
+``cos(pos * inv_freq)`` in the first half and ``sin(pos * inv_freq)`` in the second.
+Arithmetic is float32, rounded once to the activation dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+def build_cos_sin_cache(
+    inv_freq: torch.Tensor, max_position: int, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """The ``[max_position, rotary_dim]`` table for ``inv_freq [rotary_dim // 2]`` (e.g.
+    :attr:`specula.runtime.models.layers.RotaryEmbedding.inv_freq`), computed in float32
+    as the model layer does, then cast to ``dtype``."""
+    positions = torch.arange(max_position, device=inv_freq.device).float()
+    freqs = positions[:, None] * inv_freq.float()[None, :]  # [max_position, rotary_dim // 2]
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(dtype)
+
+
+@triton.jit
+def _rotary_kernel(
+    positions_ptr,  # [num_tokens] int64
+    query_ptr,  # [num_tokens, num_heads, head_dim]
+    key_ptr,  # [num_tokens, num_kv_heads, head_dim], read when HAS_KEY
+    cos_sin_ptr,  # [max_position, rotary_dim]
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_cs,
+    NUM_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_KH: tl.constexpr,
+    HAS_KEY: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    pos = tl.load(positions_ptr + token)
+    offs_r = tl.arange(0, BLOCK_HALF)
+    r_valid = offs_r < HALF
+    cos = tl.load(cos_sin_ptr + pos * stride_cs + offs_r, mask=r_valid, other=0.0)
+    sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + offs_r, mask=r_valid, other=0.0)
+    cos = cos.to(tl.float32)[None, :]
+    sin = sin.to(tl.float32)[None, :]
+
+    offs_h = tl.arange(0, BLOCK_H)
+    mask = (offs_h < NUM_HEADS)[:, None] & r_valid[None, :]
+    ptrs = query_ptr + token * stride_qt + offs_h[:, None] * stride_qh + offs_r[None, :]
+    x1 = tl.load(ptrs, mask=mask, other=0.0)
+    x2 = tl.load(ptrs + HALF, mask=mask, other=0.0)
+    dtype = x1.dtype
+    x1 = x1.to(tl.float32)
+    x2 = x2.to(tl.float32)
+    tl.store(ptrs, (x1 * cos - x2 * sin).to(dtype), mask=mask)
+    tl.store(ptrs + HALF, (x2 * cos + x1 * sin).to(dtype), mask=mask)
+
+    if HAS_KEY:
+        offs_kh = tl.arange(0, BLOCK_KH)
+        kmask = (offs_kh < NUM_KV_HEADS)[:, None] & r_valid[None, :]
+        kptrs = key_ptr + token * stride_kt + offs_kh[:, None] * stride_kh + offs_r[None, :]
+        k1 = tl.load(kptrs, mask=kmask, other=0.0).to(tl.float32)
+        k2 = tl.load(kptrs + HALF, mask=kmask, other=0.0).to(tl.float32)
+        tl.store(kptrs, (k1 * cos - k2 * sin).to(dtype), mask=kmask)
+        tl.store(kptrs + HALF, (k2 * cos + k1 * sin).to(dtype), mask=kmask)
+
+
+def rotary_embedding(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor | None,
+    cos_sin_cache: torch.Tensor,
+) -> None:
+    """Rotate ``query`` and ``key`` in place by their tokens' positions.
+
+    Args:
+        positions: [num_tokens] int64, each < ``max_position``.
+        query: [num_tokens, num_heads, head_dim]; last dim contiguous (a view into a fused
+            qkv output is fine).
+        key: [num_tokens, num_kv_heads, head_dim] in ``query.dtype``, or ``None`` for
+            layers that only have queries.
+        cos_sin_cache: [max_position, rotary_dim] from :func:`build_cos_sin_cache`;
+            ``rotary_dim`` even and <= ``head_dim``.
+
+    Raises:
+        AssertionError: shapes, dtypes or layouts do not match the above.
+    """
+    assert positions.ndim == 1 and positions.dtype == torch.int64 and positions.is_contiguous()
+    assert query.ndim == 3 and query.stride(-1) == 1
+    assert query.dtype in (torch.float16, torch.bfloat16, torch.float32)
+    assert cos_sin_cache.ndim == 2 and cos_sin_cache.stride(-1) == 1
+    num_tokens, num_heads, head_dim = query.shape
+    rotary_dim = cos_sin_cache.shape[1]
+    assert rotary_dim % 2 == 0 and rotary_dim <= head_dim
+    assert positions.shape[0] == num_tokens
+    num_kv_heads = 1
+    if key is not None:
+        assert key.ndim == 3 and key.stride(-1) == 1 and key.dtype == query.dtype
+        assert key.shape[0] == num_tokens and key.shape[2] == head_dim
+        num_kv_heads = key.shape[1]
+    if num_tokens == 0:
+        return
+    k = key if key is not None else query
+    _rotary_kernel[(num_tokens,)](
+        positions,
+        query,
+        k,
+        cos_sin_cache,
+        query.stride(0),
+        query.stride(1),
+        k.stride(0),
+        k.stride(1),
+        cos_sin_cache.stride(0),
+        NUM_HEADS=num_heads,
+        NUM_KV_HEADS=num_kv_heads,
+        HALF=rotary_dim // 2,
+        BLOCK_HALF=triton.next_power_of_2(rotary_dim // 2),
+        BLOCK_H=triton.next_power_of_2(num_heads),
+        BLOCK_KH=triton.next_power_of_2(num_kv_heads),
+        HAS_KEY=key is not None,
+    )
+
+
+def rotary_embedding_reference(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor | None,
+    cos_sin_cache: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Torch reference of :func:`rotary_embedding`: returns rotated copies
+    ``(query, key or None)`` instead of writing in place."""
+    half = cos_sin_cache.shape[1] // 2
+    cos, sin = cos_sin_cache[positions].float().split(half, dim=-1)  # [num_tokens, half] each
+    cos, sin = cos[:, None, :], sin[:, None, :]
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        x1 = x[..., :half].float()
+        x2 = x[..., half : 2 * half].float()
+        rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+        return torch.cat((rotated, x[..., 2 * half :]), dim=-1)
+
+    return rotate(query), None if key is None else rotate(key)
