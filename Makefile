@@ -6,27 +6,35 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.specula-installed
 PYTEST_ARGS ?=
+# Reference implementations the speculator tests compare against. Installed without
+# their dependency pins (torch<=2.14, transformers<=5.19), which would downgrade the
+# runtime's; their other dependencies are in the dev extra.
+REFERENCE_PACKAGES := speculators==0.9.0 hs-connectors==0.9.0
 
-# pytest with the control-plane binaries built or reused first; their absence fails the run.
+# pytest with the control-plane binaries and helm built or reused first; their absence fails the run.
 define with_control_plane
 @bin_dir="$$(bash hack/control-plane.sh)" || { echo "make: control plane unavailable" >&2; exit 1; }; \
-SPECULA_CONTROL_PLANE_BIN="$$bin_dir" $(BIN)/python -m pytest $(PYTEST_ARGS) $(1)
+helm_dir="$$(bash hack/helm.sh)" || { echo "make: helm unavailable" >&2; exit 1; }; \
+SPECULA_CONTROL_PLANE_BIN="$$bin_dir" SPECULA_HELM_BIN="$$helm_dir" $(BIN)/python -m pytest $(PYTEST_ARGS) $(1)
 endef
 
-.PHONY: setup demo test test-unit test-runtime test-integration lint crd crd-check control-plane clean
+.PHONY: setup demo test test-unit test-runtime test-integration lint crd crd-check control-plane helm clean
 
-$(STAMP): pyproject.toml
-	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[dev]'
+$(STAMP): pyproject.toml hack/install.sh
+	PYTHON=$(PYTHON) bash hack/install.sh $(VENV) -e '.[dev]'
+	$(BIN)/python -m pip install --quiet --no-deps $(REFERENCE_PACKAGES)
 	@touch $(STAMP)
 
-## setup: create .venv with every dependency and build (or reuse) the test control plane
-setup: $(STAMP) control-plane
+## setup: create .venv with every dependency and build (or reuse) the test control plane and helm
+setup: $(STAMP) control-plane helm
 
 ## control-plane: build etcd, kube-apiserver, kube-controller-manager, kubectl (cached by version)
 control-plane:
 	@bash hack/control-plane.sh >/dev/null
+
+## helm: build the Helm CLI the chart tests use (cached by version)
+helm:
+	@bash hack/helm.sh >/dev/null
 
 ## demo: train the demo models on first run, serve them with speculation, report acceptance
 demo: $(STAMP)
@@ -50,13 +58,15 @@ lint: $(STAMP) crd-check
 	$(BIN)/ruff check specula tests
 	$(BIN)/lint-imports
 
-## crd: regenerate crds/speculativemodel.yaml from specula.api
+## crd: regenerate crds/speculativemodel.yaml from specula.api, and the chart's CRD template from it
 crd: $(STAMP)
 	$(BIN)/specula crd > crds/speculativemodel.yaml
+	$(BIN)/python hack/chart_crd.py
 
 crd-check: $(STAMP)
 	@$(BIN)/specula crd | diff -u crds/speculativemodel.yaml - \
 	  || { echo "crds/speculativemodel.yaml is stale: run 'make crd'" >&2; exit 1; }
+	@$(BIN)/python hack/chart_crd.py --check
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
