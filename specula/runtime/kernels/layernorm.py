@@ -107,6 +107,7 @@ def _launch(
         HAS_RESIDUAL=residual is not None,
         GEMMA=gemma,
         num_warps=min(16, max(1, block // 512)),
+        enable_fp_fusion=True,
     )
     return out, residual_out
 

@@ -302,6 +302,7 @@ def paged_attention(
         NUM_SPLITS=num_splits,
         INPUT_PRECISION=precision,
         num_warps=4,
+        enable_fp_fusion=True,
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
@@ -315,6 +316,7 @@ def paged_attention(
             BLOCK_D=block_d,
             NUM_SPLITS=num_splits,
             BLOCK_S=triton.next_power_of_2(num_splits),
+            enable_fp_fusion=True,
         )
     return out
 
@@ -335,7 +337,7 @@ def paged_decode_attention(
     return paged_attention(
         query, key_cache, value_cache, block_table, seq_lens, scale, 1,
         num_splits=num_splits, out=out,
-    )  # fmt: skip
+    )
 
 
 def paged_verify_attention(
@@ -356,7 +358,7 @@ def paged_verify_attention(
     return paged_attention(
         query, key_cache, value_cache, block_table, seq_lens, scale,
         num_speculative_tokens + 1, num_splits=num_splits, out=out,
-    )  # fmt: skip
+    )
 
 
 def gather_kv(

@@ -37,13 +37,13 @@ def _reshape_and_cache_kernel(
 ):
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token)
-    if slot < 0:
-        return
     block = slot // BLOCK_SIZE
     offset = slot % BLOCK_SIZE
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
-    mask = (offs_h < NUM_KV_HEADS)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    # A padding token (negative slot) masks out every head.
+    num_heads = tl.where(slot >= 0, NUM_KV_HEADS, 0)
+    mask = (offs_h < num_heads)[:, None] & (offs_d < HEAD_DIM)[None, :]
     src = token.to(tl.int64)
     k = tl.load(key_ptr + src * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
     v = tl.load(
@@ -106,6 +106,7 @@ def reshape_and_cache(
         BLOCK_SIZE=key_cache.shape[1],
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
+        enable_fp_fusion=True,
     )
 
 

@@ -129,6 +129,7 @@ def rotary_embedding(
         BLOCK_H=triton.next_power_of_2(num_heads),
         BLOCK_KH=triton.next_power_of_2(num_kv_heads),
         HAS_KEY=key is not None,
+        enable_fp_fusion=True,
     )
 
 

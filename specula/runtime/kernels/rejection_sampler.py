@@ -1,0 +1,299 @@
+"""Rejection sampling of draft tokens on the GPU, greedy and random, in one kernel.
+
+Same semantics as :func:`specula.runtime.spec_decode.rejection_sampler.rejection_sample`
+(Leviathan et al., arXiv 2211.17192; Chen et al., arXiv 2302.01318), with the random draws
+made by the caller so that the kernel is deterministic given them:
+
+- greedy request: accept draft tokens while each equals the target argmax; then emit the
+  target argmax at the first mismatch (or the bonus position);
+- random request: accept draft token ``x_j`` while ``u_j * q_j(x_j) < p_j(x_j)`` (that is
+  ``u_j < p/q``, without dividing); at the first rejection ``a`` emit the recovered token
+  ``argmax(max(p_a - q_a, 0) / e)`` with ``e ~ Exp(1)`` per vocabulary entry (the
+  exponential race, which samples from the normalised residual); after ``k`` acceptances
+  ``q`` is 0 and the same formula samples the bonus token from ``p_{k+1}``. A residual
+  that is all zero (``p == q``, probability-zero rejection) falls back to ``p``.
+
+Batch layout follows vLLM's rejection sampler (``vllm/v1/sample/rejection_sampler.py``):
+draft tokens flattened over requests with ``cu_num_draft_tokens`` (inclusive cumulative
+counts, so requests may draft different numbers of tokens); target rows flattened with
+one extra (bonus) row per request; output ``[num_reqs, max_spec_len + 1]`` padded with
+:data:`PLACEHOLDER_TOKEN_ID`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+PLACEHOLDER_TOKEN_ID = -1
+"""Fills output positions after the first rejection; the value of
+:data:`specula.runtime.spec_decode.rejection_sampler.PLACEHOLDER_TOKEN_ID` (vLLM's), kept
+here so that the kernels depend on nothing but torch and triton."""
+
+_BLOCK_V = 2048
+"""Vocabulary entries per step of the recovered-token scan."""
+
+
+@triton.jit
+def _rejection_sample_kernel(
+    output_ptr,  # [num_reqs, max_spec_len + 1] int64
+    num_accepted_ptr,  # [num_reqs] int64
+    draft_token_ids_ptr,  # [num_draft_tokens] int64
+    cu_num_draft_tokens_ptr,  # [num_reqs] int32
+    target_argmax_ptr,  # [num_draft_tokens + num_reqs] int64
+    is_greedy_ptr,  # [num_reqs] bool
+    draft_probs_ptr,  # [num_draft_tokens, vocab_size] float32
+    target_probs_ptr,  # [num_draft_tokens + num_reqs, vocab_size] float32
+    uniform_ptr,  # [num_draft_tokens] float32
+    noise_ptr,  # [num_reqs, vocab_size] float32
+    vocab_size,
+    stride_out,
+    stride_draft_probs,
+    stride_target_probs,
+    stride_noise,
+    MAX_SPEC_LEN: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    ALL_GREEDY: tl.constexpr,
+    NO_DRAFT_PROBS: tl.constexpr,
+    PLACEHOLDER: tl.constexpr,
+):
+    req = tl.program_id(0)
+    start = tl.load(cu_num_draft_tokens_ptr + req - 1, mask=req > 0, other=0)
+    num_draft = tl.load(cu_num_draft_tokens_ptr + req) - start
+    target_row0 = start + req  # request req's first target row
+
+    offs_k = tl.arange(0, BLOCK_K)
+    valid = offs_k < num_draft
+    tokens = tl.load(draft_token_ids_ptr + start + offs_k, mask=valid, other=0)
+    argmax = tl.load(target_argmax_ptr + target_row0 + offs_k, mask=valid, other=-1)
+    accepted = tokens == argmax
+    if not ALL_GREEDY:
+        greedy = tl.load(is_greedy_ptr + req).to(tl.int32)
+        # Draft positions whose probabilities a random request reads (none when greedy).
+        sampled = offs_k < tl.where(greedy != 0, 0, num_draft)
+        rows = (target_row0 + offs_k).to(tl.int64)
+        p = tl.load(target_probs_ptr + rows * stride_target_probs + tokens, mask=sampled, other=0.0)
+        if NO_DRAFT_PROBS:
+            q = tl.full([BLOCK_K], 1.0, tl.float32)
+        else:
+            draft_rows = (start + offs_k).to(tl.int64)
+            q = tl.load(
+                draft_probs_ptr + draft_rows * stride_draft_probs + tokens, mask=sampled, other=0.0
+            )
+        u = tl.load(uniform_ptr + start + offs_k, mask=sampled, other=1.0)
+        accepted = tl.where(greedy != 0, accepted, u * q < p)
+    num_acc = tl.min(tl.where(valid & (accepted == 0), offs_k, num_draft), axis=0)
+
+    final = tl.load(target_argmax_ptr + target_row0 + num_acc)
+    if not ALL_GREEDY:
+        if greedy == 0:
+            # The residual of position num_acc; at the bonus position q is 0.
+            row = (target_row0 + num_acc).to(tl.int64)
+            has_draft = num_acc < num_draft
+            draft_tok = tl.load(draft_token_ids_ptr + start + num_acc, mask=has_draft, other=-1)
+            draft_row = (start + num_acc).to(tl.int64)
+            best_res = tl.full([], float("-inf"), tl.float32)
+            best_res_idx = tl.zeros([], tl.int32)
+            best_p = tl.full([], float("-inf"), tl.float32)
+            best_p_idx = tl.zeros([], tl.int32)
+            res_any = tl.zeros([], tl.int1)
+            for v0 in range(0, vocab_size, BLOCK_V):
+                offs_v = v0 + tl.arange(0, BLOCK_V)
+                v_valid = offs_v < vocab_size
+                p_v = tl.load(
+                    target_probs_ptr + row * stride_target_probs + offs_v, mask=v_valid, other=0.0
+                )
+                if NO_DRAFT_PROBS:
+                    q_v = tl.where(offs_v == draft_tok, 1.0, 0.0)
+                else:
+                    q_v = tl.load(
+                        draft_probs_ptr + draft_row * stride_draft_probs + offs_v,
+                        mask=offs_v < tl.where(has_draft, vocab_size, 0),
+                        other=0.0,
+                    )
+                e_v = tl.load(noise_ptr + req * stride_noise + offs_v, mask=v_valid, other=1.0)
+                residual = tl.maximum(p_v - q_v, 0.0)
+                res_any = res_any | (tl.max(residual, axis=0) > 0.0)
+                # IEEE division (``/`` may compile to an approximate one) so that the race
+                # picks the token torch picks; strictly greater across chunks keeps the
+                # first index of a tie, as torch.argmax does.
+                res_val, res_idx = tl.max(
+                    tl.where(v_valid, tl.math.div_rn(residual, e_v), float("-inf")),
+                    axis=0,
+                    return_indices=True,
+                )
+                better = res_val > best_res
+                best_res_idx = tl.where(better, v0 + res_idx, best_res_idx)
+                best_res = tl.where(better, res_val, best_res)
+                p_val, p_idx = tl.max(
+                    tl.where(v_valid, tl.math.div_rn(p_v, e_v), float("-inf")),
+                    axis=0,
+                    return_indices=True,
+                )
+                better = p_val > best_p
+                best_p_idx = tl.where(better, v0 + p_idx, best_p_idx)
+                best_p = tl.where(better, p_val, best_p)
+            final = tl.where(res_any, best_res_idx, best_p_idx).to(tl.int64)
+
+    out = tl.where(offs_k < num_acc, tokens, tl.where(offs_k == num_acc, final, PLACEHOLDER))
+    tl.store(output_ptr + req * stride_out + offs_k, out, mask=offs_k < MAX_SPEC_LEN + 1)
+    tl.store(num_accepted_ptr + req, num_acc.to(tl.int64))
+
+
+def rejection_sample(
+    draft_token_ids: torch.Tensor,
+    cu_num_draft_tokens: torch.Tensor,
+    target_argmax: torch.Tensor,
+    max_spec_len: int,
+    *,
+    is_greedy: torch.Tensor | None = None,
+    draft_probs: torch.Tensor | None = None,
+    target_probs: torch.Tensor | None = None,
+    uniform_samples: torch.Tensor | None = None,
+    exponential_noise: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Verify each request's draft tokens; no host synchronisation.
+
+    Args:
+        draft_token_ids: [num_draft_tokens] int64, request-major.
+        cu_num_draft_tokens: [num_reqs] int32, inclusive cumulative draft counts; each
+            request drafts at most ``max_spec_len`` tokens.
+        target_argmax: [num_draft_tokens + num_reqs] int64, argmax of the raw target
+            logits; request ``i``'s ``n_i + 1`` rows start at ``cu_num_draft_tokens[i-1] + i``.
+        max_spec_len: the output has ``max_spec_len + 1`` columns.
+        is_greedy: [num_reqs] bool; ``None`` means every request is greedy, and the
+            remaining arguments are then ignored.
+        draft_probs: [num_draft_tokens, vocab_size] float32, the distributions the draft
+            tokens were sampled from; ``None`` for deterministic drafts (n-gram), treated
+            as one-hot on the draft token.
+        target_probs: [num_draft_tokens + num_reqs, vocab_size] float32, the processed
+            (temperature, top-k, top-p) target distributions, rows as ``target_argmax``.
+        uniform_samples: [num_draft_tokens] float32 in [0, 1), one per draft token.
+        exponential_noise: [num_reqs, vocab_size] float32, positive Exp(1) draws used for
+            each request's recovered or bonus token.
+
+    Returns:
+        ``(output_token_ids [num_reqs, max_spec_len + 1] int64, num_accepted [num_reqs]
+        int64)``: row ``i`` holds ``num_accepted[i]`` draft tokens, the recovered or bonus
+        token, then :data:`PLACEHOLDER_TOKEN_ID`.
+
+    Raises:
+        AssertionError: shapes, dtypes or layouts do not match the above.
+    """
+    assert draft_token_ids.ndim == 1 and draft_token_ids.dtype == torch.int64
+    assert cu_num_draft_tokens.ndim == 1 and cu_num_draft_tokens.dtype == torch.int32
+    assert target_argmax.ndim == 1 and target_argmax.dtype == torch.int64
+    assert draft_token_ids.is_contiguous() and cu_num_draft_tokens.is_contiguous()
+    assert target_argmax.is_contiguous() and max_spec_len >= 1
+    num_reqs = cu_num_draft_tokens.shape[0]
+    num_draft_tokens = draft_token_ids.shape[0]
+    assert target_argmax.shape[0] == num_draft_tokens + num_reqs
+    device = draft_token_ids.device
+    output = torch.empty(num_reqs, max_spec_len + 1, dtype=torch.int64, device=device)
+    num_accepted = torch.empty(num_reqs, dtype=torch.int64, device=device)
+    if num_reqs == 0:
+        return output, num_accepted
+
+    all_greedy = is_greedy is None
+    vocab_size = 0
+    if not all_greedy:
+        assert is_greedy.shape == (num_reqs,) and is_greedy.dtype == torch.bool
+        assert target_probs is not None and uniform_samples is not None
+        assert exponential_noise is not None
+        assert target_probs.ndim == 2 and target_probs.dtype == torch.float32
+        vocab_size = target_probs.shape[1]
+        assert target_probs.shape[0] == num_draft_tokens + num_reqs
+        assert target_probs.stride(-1) == 1
+        assert uniform_samples.shape == (num_draft_tokens,) and uniform_samples.is_contiguous()
+        assert uniform_samples.dtype == torch.float32
+        assert exponential_noise.shape == (num_reqs, vocab_size)
+        assert exponential_noise.dtype == torch.float32 and exponential_noise.stride(-1) == 1
+        if draft_probs is not None:
+            assert draft_probs.shape == (num_draft_tokens, vocab_size)
+            assert draft_probs.dtype == torch.float32 and draft_probs.stride(-1) == 1
+    # Unused pointers still need a tensor; the kernel never dereferences them.
+    placeholder = draft_token_ids
+    draft_probs_arg = draft_probs if draft_probs is not None else placeholder
+    _rejection_sample_kernel[(num_reqs,)](
+        output,
+        num_accepted,
+        draft_token_ids,
+        cu_num_draft_tokens,
+        target_argmax,
+        placeholder if all_greedy else is_greedy,
+        draft_probs_arg,
+        placeholder if all_greedy else target_probs,
+        placeholder if all_greedy else uniform_samples,
+        placeholder if all_greedy else exponential_noise,
+        vocab_size,
+        output.stride(0),
+        draft_probs.stride(0) if draft_probs is not None else 0,
+        target_probs.stride(0) if not all_greedy else 0,
+        exponential_noise.stride(0) if not all_greedy else 0,
+        MAX_SPEC_LEN=max_spec_len,
+        BLOCK_K=triton.next_power_of_2(max_spec_len + 1),
+        BLOCK_V=_BLOCK_V,
+        ALL_GREEDY=all_greedy,
+        NO_DRAFT_PROBS=draft_probs is None,
+        PLACEHOLDER=PLACEHOLDER_TOKEN_ID,
+        # The vocabulary scan of random requests is the heavy part: give it 8 warps.
+        num_warps=1 if all_greedy else 8,
+        # Plain IEEE float32 arithmetic, so that the result is the torch reference's.
+        enable_fp_fusion=False,
+    )
+    return output, num_accepted
+
+
+def rejection_sample_reference(
+    draft_token_ids: torch.Tensor,
+    cu_num_draft_tokens: torch.Tensor,
+    target_argmax: torch.Tensor,
+    max_spec_len: int,
+    *,
+    is_greedy: torch.Tensor | None = None,
+    draft_probs: torch.Tensor | None = None,
+    target_probs: torch.Tensor | None = None,
+    uniform_samples: torch.Tensor | None = None,
+    exponential_noise: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch reference of :func:`rejection_sample` (same arguments and results), one
+    request at a time."""
+    num_reqs = cu_num_draft_tokens.shape[0]
+    output = torch.full(
+        (num_reqs, max_spec_len + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.int64,
+        device=draft_token_ids.device,
+    )
+    num_accepted = torch.zeros(num_reqs, dtype=torch.int64, device=draft_token_ids.device)
+    ends = cu_num_draft_tokens.tolist()
+    for req in range(num_reqs):
+        start = ends[req - 1] if req > 0 else 0
+        end = ends[req]
+        tokens = draft_token_ids[start:end]
+        rows = slice(start + req, end + req + 1)  # n + 1 target rows
+        greedy = is_greedy is None or bool(is_greedy[req])
+        if greedy:
+            accepted = tokens == target_argmax[rows][:-1]
+        else:
+            p_rows = target_probs[rows]  # [n + 1, vocab_size]
+            if draft_probs is None:
+                q_rows = torch.nn.functional.one_hot(tokens, p_rows.shape[1]).float()
+            else:
+                q_rows = draft_probs[start:end]  # [n, vocab_size]
+            p = p_rows[:-1].gather(1, tokens[:, None])[:, 0]
+            q = q_rows.gather(1, tokens[:, None])[:, 0]
+            accepted = uniform_samples[start:end] * q < p
+        n_acc = int(accepted.long().cumprod(0).sum())
+        if greedy:
+            final = target_argmax[rows][n_acc]
+        else:
+            q_sel = q_rows[n_acc] if n_acc < end - start else torch.zeros_like(p_rows[0])
+            residual = (p_rows[n_acc] - q_sel).clamp_min(0)
+            if residual.sum() <= 0:
+                residual = p_rows[n_acc]
+            final = (residual / exponential_noise[req]).argmax()
+        output[req, :n_acc] = tokens[:n_acc]
+        output[req, n_acc] = final
+        num_accepted[req] = n_acc
+    return output, num_accepted

@@ -1,0 +1,333 @@
+"""The Triton kernels compiled for the GPU, at Llama-3.1-8B shapes in bfloat16, against
+their torch references (and paged attention also against ``scaled_dot_product_attention``
+on the gathered keys and values), plus one CUDA-graph capture of a verification step.
+
+Run on the GPU machine: ``python -m pytest -m gpu tests/gpu``.
+
+Tolerances: attention outputs 2e-2 absolute (bfloat16 softmax weights and outputs);
+norm and rotary outputs two bfloat16 units in the last place (float32 reduction order and
+fused multiply-adds move rounding boundaries); cache writes, residual sums, sampled
+tokens and draft inputs exactly.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+import triton
+
+from specula.runtime.engine.sampler import (
+    SamplingMetadata,
+    compute_probs,
+    random_exponential,
+    random_uniform,
+)
+from specula.runtime.engine.sampling_params import SamplingParams
+from specula.runtime.kernels.draft_inputs import (
+    prepare_draft_inputs,
+    prepare_draft_inputs_reference,
+)
+from specula.runtime.kernels.layernorm import fused_add_rms_norm, rms_norm, rms_norm_reference
+from specula.runtime.kernels.paged_attention import (
+    gather_kv,
+    paged_attention,
+    paged_attention_reference,
+)
+from specula.runtime.kernels.rejection_sampler import (
+    rejection_sample,
+    rejection_sample_reference,
+)
+from specula.runtime.kernels.reshape_and_cache import (
+    reshape_and_cache,
+    reshape_and_cache_reference,
+)
+from specula.runtime.kernels.rotary import (
+    build_cos_sin_cache,
+    rotary_embedding,
+    rotary_embedding_reference,
+)
+from specula.runtime.models.layers import RotaryEmbedding
+from specula.runtime.spec_decode import rejection_sampler as torch_sampler
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+DEVICE = "cuda"
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, HIDDEN, VOCAB = 32, 8, 128, 4096, 128256
+BLOCK_SIZE = 16
+BF16_TOL = {"atol": 1e-5, "rtol": 2**-6}
+
+
+def _paged_case(seq_lens: list[int], q_len: int, dtype=torch.bfloat16, seed: int = 0):
+    gen = torch.Generator(DEVICE).manual_seed(seed)
+    num_reqs = len(seq_lens)
+    max_blocks = max(triton.cdiv(s, BLOCK_SIZE) for s in seq_lens)
+    num_blocks = num_reqs * max_blocks + 7
+    table = torch.randperm(num_blocks, generator=gen, device=DEVICE)[: num_reqs * max_blocks]
+    block_table = table.view(num_reqs, max_blocks).to(torch.int32)
+    shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    key_cache = torch.randn(shape, generator=gen, device=DEVICE).to(dtype)
+    value_cache = torch.randn(shape, generator=gen, device=DEVICE).to(dtype)
+    query = torch.randn(num_reqs * q_len, NUM_HEADS, HEAD_DIM, generator=gen, device=DEVICE)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    return query.to(dtype), key_cache, value_cache, block_table, lens
+
+
+def _sdpa_on_gathered(query, key_cache, value_cache, block_table, seq_lens, scale, q_len):
+    out = torch.zeros_like(query)
+    for req, n in enumerate(seq_lens.tolist()):
+        if n == 0:
+            continue
+        k = gather_kv(key_cache, block_table, req, n).transpose(0, 1)[None]  # [1, kvh, n, d]
+        v = gather_kv(value_cache, block_table, req, n).transpose(0, 1)[None]
+        q = query[req * q_len : (req + 1) * q_len].transpose(0, 1)[None]  # [1, h, q_len, d]
+        key_pos = torch.arange(n, device=DEVICE)
+        mask = key_pos[None, :] <= (n - q_len + torch.arange(q_len, device=DEVICE))[:, None]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        out[req * q_len : (req + 1) * q_len] = o[0].transpose(0, 1)
+    return out
+
+
+@pytest.mark.parametrize("num_reqs", [1, 8, 32])
+@pytest.mark.parametrize("q_len", [1, 5])
+def test_paged_attention_llama8b(num_reqs, q_len):
+    gen = torch.Generator().manual_seed(num_reqs * 10 + q_len)
+    seq_lens = torch.randint(q_len, 4097, (num_reqs,), generator=gen).tolist()
+    if num_reqs > 1:
+        seq_lens[-1] = 0  # a CUDA-graph padding request
+    seq_lens[0] = max(seq_lens[0], q_len)
+    query, key_cache, value_cache, block_table, lens = _paged_case(seq_lens, q_len)
+    scale = HEAD_DIM**-0.5
+    out = paged_attention(query, key_cache, value_cache, block_table, lens, scale, q_len)
+    ref = paged_attention_reference(query, key_cache, value_cache, block_table, lens, scale, q_len)
+    sdpa = _sdpa_on_gathered(query, key_cache, value_cache, block_table, lens, scale, q_len)
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=0)
+    torch.testing.assert_close(out.float(), sdpa.float(), atol=2e-2, rtol=0)
+    unsplit = paged_attention(
+        query, key_cache, value_cache, block_table, lens, scale, q_len, num_splits=1
+    )
+    torch.testing.assert_close(out.float(), unsplit.float(), atol=2e-2, rtol=0)
+
+
+@pytest.mark.parametrize("dtype, atol", [(torch.float16, 3e-3), (torch.float32, 1e-5)])
+def test_paged_attention_other_dtypes(dtype, atol):
+    query, key_cache, value_cache, block_table, lens = _paged_case([700, 33, 1500], 3, dtype)
+    scale = HEAD_DIM**-0.5
+    out = paged_attention(query, key_cache, value_cache, block_table, lens, scale, 3)
+    ref = paged_attention_reference(query, key_cache, value_cache, block_table, lens, scale, 3)
+    torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=0)
+
+
+def test_reshape_and_cache_bf16():
+    _, key_cache, value_cache, _, _ = _paged_case([64] * 4, 1)
+    ref_k, ref_v = key_cache.clone(), value_cache.clone()
+    num_slots = key_cache.shape[0] * BLOCK_SIZE
+    slots = torch.randperm(num_slots, device=DEVICE)[:300]
+    slots[::7] = -1
+    key = torch.randn(300, NUM_KV_HEADS, HEAD_DIM, device=DEVICE).to(torch.bfloat16)
+    value = torch.randn_like(key)
+    reshape_and_cache(key, value, key_cache, value_cache, slots)
+    reshape_and_cache_reference(key, value, ref_k, ref_v, slots)
+    assert torch.equal(key_cache, ref_k) and torch.equal(value_cache, ref_v)
+
+
+@pytest.mark.parametrize("gemma", [False, True])
+def test_rms_norm_bf16(gemma):
+    torch.manual_seed(0)
+    x = (torch.randn(67, HIDDEN, device=DEVICE) * 4).to(torch.bfloat16)
+    residual = torch.randn_like(x)
+    weight = (torch.randn(HIDDEN, device=DEVICE) * 0.2 + 1).to(torch.bfloat16)
+    out = rms_norm(x, weight, 1e-5, gemma=gemma)
+    torch.testing.assert_close(out, rms_norm_reference(x, weight, 1e-5, gemma=gemma)[0], **BF16_TOL)
+    out, residual_out = fused_add_rms_norm(x, residual, weight, 1e-5, gemma=gemma)
+    ref, ref_residual = rms_norm_reference(x, weight, 1e-5, gemma=gemma, residual=residual)
+    assert torch.equal(residual_out, ref_residual)
+    torch.testing.assert_close(out, ref, **BF16_TOL)
+
+
+def test_rotary_bf16_llama3():
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    rope = RotaryEmbedding(HEAD_DIM, 500000.0, scaling, torch.device(DEVICE))
+    cache = build_cos_sin_cache(rope.inv_freq, 16384)
+    torch.manual_seed(1)
+    qkv = torch.randn(97, NUM_HEADS + 2 * NUM_KV_HEADS, HEAD_DIM, device=DEVICE).bfloat16()
+    query, key = qkv[:, :NUM_HEADS], qkv[:, NUM_HEADS : NUM_HEADS + NUM_KV_HEADS]
+    positions = torch.randint(0, 16384, (97,), device=DEVICE)
+    ref_q, ref_k = rotary_embedding_reference(positions, query, key, cache)
+    rotary_embedding(positions, query, key, cache)
+    torch.testing.assert_close(query, ref_q, **BF16_TOL)
+    torch.testing.assert_close(key, ref_k, **BF16_TOL)
+
+
+@pytest.mark.parametrize("with_draft_probs", [True, False])
+def test_rejection_sample_matches_reference(with_draft_probs):
+    gen = torch.Generator(DEVICE).manual_seed(0)
+    num_draft = [4, 0, 2, 4, 1, 3, 4, 4] * 4
+    num_reqs, total = len(num_draft), sum(num_draft)
+    logits = torch.randn(total + num_reqs, VOCAB, generator=gen, device=DEVICE) * 4
+    target_probs = logits.softmax(-1)
+    draft_probs = (logits[: total] + torch.randn(total, VOCAB, generator=gen, device=DEVICE))
+    draft_probs = draft_probs.softmax(-1)
+    batch = dict(
+        draft_token_ids=torch.multinomial(draft_probs, 1, generator=gen)[:, 0],
+        cu_num_draft_tokens=torch.tensor(num_draft, device=DEVICE).cumsum(0).to(torch.int32),
+        target_argmax=logits.argmax(-1),
+        max_spec_len=4,
+        is_greedy=torch.arange(num_reqs, device=DEVICE) % 3 == 0,
+        draft_probs=draft_probs if with_draft_probs else None,
+        target_probs=target_probs,
+        uniform_samples=torch.rand(total, generator=gen, device=DEVICE),
+        exponential_noise=torch.empty(num_reqs, VOCAB, device=DEVICE).exponential_(
+            generator=gen
+        ),
+    )
+    out, num_accepted = rejection_sample(**batch)
+    ref_out, ref_accepted = rejection_sample_reference(**batch)
+    assert torch.equal(out, ref_out) and torch.equal(num_accepted, ref_accepted)
+    greedy_out, _ = rejection_sample(
+        batch["draft_token_ids"], batch["cu_num_draft_tokens"], batch["target_argmax"], 4
+    )
+    ref_greedy, _ = rejection_sample_reference(
+        batch["draft_token_ids"], batch["cu_num_draft_tokens"], batch["target_argmax"], 4
+    )
+    assert torch.equal(greedy_out, ref_greedy)
+
+
+def test_rejection_sample_agrees_with_torch_sampler():
+    """Same seeded draws as the engine's torch sampler, at a Llama-3 vocabulary."""
+    num_reqs, k = 16, 4
+    gen = torch.Generator(DEVICE).manual_seed(3)
+    target_logits = torch.randn(num_reqs, k + 1, VOCAB, generator=gen, device=DEVICE) * 3
+    draft_probs = (target_logits[:, :k] + torch.randn(num_reqs, k, VOCAB, generator=gen,
+                   device=DEVICE)).softmax(-1)
+    drafts = torch.multinomial(draft_probs.view(-1, VOCAB), 1, generator=gen).view(num_reqs, k)
+    params = [SamplingParams(temperature=[0.0, 1.0, 0.7, 1.2][i % 4], seed=i) for i in range(16)]
+
+    def generators():
+        return [torch.Generator(DEVICE).manual_seed(p.seed) for p in params]
+
+    sampling = SamplingMetadata.from_params(params, generators(), torch.device(DEVICE))
+    expected = torch_sampler.rejection_sample(drafts, draft_probs, target_logits, sampling)
+    gens = generators()
+    uniform = random_uniform((k,), gens, torch.device(DEVICE))
+    noise = random_exponential((VOCAB,), gens, torch.device(DEVICE))
+    out, num_accepted = rejection_sample(
+        drafts.flatten(),
+        torch.arange(1, num_reqs + 1, dtype=torch.int32, device=DEVICE) * k,
+        target_logits.argmax(-1).flatten(),
+        k,
+        is_greedy=sampling.is_greedy,
+        draft_probs=draft_probs.flatten(0, 1),
+        target_probs=compute_probs(target_logits, sampling).flatten(0, 1),
+        uniform_samples=uniform.flatten(),
+        exponential_noise=noise,
+    )
+    assert torch.equal(out, expected[0]) and torch.equal(num_accepted, expected[1])
+
+
+def test_prepare_draft_inputs_matches_reference():
+    gen = torch.Generator().manual_seed(0)
+    num_reqs, k = 64, 4
+    num_draft = torch.randint(0, k + 1, (num_reqs,), generator=gen)
+    num_draft[::5] = 0
+    prefill_lens = torch.randint(1, 300, (num_reqs,), generator=gen)
+    lens = torch.where(num_draft > 0, num_draft + 1, prefill_lens)
+    accepted = (torch.rand(num_reqs, generator=gen) * (num_draft + 1)).long().clamp_max(num_draft)
+    total = int(lens.sum())
+    args = (
+        torch.randint(0, VOCAB, (total,), generator=gen),
+        torch.cat([torch.arange(n) + 11 for n in lens.tolist()]),
+        torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)]).to(torch.int32),
+        num_draft.cumsum(0).to(torch.int32),
+        accepted,
+        torch.randint(0, VOCAB, (num_reqs,), generator=gen),
+    )
+    args = tuple(a.to(DEVICE) for a in args)
+    got, want = prepare_draft_inputs(*args), prepare_draft_inputs_reference(*args)
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
+
+
+def test_verification_step_in_a_cuda_graph():
+    """Cache write, verification attention, greedy verification and draft-input
+    preparation captured once, replayed with other lengths, slots and tokens: no host
+    synchronisation anywhere (capture would fail), same results as eager."""
+    num_reqs, k = 4, 3
+    q_len = k + 1
+    max_blocks = 64
+    num_blocks = num_reqs * max_blocks
+    key_cache = torch.zeros(num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, device=DEVICE)
+    key_cache = key_cache.bfloat16()
+    value_cache = torch.zeros_like(key_cache)
+    block_table = torch.randperm(num_blocks, device=DEVICE).view(num_reqs, max_blocks).int()
+    # Static inputs of the graph.
+    seq_lens = torch.zeros(num_reqs, dtype=torch.int32, device=DEVICE)
+    slot_mapping = torch.zeros(num_reqs * q_len, dtype=torch.int64, device=DEVICE)
+    query = torch.zeros(num_reqs * q_len, NUM_HEADS, HEAD_DIM, device=DEVICE).bfloat16()
+    new_k = torch.zeros(num_reqs * q_len, NUM_KV_HEADS, HEAD_DIM, device=DEVICE).bfloat16()
+    new_v = torch.zeros_like(new_k)
+    input_ids = torch.zeros(num_reqs * q_len, dtype=torch.int64, device=DEVICE)
+    positions = torch.zeros_like(input_ids)
+    target_argmax = torch.zeros(num_reqs * q_len, dtype=torch.int64, device=DEVICE)
+    cu_draft = torch.arange(1, num_reqs + 1, dtype=torch.int32, device=DEVICE) * k
+    query_start_loc = torch.arange(num_reqs + 1, dtype=torch.int32, device=DEVICE) * q_len
+    draft_ids = input_ids.view(num_reqs, q_len)[:, 1:]
+
+    def step():
+        reshape_and_cache(new_k, new_v, key_cache, value_cache, slot_mapping)
+        attn = paged_attention(query, key_cache, value_cache, block_table, seq_lens, 0.1, q_len)
+        out, num_accepted = rejection_sample(draft_ids.flatten(), cu_draft, target_argmax, k)
+        next_ids = out.gather(1, num_accepted[:, None])[:, 0]
+        draft = prepare_draft_inputs(
+            input_ids, positions, query_start_loc, cu_draft, num_accepted, next_ids
+        )
+        return attn, out, num_accepted, *draft
+
+    def fill(seed: int):
+        gen = torch.Generator().manual_seed(seed)
+        lens = torch.randint(q_len, max_blocks * BLOCK_SIZE, (num_reqs,), generator=gen)
+        seq_lens.copy_(lens)
+        pos = torch.cat([torch.arange(n - q_len, n) for n in lens.tolist()])
+        req = torch.arange(num_reqs).repeat_interleave(q_len)
+        blocks = block_table.cpu()[req, pos // BLOCK_SIZE].long()
+        slot_mapping.copy_(blocks * BLOCK_SIZE + pos % BLOCK_SIZE)
+        positions.copy_(pos)
+        for t in (query, new_k, new_v):
+            t.copy_(torch.randn(t.shape, generator=gen))
+        key_cache.copy_(torch.randn(key_cache.shape, generator=gen))
+        value_cache.copy_(torch.randn(value_cache.shape, generator=gen))
+        ids = torch.randint(0, 50, (num_reqs * q_len,), generator=gen)
+        input_ids.copy_(ids)
+        # The target agrees with a random-length prefix of each draft.
+        argmax = torch.randint(50, 100, (num_reqs, q_len), generator=gen)
+        agree = torch.randint(0, q_len, (num_reqs,), generator=gen)
+        for r in range(num_reqs):
+            argmax[r, : agree[r]] = ids.view(num_reqs, q_len)[r, 1 : 1 + agree[r]]
+        target_argmax.copy_(argmax.flatten())
+
+    fill(0)
+    step()  # compile and warm up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    for seed in (1, 2):
+        fill(seed)
+        cache_before = (key_cache.clone(), value_cache.clone())
+        graph.replay()
+        replayed = [t.clone() for t in captured]
+        key_cache.copy_(cache_before[0])
+        value_cache.copy_(cache_before[1])
+        eager = step()
+        torch.testing.assert_close(replayed[0], eager[0], atol=0, rtol=0)
+        for got, want in zip(replayed[1:], eager[1:], strict=True):
+            assert torch.equal(got, want)

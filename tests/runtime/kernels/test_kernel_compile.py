@@ -1,0 +1,95 @@
+"""Every kernel compiles for Hopper (sm_90) at Llama-3.1-8B constants, without a GPU.
+
+The interpreter runs kernels as Python, so it accepts programs the compiler rejects (a
+variable whose type differs between the branches of a runtime ``if``, a loop-carried
+value that changes type, ...). Compiling to PTX and through the ``ptxas`` shipped with
+triton catches those on a CPU-only machine. Runs in this process, where the kernels are
+ordinary ``@triton.jit`` functions.
+"""
+
+from __future__ import annotations
+
+import pytest
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from specula.runtime.kernels import draft_inputs, layernorm, paged_attention, rotary
+from specula.runtime.kernels import rejection_sampler as rs
+from specula.runtime.kernels import reshape_and_cache as rc
+
+pytestmark = pytest.mark.runtime
+
+HOPPER = GPUTarget("cuda", 90, 32)
+
+# kernel, pointer/float argument types (other runtime arguments are i32), constexprs
+CASES = {
+    "paged_attention_split": (
+        paged_attention._paged_attention_kernel,
+        {"out_ptr": "*bf16", "partial_out_ptr": "*fp32", "partial_lse_ptr": "*fp32",
+         "query_ptr": "*bf16", "key_cache_ptr": "*bf16", "value_cache_ptr": "*bf16",
+         "block_table_ptr": "*i32", "seq_lens_ptr": "*i32", "scale_log2": "fp32"},
+        dict(GROUP_SIZE=4, BLOCK_SIZE=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=16, BLOCK_N=64,
+             NUM_SPLITS=4, INPUT_PRECISION="tf32"),
+    ),
+    "merge_splits": (
+        paged_attention._merge_splits_kernel,
+        {"out_ptr": "*bf16", "partial_out_ptr": "*fp32", "partial_lse_ptr": "*fp32"},
+        dict(HEAD_DIM=128, BLOCK_D=128, NUM_SPLITS=5, BLOCK_S=8),
+    ),
+    "reshape_and_cache": (
+        rc._reshape_and_cache_kernel,
+        {"key_ptr": "*bf16", "value_ptr": "*bf16", "key_cache_ptr": "*bf16",
+         "value_cache_ptr": "*bf16", "slot_mapping_ptr": "*i64"},
+        dict(NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_H=8, BLOCK_D=128),
+    ),
+    "fused_add_rms_norm_gemma": (
+        layernorm._rms_norm_kernel,
+        {"out_ptr": "*bf16", "residual_out_ptr": "*bf16", "x_ptr": "*bf16",
+         "residual_ptr": "*bf16", "weight_ptr": "*bf16", "eps": "fp32"},
+        dict(HIDDEN=4096, BLOCK=4096, HAS_RESIDUAL=True, GEMMA=True),
+    ),
+    "rotary": (
+        rotary._rotary_kernel,
+        {"positions_ptr": "*i64", "query_ptr": "*bf16", "key_ptr": "*bf16",
+         "cos_sin_ptr": "*fp32"},
+        dict(NUM_HEADS=32, NUM_KV_HEADS=8, HALF=64, BLOCK_HALF=64, BLOCK_H=32, BLOCK_KH=8,
+             HAS_KEY=True),
+    ),
+    "rejection_sample_random": (
+        rs._rejection_sample_kernel,
+        {"output_ptr": "*i64", "num_accepted_ptr": "*i64", "draft_token_ids_ptr": "*i64",
+         "cu_num_draft_tokens_ptr": "*i32", "target_argmax_ptr": "*i64",
+         "is_greedy_ptr": "*i1", "draft_probs_ptr": "*fp32", "target_probs_ptr": "*fp32",
+         "uniform_ptr": "*fp32", "noise_ptr": "*fp32"},
+        dict(MAX_SPEC_LEN=4, BLOCK_K=8, BLOCK_V=2048, ALL_GREEDY=False, NO_DRAFT_PROBS=False,
+             PLACEHOLDER=-1),
+    ),
+    "prepare_draft_inputs": (
+        draft_inputs._prepare_draft_inputs_kernel,
+        {"draft_input_ids_ptr": "*i64", "draft_positions_ptr": "*i64",
+         "last_token_indices_ptr": "*i64", "input_ids_ptr": "*i64", "positions_ptr": "*i64",
+         "query_start_loc_ptr": "*i32", "cu_num_draft_tokens_ptr": "*i32",
+         "num_accepted_ptr": "*i64", "next_token_ids_ptr": "*i64"},
+        dict(BLOCK=128),
+    ),
+}
+
+
+NUM_WARPS = {"rejection_sample_random": 8, "fused_add_rms_norm_gemma": 8}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_compiles_for_sm90(name):
+    kernel, types, constexprs = CASES[name]
+    if not isinstance(kernel, triton.runtime.JITFunction):
+        pytest.skip("TRITON_INTERPRET is set in this process: nothing to compile")
+    signature = {
+        arg: "constexpr" if arg in constexprs else types.get(arg, "i32")
+        for arg in kernel.arg_names
+    }
+    compiled = triton.compile(
+        ASTSource(kernel, signature, constexprs), target=HOPPER, options={"num_warps": NUM_WARPS.get(name, 4), "enable_fp_fusion": True}
+    )
+    assert f".entry {kernel.fn.__name__}" in compiled.asm["ptx"]
+    assert compiled.asm["cubin"], "ptxas produced no binary"

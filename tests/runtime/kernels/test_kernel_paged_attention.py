@@ -1,0 +1,208 @@
+"""Paged attention and ``reshape_and_cache`` in Triton's interpreter vs their torch
+references; the reference itself is checked against the model code's
+``cached_attention`` (the CPU engine path) on the same keys and values.
+
+Tolerances (max abs error, unit-variance inputs): float32 1e-5 (both sides accumulate in
+float32); float16 3e-3 (the kernel rounds the softmax weights to float16 before the
+value product, as flash attention does).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import triton
+
+from specula.runtime.kernels.paged_attention import (
+    default_num_splits,
+    gather_kv,
+    paged_attention,
+    paged_attention_reference,
+    paged_decode_attention,
+    paged_verify_attention,
+)
+from specula.runtime.kernels.reshape_and_cache import (
+    reshape_and_cache,
+    reshape_and_cache_reference,
+)
+from specula.runtime.models.attention import build_attention_metadata, cached_attention
+
+pytestmark = pytest.mark.runtime
+
+ATOL = {torch.float32: 1e-5, torch.float16: 3e-3}
+
+
+def _paged_case(
+    seq_lens: list[int],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    num_query_tokens: int,
+    seed: int = 0,
+):
+    """A cache whose blocks are handed out in a random order (so block-table indirection
+    matters), one spare block-table column, and spare blocks nobody owns."""
+    gen = torch.Generator().manual_seed(seed)
+    num_reqs = len(seq_lens)
+    max_blocks = max(triton.cdiv(s, block_size) for s in seq_lens) + 1
+    num_blocks = num_reqs * max_blocks + 3
+    table = torch.randperm(num_blocks, generator=gen)[: num_reqs * max_blocks]
+    block_table = table.view(num_reqs, max_blocks).to(torch.int32)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    key_cache = torch.randn(shape, generator=gen).to(dtype)
+    value_cache = torch.randn(shape, generator=gen).to(dtype)
+    query = torch.randn(num_query_tokens, num_heads, head_dim, generator=gen).to(dtype)
+    return query, key_cache, value_cache, block_table, torch.tensor(seq_lens, dtype=torch.int32)
+
+
+def check_paged_attention(
+    seq_lens, q_len, num_heads, num_kv_heads, head_dim, block_size, dtype, num_splits
+) -> None:
+    query, key_cache, value_cache, block_table, lens = _paged_case(
+        seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, len(seq_lens) * q_len
+    )
+    scale = head_dim**-0.5
+    if q_len == 1:
+        out = paged_decode_attention(
+            query, key_cache, value_cache, block_table, lens, scale, num_splits=num_splits
+        )
+    else:
+        out = paged_verify_attention(
+            query, key_cache, value_cache, block_table, lens, scale, q_len - 1,
+            num_splits=num_splits,
+        )
+    ref = paged_attention_reference(query, key_cache, value_cache, block_table, lens, scale, q_len)
+    assert out.dtype == dtype and out.shape == query.shape
+    torch.testing.assert_close(out.float(), ref.float(), atol=ATOL[dtype], rtol=0)
+    # A padding request (seq_len 0) attends to nothing and gets zeros, not NaN.
+    for req, n in enumerate(seq_lens):
+        if n == 0:
+            assert torch.all(out[req * q_len : (req + 1) * q_len] == 0)
+
+
+@pytest.mark.parametrize(
+    "seq_lens, q_len, num_heads, num_kv_heads, head_dim, block_size, dtype, num_splits",
+    [
+        # decode, GQA 4:2, a 1-token context, a padding request, one program per head
+        ([1, 7, 16, 0], 1, 4, 2, 16, 4, torch.float32, 1),
+        # same, split three ways: most splits of the short requests are empty
+        ([1, 7, 16, 0], 1, 4, 2, 16, 4, torch.float32, 3),
+        # decode, float16, no GQA, a context longer than one key tile (64)
+        ([70, 5], 1, 2, 2, 16, 8, torch.float16, 2),
+        # verification, q_len 3, GQA 4:1 (12 query rows per program)
+        ([3, 9, 20], 3, 4, 1, 16, 4, torch.float32, 1),
+        # verification, float16, head_dim not a power of two, split in two
+        ([4, 33], 4, 4, 2, 24, 8, torch.float16, 2),
+        # 9 query tokens x 8 heads per KV head: rows tiled over two programs
+        ([12, 30], 9, 8, 1, 16, 4, torch.float32, 2),
+    ],
+    ids=["decode", "decode-split", "decode-fp16", "verify-gqa", "verify-fp16", "verify-m-tiles"],
+)
+def test_paged_attention_matches_reference(
+    interpreted, seq_lens, q_len, num_heads, num_kv_heads, head_dim, block_size, dtype, num_splits
+):
+    interpreted(
+        check_paged_attention,
+        seq_lens, q_len, num_heads, num_kv_heads, head_dim, block_size, dtype, num_splits,
+    )
+
+
+def check_write_then_attend(dtype: torch.dtype) -> None:
+    """A verification step as the engine runs it: write the new tokens' keys/values
+    (two requests plus padding slots), then attend with the default split count."""
+    q_len, num_heads, num_kv_heads, head_dim, block_size = 3, 4, 2, 16, 4
+    seq_lens = [6, 11]
+    query, key_cache, value_cache, block_table, lens = _paged_case(
+        seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, 2 * q_len, seed=1
+    )
+    gen = torch.Generator().manual_seed(2)
+    slots = []
+    for req, n in enumerate(seq_lens):
+        for pos in range(n - q_len, n):
+            slots.append(int(block_table[req, pos // block_size]) * block_size + pos % block_size)
+    slot_mapping = torch.tensor(slots + [-1, -1], dtype=torch.int64)
+    new_shape = (len(slots) + 2, num_kv_heads, head_dim)
+    key = torch.randn(new_shape, generator=gen).to(dtype)
+    value = torch.randn(new_shape, generator=gen).to(dtype)
+    ref_k, ref_v = key_cache.clone(), value_cache.clone()
+    reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+    reshape_and_cache_reference(key, value, ref_k, ref_v, slot_mapping)
+    assert torch.equal(key_cache, ref_k) and torch.equal(value_cache, ref_v)
+
+    scale = head_dim**-0.5
+    out = paged_attention(query, key_cache, value_cache, block_table, lens, scale, q_len)
+    ref = paged_attention_reference(query, key_cache, value_cache, block_table, lens, scale, q_len)
+    torch.testing.assert_close(out.float(), ref.float(), atol=ATOL[dtype], rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_write_then_attend(interpreted, dtype):
+    interpreted(check_write_then_attend, dtype)
+
+
+def check_reshape_and_cache_copies_exactly(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(3)
+    num_blocks, block_size, num_kv_heads, head_dim = 5, 4, 3, 8
+    key_cache = torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype)
+    value_cache = torch.zeros_like(key_cache)
+    # Keys as a strided view of a fused qkv output, as attention layers produce them.
+    qkv = torch.randn(4, 3 * num_kv_heads, head_dim, generator=gen).to(dtype)
+    key, value = qkv[:, num_kv_heads : 2 * num_kv_heads], qkv[:, 2 * num_kv_heads :]
+    slot_mapping = torch.tensor([17, -1, 2, 8], dtype=torch.int64)
+    reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+    assert torch.equal(key_cache[4, 1], key[0]) and torch.equal(value_cache[4, 1], value[0])
+    assert torch.equal(key_cache[0, 2], key[2]) and torch.equal(value_cache[2, 0], value[3])
+    written = torch.zeros(num_blocks, block_size, dtype=torch.bool)
+    written[4, 1] = written[0, 2] = written[2, 0] = True
+    assert torch.all(key_cache[~written] == 0) and torch.all(value_cache[~written] == 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_reshape_and_cache_skips_padding(interpreted, dtype):
+    interpreted(check_reshape_and_cache_copies_exactly, dtype)
+
+
+@pytest.mark.parametrize("q_len", [1, 4])
+def test_reference_agrees_with_model_attention(q_len):
+    """The reference and the CPU engine's ``cached_attention`` (slot cache, SDPA with an
+    explicit mask) give the same result on the same keys and values."""
+    seq_lens, num_heads, num_kv_heads, head_dim, block_size = [5, 13, 4], 4, 2, 16, 4
+    query, key_cache, value_cache, block_table, lens = _paged_case(
+        seq_lens, num_heads, num_kv_heads, head_dim, block_size, torch.float32,
+        len(seq_lens) * q_len,
+    )
+    scale = head_dim**-0.5
+    ref = paged_attention_reference(query, key_cache, value_cache, block_table, lens, scale, q_len)
+
+    capacity = max(seq_lens)
+    slot_k = torch.zeros(len(seq_lens), num_kv_heads, capacity, head_dim)
+    slot_v = torch.zeros_like(slot_k)
+    new_k, new_v = [], []
+    for req, n in enumerate(seq_lens):
+        keys = gather_kv(key_cache, block_table, req, n)  # [n, num_kv_heads, head_dim]
+        values = gather_kv(value_cache, block_table, req, n)
+        slot_k[req, :, :n] = keys.transpose(0, 1)
+        slot_v[req, :, :n] = values.transpose(0, 1)
+        new_k.append(keys[n - q_len :])
+        new_v.append(values[n - q_len :])
+    metadata = build_attention_metadata(
+        list(range(len(seq_lens))), [q_len] * len(seq_lens), [n - q_len for n in seq_lens],
+        torch.device("cpu"),
+    )
+    out = cached_attention(
+        query, torch.cat(new_k), torch.cat(new_v), slot_k, slot_v, metadata, scale
+    )
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_default_num_splits():
+    cpu = torch.device("cpu")  # counts as 4 SMs
+    # Few programs and a long context: enough splits for two programs per SM.
+    assert default_num_splits(1, 1, 1, 4096, cpu) == 8
+    # The context caps it: no split shorter than 128 keys.
+    assert default_num_splits(1, 1, 1, 200, cpu) == 2
+    # Enough programs already: no split.
+    assert default_num_splits(8, 8, 1, 4096, cpu) == 1
+    assert default_num_splits(1, 1, 1, 1 << 20, cpu) == 8

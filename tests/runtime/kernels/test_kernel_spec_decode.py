@@ -1,0 +1,265 @@
+"""Rejection sampling and draft-input preparation in Triton's interpreter.
+
+Rejection sampling is checked three ways: hand-built greedy cases with known answers;
+exact agreement with its torch reference on random inputs (variable draft lengths,
+greedy and random requests mixed, with and without draft probabilities, a vocabulary
+spanning several kernel chunks); and exact agreement with the CPU engine's sampler
+(``specula.runtime.spec_decode.rejection_sampler``) when both draw from the same seeded
+generators, which also makes the result a function of the seeds alone. Token ids are
+compared exactly: both sides do the same float32 operations.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specula.runtime.engine.sampler import (
+    SamplingMetadata,
+    compute_probs,
+    random_exponential,
+    random_uniform,
+)
+from specula.runtime.engine.sampling_params import SamplingParams
+from specula.runtime.kernels.draft_inputs import (
+    prepare_draft_inputs,
+    prepare_draft_inputs_reference,
+)
+from specula.runtime.kernels.rejection_sampler import (
+    PLACEHOLDER_TOKEN_ID,
+    rejection_sample,
+    rejection_sample_reference,
+)
+from specula.runtime.spec_decode import rejection_sampler as cpu_sampler
+
+pytestmark = pytest.mark.runtime
+
+P = PLACEHOLDER_TOKEN_ID
+
+
+def test_placeholder_is_the_cpu_samplers():
+    assert PLACEHOLDER_TOKEN_ID == cpu_sampler.PLACEHOLDER_TOKEN_ID
+
+
+def _cu(num_draft: list[int]) -> torch.Tensor:
+    return torch.tensor(num_draft).cumsum(0).to(torch.int32)
+
+
+def check_greedy_hand_built() -> None:
+    # Per request: draft tokens, then the target argmax of its n + 1 rows.
+    cases = [
+        ([5, 6, 7], [5, 6, 7, 9]),  # all accepted: the bonus token 9 follows
+        ([1, 2, 3], [1, 4, 3, 8]),  # second rejected: 4 replaces it
+        ([2, 2], [0, 2, 2]),  # first rejected
+        ([], [11]),  # no draft (a request that just prefilled): its sampled token
+    ]
+    drafts = torch.tensor([t for d, _ in cases for t in d], dtype=torch.int64)
+    argmax = torch.tensor([t for _, a in cases for t in a], dtype=torch.int64)
+    cu = _cu([len(d) for d, _ in cases])
+    expected = torch.tensor(
+        [[5, 6, 7, 9], [1, 4, P, P], [0, P, P, P], [11, P, P, P]], dtype=torch.int64
+    )
+    for fn in (rejection_sample, rejection_sample_reference):
+        out, num_accepted = fn(drafts, cu, argmax, 3)
+        torch.testing.assert_close(out, expected, rtol=0, atol=0)
+        torch.testing.assert_close(num_accepted, torch.tensor([3, 1, 0, 0]), rtol=0, atol=0)
+    # A wider output than any request needs is padded.
+    out, _ = rejection_sample(drafts, cu, argmax, 5)
+    assert out.shape == (4, 6) and torch.all(out[:, 4:] == P)
+
+
+def test_greedy_hand_built(interpreted):
+    interpreted(check_greedy_hand_built)
+
+
+def _random_batch(num_draft: list[int], vocab: int, seed: int, sharpness: float = 2.0):
+    """Flattened inputs with draft and target distributions that agree often enough
+    that every outcome (accept all, reject at each position) shows up; ``sharpness``
+    scales the target logits."""
+    gen = torch.Generator().manual_seed(seed)
+    num_reqs, total = len(num_draft), sum(num_draft)
+    target_logits = torch.randn(total + num_reqs, vocab, generator=gen) * sharpness
+    target_probs = target_logits.softmax(-1)
+    draft_rows = []
+    for req, n in enumerate(num_draft):
+        start = sum(num_draft[:req]) + req
+        draft_rows.append(target_logits[start : start + n])
+    noise = torch.randn(total, vocab, generator=gen)
+    draft_probs = (torch.cat(draft_rows) + noise).softmax(-1)
+    drafts = torch.multinomial(draft_probs, 1, generator=gen)[:, 0]
+    return dict(
+        draft_token_ids=drafts,
+        cu_num_draft_tokens=_cu(num_draft),
+        target_argmax=target_logits.argmax(-1),
+        max_spec_len=max(num_draft),
+        draft_probs=draft_probs,
+        target_probs=target_probs,
+        uniform_samples=torch.rand(total, generator=gen),
+        exponential_noise=torch.empty(num_reqs, vocab).exponential_(generator=gen),
+    )
+
+
+def check_random_matches_reference(with_draft_probs: bool) -> None:
+    num_draft = [4, 0, 2, 4, 1, 3, 4, 4]
+    batch = _random_batch(num_draft, vocab=2100, seed=0, sharpness=4.0)  # 2 kernel chunks
+    if not with_draft_probs:
+        batch["draft_probs"] = None
+    batch["is_greedy"] = torch.tensor([False, False, True, False, False, True, False, False])
+    out, num_accepted = rejection_sample(**batch)
+    ref_out, ref_accepted = rejection_sample_reference(**batch)
+    torch.testing.assert_close(out, ref_out, rtol=0, atol=0)
+    torch.testing.assert_close(num_accepted, ref_accepted, rtol=0, atol=0)
+    # The case is informative: random requests accept all, part, and none of their drafts.
+    outcomes = list(zip(num_accepted.tolist(), num_draft, batch["is_greedy"].tolist(), strict=True))
+    assert any(a == n > 0 and not g for a, n, g in outcomes)
+    assert any(0 < a < n and not g for a, n, g in outcomes)
+    assert any(a == 0 < n and not g for a, n, g in outcomes)
+
+
+@pytest.mark.parametrize("with_draft_probs", [True, False], ids=["draft-probs", "one-hot-draft"])
+def test_random_matches_reference(interpreted, with_draft_probs):
+    interpreted(check_random_matches_reference, with_draft_probs)
+
+
+def check_recovered_token_edge_cases() -> None:
+    vocab = 2100
+    # Request 0: its one draft token is rejected (u = 0.9 > p/q = 0.5); the residual
+    # peaks at 10 and 2050 (in the kernel's second 2048-entry chunk) with the same value
+    # and noise 1, so argmax takes the first, 10.
+    # Request 1: draft "probabilities" equal to p except more mass on the draft token, so
+    # the residual max(p - q, 0) is all zero and the recovered token is drawn from p.
+    p = torch.full((vocab,), 1e-5)
+    p[10] = p[2050] = 0.3
+    p[7] = 0.2
+    q0 = torch.zeros(vocab)
+    q0[7] = 0.4
+    q1 = p.clone()
+    q1[7] = 0.9
+    noise = torch.ones(2, vocab)
+    noise[1, 2050] = 0.5  # p / noise peaks at 2050 for request 1
+    batch = dict(
+        draft_token_ids=torch.tensor([7, 7]),
+        cu_num_draft_tokens=_cu([1, 1]),
+        target_argmax=torch.zeros(4, dtype=torch.int64),
+        max_spec_len=1,
+        is_greedy=torch.tensor([False, False]),
+        draft_probs=torch.stack([q0, q1]),
+        target_probs=torch.stack([p, p, p, p]),
+        uniform_samples=torch.tensor([0.9, 0.9]),
+        exponential_noise=noise,
+    )
+    for fn in (rejection_sample, rejection_sample_reference):
+        out, num_accepted = fn(**batch)
+        torch.testing.assert_close(out, torch.tensor([[10, P], [2050, P]]), rtol=0, atol=0)
+        torch.testing.assert_close(num_accepted, torch.tensor([0, 0]), rtol=0, atol=0)
+
+
+def test_recovered_token_edge_cases(interpreted):
+    interpreted(check_recovered_token_edge_cases)
+
+
+def _cpu_inputs(seed: int):
+    num_reqs, k, vocab = 6, 3, 40
+    gen = torch.Generator().manual_seed(seed)
+    target_logits = torch.randn(num_reqs, k + 1, vocab, generator=gen) * 2
+    draft_probs = (target_logits[:, :k] + torch.randn(num_reqs, k, vocab, generator=gen))
+    draft_probs = draft_probs.mul(1.5).softmax(-1)
+    drafts = torch.multinomial(draft_probs.view(-1, vocab), 1, generator=gen).view(num_reqs, k)
+    params = [
+        SamplingParams(temperature=1.0, seed=1),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.7, top_k=5, seed=2),
+        SamplingParams(temperature=1.2, top_p=0.8, seed=3),
+        SamplingParams(temperature=1.0, seed=4),
+        SamplingParams(temperature=0.5, seed=5),
+    ]
+    return drafts, draft_probs, target_logits, params
+
+
+def _generators(params: list[SamplingParams]) -> list[torch.Generator]:
+    # Every row gets its own generator (greedy ones too) so that no draw touches the
+    # global generator and both samplers see the same numbers.
+    return [torch.Generator().manual_seed(1000 if p.seed is None else p.seed) for p in params]
+
+
+def check_agrees_with_cpu_sampler(seed: int) -> None:
+    drafts, draft_probs, target_logits, params = _cpu_inputs(seed)
+    num_reqs, k, vocab = draft_probs.shape
+    cpu = torch.device("cpu")
+    sampling = SamplingMetadata.from_params(params, _generators(params), cpu)
+    expected = cpu_sampler.rejection_sample(drafts, draft_probs, target_logits, sampling)
+
+    results = []
+    for _ in range(2):
+        # The CPU sampler draws, per row, k uniforms then one exponential vector.
+        gens = _generators(params)
+        uniform = random_uniform((k,), gens, cpu)  # [num_reqs, k]
+        noise = random_exponential((vocab,), gens, cpu)  # [num_reqs, vocab]
+        target_probs = compute_probs(target_logits, sampling)  # [num_reqs, k + 1, vocab]
+        results.append(
+            rejection_sample(
+                drafts.flatten(),
+                torch.arange(1, num_reqs + 1, dtype=torch.int32) * k,
+                target_logits.argmax(-1).flatten(),
+                k,
+                is_greedy=sampling.is_greedy,
+                draft_probs=draft_probs.flatten(0, 1),
+                target_probs=target_probs.flatten(0, 1),
+                uniform_samples=uniform.flatten(),
+                exponential_noise=noise,
+            )
+        )
+    for out, num_accepted in results:
+        torch.testing.assert_close(out, expected[0], rtol=0, atol=0)
+        torch.testing.assert_close(num_accepted, expected[1], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_agrees_with_cpu_sampler(interpreted, seed):
+    interpreted(check_agrees_with_cpu_sampler, seed)
+
+
+def check_prepare_draft_inputs() -> None:
+    # Request 0 verified [10, d1, d2, d3] and accepted 1; request 1 prefilled 3 prompt
+    # tokens (no drafts); request 2 verified [30, e1, e2] and accepted both.
+    input_ids = torch.tensor([10, 11, 12, 13, 20, 21, 22, 30, 31, 32])
+    positions = torch.tensor([5, 6, 7, 8, 0, 1, 2, 9, 10, 11])
+    query_start_loc = torch.tensor([0, 4, 7, 10], dtype=torch.int32)
+    cu_num_draft_tokens = _cu([3, 0, 2])
+    num_accepted = torch.tensor([1, 0, 2])
+    next_token_ids = torch.tensor([99, 98, 97])
+    args = (input_ids, positions, query_start_loc, cu_num_draft_tokens, num_accepted,
+            next_token_ids)
+    expected_ids = torch.tensor([11, 99, 99, 99, 21, 22, 98, 31, 32, 97])
+    expected_last = torch.tensor([1, 6, 9])
+    for fn in (prepare_draft_inputs, prepare_draft_inputs_reference):
+        ids, pos, last = fn(*args)
+        torch.testing.assert_close(ids, expected_ids, rtol=0, atol=0)
+        torch.testing.assert_close(pos, positions, rtol=0, atol=0)
+        torch.testing.assert_close(last, expected_last, rtol=0, atol=0)
+
+    # Longer than one 128-token kernel block, into preallocated (larger) buffers.
+    gen = torch.Generator().manual_seed(0)
+    lens = [150, 4, 1, 300]
+    drafted = [0, 3, 0, 2]
+    input_ids = torch.randint(0, 1000, (sum(lens),), generator=gen)
+    positions = torch.cat([torch.arange(n) + 7 for n in lens])
+    query_start_loc = torch.tensor([0, *lens]).cumsum(0).to(torch.int32)
+    args = (input_ids, positions, query_start_loc, _cu(drafted), torch.tensor([0, 2, 0, 0]),
+            torch.tensor([1, 2, 3, 4]))
+    buffers = dict(
+        out_input_ids=torch.full((512,), -7),
+        out_positions=torch.full((512,), -7),
+        out_last_token_indices=torch.full((8,), -7),
+    )
+    ids, pos, last = prepare_draft_inputs(*args, **buffers)
+    ref_ids, ref_pos, ref_last = prepare_draft_inputs_reference(*args)
+    n = sum(lens)
+    torch.testing.assert_close(ids[:n], ref_ids, rtol=0, atol=0)
+    torch.testing.assert_close(pos[:n], ref_pos, rtol=0, atol=0)
+    torch.testing.assert_close(last[:4], ref_last, rtol=0, atol=0)
+    assert torch.all(ids[n:] == -7) and torch.all(last[4:] == -7)
+
+
+def test_prepare_draft_inputs(interpreted):
+    interpreted(check_prepare_draft_inputs)
