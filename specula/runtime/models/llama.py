@@ -171,10 +171,11 @@ class LlamaForCausalLM(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """:meth:`forward`, also returning auxiliary hidden states.
 
-        Aux id ``i`` is the residual stream entering decoder layer ``i`` (Hugging Face's
-        ``output_hidden_states[i]``: ``0`` is the embedding output, ``num_hidden_layers``
-        the last layer's output before the final norm), as EAGLE-3 (arXiv 2503.01840)
-        and vLLM's ``aux_hidden_state_layers`` define them.
+        Aux id ``i`` is the residual stream entering decoder layer ``i``: ``0`` is the
+        embedding output and ``num_hidden_layers`` the last layer's output before the
+        final norm, as EAGLE-3 (arXiv 2503.01840) and vLLM's ``aux_hidden_state_layers``
+        define them. For ``i < num_hidden_layers`` this is Hugging Face's
+        ``output_hidden_states[i]``; HF's last entry is taken after the final norm.
 
         Returns:
             ``(hidden [num_tokens, hidden_size], aux [num_tokens, len(aux_layer_ids) *

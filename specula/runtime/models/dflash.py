@@ -1,0 +1,290 @@
+"""The DFlash draft network (Chen, Liang, Liu, "DFlash: Block Diffusion for Flash
+Speculative Decoding", arXiv 2602.06036), in the ``speculators`` ``dflash`` layout.
+
+The draft drafts a whole block in one forward. Its queries are the block: the anchor
+token (the last verified token) followed by ``block_size - 1`` mask tokens, embedded with
+the target's embedding, at the positions right after the context. Its keys and values
+are the *context* (the target's auxiliary hidden states at every earlier position,
+concatenated, projected by ``fc`` and normed by ``hidden_norm``, then by each layer's
+``k_proj``/``v_proj``, ``k_norm`` and the rotary embedding) followed by the block's own
+keys and values. Attention is non-causal within the block.
+
+Each layer is a Qwen3 decoder layer (per-head query/key RMSNorm), so the block forward
+reuses :class:`~specula.runtime.models.qwen3.Qwen3DecoderLayer` and the cached attention:
+context keys and values live in a slot KV cache (written once per committed position, as
+vLLM's ``precompute_and_store_context_kv`` does), and the block's keys and values are
+written right after them, where the next committed positions overwrite them later.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specula.runtime.models.attention import AttentionGroup, AttentionMetadata
+from specula.runtime.models.config import ModelConfig
+from specula.runtime.models.layers import RMSNorm, RotaryEmbedding, apply_rotary
+from specula.runtime.models.llama import KVCaches, LlamaForCausalLM
+from specula.runtime.models.qwen3 import Qwen3Attention, Qwen3DecoderLayer
+
+SKIPPED_TENSORS = frozenset(
+    {"embed_tokens.weight", "verifier_lm_head.weight", "verifier_norm.weight", "t2d"}
+)
+"""Checkpoint tensors the runtime does not load: the draft embeds with the target's
+embedding (``speculators`` replaces any stored copy with the verifier's too), the
+verifier head and norm only serve training, and ``t2d`` is the inverse of ``d2t``."""
+
+
+class DFlashDraftModel(nn.Module):
+    """Draft layers, ``fc``/``hidden_norm`` over the context features, the final
+    ``norm``, and, for a reduced draft vocabulary, ``lm_head`` with its ``d2t`` map.
+
+    Args:
+        config: the draft layers' hyper-parameters (``transformer_layer_config``).
+        num_aux_layers: how many target hidden states are concatenated per position.
+        draft_vocab_size: rows of the draft's own LM head, or ``None`` when the draft
+            uses the target's head.
+    """
+
+    packed_modules_mapping = LlamaForCausalLM.packed_modules_mapping
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        num_aux_layers: int,
+        draft_vocab_size: int | None,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        hidden = config.hidden_size
+        self.layers = nn.ModuleList(
+            Qwen3DecoderLayer(config) for _ in range(config.num_hidden_layers)
+        )
+        self.fc = nn.Linear(num_aux_layers * hidden, hidden, bias=False)
+        self.hidden_norm = RMSNorm(hidden, config.rms_norm_eps)
+        self.norm = RMSNorm(hidden, config.rms_norm_eps)
+        self.lm_head: nn.Linear | None = None
+        self.d2t: torch.Tensor | None
+        if draft_vocab_size is None:
+            self.register_buffer("d2t", None)
+        else:
+            self.lm_head = nn.Linear(hidden, draft_vocab_size, bias=False)
+            # Draft id i is target id i + d2t[i] (the speculators / EAGLE-3 convention).
+            self.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.long))
+        self.rotary = RotaryEmbedding(
+            config.head_dim, config.rope_theta, config.rope_scaling, device
+        )
+
+    def context_features(self, aux_hidden_states: torch.Tensor) -> torch.Tensor:
+        """``[num_tokens, num_aux_layers * hidden_size]`` target states ->
+        ``[num_tokens, hidden_size]`` context features (``hidden_norm(fc(.))``)."""
+        return self.hidden_norm(self.fc(aux_hidden_states))
+
+    def store_context_kv(
+        self,
+        features: torch.Tensor,
+        slot_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: KVCaches,
+    ) -> None:
+        """Write every layer's context keys and values for ``features``
+        (``[num_tokens, hidden_size]``) at cache ``positions`` of ``slot_ids`` (both
+        ``[num_tokens]`` int64); the rotary embedding uses the same positions."""
+        assert features.ndim == 2 and features.shape[0] == slot_ids.shape[0] == positions.shape[0]
+        cos, sin = self.rotary.cos_sin(positions, features.dtype)
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+            k, v = _context_kv(layer.self_attn, features, cos, sin)
+            k_cache[slot_ids, :, positions] = k
+            v_cache[slot_ids, :, positions] = v
+
+    def forward(
+        self,
+        inputs_embeds: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: KVCaches,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Run the draft layers over flattened blocks.
+
+        Args:
+            inputs_embeds: [num_tokens, hidden_size] target embeddings of the block tokens.
+            positions: [num_tokens] rotary positions.
+            kv_caches: per layer ``(k_cache, v_cache)`` holding the context; the blocks'
+                keys and values are written at ``metadata.cache_positions``.
+            metadata: from :func:`build_block_attention_metadata`.
+
+        Returns:
+            [num_tokens, hidden_size] final (normed) hidden states.
+        """
+        assert inputs_embeds.ndim == 2 and inputs_embeds.shape[0] == positions.shape[0]
+        cos, sin = self.rotary.cos_sin(positions, inputs_embeds.dtype)
+        hidden = inputs_embeds
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden = layer(hidden, cos, sin, kv_cache, metadata)
+        return self.norm(hidden)
+
+    def compute_logits(
+        self, hidden: torch.Tensor, target_lm_head_weight: torch.Tensor
+    ) -> torch.Tensor:
+        """``[num_positions, hidden_size]`` -> ``[num_positions, target_vocab_size]``
+        float32 logits over the *target* vocabulary. With a reduced draft vocabulary the
+        draft head's logits are placed at their target ids (``d2t``) and every other
+        target id gets ``-inf``, so the draft never proposes it and its probability is 0.
+        """
+        if self.lm_head is None:
+            return F.linear(hidden, target_lm_head_weight).float()
+        assert self.d2t is not None
+        draft_logits = self.lm_head(hidden).float()  # [num_positions, draft_vocab_size]
+        logits = draft_logits.new_full(
+            (hidden.shape[0], target_lm_head_weight.shape[0]), float("-inf")
+        )
+        target_ids = torch.arange(self.d2t.shape[0], device=self.d2t.device) + self.d2t
+        logits[:, target_ids] = draft_logits
+        return logits
+
+
+def _context_kv(
+    attn: Qwen3Attention, features: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Context keys (k_proj, k_norm, rotary) and values (v_proj), each
+    ``[num_tokens, num_kv_heads, head_dim]``; the fused projection's query rows are
+    skipped because context positions are never queries."""
+    qkv = attn.qkv_proj
+    q_size = qkv.output_sizes[0]
+    bias = None if qkv.bias is None else qkv.bias[q_size:]
+    k, v = F.linear(features, qkv.weight[q_size:], bias).split(qkv.output_sizes[1:], dim=-1)
+    n = features.shape[0]
+    k = attn.k_norm(k.view(n, attn.num_kv_heads, attn.head_dim))
+    return apply_rotary(k, cos, sin), v.view(n, attn.num_kv_heads, attn.head_dim)
+
+
+def build_block_attention_metadata(
+    slot_ids: list[int],
+    context_lens: list[int],
+    block_size: int,
+    device: torch.device,
+) -> AttentionMetadata:
+    """Attention metadata for one block per request: request ``i``'s ``block_size``
+    tokens go to cache positions ``context_lens[i] .. context_lens[i] + block_size - 1``
+    of slot ``slot_ids[i]``, and each of them attends to the whole context
+    ``[0, context_lens[i])`` and to the whole block (non-causal), as in DFlash's
+    training mask. Tokens are flattened request by request."""
+    num_reqs = len(slot_ids)
+    assert len(context_lens) == num_reqs and block_size >= 1
+    ctx = torch.tensor(context_lens, dtype=torch.long)
+    offsets = torch.arange(block_size)
+    seq_lens = ctx + block_size  # [num_reqs]
+    max_seq_len = int(seq_lens.max())
+    visible = torch.arange(max_seq_len)[None, :] < seq_lens[:, None]  # [num_reqs, max_seq_len]
+    mask = visible[:, None, None, :].expand(num_reqs, 1, block_size, max_seq_len)
+    slots = torch.tensor(slot_ids, dtype=torch.long)
+    consecutive = slot_ids == list(range(slot_ids[0], slot_ids[0] + num_reqs))
+    group = AttentionGroup(
+        slot_ids=slots.to(device),
+        token_indices=torch.arange(num_reqs * block_size, device=device),
+        pad_rows=torch.arange(num_reqs).repeat_interleave(block_size).to(device),
+        pad_cols=offsets.repeat(num_reqs).to(device),
+        mask=mask.to(device),
+        max_query_len=block_size,
+        max_seq_len=max_seq_len,
+        first_slot=slot_ids[0] if consecutive else None,
+    )
+    return AttentionMetadata(
+        token_slot_ids=slots.repeat_interleave(block_size).to(device),
+        cache_positions=(ctx[:, None] + offsets).flatten().to(device),
+        groups=[group],
+        num_tokens=num_reqs * block_size,
+    )
+
+
+def load_dflash_draft(
+    checkpoint_dir: Path,
+    config: ModelConfig,
+    num_aux_layers: int,
+    draft_vocab_size: int | None,
+    target_vocab_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> DFlashDraftModel:
+    """Build a :class:`DFlashDraftModel` and load a ``speculators`` checkpoint into it.
+
+    Checkpoint names follow ``speculators``' ``DFlashDraftModel`` (``layers.N.self_attn
+    .q_proj.weight``, ...); ``q/k/v_proj`` and ``gate/up_proj`` are fused on load.
+    :data:`SKIPPED_TENSORS` are skipped, and so is ``lm_head.weight`` when the
+    draft uses the target's head (``speculators`` replaces it with the verifier's too).
+
+    Raises:
+        FileNotFoundError: no ``*.safetensors`` file.
+        ValueError: a tensor with no matching parameter, a missing tensor or shard, a
+            shape mismatch, or ``d2t`` mapping outside ``[0, target_vocab_size)`` or
+            onto one target id twice.
+    """
+    from safetensors import safe_open
+
+    files = sorted(Path(checkpoint_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {str(checkpoint_dir)!r}")
+    with torch.device("meta"):
+        model = DFlashDraftModel(config, num_aux_layers, draft_vocab_size, device)
+        model.to(dtype)  # floating-point tensors only: d2t stays int64
+    model.to_empty(device=device)
+    expected = model.state_dict()
+    shard_map = {
+        sub: (fused, i)
+        for fused, subs in model.packed_modules_mapping.items()
+        for i, sub in enumerate(subs)
+    }
+    state: dict[str, torch.Tensor] = {}
+    shards: dict[str, dict[int, torch.Tensor]] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                if name in SKIPPED_TENSORS:
+                    continue
+                if name == "lm_head.weight" and model.lm_head is None:
+                    continue
+                module_path, _, param_name = name.rpartition(".")
+                parent, _, leaf = module_path.rpartition(".")
+                if leaf in shard_map:
+                    fused, shard_id = shard_map[leaf]
+                    shards.setdefault(f"{parent}.{fused}.{param_name}", {})[shard_id] = (
+                        f.get_tensor(name)
+                    )
+                else:
+                    state[name] = f.get_tensor(name)
+    for fused_name, parts in shards.items():
+        num_parts = len(model.packed_modules_mapping[fused_name.split(".")[-2]])
+        if len(parts) != num_parts:
+            raise ValueError(f"checkpoint lacks shards of {fused_name!r}: has {sorted(parts)}")
+        state[fused_name] = torch.cat([parts[i] for i in range(num_parts)])
+    unexpected = sorted(set(state) - set(expected))
+    if unexpected:
+        raise ValueError(f"checkpoint tensors {unexpected} have no matching parameter")
+    missing = sorted(set(expected) - set(state))
+    if missing:
+        raise ValueError(f"checkpoint {str(checkpoint_dir)!r} lacks {missing}")
+    for name, tensor in state.items():
+        if tensor.shape != expected[name].shape:
+            raise ValueError(
+                f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape "
+                f"{tuple(expected[name].shape)}"
+            )
+    model.load_state_dict(state)
+    if model.d2t is not None:
+        _check_d2t(model.d2t, target_vocab_size)
+    return model.eval()
+
+
+def _check_d2t(d2t: torch.Tensor, target_vocab_size: int) -> None:
+    target_ids = torch.arange(d2t.shape[0], device=d2t.device) + d2t
+    if target_ids.min() < 0 or target_ids.max() >= target_vocab_size:
+        raise ValueError(
+            f"d2t maps draft ids to target ids in [{int(target_ids.min())}, "
+            f"{int(target_ids.max())}], outside the target vocab_size {target_vocab_size}"
+        )
+    if target_ids.unique().numel() != target_ids.numel():
+        raise ValueError("d2t maps two draft ids onto one target id")

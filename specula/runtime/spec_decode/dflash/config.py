@@ -1,0 +1,195 @@
+"""The ``speculators`` ``dflash`` checkpoint format: what ``config.json`` says and how it
+must fit the target.
+
+A ``speculators`` DFlash checkpoint (``speculators_model_type: "dflash"``) holds the
+draft body only (``layers.*``, ``fc``, ``hidden_norm``, ``norm``); the token embedding is
+always the target's, and so is the LM head unless the draft has a reduced vocabulary
+(``draft_vocab_size`` below the target's), in which case the checkpoint carries its own
+``lm_head`` and the ``d2t`` offsets (target id = draft id + ``d2t[draft id]``).
+
+Layer ids. ``aux_hidden_state_layer_ids`` are vLLM's aux-capture ids, which
+:meth:`LlamaForCausalLM.forward_with_aux` shares, so they are used unchanged: ``0`` is the
+embedding output, ``i`` the residual stream entering decoder layer ``i`` (Hugging Face's
+``output_hidden_states[i]``), and ``num_hidden_layers`` the last layer's output *before*
+the final norm (vLLM's capture, which ``speculators`` trains on; ``transformers``' last
+``hidden_states`` entry is after the norm). vLLM's ``update_dflash`` hands these ids to
+its aux capture as they are and applies the shift only for its DFlash model, whose
+z-lab ``dflash_config.target_layer_ids`` name the decoder layer whose *output* is taken:
+``target_layer_ids = [i - 1 for i in aux_hidden_state_layer_ids]`` (vLLM PR #40727);
+``speculators``' converter from z-lab checkpoints applies the inverse ``t + 1``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from specula.runtime.models.config import ModelConfig
+
+SPECULATORS_MODEL_TYPE = "dflash"
+
+
+@dataclass(frozen=True)
+class DFlashConfig:
+    """A parsed ``speculators`` ``dflash`` ``config.json``."""
+
+    layer_config: ModelConfig
+    """The draft decoder layers (``transformer_layer_config``; a ``Qwen3Config`` when it
+    names no ``model_type``, as ``speculators`` reads it). Its ``vocab_size`` is the
+    target vocabulary the draft was trained for."""
+    block_size: int
+    """Tokens in one drafted block: the anchor (the last verified token) plus
+    ``block_size - 1`` mask tokens."""
+    mask_token_id: int
+    """Token id whose embedding fills the block after the anchor."""
+    aux_hidden_state_layer_ids: tuple[int, ...]
+    """Target hidden states concatenated into the context features (HF
+    ``output_hidden_states`` indices, see the module docstring)."""
+    draft_vocab_size: int
+    """Rows of the draft LM head; equal to ``layer_config.vocab_size`` when the draft
+    uses the target's head."""
+    target_hidden_size: int | None
+    """The target hidden size the checkpoint declares, ``None`` when it declares none."""
+    sample_from_anchor: bool
+    """False (DFlash): the anchor slot predicts nothing and block slot ``j >= 1``
+    predicts the token ``j`` positions after the anchor. True (the DSpark layout): slot
+    ``j`` predicts the token ``j + 1`` positions after the anchor."""
+
+    @property
+    def uses_draft_vocab(self) -> bool:
+        """True when the draft has its own, smaller vocabulary and LM head."""
+        return self.draft_vocab_size != self.layer_config.vocab_size
+
+    @property
+    def first_draft_slot(self) -> int:
+        """Block slot that predicts the first draft token."""
+        return 0 if self.sample_from_anchor else 1
+
+    @property
+    def max_num_speculative_tokens(self) -> int:
+        """Draft tokens one block yields: ``block_size - 1`` (``block_size`` with
+        ``sample_from_anchor``)."""
+        return self.block_size - self.first_draft_slot
+
+    @classmethod
+    def from_pretrained(cls, checkpoint_dir: Path) -> DFlashConfig:
+        """Read ``config.json`` in ``checkpoint_dir``.
+
+        Raises:
+            FileNotFoundError: no ``config.json``.
+            ValueError: not a ``speculators`` ``dflash`` checkpoint (the message names
+                ``speculators_model_type`` and its value), a missing or invalid field,
+                or draft layers our runtime does not implement (sliding-window layers).
+        """
+        path = Path(checkpoint_dir) / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"no config.json in {str(checkpoint_dir)!r}")
+        return cls.from_dict(json.loads(path.read_text()))
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> DFlashConfig:
+        """Parse a ``config.json`` mapping (see :meth:`from_pretrained`)."""
+        model_type = raw.get("speculators_model_type")
+        if model_type != SPECULATORS_MODEL_TYPE:
+            raise ValueError(
+                f"speculators_model_type is {model_type!r}, expected "
+                f"{SPECULATORS_MODEL_TYPE!r} for method 'dflash'"
+            )
+        layer_dict = raw.get("transformer_layer_config")
+        if not isinstance(layer_dict, dict):
+            raise ValueError("dflash config lacks 'transformer_layer_config'")
+        layer_config = _layer_config(layer_dict)
+        block_size = raw.get("block_size", 8)
+        if not isinstance(block_size, int) or block_size < 2:
+            raise ValueError(f"block_size {block_size!r} must be an integer >= 2")
+        mask_token_id = raw.get("mask_token_id")
+        if not isinstance(mask_token_id, int) or not 0 <= mask_token_id < layer_config.vocab_size:
+            raise ValueError(
+                f"mask_token_id {mask_token_id!r} must be a token id in "
+                f"[0, {layer_config.vocab_size})"
+            )
+        layer_ids = raw.get("aux_hidden_state_layer_ids")
+        if not layer_ids or len(set(layer_ids)) != len(layer_ids):
+            raise ValueError(
+                f"aux_hidden_state_layer_ids {layer_ids!r} must be a non-empty list of "
+                f"distinct target layer ids"
+            )
+        draft_vocab_size = raw.get("draft_vocab_size") or layer_config.vocab_size
+        if draft_vocab_size > layer_config.vocab_size:
+            raise ValueError(
+                f"draft_vocab_size {draft_vocab_size} exceeds the target vocab_size "
+                f"{layer_config.vocab_size} of transformer_layer_config"
+            )
+        return cls(
+            layer_config=layer_config,
+            block_size=block_size,
+            mask_token_id=mask_token_id,
+            aux_hidden_state_layer_ids=tuple(int(i) for i in layer_ids),
+            draft_vocab_size=int(draft_vocab_size),
+            target_hidden_size=raw.get("target_hidden_size"),
+            sample_from_anchor=bool(raw.get("sample_from_anchor", False)),
+        )
+
+    def check_target(self, target: ModelConfig, num_speculative_tokens: int) -> None:
+        """Check that this draft fits ``target`` and can draft ``num_speculative_tokens``
+        (the speculator's maximum k) tokens per block.
+
+        Raises:
+            ValueError: naming the field and both values: ``vocab_size``,
+                ``hidden_size`` (of the draft layers, or a declared
+                ``target_hidden_size``), an ``aux_hidden_state_layer_ids`` entry outside
+                ``[0, num_hidden_layers]``, or ``max_num_speculative_tokens`` above
+                what one block yields.
+        """
+        if self.layer_config.vocab_size != target.vocab_size:
+            raise ValueError(
+                f"dflash draft vocab_size {self.layer_config.vocab_size} != target "
+                f"vocab_size {target.vocab_size}: the draft was trained for another target"
+            )
+        if self.layer_config.hidden_size != target.hidden_size:
+            raise ValueError(
+                f"dflash draft hidden_size {self.layer_config.hidden_size} != target "
+                f"hidden_size {target.hidden_size}: the draft embeds tokens with the "
+                f"target's embedding"
+            )
+        if self.target_hidden_size is not None and self.target_hidden_size != target.hidden_size:
+            raise ValueError(
+                f"dflash target_hidden_size {self.target_hidden_size} != target "
+                f"hidden_size {target.hidden_size}"
+            )
+        num_layers = target.num_hidden_layers
+        for i in self.aux_hidden_state_layer_ids:
+            if not 0 <= i <= num_layers:
+                raise ValueError(
+                    f"aux_hidden_state_layer_ids contains {i}, outside [0, {num_layers}] "
+                    f"for a target with num_hidden_layers={num_layers}"
+                )
+        limit = self.max_num_speculative_tokens
+        if num_speculative_tokens > limit:
+            anchor = "" if self.sample_from_anchor else " - 1 (the anchor slot drafts nothing)"
+            raise ValueError(
+                f"max_num_speculative_tokens {num_speculative_tokens} exceeds the {limit} "
+                f"draft tokens one dflash block yields (block_size {self.block_size}{anchor})"
+            )
+
+
+def _layer_config(layer_dict: dict[str, Any]) -> ModelConfig:
+    """``transformer_layer_config`` as a :class:`ModelConfig`, through the same
+    ``transformers`` config class (and so the same defaults) ``speculators`` uses."""
+    from transformers import AutoConfig
+
+    fields = dict(layer_dict)
+    model_type = fields.pop("model_type", None) or "qwen3"
+    hf = AutoConfig.for_model(model_type, **fields)
+    layer_types = getattr(hf, "layer_types", None) or ()
+    if any(t != "full_attention" for t in layer_types):
+        raise ValueError(
+            f"dflash draft layer_types {list(layer_types)} are not supported: only "
+            f"full-attention draft layers"
+        )
+    if not getattr(hf, "architectures", None):
+        # Only the layer shapes matter here; ModelConfig wants an architecture name.
+        hf.architectures = ["DFlashDraftModel"]
+    return ModelConfig.from_hf_config(hf)
