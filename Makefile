@@ -18,7 +18,7 @@ helm_dir="$$(bash hack/helm.sh)" || { echo "make: helm unavailable" >&2; exit 1;
 SPECULA_CONTROL_PLANE_BIN="$$bin_dir" SPECULA_HELM_BIN="$$helm_dir" $(BIN)/python -m pytest $(PYTEST_ARGS) $(1)
 endef
 
-.PHONY: setup demo test test-unit test-runtime test-integration lint crd crd-check control-plane helm clean
+.PHONY: setup demo test test-gpu test-unit test-runtime test-integration lint crd crd-check control-plane helm clean
 
 $(STAMP): pyproject.toml hack/install.sh
 	PYTHON=$(PYTHON) bash hack/install.sh $(VENV) -e '.[dev]'
@@ -43,6 +43,10 @@ demo: $(STAMP)
 ## test: every tier (unit, runtime, integration); a missing control plane is a failure
 test: $(STAMP)
 	$(call with_control_plane,-m "not gpu" tests)
+
+## test-gpu: the CUDA tests (kernels against their references); run on a GPU machine
+test-gpu: $(STAMP)
+	$(BIN)/python -m pytest $(PYTEST_ARGS) -m gpu tests/gpu
 
 test-unit: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS) tests/unit

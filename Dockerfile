@@ -1,0 +1,62 @@
+# Two images from one file:
+#   docker build --target operator -t ghcr.io/specula-dev/specula-operator:0.1.0 .
+#   docker build --target runtime  -t ghcr.io/specula-dev/specula-runtime:0.1.0 .
+# Each is built in a stage that installs Specula with hack/install.sh (the script
+# `make setup` runs) into a virtual environment at /opt/specula; the final stage copies
+# only that environment, so no build tools, pip cache or sources reach the image.
+
+ARG PYTHON_IMAGE=python:3.12.8-slim-bookworm
+ARG CUDA_IMAGE=nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04
+
+# ---- operator: kopf, the Kubernetes client and pydantic; no torch ------------------
+FROM ${PYTHON_IMAGE} AS operator-build
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY hack/install.sh hack/install.sh
+COPY specula specula
+RUN PIP_NO_CACHE_DIR=1 bash hack/install.sh /opt/specula .
+
+FROM ${PYTHON_IMAGE} AS operator
+RUN groupadd --gid 1000 specula \
+ && useradd --uid 1000 --gid 1000 --create-home --shell /usr/sbin/nologin specula
+COPY --from=operator-build /opt/specula /opt/specula
+ENV PATH=/opt/specula/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1
+# Numeric, so the kubelet can verify runAsNonRoot without reading /etc/passwd.
+USER 1000:1000
+WORKDIR /home/specula
+ENTRYPOINT ["specula"]
+CMD ["operator"]
+
+# ---- runtime: CUDA, PyTorch and the serving stack --------------------------------
+FROM ${CUDA_IMAGE} AS runtime-base
+ARG DEBIAN_FRONTEND=noninteractive
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends python3.12 python3.12-venv ca-certificates \
+ && rm -rf /var/lib/apt/lists/*
+# Ubuntu 24.04 ships a user "ubuntu" with uid 1000; the operator runs runtime pods as
+# uid 1000 (runAsUser), so that uid becomes "specula" with a home for model caches.
+RUN (userdel --remove ubuntu 2>/dev/null || true) \
+ && groupadd --gid 1000 specula \
+ && useradd --uid 1000 --gid 1000 --create-home --shell /usr/sbin/nologin specula
+
+FROM runtime-base AS runtime-build
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY hack/install.sh hack/install.sh
+COPY specula specula
+RUN PYTHON=python3.12 PIP_NO_CACHE_DIR=1 bash hack/install.sh /opt/specula '.[runtime]'
+
+FROM runtime-base AS runtime
+COPY --from=runtime-build /opt/specula /opt/specula
+ENV PATH=/opt/specula/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    HF_HOME=/home/specula/.cache/huggingface
+USER 1000:1000
+WORKDIR /home/specula
+# OpenAI-compatible API and Prometheus metrics (specula.api.render RUNTIME_PORT, METRICS_PORT).
+EXPOSE 8000 9090
+ENTRYPOINT ["specula"]
+# The config file the operator mounts from the resource's ConfigMap.
+CMD ["serve", "--config", "/etc/specula/runtime.json"]
