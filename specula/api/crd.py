@@ -103,6 +103,11 @@ def to_structural(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
         node.setdefault("type", _json_type(node["enum"][0]))
     if "default" in node and isinstance(node["default"], _SCALARS):
         out["default"] = node["default"]
+    # JSON Schema 2020-12 gives the bound itself; OpenAPI v3.0 a flag on minimum/maximum.
+    for bound, flag in (("minimum", "exclusiveMinimum"), ("maximum", "exclusiveMaximum")):
+        if isinstance(node.get(flag), int | float) and not isinstance(node[flag], bool):
+            out[bound] = node[flag]
+            out[flag] = True
 
     node_type = node.get("type")
     if node_type is not None:

@@ -20,15 +20,25 @@ from typing import Annotated, Any, Literal
 
 from pydantic import (
     AfterValidator,
-    BaseModel,
     ConfigDict,
     Field,
     WithJsonSchema,
     model_validator,
 )
-from pydantic.alias_generators import to_camel
 
+from specula.api import status as _status
+from specula.api.autoscaling import AutoscalingSpec
+from specula.api.base import ApiModel, FreeForm
 from specula.api.runtime_config import MODEL_URI_PATTERN, Dtype, SpeculatorMethod
+
+# The status half of the resource lives in specula.api.status; re-exported so that
+# code using the resource's models finds spec and status in one place.
+Condition = _status.Condition
+ConditionStatus = _status.ConditionStatus
+SpeculationStatus = _status.SpeculationStatus
+SpeculativeModelStatus = _status.SpeculativeModelStatus
+TunerStatus = _status.TunerStatus
+TuningHistoryEntry = _status.TuningHistoryEntry
 
 GROUP = "specula.dev"
 VERSION = "v1alpha1"
@@ -44,6 +54,13 @@ weights at all (n-gram lookup), so ``spec.speculator.model`` may be omitted."""
 
 DEFAULT_GPU_RESOURCE_NAME = "nvidia.com/gpu"
 
+Engine = Literal["specula", "vllm"]
+"""What the pods run: the Specula runtime (``specula serve``) or stock vLLM
+(``vllm serve``)."""
+
+MTP_METHODS = ("mtp", "gemma4_mtp")
+"""Methods whose draft layers come from the target checkpoint (``nPredict`` applies)."""
+
 MAX_NAME_LENGTH = 63
 """Children are named after the resource and carry its name as a label value, both
 limited to 63 characters (DNS-1123 label)."""
@@ -51,13 +68,15 @@ limited to 63 characters (DNS-1123 label)."""
 Quantity = Annotated[int | str, WithJsonSchema({"x-kubernetes-int-or-string": True})]
 """A Kubernetes resource quantity such as ``4``, ``"500m"`` or ``"16Gi"``."""
 
-FreeForm = Annotated[
-    dict[str, Any],
-    WithJsonSchema({"type": "object", "x-kubernetes-preserve-unknown-fields": True}),
-]
-"""An object passed through to a Kubernetes core type unchanged (``env[].valueFrom``)."""
+
 
 ModelUri = Annotated[str, Field(pattern=MODEL_URI_PATTERN, max_length=2048)]
+
+DEFAULT_MAX_NUM_SEQS: dict[str, int] = {"specula": 32, "vllm": 256}
+"""``spec.maxNumSeqs`` when unset, by engine: the Specula runtime's default, and
+vLLM's OpenAI-server default on GPUs below 70 GiB (vLLM picks by GPU,
+``EngineArgs.get_batch_defaults``; the operator passes a value explicitly so that it
+knows the batch it predicts capacity at)."""
 
 MAX_SPECULATIVE_TOKENS = 16
 """Largest k anywhere in the API (the runtime sizes its buffers by the pod's k)."""
@@ -94,20 +113,7 @@ Duration = Annotated[str, Field(pattern=DURATION_PATTERN, max_length=32)]
 """A duration string; see :data:`DURATION_PATTERN`."""
 
 
-class _Base(BaseModel):
-    model_config = ConfigDict(
-        alias_generator=to_camel,
-        populate_by_name=True,
-        extra="forbid",
-        use_attribute_docstrings=True,
-    )
-
-    def to_k8s(self) -> dict[str, Any]:
-        """The object as Kubernetes stores it: camelCase keys, unset optionals omitted."""
-        return self.model_dump(by_alias=True, exclude_none=True, mode="json")
-
-
-class ModelSpec(_Base):
+class ModelSpec(ApiModel):
     """The target model: the checkpoint whose distribution the output follows."""
 
     uri: ModelUri
@@ -122,14 +128,14 @@ class ModelSpec(_Base):
     """GPUs the target model is sharded over (tensor parallelism)."""
 
 
-class DraftModelSpec(_Base):
+class DraftModelSpec(ApiModel):
     """Checkpoint of the drafter: a small model, an EAGLE-3 head, a DFlash block drafter."""
 
     uri: ModelUri
     """Checkpoint location: ``hf://org/name``, ``pvc://claim/path`` or ``file:///path``."""
 
 
-class SpeculatorSpec(_Base):
+class SpeculatorSpec(ApiModel):
     """How draft tokens are proposed before the target verifies them."""
 
     model_config = ConfigDict(
@@ -147,6 +153,20 @@ class SpeculatorSpec(_Base):
                     "message": "speculator.promptLookupMin must not exceed "
                     "speculator.promptLookupMax",
                     "fieldPath": ".promptLookupMin",
+                    "reason": "FieldValueInvalid",
+                },
+                {
+                    "rule": "!has(self.nPredict) || self.method in ['mtp', 'gemma4_mtp']",
+                    "message": "speculator.nPredict applies to methods mtp and gemma4_mtp only",
+                    "fieldPath": ".nPredict",
+                    "reason": "FieldValueForbidden",
+                },
+                {
+                    "rule": "!has(self.nPredict) || self.numSpeculativeTokens <= self.nPredict"
+                    " || self.numSpeculativeTokens % self.nPredict == 0",
+                    "message": "speculator.numSpeculativeTokens above speculator.nPredict "
+                    "must be a multiple of it (the MTP layers are reused in turn)",
+                    "fieldPath": ".numSpeculativeTokens",
                     "reason": "FieldValueInvalid",
                 },
             ]
@@ -169,6 +189,11 @@ class SpeculatorSpec(_Base):
     prompt_lookup_max: int | None = Field(default=None, ge=1, le=16)
     """Method ``ngram`` only (other methods ignore it): the longest n-gram that prompt
     lookup tries first; default ``max(4, promptLookupMin)``."""
+    n_predict: int | None = Field(default=None, ge=1, le=MAX_SPECULATIVE_TOKENS)
+    """Methods ``mtp``/``gemma4_mtp`` only: MTP layers in the checkpoint (vLLM's
+    ``n_predict``, Hugging Face ``num_nextn_predict_layers``).  A k above it must be a
+    multiple of it, since the layers are reused in turn (vLLM
+    ``vllm/config/speculative.py``, ``SpeculativeConfig.__post_init__``)."""
 
     @model_validator(mode="after")
     def _draft_model_required(self) -> SpeculatorSpec:
@@ -183,13 +208,29 @@ class SpeculatorSpec(_Base):
                 f"speculator.promptLookupMin ({lookup_min}) must not exceed "
                 f"speculator.promptLookupMax ({lookup_max})"
             )
+        if self.n_predict is not None:
+            if self.method not in MTP_METHODS:
+                raise ValueError("speculator.nPredict applies to methods mtp and gemma4_mtp only")
+            if not k_fits_mtp_layers(self.num_speculative_tokens, self.n_predict):
+                raise ValueError(
+                    f"speculator.numSpeculativeTokens ({self.num_speculative_tokens}) above "
+                    f"speculator.nPredict ({self.n_predict}) must be a multiple of it"
+                )
         return self
+
+
+def k_fits_mtp_layers(k: int, n_predict: int | None) -> bool:
+    """Whether ``k`` draft tokens can be proposed by ``n_predict`` MTP layers used in
+    turn: ``k <= n_predict`` or ``k`` a multiple of ``n_predict`` (vLLM
+    ``vllm/config/speculative.py``, ``SpeculativeConfig.__post_init__``: "Ensure
+    divisibility for MTP module reuse").  Any k fits when ``n_predict`` is unknown."""
+    return n_predict is None or k <= n_predict or k % n_predict == 0
 
 
 TuningMode = Literal["Off", "Recommend", "Auto"]
 
 
-class TuningSpec(_Base):
+class TuningSpec(ApiModel):
     """How the operator tunes k (``num_speculative_tokens``) from the pods' acceptance
     counters and step times, maximising goodput.
 
@@ -265,7 +306,7 @@ class TuningSpec(_Base):
         return parse_duration(self.cooldown)
 
 
-class GpuResources(_Base):
+class GpuResources(ApiModel):
     """GPUs per replica."""
 
     count: int = Field(default=1, ge=0, le=8)
@@ -274,7 +315,7 @@ class GpuResources(_Base):
     """Extended resource that the device plugin advertises."""
 
 
-class ResourcesSpec(_Base):
+class ResourcesSpec(ApiModel):
     """Compute resources of each replica."""
 
     gpu: GpuResources = Field(default_factory=GpuResources)
@@ -285,7 +326,7 @@ class ResourcesSpec(_Base):
     """Memory request and limit (a quantity such as ``"64Gi"``)."""
 
 
-class Toleration(_Base):
+class Toleration(ApiModel):
     """A pod toleration (Kubernetes ``core/v1`` ``Toleration``)."""
 
     key: str | None = Field(default=None, max_length=317)
@@ -295,7 +336,7 @@ class Toleration(_Base):
     toleration_seconds: int | None = None
 
 
-class EnvVar(_Base):
+class EnvVar(ApiModel):
     """An environment variable of the runtime container (Kubernetes ``core/v1`` ``EnvVar``)."""
 
     name: str = Field(min_length=1, max_length=256)
@@ -304,7 +345,7 @@ class EnvVar(_Base):
     """``secretKeyRef``, ``configMapKeyRef``, ``fieldRef`` or ``resourceFieldRef``, as in a pod."""
 
 
-class SpeculativeModelSpec(_Base):
+class SpeculativeModelSpec(ApiModel):
     """Desired state: a target model served with speculative decoding."""
 
     model_config = ConfigDict(
@@ -342,18 +383,55 @@ class SpeculativeModelSpec(_Base):
                     "fieldPath": ".speculator.numSpeculativeTokens",
                     "reason": "FieldValueInvalid",
                 },
+                {
+                    "rule": (
+                        "!has(self.speculator.nPredict) || self.speculator.nPredict == 1"
+                        " || !has(self.tuning) || self.tuning.mode != 'Auto'"
+                        " || (has(self.tuning.maxSpeculativeTokens)"
+                        " ? self.tuning.maxSpeculativeTokens"
+                        " : self.speculator.numSpeculativeTokens) <= self.speculator.nPredict"
+                    ),
+                    "message": (
+                        "with speculator.nPredict > 1 and tuning.mode Auto, "
+                        "tuning.maxSpeculativeTokens must not exceed speculator.nPredict "
+                        "(the tuner may pick any k up to it)"
+                    ),
+                    "fieldPath": ".tuning.maxSpeculativeTokens",
+                    "reason": "FieldValueInvalid",
+                },
+                {
+                    "rule": (
+                        "!has(self.autoscaling) || !has(self.tuning)"
+                        " || self.tuning.mode != 'Off'"
+                    ),
+                    "message": (
+                        "autoscaling needs the tuner's measurements: "
+                        "tuning.mode must be Recommend or Auto"
+                    ),
+                    "fieldPath": ".tuning.mode",
+                    "reason": "FieldValueInvalid",
+                },
             ]
         }
     )
 
+    engine: Engine = "specula"
+    """``specula``: pods run ``specula serve`` and the tuner sets k in place through
+    their admin API; ``vllm``: pods run ``vllm serve`` with ``--speculative-config``
+    rendered from this spec, and a new k rolls them (vLLM cannot change k in place)."""
     model: ModelSpec
     """The target model."""
     speculator: SpeculatorSpec
     """The drafter and how many tokens it proposes."""
     replicas: int = Field(default=1, ge=0)
     """Pods serving the model; also the ``scale`` subresource's target."""
+    max_num_seqs: int | None = Field(default=None, ge=1, le=4096)
+    """Most requests a pod decodes together in one step (``--max-num-seqs``); also the
+    batch at which the operator predicts a pod's capacity.  Default: 32 for
+    ``specula``, 256 for ``vllm``; always passed to the pods explicitly."""
     image: str | None = Field(default=None, max_length=1024)
-    """Runtime container image; default: the operator's configured runtime image."""
+    """Container image; default: the operator's configured runtime image (``specula``)
+    or vLLM image (``vllm``)."""
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
     """GPU, CPU and memory per replica."""
     node_selector: dict[str, str] = Field(default_factory=dict)
@@ -372,6 +450,26 @@ class SpeculativeModelSpec(_Base):
     """Service account the pods run as."""
     tuning: TuningSpec = Field(default_factory=TuningSpec)
     """Tuning of k from live acceptance; default: ``Recommend``."""
+    autoscaling: AutoscalingSpec | None = None
+    """Scale replicas on acceptance-adjusted load.  When set, ``replicas`` belongs to
+    the autoscaler (it writes it through the ``scale`` subresource) and the Deployment
+    gets it within ``[minReplicas, maxReplicas]``."""
+
+    @property
+    def pod_max_num_seqs(self) -> int:
+        """``max_num_seqs`` with the engine's default filled in."""
+        if self.max_num_seqs is not None:
+            return self.max_num_seqs
+        return DEFAULT_MAX_NUM_SEQS[self.engine]
+
+    @property
+    def desired_replicas(self) -> int:
+        """Replicas for the Deployment: ``replicas``, within the autoscaling bounds
+        when autoscaling is set (the autoscaler writes values within them anyway;
+        the clamp only covers the time before it first acts)."""
+        if self.autoscaling is None:
+            return self.replicas
+        return self.autoscaling.clamp(self.replicas)
 
     @property
     def max_speculative_tokens(self) -> int:
@@ -409,6 +507,27 @@ class SpeculativeModelSpec(_Base):
         return self
 
     @model_validator(mode="after")
+    def _mtp_bound_and_autoscaling(self) -> SpeculativeModelSpec:
+        n_predict = self.speculator.n_predict
+        if (
+            n_predict is not None
+            and n_predict > 1
+            and self.tuning.mode == "Auto"
+            and self.max_speculative_tokens > n_predict
+        ):
+            raise ValueError(
+                f"with speculator.nPredict ({n_predict}) > 1 and tuning.mode Auto, "
+                f"tuning.maxSpeculativeTokens ({self.max_speculative_tokens}) must not "
+                f"exceed speculator.nPredict"
+            )
+        if self.autoscaling is not None and self.tuning.mode == "Off":
+            raise ValueError(
+                "autoscaling needs the tuner's measurements: tuning.mode must be "
+                "Recommend or Auto"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _draft_tp_matches(self) -> SpeculativeModelSpec:
         draft_tp = self.speculator.draft_tensor_parallel_size
         if draft_tp not in (1, self.model.tensor_parallel_size):
@@ -419,129 +538,7 @@ class SpeculativeModelSpec(_Base):
         return self
 
 
-ConditionStatus = Literal["True", "False", "Unknown"]
-
-
-class Condition(_Base):
-    """One aspect of the observed state (``metav1.Condition`` fields)."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    type: str = Field(max_length=316)
-    """``Ready``, ``Progressing``, ``Degraded`` or ``Tuned``."""
-    status: ConditionStatus
-    reason: str = Field(default="", max_length=1024)
-    """CamelCase machine-readable cause of the last transition or update."""
-    message: str = Field(default="", max_length=32768)
-    """Human-readable details."""
-    last_transition_time: str | None = Field(
-        default=None, json_schema_extra={"format": "date-time"}
-    )
-    """RFC 3339 time at which ``status`` last changed."""
-    observed_generation: int | None = Field(default=None, ge=0)
-    """``metadata.generation`` the condition was computed from."""
-
-
-class SpeculationStatus(_Base):
-    """Speculation in effect and what the tuner measured over its last window."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    num_speculative_tokens: int | None = None
-    """k in effect on the pods."""
-    recommended_num_speculative_tokens: int | None = None
-    """k the tuner found best in its last decision (applied only in ``Auto`` mode)."""
-    schedule: list[Annotated[list[int], Field(min_length=3, max_length=3)]] | None = Field(
-        default=None, max_length=32
-    )
-    """Best per-batch-size k for the measured acceptance, ``[[start, end, k], ...]``
-    (inclusive ranges of the number of requests in a step, the first from 1), in the
-    form of the runtime's ``num_speculative_tokens_per_batch_size``; a recommendation."""
-    acceptance_rate: float | None = None
-    """Accepted / proposed draft tokens over the last window with drafts (all pods)."""
-    mean_acceptance_length: float | None = None
-    """Tokens emitted per draft round, ``1 + accepted / drafts``, over that window."""
-    per_position_acceptance_rate: list[float] | None = Field(default=None, max_length=16)
-    """Posterior mean conditional acceptance rate of draft positions 0 .. k-1."""
-    goodput_tokens_per_second: float | None = None
-    """Measured tokens emitted per second of engine step time, summed over pods' steps."""
-    predicted_goodput_tokens_per_second: float | None = None
-    """Goodput the cost model predicts for the recommended k at the window's batch sizes."""
-    sampled_drafts: int | None = None
-    """Draft rounds behind the acceptance figures (that window, all pods)."""
-    measured_pods: int | None = None
-    """Pods scraped successfully in the last window."""
-    last_update_time: str | None = Field(default=None, json_schema_extra={"format": "date-time"})
-    """RFC 3339 time of the last measurement."""
-
-
-class TuningHistoryEntry(_Base):
-    """One change of k decided by the tuner (applied, or recommended)."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    time: str = Field(json_schema_extra={"format": "date-time"})
-    """RFC 3339 time of the decision."""
-    from_: int = Field(alias="from", ge=0)
-    """k before."""
-    to: int = Field(ge=0)
-    """k chosen."""
-    reason: str = Field(max_length=64)
-    """Policy reason: ``HigherGoodput``, ``Explore``, ``Revert`` or ``Bounds``."""
-    predicted_gain: float | None = None
-    """Predicted goodput gain of ``to`` over ``from`` (fraction; 0.1 is +10%)."""
-    applied: bool = False
-    """Whether the change was applied to the pods (``Auto``) or only recommended."""
-    message: str = Field(default="", max_length=1024)
-
-
-class TunerStatus(_Base):
-    """The tuner's memory, kept on the object so an operator restart loses nothing.
-    Internal to the operator; its content may change between versions."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    state: FreeForm | None = None
-    """The tuning policy's state as JSON (evidence, cooldown start, k before the last
-    change, goodput before it, exploration budget, blacklist)."""
-    baselines: FreeForm | None = None
-    """Pod -> the counters of its last scrape, so the next window is their increase."""
-    last_scrape_time: float | None = None
-    """Unix seconds of the last scrape (start of the current window)."""
-    pending_pods: list[str] = Field(default_factory=list, max_length=1024)
-    """Ready pods that have not accepted the k in effect yet (retried every tick)."""
-
-class SpeculativeModelStatus(_Base):
-    """Observed state, written by the operator."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    observed_generation: int | None = None
-    """``metadata.generation`` of the spec the children were last built from."""
-    replicas: int | None = None
-    """Pods of the runtime Deployment (its ``status.replicas``)."""
-    ready_replicas: int | None = None
-    """Pods passing their readiness probe (the Deployment's ``status.readyReplicas``)."""
-    selector: str | None = None
-    """Label selector of the pods, for the ``scale`` subresource (and so for HPA)."""
-    conditions: list[Condition] = Field(
-        default_factory=list,
-        max_length=16,
-        json_schema_extra={
-            "x-kubernetes-list-type": "map",
-            "x-kubernetes-list-map-keys": ["type"],
-        },
-    )
-    """``Ready``, ``Progressing``, ``Degraded`` and ``Tuned``, one entry per type."""
-    speculation: SpeculationStatus | None = None
-    """Speculation in effect and the tuner's last measurement."""
-    tuning_history: list[TuningHistoryEntry] | None = Field(default=None, max_length=10)
-    """The last changes of k the tuner decided, oldest first."""
-    tuner: TunerStatus | None = None
-    """The tuner's state (operator-internal)."""
-
-
-class SpeculativeModel(_Base):
+class SpeculativeModel(ApiModel):
     """A whole ``SpeculativeModel`` object as the API server returns it."""
 
     model_config = ConfigDict(extra="ignore")

@@ -45,4 +45,5 @@ def render_runtime_config(name: str, spec: SpeculativeModelSpec) -> RuntimeConfi
         ),
         port=RUNTIME_PORT,
         metrics_port=METRICS_PORT,
+        max_num_seqs=spec.pod_max_num_seqs,
     )

@@ -5,7 +5,9 @@ server-side apply, so every manifest here is the complete *intent* of the operat
 for its object (fields it omits are left to the API server's defaults).
 
 All three children of a resource share its name: ConfigMap ``<name>`` (the runtime
-config), Deployment ``<name>`` and Service ``<name>``.
+config, or the ``vllm serve`` arguments for ``engine: vllm``), Deployment ``<name>`` and
+Service ``<name>``; with ``spec.autoscaling`` a fourth, the KEDA ScaledObject or the
+HorizontalPodAutoscaler ``<name>``, targets the resource's ``scale`` subresource.
 """
 
 from __future__ import annotations
@@ -15,9 +17,22 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from specula.api.autoscaling import AutoscalingSpec
 from specula.api.models import API_VERSION, KIND, SpeculativeModelSpec
 from specula.api.render import METRICS_PORT, RUNTIME_PORT, render_runtime_config
+from specula.api.render_vllm import (
+    DEFAULT_VLLM_IMAGE,
+    VLLM_PORT,
+    PodSpeculation,
+    render_vllm_args,
+)
 from specula.api.runtime_config import PVC_MOUNT_ROOT
+from specula.operator.autoscaling import (
+    HPA,
+    SCALED_OBJECT,
+    UTILIZATION_METRIC,
+    utilization_path,
+)
 from specula.operator.settings import DEFAULT_RUNTIME_IMAGE
 
 LABEL_NAME = "app.kubernetes.io/name"
@@ -33,6 +48,13 @@ CONFIG_HASH_ANNOTATION = "specula.dev/config-hash"
 template and so rolls the pods; an unchanged config leaves the template untouched."""
 
 CONFIG_KEY = "runtime.json"
+VLLM_ARGS_KEY = "vllm-args.json"
+"""ConfigMap key of an ``engine: vllm`` resource: the ``vllm serve`` arguments (the
+pods take them from their template; the ConfigMap records them and, through the
+config hash, ties a change of them to a rollout)."""
+VLLM_CACHE_DIR = "/cache"
+"""emptyDir that ``engine: vllm`` pods use as ``HOME``: the Hugging Face, torch and
+compile caches need a writable directory, and the pods run as a non-root user."""
 CONFIG_DIR = "/etc/specula"
 CONFIG_PATH = f"{CONFIG_DIR}/{CONFIG_KEY}"
 
@@ -104,9 +126,19 @@ def _metadata(owner: Owner) -> dict[str, Any]:
     }
 
 
-def configmap_data(owner_name: str, spec: SpeculativeModelSpec) -> dict[str, str]:
-    """``{"runtime.json": <RuntimeConfig JSON>}``, serialised deterministically so equal
-    specs give byte-equal data (and equal config hashes)."""
+def configmap_data(
+    owner_name: str, spec: SpeculativeModelSpec, speculation: PodSpeculation | None = None
+) -> dict[str, str]:
+    """``{"runtime.json": <RuntimeConfig JSON>}`` (``engine: specula``) or
+    ``{"vllm-args.json": <argument list JSON>}`` (``engine: vllm``, at ``speculation``),
+    serialised deterministically so equal inputs give byte-equal data (and hashes).
+
+    Raises:
+        VllmConfigError: the vLLM arguments would be refused by vLLM.
+    """
+    if spec.engine == "vllm":
+        args = render_vllm_args(owner_name, spec, speculation)
+        return {VLLM_ARGS_KEY: json.dumps(args, indent=2) + "\n"}
     config = render_runtime_config(owner_name, spec)
     text = json.dumps(config.model_dump(mode="json"), indent=2, sort_keys=True) + "\n"
     return {CONFIG_KEY: text}
@@ -117,13 +149,15 @@ def config_hash(data: dict[str, str]) -> str:
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
 
-def build_configmap(owner: Owner, spec: SpeculativeModelSpec) -> dict[str, Any]:
-    """The ConfigMap ``<name>`` holding the runtime config under ``runtime.json``."""
+def build_configmap(
+    owner: Owner, spec: SpeculativeModelSpec, speculation: PodSpeculation | None = None
+) -> dict[str, Any]:
+    """The ConfigMap ``<name>`` with :func:`configmap_data`."""
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": _metadata(owner),
-        "data": configmap_data(owner.name, spec),
+        "data": configmap_data(owner.name, spec, speculation),
     }
 
 
@@ -168,17 +202,28 @@ def _probe(period_s: int, failure_threshold: int, timeout_s: int) -> dict[str, A
 
 
 def _container(
-    spec: SpeculativeModelSpec, image: str, mounts: list[dict[str, Any]]
+    spec: SpeculativeModelSpec,
+    image: str,
+    mounts: list[dict[str, Any]],
+    vllm_args: list[str] | None = None,
 ) -> dict[str, Any]:
+    if vllm_args is None:
+        command = {"command": ["specula", "serve", "--config", CONFIG_PATH]}
+        ports = [
+            {"name": HTTP_PORT_NAME, "containerPort": RUNTIME_PORT, "protocol": "TCP"},
+            {"name": METRICS_PORT_NAME, "containerPort": METRICS_PORT, "protocol": "TCP"},
+        ]
+    else:
+        # Explicit command: the image's entrypoint differs between vLLM releases.
+        command = {"command": ["vllm", "serve"], "args": vllm_args}
+        # vLLM serves /metrics on its API port; the Service maps "metrics" onto it.
+        ports = [{"name": HTTP_PORT_NAME, "containerPort": VLLM_PORT, "protocol": "TCP"}]
     container: dict[str, Any] = {
         "name": CONTAINER_NAME,
         "image": image,
         "imagePullPolicy": "IfNotPresent",
-        "command": ["specula", "serve", "--config", CONFIG_PATH],
-        "ports": [
-            {"name": HTTP_PORT_NAME, "containerPort": RUNTIME_PORT, "protocol": "TCP"},
-            {"name": METRICS_PORT_NAME, "containerPort": METRICS_PORT, "protocol": "TCP"},
-        ],
+        **command,
+        "ports": ports,
         "startupProbe": _probe(10, STARTUP_FAILURE_THRESHOLD, 5),
         "readinessProbe": _probe(5, 3, 5),
         "livenessProbe": _probe(15, 4, 10),
@@ -193,8 +238,12 @@ def _container(
     resources = _resources(spec)
     if resources:
         container["resources"] = resources
-    if spec.env:
-        container["env"] = [var.to_k8s() for var in spec.env]
+    env = [var.to_k8s() for var in spec.env]
+    if vllm_args is not None and all(var.name != "HOME" for var in spec.env):
+        # A spec's own HOME wins (env is keyed by name, so it cannot be given twice).
+        env.insert(0, {"name": "HOME", "value": VLLM_CACHE_DIR})
+    if env:
+        container["env"] = env
     return container
 
 
@@ -204,21 +253,34 @@ def build_deployment(
     *,
     config_hash: str,
     default_image: str = DEFAULT_RUNTIME_IMAGE,
+    vllm_image: str = DEFAULT_VLLM_IMAGE,
+    speculation: PodSpeculation | None = None,
 ) -> dict[str, Any]:
-    """The Deployment ``<name>`` running ``spec.replicas`` runtime pods.
+    """The Deployment ``<name>`` running ``spec.desiredReplicas`` pods.
 
     ``config_hash`` is :func:`config_hash` of the ConfigMap's data; it goes into the
-    pod template so that only a config change rolls the pods.
+    pod template so that only a config change rolls the pods.  ``engine: vllm`` pods
+    run ``vllm serve`` with the k (or schedule) of ``speculation`` (default: the spec's
+    k) in their arguments, so a new k rolls them; the rollout surges one pod at a time
+    and never takes a serving pod away first (``maxUnavailable: 0``).
+
+    Raises:
+        VllmConfigError: the vLLM arguments would be refused by vLLM.
     """
+    vllm = spec.engine == "vllm"
     mounts: list[dict[str, Any]] = [
-        {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
         # PyTorch data loaders and NCCL use shared memory; the container default is 64 MiB.
         {"name": "dshm", "mountPath": "/dev/shm"},
     ]
     volumes: list[dict[str, Any]] = [
-        {"name": "config", "configMap": {"name": owner.name}},
         {"name": "dshm", "emptyDir": {"medium": "Memory"}},
     ]
+    if vllm:
+        mounts.append({"name": "cache", "mountPath": VLLM_CACHE_DIR})
+        volumes.append({"name": "cache", "emptyDir": {}})
+    else:
+        mounts.insert(0, {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True})
+        volumes.insert(0, {"name": "config", "configMap": {"name": owner.name}})
     for index, claim in enumerate(pvc_claims(spec)):
         # Indexed volume names: claim names may be longer than a volume name allows.
         volume = f"model-pvc-{index}"
@@ -239,7 +301,14 @@ def build_deployment(
             "fsGroup": RUN_AS_USER,
             "seccompProfile": {"type": "RuntimeDefault"},
         },
-        "containers": [_container(spec, spec.image or default_image, mounts)],
+        "containers": [
+            _container(
+                spec,
+                spec.image or (vllm_image if vllm else default_image),
+                mounts,
+                render_vllm_args(owner.name, spec, speculation) if vllm else None,
+            )
+        ],
         "volumes": volumes,
     }
     if spec.service_account_name:
@@ -249,27 +318,35 @@ def build_deployment(
     if spec.tolerations:
         pod_spec["tolerations"] = [t.to_k8s() for t in spec.tolerations]
 
+    deployment_spec: dict[str, Any] = {
+        "replicas": spec.desired_replicas,
+        "selector": {"matchLabels": selector_labels(owner.name)},
+        "template": {
+            "metadata": {
+                "labels": labels(owner.name),
+                "annotations": {CONFIG_HASH_ANNOTATION: config_hash},
+            },
+            "spec": pod_spec,
+        },
+    }
+    if vllm:
+        deployment_spec["strategy"] = {
+            "type": "RollingUpdate",
+            "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1},
+        }
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
         "metadata": _metadata(owner),
-        "spec": {
-            "replicas": spec.replicas,
-            "selector": {"matchLabels": selector_labels(owner.name)},
-            "template": {
-                "metadata": {
-                    "labels": labels(owner.name),
-                    "annotations": {CONFIG_HASH_ANNOTATION: config_hash},
-                },
-                "spec": pod_spec,
-            },
-        },
+        "spec": deployment_spec,
     }
 
 
-def build_service(owner: Owner) -> dict[str, Any]:
+def build_service(owner: Owner, engine: str = "specula") -> dict[str, Any]:
     """The ClusterIP Service ``<name>``: port ``http`` (the OpenAI API) and port
-    ``metrics`` (Prometheus), to the pods' ports of the same names."""
+    ``metrics`` (Prometheus), to the pods' ports of the same names; for ``engine:
+    vllm``, whose pods serve ``/metrics`` on the API port, ``metrics`` leads there."""
+    metrics_target = HTTP_PORT_NAME if engine == "vllm" else METRICS_PORT_NAME
     return {
         "apiVersion": "v1",
         "kind": "Service",
@@ -287,7 +364,7 @@ def build_service(owner: Owner) -> dict[str, Any]:
                 {
                     "name": METRICS_PORT_NAME,
                     "port": SERVICE_METRICS_PORT,
-                    "targetPort": METRICS_PORT_NAME,
+                    "targetPort": metrics_target,
                     "protocol": "TCP",
                 },
             ],
@@ -296,12 +373,114 @@ def build_service(owner: Owner) -> dict[str, Any]:
 
 
 def build_children(
-    owner: Owner, spec: SpeculativeModelSpec, *, default_image: str = DEFAULT_RUNTIME_IMAGE
+    owner: Owner,
+    spec: SpeculativeModelSpec,
+    *,
+    default_image: str = DEFAULT_RUNTIME_IMAGE,
+    vllm_image: str = DEFAULT_VLLM_IMAGE,
+    speculation: PodSpeculation | None = None,
 ) -> list[dict[str, Any]]:
     """ConfigMap, Deployment and Service, in the order to apply them (the config
-    exists before pods that mount it)."""
-    configmap = build_configmap(owner, spec)
+    exists before pods that mount it).
+
+    Raises:
+        VllmConfigError: ``engine: vllm`` arguments that vLLM would refuse.
+    """
+    configmap = build_configmap(owner, spec, speculation)
     deployment = build_deployment(
-        owner, spec, config_hash=config_hash(configmap["data"]), default_image=default_image
+        owner,
+        spec,
+        config_hash=config_hash(configmap["data"]),
+        default_image=default_image,
+        vllm_image=vllm_image,
+        speculation=speculation,
     )
-    return [configmap, deployment, build_service(owner)]
+    return [configmap, deployment, build_service(owner, spec.engine)]
+
+
+def _scale_target(owner: Owner) -> dict[str, Any]:
+    return {"apiVersion": API_VERSION, "kind": KIND, "name": owner.name}
+
+
+def _milli(value: float) -> str:
+    """A quantity in thousandths (``0.7 -> "700m"``), the form the API server keeps."""
+    return f"{round(value * 1000)}m"
+
+
+def build_scaled_object(
+    owner: Owner, autoscaling: AutoscalingSpec, utilization_url_base: str
+) -> dict[str, Any]:
+    """A KEDA ``ScaledObject`` scaling the resource (its ``scale`` subresource) on the
+    operator's utilization endpoint with a ``metrics-api`` trigger.
+
+    ``metricType: Value`` makes the HPA that KEDA creates compute ``ceil(replicas *
+    utilization / targetUtilization)``; the default ``AverageValue`` would divide the
+    (already per-capacity) utilization by the replica count once more.
+    """
+    url = utilization_url_base.rstrip("/") + utilization_path(owner.namespace, owner.name)
+    api_version, kind = SCALED_OBJECT
+    return {
+        "apiVersion": api_version,
+        "kind": kind,
+        "metadata": _metadata(owner),
+        "spec": {
+            "scaleTargetRef": _scale_target(owner),
+            "minReplicaCount": autoscaling.min_replicas,
+            "maxReplicaCount": autoscaling.max_replicas,
+            "triggers": [
+                {
+                    "type": "metrics-api",
+                    "metricType": "Value",
+                    "metadata": {
+                        "url": url,
+                        "format": "json",
+                        "valueLocation": "utilization",
+                        "targetValue": f"{autoscaling.target_utilization:g}",
+                    },
+                }
+            ],
+        },
+    }
+
+
+def build_hpa(owner: Owner, autoscaling: AutoscalingSpec) -> dict[str, Any]:
+    """An ``autoscaling/v2`` HorizontalPodAutoscaler scaling the resource (its ``scale``
+    subresource) on the ``Object`` metric ``specula_operator_utilization`` of the
+    resource, which a Prometheus adapter serves from the operator's gauge of that name
+    (labels ``namespace`` and ``name``)."""
+    api_version, kind = HPA
+    return {
+        "apiVersion": api_version,
+        "kind": kind,
+        "metadata": _metadata(owner),
+        "spec": {
+            "scaleTargetRef": _scale_target(owner),
+            "minReplicas": autoscaling.min_replicas,
+            "maxReplicas": autoscaling.max_replicas,
+            "metrics": [
+                {
+                    "type": "Object",
+                    "object": {
+                        "describedObject": _scale_target(owner),
+                        "metric": {"name": UTILIZATION_METRIC},
+                        "target": {
+                            "type": "Value",
+                            "value": _milli(autoscaling.target_utilization),
+                        },
+                    },
+                }
+            ],
+        },
+    }
+
+
+def build_autoscaler(
+    owner: Owner, spec: SpeculativeModelSpec, utilization_url_base: str
+) -> dict[str, Any] | None:
+    """The autoscaler of ``spec.autoscaling.provider``, or ``None`` without autoscaling."""
+    autoscaling = spec.autoscaling
+    if autoscaling is None:
+        return None
+    if autoscaling.provider == "keda":
+        return build_scaled_object(owner, autoscaling, utilization_url_base)
+    return build_hpa(owner, autoscaling)

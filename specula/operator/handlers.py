@@ -4,10 +4,14 @@
 - Events of owned Deployments -> :func:`reconcile.refresh_status`, so ``readyReplicas``
   and ``Ready`` follow the pods without waiting for a spec change.
 - Deletion of an owned ConfigMap, Deployment or Service -> reconcile the owner again.
-- A timer every ``tuning_tick_s`` -> :func:`tuning.tune` (measure, decide, apply k).
+- A timer every ``tuning_tick_s`` -> :func:`tuning.tune` (measure, decide, apply k,
+  record utilization).
+- Startup / cleanup -> the HTTP server of :mod:`specula.operator.http_server`
+  (utilization for KEDA, the Prometheus gauge for an HPA).
 
-No deletion handler: children are garbage-collected through their owner references.
-kopf puts its finalizer on the resources only so that it can stop their tuning timer
+Children are garbage-collected through their owner references; the only deletion
+handler (optional, so it adds no finalizer) drops the resource's utilization.  kopf
+puts its finalizer on the resources only so that it can stop their tuning timer
 before they go.
 """
 
@@ -19,9 +23,12 @@ import threading
 from typing import Any
 
 import kopf
+from pydantic import ValidationError
 
+from specula.api.autoscaling import AutoscalingStatus
 from specula.api.models import GROUP, PLURAL, VERSION
 from specula.operator.builders import LABEL_MANAGED_BY, MANAGED_BY
+from specula.operator.http_server import HttpServer, UtilizationRegistry, make_app
 from specula.operator.kube import Kube
 from specula.operator.reconcile import (
     RetryLater,
@@ -64,6 +71,8 @@ def make_memo(settings: OperatorSettings) -> kopf.Memo:
         settings=settings,
         kube=LazyKube(settings.field_manager),
         runtime_client=RuntimeClient(settings.scrape_timeout_s),
+        utilization=UtilizationRegistry(),
+        http_server=[],
     )
 
 
@@ -82,6 +91,39 @@ def configure(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
     settings.persistence.finalizer = f"{prefix}/finalizer"
     settings.posting.enabled = ours.post_events
     settings.posting.level = logging.WARNING
+
+
+def _status_lookup(memo: Any):
+    def lookup(namespace: str, name: str) -> AutoscalingStatus | None:
+        body = _kube(memo).get_speculative_model(namespace, name)
+        raw = ((body or {}).get("status") or {}).get("autoscaling")
+        try:
+            return AutoscalingStatus.model_validate(raw) if raw else None
+        except ValidationError:
+            return None
+
+    return lookup
+
+
+async def start_http_server(memo: Any, **_: Any) -> None:
+    """Startup: serve utilization and metrics (unless ``http_port`` is 0)."""
+    ours: OperatorSettings = memo["settings"]
+    if ours.http_port == 0:
+        return
+    server = HttpServer(make_app(memo["utilization"], _status_lookup(memo)))
+    await server.start(ours.http_host, ours.http_port)
+    memo["http_server"].append(server)
+
+
+async def stop_http_server(memo: Any, **_: Any) -> None:
+    """Cleanup: close the HTTP server."""
+    while memo["http_server"]:
+        await memo["http_server"].pop().stop()
+
+
+def on_deleted(body: kopf.Body, memo: Any, **_: Any) -> None:
+    """The resource is going: drop its utilization and gauge series."""
+    memo["utilization"].discard(body["metadata"]["namespace"], body["metadata"]["name"])
 
 
 def login(**kwargs: Any) -> Any:
@@ -112,7 +154,10 @@ def on_deployment_event(event: dict[str, Any], body: kopf.Body, memo: Any, **_: 
 
 def on_tuning_tick(body: kopf.Body, memo: Any, logger: Any, **_: Any) -> None:
     """Timer: one tuning tick (see :mod:`specula.operator.tuning`)."""
-    update = tune(_plain(body), _kube(memo), memo["runtime_client"], memo["settings"])
+    update = tune(
+        _plain(body), _kube(memo), memo["runtime_client"], memo["settings"],
+        utilization=memo["utilization"],
+    )
     if update is not None:
         tuned = next((c for c in update.conditions if c.type == "Tuned"), None)
         if tuned is not None:
@@ -142,8 +187,11 @@ def build_registry(settings: OperatorSettings | None = None) -> kopf.OperatorReg
     settings = settings or OperatorSettings()
     registry = kopf.OperatorRegistry()
     kopf.on.startup(registry=registry)(configure)
+    kopf.on.startup(registry=registry)(start_http_server)
+    kopf.on.cleanup(registry=registry)(stop_http_server)
     kopf.on.login(registry=registry)(login)
     resource = {"group": GROUP, "version": VERSION, "plural": PLURAL}
+    kopf.on.delete(**resource, optional=True, registry=registry)(on_deleted)
     kopf.on.resume(**resource, registry=registry)(on_speculative_model)
     kopf.on.create(**resource, registry=registry)(on_speculative_model)
     kopf.on.update(**resource, registry=registry)(on_speculative_model)

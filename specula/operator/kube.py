@@ -15,11 +15,14 @@ from typing import Any
 import kubernetes
 
 from specula.api.models import GROUP, PLURAL, VERSION
+from specula.operator.autoscaling import HPA, SCALED_OBJECT
 
 APPLY_PATCH = "application/apply-patch+yaml"
 MERGE_PATCH = "application/merge-patch+json"
 
 ApiException = kubernetes.client.exceptions.ApiException
+
+KEDA_GROUP, KEDA_VERSION, SCALED_OBJECTS = "keda.sh", "v1alpha1", "scaledobjects"
 
 
 def _json(response: Any) -> dict[str, Any]:
@@ -41,34 +44,94 @@ class Kube:
         self._apps = kubernetes.client.AppsV1Api(self._client)
         self._custom = kubernetes.client.CustomObjectsApi(self._client)
         self._discovery = kubernetes.client.DiscoveryV1Api(self._client)
+        self._autoscaling = kubernetes.client.AutoscalingV2Api(self._client)
 
     def apply(self, manifest: dict[str, Any]) -> dict[str, Any]:
-        """Server-side apply ``manifest`` (ConfigMap, Deployment or Service), taking
-        over fields another manager changed (``force``); returns the live object.
+        """Server-side apply ``manifest`` (ConfigMap, Deployment, Service,
+        HorizontalPodAutoscaler or KEDA ScaledObject), taking over fields another
+        manager changed (``force``); returns the live object.
 
         Raises:
-            ApiException: the API server refused the request.
+            ApiException: the API server refused the request (404 for a ScaledObject
+                when KEDA's CRD is not installed).
             ValueError: an unsupported kind.
         """
-        kind = manifest["kind"]
+        api_version, kind = manifest["apiVersion"], manifest["kind"]
         name = manifest["metadata"]["name"]
         namespace = manifest["metadata"]["namespace"]
+        options = {
+            "field_manager": self.field_manager,
+            "force": True,
+            "_content_type": APPLY_PATCH,
+            "_preload_content": False,
+        }
+        if (api_version, kind) == SCALED_OBJECT:
+            return _json(self._custom.patch_namespaced_custom_object(
+                KEDA_GROUP, KEDA_VERSION, namespace, SCALED_OBJECTS, name, manifest, **options
+            ))
         patch = {
             ("v1", "ConfigMap"): self._core.patch_namespaced_config_map,
             ("apps/v1", "Deployment"): self._apps.patch_namespaced_deployment,
             ("v1", "Service"): self._core.patch_namespaced_service,
-        }.get((manifest["apiVersion"], kind))
+            HPA: self._autoscaling.patch_namespaced_horizontal_pod_autoscaler,
+        }.get((api_version, kind))
         if patch is None:
-            raise ValueError(f"cannot apply {manifest['apiVersion']} {kind}")
-        return _json(patch(
-            name,
-            namespace,
-            manifest,
-            field_manager=self.field_manager,
-            force=True,
-            _content_type=APPLY_PATCH,
-            _preload_content=False,
-        ))
+            raise ValueError(f"cannot apply {api_version} {kind}")
+        return _json(patch(name, namespace, manifest, **options))
+
+    def get_autoscaler(
+        self, kind: tuple[str, str], namespace: str, name: str
+    ) -> dict[str, Any] | None:
+        """The HorizontalPodAutoscaler or ScaledObject (``kind`` is ``(apiVersion,
+        kind)``), or ``None`` if it does not exist or its kind is not served (KEDA
+        not installed).
+
+        Raises:
+            ApiException: any error but 404.
+            ValueError: another kind.
+        """
+        try:
+            if kind == SCALED_OBJECT:
+                return _json(self._custom.get_namespaced_custom_object(
+                    KEDA_GROUP, KEDA_VERSION, namespace, SCALED_OBJECTS, name,
+                    _preload_content=False,
+                ))
+            if kind == HPA:
+                return _json(self._autoscaling.read_namespaced_horizontal_pod_autoscaler(
+                    name, namespace, _preload_content=False
+                ))
+        except ApiException as e:
+            if e.status == 404:
+                return None
+            raise
+        raise ValueError(f"not an autoscaler kind: {kind}")
+
+    def delete_autoscaler(
+        self, kind: tuple[str, str], namespace: str, name: str, uid: str
+    ) -> None:
+        """Delete that autoscaler if it still is the object of ``uid`` (a precondition,
+        so an object recreated meanwhile by someone else survives); gone is fine.
+
+        Raises:
+            ApiException: any error but 404 and 409.
+        """
+        options = kubernetes.client.V1DeleteOptions(
+            preconditions=kubernetes.client.V1Preconditions(uid=uid),
+            propagation_policy="Background",
+        )
+        try:
+            if kind == SCALED_OBJECT:
+                self._custom.delete_namespaced_custom_object(
+                    KEDA_GROUP, KEDA_VERSION, namespace, SCALED_OBJECTS, name,
+                    body=options, _preload_content=False,
+                )
+            else:
+                self._autoscaling.delete_namespaced_horizontal_pod_autoscaler(
+                    name, namespace, body=options, _preload_content=False
+                )
+        except ApiException as e:
+            if e.status not in (404, 409):
+                raise
 
     def get_deployment(self, namespace: str, name: str) -> dict[str, Any] | None:
         """The Deployment, or ``None`` if it does not exist.

@@ -22,11 +22,15 @@ from pydantic import ValidationError
 
 from specula.api.capabilities import IMPLEMENTED_METHODS, is_method_implemented
 from specula.api.models import API_VERSION, KIND, SpeculativeModelSpec, SpeculativeModelStatus
-from specula.operator.builders import Owner, build_children, selector_string
+from specula.api.render_vllm import VllmConfigError
+from specula.operator.autoscaling import PROVIDER_KINDS, SCALED_OBJECT
+from specula.operator.builders import Owner, build_autoscaler, build_children, selector_string
+from specula.operator.engine import pod_speculation
 from specula.operator.kube import ApiException, Kube
 from specula.operator.settings import OperatorSettings
 from specula.operator.status import (
     REASON_APPLY_FAILED,
+    REASON_INVALID_ENGINE_CONFIG,
     REASON_INVALID_SPEC,
     REASON_METHOD_NOT_SUPPORTED,
     Observation,
@@ -86,7 +90,8 @@ def parse_spec(body: dict[str, Any]) -> tuple[SpeculativeModelSpec | None, Probl
     except ValidationError as e:
         return None, Problem(REASON_INVALID_SPEC, format_validation_error(e))
     method = spec.speculator.method
-    if not is_method_implemented(method):
+    # vLLM implements every method the API names; the runtime only some.
+    if spec.engine == "specula" and not is_method_implemented(method):
         implemented = ", ".join(sorted(IMPLEMENTED_METHODS))
         return spec, Problem(
             REASON_METHOD_NOT_SUPPORTED,
@@ -129,6 +134,62 @@ def _write_status(
     return True
 
 
+class AutoscalerUnavailable(Exception):
+    """The autoscaler's kind is not served by the API server (KEDA not installed)."""
+
+
+def apply_children(
+    owner: Owner,
+    spec: SpeculativeModelSpec,
+    status: SpeculativeModelStatus | None,
+    kube: Kube,
+    settings: OperatorSettings,
+) -> dict[str, Any]:
+    """Apply the ConfigMap, Deployment and Service of ``spec`` (for ``engine: vllm``
+    at the k the stored ``status`` puts in effect) and its autoscaler; remove an
+    autoscaler of the other provider, or both when autoscaling is off.  Returns the
+    live Deployment.
+
+    Raises:
+        VllmConfigError: the vLLM arguments would be refused by vLLM.
+        AutoscalerUnavailable: ``provider: keda`` without KEDA's CRD.
+        ApiException: the API server refused a write.
+    """
+    children = build_children(
+        owner,
+        spec,
+        default_image=settings.runtime_image,
+        vllm_image=settings.vllm_image,
+        speculation=pod_speculation(spec, status),
+    )
+    applied = [kube.apply(child) for child in children]
+    deployment = next(obj for obj in applied if obj.get("kind") == "Deployment")
+    wanted = build_autoscaler(owner, spec, settings.utilization_url_base)
+    keep = None
+    if wanted is not None:
+        keep = (wanted["apiVersion"], wanted["kind"])
+        try:
+            kube.apply(wanted)
+        except ApiException as e:
+            if e.status == 404 and keep == SCALED_OBJECT:
+                raise AutoscalerUnavailable(
+                    "autoscaling.provider is keda but the API server does not serve "
+                    "keda.sh/v1alpha1 ScaledObjects (install KEDA, or use provider hpa)"
+                ) from e
+            raise
+    for kind in PROVIDER_KINDS.values():
+        if kind == keep:
+            continue
+        existing = kube.get_autoscaler(kind, owner.namespace, owner.name)
+        ref = controller_owner(existing) if existing is not None else None
+        # Only the operator's own: an autoscaler someone else made is left alone.
+        if existing is not None and ref is not None and ref.get("uid") == owner.uid:
+            kube.delete_autoscaler(
+                kind, owner.namespace, owner.name, existing["metadata"]["uid"]
+            )
+    return deployment
+
+
 def reconcile(
     body: dict[str, Any],
     kube: Kube,
@@ -154,15 +215,16 @@ def reconcile(
         live = _same_object(kube.get_speculative_model(owner.namespace, owner.name), body)
         spec, problem = parse_spec(body)
         deployment: dict[str, Any] | None = None
-        apply_error: ApiException | None = None
+        apply_error: Exception | None = None
         if problem is None:
             assert spec is not None
             try:
-                applied = [
-                    kube.apply(child)
-                    for child in build_children(owner, spec, default_image=settings.runtime_image)
-                ]
-                deployment = next(obj for obj in applied if obj.get("kind") == "Deployment")
+                deployment = apply_children(owner, spec, parse_status(live), kube, settings)
+            except VllmConfigError as e:
+                problem = Problem(REASON_INVALID_ENGINE_CONFIG, f"vLLM --speculative-config: {e}")
+            except AutoscalerUnavailable as e:
+                apply_error = e
+                problem = Problem(REASON_APPLY_FAILED, str(e))
             except ApiException as e:
                 apply_error = e
                 problem = Problem(REASON_APPLY_FAILED, f"{e.status} {e.reason}: {_api_message(e)}")
@@ -173,7 +235,7 @@ def reconcile(
             Observation(
                 generation=generation,
                 selector=selector,
-                desired_replicas=spec.replicas if spec is not None else None,
+                desired_replicas=spec.desired_replicas if spec is not None else None,
                 num_speculative_tokens=(
                     spec.speculator.num_speculative_tokens if spec is not None else None
                 ),
@@ -186,7 +248,8 @@ def reconcile(
         )
         _write_status(kube, live, status)
     if apply_error is not None:
-        raise RetryLater(f"applying children failed: {apply_error.reason}", settings.retry_delay_s)
+        reason = getattr(apply_error, "reason", None) or str(apply_error)
+        raise RetryLater(f"applying children failed: {reason}", settings.retry_delay_s)
     return status
 
 
@@ -269,7 +332,7 @@ def refresh_status(
                 Observation(
                     generation=previous.observed_generation,
                     selector=selector_string(ref["name"]),
-                    desired_replicas=spec.replicas,
+                    desired_replicas=spec.desired_replicas,
                     num_speculative_tokens=spec.speculator.num_speculative_tokens,
                     deployment=live,
                     tuning_mode=spec.tuning.mode,

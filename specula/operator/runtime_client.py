@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 import httpx
 
 from specula.operator.tuner import Endpoint, PodReading
-from specula.tuning import RuntimeMetrics
+from specula.tuning import QueueGauges, RuntimeMetrics, parse_samples
 
 T = TypeVar("T")
 
@@ -48,26 +48,34 @@ class RuntimeClient:
         with ThreadPoolExecutor(max_workers=min(MAX_PARALLEL, len(endpoints))) as pool:
             return list(pool.map(fn, endpoints))
 
-    def read(self, endpoint: Endpoint) -> PodReading:
-        """The pod's ``/metrics`` (parsed) and ``GET /v1/speculative_config``."""
-        if endpoint.metrics_url is None or endpoint.admin_url is None:
+    def read(self, endpoint: Endpoint, admin_api: bool = True) -> PodReading:
+        """The pod's ``/metrics`` (parsed) and, with ``admin_api``, ``GET
+        /v1/speculative_config`` (vLLM pods have no admin API)."""
+        if endpoint.metrics_url is None or (admin_api and endpoint.admin_url is None):
             return PodReading(endpoint, error="the Service has no port named http or metrics")
         try:
             response = self._client.get(endpoint.metrics_url)
             if response.status_code != 200:
                 return PodReading(endpoint, error=f"/metrics: {_error_text(response)}")
-            metrics = RuntimeMetrics.from_prometheus_text(response.text)
+            samples = parse_samples(response.text)
+            metrics = RuntimeMetrics.from_samples(samples)
+            queue = QueueGauges.from_samples(samples)
+            if not admin_api:
+                return PodReading(endpoint, metrics=metrics, queue=queue)
             response = self._client.get(endpoint.admin_url)
             if response.status_code != 200:
                 return PodReading(
-                    endpoint, metrics=metrics, error=f"speculative_config: {_error_text(response)}"
+                    endpoint, metrics=metrics, queue=queue,
+                    error=f"speculative_config: {_error_text(response)}",
                 )
-            return PodReading(endpoint, metrics=metrics, speculative_config=response.json())
+            return PodReading(
+                endpoint, metrics=metrics, queue=queue, speculative_config=response.json()
+            )
         except (httpx.HTTPError, ValueError) as e:
             return PodReading(endpoint, error=f"{type(e).__name__}: {e}")
 
-    def read_all(self, endpoints: Iterable[Endpoint]) -> list[PodReading]:
-        return self._parallel(self.read, endpoints)
+    def read_all(self, endpoints: Iterable[Endpoint], admin_api: bool = True) -> list[PodReading]:
+        return self._parallel(lambda e: self.read(e, admin_api), endpoints)
 
     def put_config(self, endpoint: Endpoint, config: dict[str, Any]) -> str | None:
         """``PUT /v1/speculative_config`` with ``config`` (``{"num_speculative_tokens": k}``

@@ -9,6 +9,7 @@ import os
 from dataclasses import dataclass
 
 from specula import __version__
+from specula.api.render_vllm import DEFAULT_VLLM_IMAGE
 
 DEFAULT_RUNTIME_IMAGE = f"ghcr.io/specula-dev/specula-runtime:{__version__}"
 """Runtime image used when a resource leaves ``spec.image`` unset: the ``runtime``
@@ -28,8 +29,13 @@ class OperatorSettings:
     """How the operator reconciles; every field has a safe default."""
 
     runtime_image: str = DEFAULT_RUNTIME_IMAGE
-    """Image of the runtime container when ``spec.image`` is unset.
-    Environment: ``SPECULA_RUNTIME_IMAGE``."""
+    """Image of the runtime container when ``spec.image`` is unset (``engine:
+    specula``).  Environment: ``SPECULA_RUNTIME_IMAGE``."""
+
+    vllm_image: str = DEFAULT_VLLM_IMAGE
+    """Image of ``engine: vllm`` pods when ``spec.image`` is unset: vLLM's OpenAI
+    server image of the release the ``--speculative-config`` rendering follows.
+    Environment: ``SPECULA_VLLM_IMAGE``."""
 
     field_manager: str = FIELD_MANAGER
     """Server-side-apply field manager.  Fixed, so that re-applying unchanged children
@@ -59,6 +65,35 @@ class OperatorSettings:
     """Timeout of each HTTP request to a pod (``/metrics``, admin API), seconds.
     Environment: ``SPECULA_SCRAPE_TIMEOUT_S``."""
 
+    http_host: str = "0.0.0.0"
+    """Address of the operator's HTTP server (utilization for KEDA's ``metrics-api``
+    scaler, Prometheus ``/metrics``).  Environment: ``SPECULA_HTTP_HOST``."""
+
+    http_port: int = 8080
+    """Port of that server; 0 turns it off (autoscaling with ``provider: keda`` then
+    has no endpoint to poll).  Environment: ``SPECULA_HTTP_PORT``."""
+
+    service_name: str = "specula-operator"
+    """Name of the Service in front of the operator's HTTP port, which the rendered
+    ScaledObjects poll.  Environment: ``SPECULA_OPERATOR_SERVICE``."""
+
+    namespace: str = "specula-system"
+    """Namespace of the operator and of that Service.  Environment:
+    ``SPECULA_OPERATOR_NAMESPACE``, else ``POD_NAMESPACE`` (the downward API)."""
+
+    utilization_base_url: str | None = None
+    """Base URL the ScaledObjects poll, when the Service above is not the way in
+    (e.g. ``http://127.0.0.1:8080`` for an operator outside the cluster); default
+    ``http://<service_name>.<namespace>.svc:<http_port>``.  Environment:
+    ``SPECULA_UTILIZATION_BASE_URL``."""
+
+    @property
+    def utilization_url_base(self) -> str:
+        """Scheme, host and port of the utilization endpoint as the cluster reaches it."""
+        if self.utilization_base_url:
+            return self.utilization_base_url.rstrip("/")
+        return f"http://{self.service_name}.{self.namespace}.svc:{self.http_port}"
+
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> OperatorSettings:
         """Defaults overridden by ``SPECULA_*`` environment variables.
@@ -76,4 +111,20 @@ class OperatorSettings:
             kwargs["tuning_tick_s"] = float(env["SPECULA_TUNING_TICK_S"])
         if env.get("SPECULA_SCRAPE_TIMEOUT_S"):
             kwargs["scrape_timeout_s"] = float(env["SPECULA_SCRAPE_TIMEOUT_S"])
+        if env.get("SPECULA_VLLM_IMAGE"):
+            kwargs["vllm_image"] = env["SPECULA_VLLM_IMAGE"]
+        if env.get("SPECULA_HTTP_HOST"):
+            kwargs["http_host"] = env["SPECULA_HTTP_HOST"]
+        if env.get("SPECULA_HTTP_PORT"):
+            port = int(env["SPECULA_HTTP_PORT"])
+            if not 0 <= port <= 65535:
+                raise ValueError(f"SPECULA_HTTP_PORT must be 0..65535, got {port}")
+            kwargs["http_port"] = port
+        if env.get("SPECULA_OPERATOR_SERVICE"):
+            kwargs["service_name"] = env["SPECULA_OPERATOR_SERVICE"]
+        namespace = env.get("SPECULA_OPERATOR_NAMESPACE") or env.get("POD_NAMESPACE")
+        if namespace:
+            kwargs["namespace"] = namespace
+        if env.get("SPECULA_UTILIZATION_BASE_URL"):
+            kwargs["utilization_base_url"] = env["SPECULA_UTILIZATION_BASE_URL"]
         return cls(**kwargs)

@@ -23,6 +23,8 @@ CONDITION_TYPES = (READY, PROGRESSING, DEGRADED)
 REASON_INVALID_SPEC = "InvalidSpec"
 REASON_METHOD_NOT_SUPPORTED = "MethodNotSupported"
 REASON_APPLY_FAILED = "ApplyFailed"
+REASON_INVALID_ENGINE_CONFIG = "InvalidEngineConfig"
+"""The spec (or the tuner's k) renders an engine configuration the engine would refuse."""
 REASON_REPLICAS_READY = "ReplicasReady"
 REASON_REPLICAS_NOT_READY = "ReplicasNotReady"
 REASON_SCALED_TO_ZERO = "ScaledToZero"
@@ -210,4 +212,5 @@ def compute_status(
         speculation=speculation,
         tuning_history=previous.tuning_history,
         tuner=previous.tuner,
+        autoscaling=previous.autoscaling,
     )

@@ -34,6 +34,7 @@ from specula.api.models import (
 from specula.operator.status import TUNED, set_condition
 from specula.tuning import (
     Decision,
+    QueueGauges,
     RuntimeMetrics,
     TuningSettings,
     TuningState,
@@ -126,6 +127,8 @@ class PodReading:
     endpoint: Endpoint
     metrics: RuntimeMetrics | None = None
     speculative_config: dict[str, Any] | None = None
+    queue: QueueGauges | None = None
+    """Running and waiting requests at the scrape (read with ``metrics``)."""
     error: str | None = None
     """Why ``metrics`` (or the config) could not be read."""
 
@@ -206,6 +209,14 @@ class Evaluation:
     """``(reason, message)`` when no decision could be taken."""
     scrape_errors: dict[str, str] = field(default_factory=dict)
     new_history_entry: TuningHistoryEntry | None = None
+    window: RuntimeMetrics | None = None
+    """Counter increases over the window, all measured pods."""
+    window_seconds: float | None = None
+    """Wall-clock length of the window (``None``: the first scrape)."""
+    queue: QueueGauges = field(default_factory=QueueGauges)
+    """Requests running and waiting at the window's end, on the ``window_pods``."""
+    window_pods: int = 0
+    """Pods whose whole window was measured (scraped now and at its start)."""
 
 
 def _observed_k(readings: list[PodReading]) -> int | None:
@@ -305,6 +316,7 @@ def evaluate(
     readings: list[PodReading],
     now: float,
     now_rfc3339: str,
+    in_place: bool = True,
 ) -> Evaluation:
     """One measurement window (``Recommend`` or ``Auto`` mode).
 
@@ -313,6 +325,9 @@ def evaluate(
         previous: its status as stored (``status.tuner`` holds the state).
         readings: one per ready pod (failed scrapes carry ``error``).
         now: Unix seconds; ``now_rfc3339`` the same instant for status timestamps.
+        in_place: whether the pods take a new k through their admin API (``engine:
+            specula``); otherwise (``vllm``) no pod is listed to apply to, and the
+            caller rolls the pods to the new configuration.
 
     Returns:
         the new tuner state and status fields; in ``Auto`` mode the pods to set to the
@@ -370,7 +385,9 @@ def evaluate(
     new_state = decision.state
     target = new_state.num_speculative_tokens if auto else None
     config = target_config(new_state) if auto else None
-    to_apply = [r.endpoint for r in ok if config is not None and not r.runs(config)]
+    to_apply = [
+        r.endpoint for r in ok if in_place and config is not None and not r.runs(config)
+    ]
 
     baselines = {pod: m.to_dict() for pod, m in baselines_in.items() if pod in errors}
     baselines.update({pod: m.to_dict() for pod, m in current.items()})
@@ -395,6 +412,13 @@ def evaluate(
         problem=problem,
         scrape_errors=errors,
         new_history_entry=entry,
+        window=window,
+        window_seconds=None if tuner.last_scrape_time is None else now - tuner.last_scrape_time,
+        queue=sum(
+            (r.queue for r in ok if r.queue is not None and r.endpoint.pod in baselines_in),
+            QueueGauges(),
+        ),
+        window_pods=sum(1 for r in ok if r.endpoint.pod in baselines_in),
     )
 
 

@@ -8,8 +8,12 @@ resource's own ``spec.tuning.interval`` is enforced here from ``status.tuner``
   once if an earlier ``Auto`` may have changed it;
 - between windows: re-send the k in effect to pods that refused it (``Auto``);
 - a window: read the ready pods' ``/metrics`` and ``GET /v1/speculative_config``,
-  decide, ``PUT`` the new k to the pods that need it (``Auto``), write status, post
-  Events.
+  decide, ``PUT`` the new k to the pods that need it (``Auto``), write status (with
+  ``status.autoscaling`` when the resource autoscales), post Events.
+
+``engine: vllm`` pods have no admin API: they are only scraped, and in ``Auto`` mode
+the k decided goes into their pod template (:func:`reconcile.apply_children`), so the
+Deployment rolls them; no window is taken while a rollout is in progress.
 
 Status is written under the resource's lock (:func:`reconcile.lock_for`) on a fresh
 copy of the object, conditional on its ``resourceVersion``, so the tuner and the
@@ -24,10 +28,21 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
+from specula.api.autoscaling import AutoscalingStatus
 from specula.api.models import SpeculativeModelSpec, SpeculativeModelStatus
+from specula.api.render_vllm import VllmConfigError
 from specula.operator import tuner as pure
+from specula.operator.autoscaling import UtilizationSink, autoscaling_status
+from specula.operator.engine import rollout_in_progress
 from specula.operator.kube import ApiException, Kube
-from specula.operator.reconcile import lock_for, parse_spec, parse_status
+from specula.operator.reconcile import (
+    AutoscalerUnavailable,
+    apply_children,
+    lock_for,
+    owner_of,
+    parse_spec,
+    parse_status,
+)
 from specula.operator.runtime_client import RuntimeClient
 from specula.operator.settings import OperatorSettings
 
@@ -106,17 +121,59 @@ def _write(
     return update
 
 
+DEPLOYMENT_PENDING = "Deployment"
+"""Name in ``status.tuner.pendingPods`` for an ``engine: vllm`` Deployment that could
+not be re-rendered with the tuner's k (retried every tick like a pod)."""
+
+
+def _roll(
+    body: dict[str, Any],
+    spec: SpeculativeModelSpec,
+    status: SpeculativeModelStatus,
+    kube: Kube,
+    settings: OperatorSettings,
+) -> dict[str, str]:
+    """``engine: vllm``: re-apply the children at the k ``status`` puts in effect (a
+    changed k changes the pod template, and the Deployment rolls the pods); returns
+    ``{"Deployment": error}`` on failure, else ``{}``."""
+    meta = body["metadata"]
+    try:
+        with lock_for(meta["namespace"], meta["name"]):
+            apply_children(owner_of(body), spec, status, kube, settings)
+    except (ApiException, VllmConfigError, AutoscalerUnavailable) as e:
+        log.warning("%s/%s: cannot roll out the tuned k: %s", meta["namespace"], meta["name"], e)
+        return {DEPLOYMENT_PENDING: str(getattr(e, "reason", None) or e)}
+    return {}
+
+
+def _with_autoscaling(
+    update: pure.StatusUpdate, spec: SpeculativeModelSpec, measured: AutoscalingStatus | None
+) -> pure.StatusUpdate:
+    """``update`` with ``status.autoscaling``: the new measurement, nothing (the last
+    one stays) when none was taken, or removed when autoscaling is off."""
+    if spec.autoscaling is None:
+        update.patch["autoscaling"] = None
+    elif measured is not None:
+        update.patch["autoscaling"] = measured.to_k8s()
+    return update
+
+
 def tune(
     body: dict[str, Any],
     kube: Kube,
     client: RuntimeClient,
     settings: OperatorSettings,
     clock: Callable[[], float] = time.time,
+    utilization: UtilizationSink | None = None,
 ) -> pure.StatusUpdate | None:
     """One timer tick for resource ``body``; returns what was written, if anything.
 
     Resources whose spec does not parse or whose method the runtime lacks are left
-    alone (their pods are not running).
+    alone (their pods are not running).  ``engine: vllm`` pods are read without the
+    admin API, and a new k reaches them by a rollout (the pod template carries it);
+    no window is taken while a rollout is in progress.  With ``spec.autoscaling``,
+    each window also records the utilization in ``status.autoscaling`` and hands it
+    to ``utilization`` (the operator's HTTP server and gauge).
 
     Raises:
         ApiException: reading the object or its EndpointSlices, or writing status failed.
@@ -130,6 +187,8 @@ def tune(
     current = parse_status(live)
     now = clock()
     key = (body["metadata"]["namespace"], body["metadata"]["name"])
+    if utilization is not None and spec.autoscaling is None:
+        utilization.discard(*key)
     if spec.tuning.mode == "Off":
         _idle_until.pop(key, None)
         return _off(body, live, spec, current, kube, client, settings, now)
@@ -138,16 +197,38 @@ def tune(
         return _retry_pending(body, live, spec, current, kube, client, settings, now)
     if _idle_until.get(key, 0.0) > now:
         return None
+    vllm = spec.engine == "vllm"
+    if vllm and rollout_in_progress(kube.get_deployment(*key)):
+        # Old and new pods run different k: their counters would mix in one window.
+        return None
     endpoints = _endpoints(kube, body)
     if not endpoints:
         _idle_until[key] = now + spec.tuning.interval_s
     else:
         _idle_until.pop(key, None)
-    readings = client.read_all(endpoints)
-    evaluation = pure.evaluate(spec, current, readings, now, _rfc3339(now))
+    readings = client.read_all(endpoints, admin_api=not vllm)
+    evaluation = pure.evaluate(spec, current, readings, now, _rfc3339(now), in_place=not vllm)
     failures: dict[str, str] = {}
     if evaluation.to_apply and evaluation.target_config is not None:
         failures = client.put_all(evaluation.to_apply, evaluation.target_config)
+    if vllm and spec.tuning.mode == "Auto" and evaluation.decision is not None:
+        # Every window, not only on a change: a reconcile that read the status just
+        # before this window's write may have rendered the previous k; re-applying
+        # unchanged children is a no-op on the API server.
+        failures = _roll(body, spec, SpeculativeModelStatus(tuner=evaluation.tuner), kube, settings)
+    measured = None
+    if spec.autoscaling is not None and evaluation.decision is not None:
+        measured = autoscaling_status(
+            spec.autoscaling,
+            evaluation.decision.state,
+            pure.tuning_settings(spec),
+            evaluation.window,
+            evaluation.window_seconds,
+            evaluation.queue,
+            evaluation.window_pods,
+            spec.pod_max_num_seqs,
+            _rfc3339(now),
+        )
     if evaluation.decision is not None:
         d = evaluation.decision
         changed = d.num_speculative_tokens not in (None, d.current_num_speculative_tokens)
@@ -157,11 +238,16 @@ def tune(
             key[0], key[1], d.reason, d.current_num_speculative_tokens,
             d.num_speculative_tokens, len(evaluation.to_apply) - len(failures), len(failures),
         )
-    return _write(
+    update = _write(
         kube, body, live, settings,
-        lambda cur, gen: pure.finish(evaluation, failures, cur, gen, _rfc3339(now)),
+        lambda cur, gen: _with_autoscaling(
+            pure.finish(evaluation, failures, cur, gen, _rfc3339(now)), spec, measured
+        ),
         now,
     )
+    if utilization is not None and measured is not None and measured.utilization is not None:
+        utilization.record(key[0], key[1], measured.utilization, now)
+    return update
 
 
 def _retry_pending(
@@ -185,9 +271,13 @@ def _retry_pending(
     target = state.num_speculative_tokens if state.schedule is None else str(
         config["num_speculative_tokens_per_batch_size"]
     )
-    endpoints = [e for e in _endpoints(kube, body) if e.pod in pending]
-    failures = client.put_all(endpoints, config)
-    retried = [e.pod for e in endpoints]
+    if spec.engine == "vllm":
+        failures = _roll(body, spec, current, kube, settings)
+        retried = [DEPLOYMENT_PENDING]
+    else:
+        endpoints = [e for e in _endpoints(kube, body) if e.pod in pending]
+        failures = client.put_all(endpoints, config)
+        retried = [e.pod for e in endpoints]
     return _write(
         kube, body, live, settings,
         lambda cur, gen: pure.after_retry(
@@ -210,14 +300,20 @@ def _off(
     """``Off``: put the spec's k back once after tuning ran, then stay quiet."""
     failures: dict[str, str] | None = None
     if pure.needs_restore(spec, current):
-        failures = client.put_all(
-            _endpoints(kube, body),
-            {"num_speculative_tokens": spec.speculator.num_speculative_tokens},
-        )
+        if spec.engine == "vllm":
+            # In Off mode the children render the spec's k.
+            failures = _roll(body, spec, current or SpeculativeModelStatus(), kube, settings)
+        else:
+            failures = client.put_all(
+                _endpoints(kube, body),
+                {"num_speculative_tokens": spec.speculator.num_speculative_tokens},
+            )
     return _write(
         kube, body, live, settings,
-        lambda cur, gen: pure.disabled(
-            spec, cur or SpeculativeModelStatus(), failures, gen, _rfc3339(now)
+        lambda cur, gen: _with_autoscaling(
+            pure.disabled(spec, cur or SpeculativeModelStatus(), failures, gen, _rfc3339(now)),
+            spec,
+            None,
         ),
         now,
     )

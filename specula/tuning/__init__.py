@@ -5,9 +5,11 @@
 - :mod:`~specula.tuning.goodput`: G(k) = B * E(k) / T(B, k), best k, per-batch schedules;
 - :mod:`~specula.tuning.metrics`: a pod's scrape and windows summed over pods;
 - :mod:`~specula.tuning.state` / :mod:`~specula.tuning.policy`: settings, the stored
-  state and the decision policy (cooldown, hysteresis, exploration, revert).
+  state and the decision policy (cooldown, hysteresis, exploration, revert);
+- :mod:`~specula.tuning.utilization`: demand over predicted capacity, for autoscaling.
 """
 
+from specula.tuning._prom import parse_samples
 from specula.tuning.acceptance import (
     AcceptanceEstimate,
     AcceptancePrior,
@@ -28,6 +30,13 @@ from specula.tuning.goodput import BatchDistribution, best_k, goodput, optimal_s
 from specula.tuning.metrics import RuntimeMetrics, window_delta
 from specula.tuning.policy import Decision, TuningPolicy, decide
 from specula.tuning.state import TuningSettings, TuningState
+from specula.tuning.utilization import (
+    QueueGauges,
+    Utilization,
+    compute_utilization,
+    predicted_capacity,
+    utilization_from_state,
+)
 
 __all__ = [
     "DEFAULT_COST_PARAMS",
@@ -37,6 +46,7 @@ __all__ = [
     "CostObservation",
     "CostParams",
     "Decision",
+    "QueueGauges",
     "RuntimeMetrics",
     "SpecDecodeCounters",
     "StepCostModel",
@@ -44,13 +54,18 @@ __all__ = [
     "TuningPolicy",
     "TuningSettings",
     "TuningState",
+    "Utilization",
     "best_k",
+    "compute_utilization",
     "counter_delta",
     "decide",
     "expected_accepted_length",
     "goodput",
     "optimal_schedule",
+    "parse_samples",
+    "predicted_capacity",
     "sum_counters",
+    "utilization_from_state",
     "wilson_interval",
     "window_delta",
 ]

@@ -1,19 +1,22 @@
 """One pod's scrape, as the tuner needs it, and windows summed across pods.
 
 A scrape holds the speculative-decoding counters, the ``generation_tokens`` counter
-and the step-time histogram.  The tuner works on *windows*: the increase of every
-counter between two scrapes of each pod, summed over pods (ratio of sums).
+and the step-time histogram (for vLLM pods, which have none, the step counters it is
+derived from per window, :mod:`specula.tuning.vllm_steps`).  The tuner works on
+*windows*: the increase of every counter between two scrapes of each pod, summed over
+pods (ratio of sums).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from specula.tuning._prom import parse_samples, total
+from specula.tuning._prom import Samples, parse_samples, total
 from specula.tuning.acceptance import SpecDecodeCounters, counter_delta
 from specula.tuning.cost import StepTimeHistogram
 from specula.tuning.goodput import bucket_representatives
+from specula.tuning.vllm_steps import EngineStepCounters
 
 
 @dataclass(frozen=True)
@@ -24,6 +27,9 @@ class RuntimeMetrics:
     generation_tokens: float = 0.0
     """Tokens emitted (accepted draft, bonus and recovered tokens; all tokens at k = 0)."""
     step_times: StepTimeHistogram = field(default_factory=StepTimeHistogram)
+    engine_steps: EngineStepCounters = field(default_factory=EngineStepCounters)
+    """vLLM's step counters (zeros for the Specula runtime); a window whose pod has no
+    step-time histogram takes its step times from them."""
 
     @classmethod
     def from_prometheus_text(cls, text: str) -> RuntimeMetrics:
@@ -32,11 +38,16 @@ class RuntimeMetrics:
         Raises:
             ValueError: invalid exposition.
         """
-        samples = parse_samples(text)
+        return cls.from_samples(parse_samples(text))
+
+    @classmethod
+    def from_samples(cls, samples: Samples) -> RuntimeMetrics:
+        """From already-parsed samples (see :func:`_prom.parse_samples`)."""
         return cls(
             counters=SpecDecodeCounters.from_samples(samples),
             generation_tokens=total(samples, "generation_tokens_total"),
             step_times=StepTimeHistogram.from_samples(samples),
+            engine_steps=EngineStepCounters.from_samples(samples),
         )
 
     def __add__(self, other: RuntimeMetrics) -> RuntimeMetrics:
@@ -44,6 +55,7 @@ class RuntimeMetrics:
             counters=self.counters + other.counters,
             generation_tokens=self.generation_tokens + other.generation_tokens,
             step_times=self.step_times + other.step_times,
+            engine_steps=self.engine_steps + other.engine_steps,
         )
 
     def is_reset_from(self, prev: RuntimeMetrics) -> bool:
@@ -52,6 +64,7 @@ class RuntimeMetrics:
             self.counters.is_reset_from(prev.counters)
             or self.generation_tokens < prev.generation_tokens
             or self.step_times.is_reset_from(prev.step_times)
+            or self.engine_steps.is_reset_from(prev.engine_steps)
         )
 
     def delta(self, prev: RuntimeMetrics | None) -> RuntimeMetrics:
@@ -61,12 +74,22 @@ class RuntimeMetrics:
         if prev is None:
             return RuntimeMetrics()
         if self.is_reset_from(prev):
-            return self
+            return self._with_engine_step_times()
         return RuntimeMetrics(
             counters=counter_delta(prev.counters, self.counters),
             generation_tokens=self.generation_tokens - prev.generation_tokens,
             step_times=self.step_times.delta(prev.step_times),
-        )
+            engine_steps=self.engine_steps.delta(prev.engine_steps),
+        )._with_engine_step_times()
+
+    def _with_engine_step_times(self) -> RuntimeMetrics:
+        """A window without a step-time histogram, with the one its engine step counters
+        give, at the window's k (draft tokens per draft; 0 without drafts)."""
+        if self.step_times.series or self.engine_steps.steps <= 0:
+            return self
+        c = self.counters
+        k = round(c.num_draft_tokens / c.num_drafts) if c.num_drafts > 0 else 0
+        return replace(self, step_times=self.engine_steps.histogram(k))
 
     @property
     def mean_batch_size(self) -> float | None:
@@ -104,11 +127,14 @@ class RuntimeMetrics:
 
     def to_dict(self) -> dict:
         """JSON-ready form (for keeping per-pod baselines on the resource)."""
-        return {
+        out = {
             "counters": self.counters.to_dict(),
             "generationTokens": self.generation_tokens,
             "stepTimes": self.step_times.to_dict(),
         }
+        if self.engine_steps.steps > 0:
+            out["engineSteps"] = self.engine_steps.to_list()
+        return out
 
     @classmethod
     def from_dict(cls, data: dict) -> RuntimeMetrics:
@@ -116,6 +142,7 @@ class RuntimeMetrics:
             counters=SpecDecodeCounters.from_dict(data.get("counters", {})),
             generation_tokens=float(data.get("generationTokens", 0.0)),
             step_times=StepTimeHistogram.from_dict(data.get("stepTimes", [])),
+            engine_steps=EngineStepCounters.from_list(data.get("engineSteps", [0, 0, 0])),
         )
 
 

@@ -15,7 +15,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from .kube_control_plane import REPO_ROOT, ControlPlane, ControlPlaneError, find_binaries, wait_for
+from .kube_control_plane import (
+    REPO_ROOT,
+    ControlPlane,
+    ControlPlaneError,
+    find_binaries,
+    free_port,
+    wait_for,
+)
 from .operator_process import OperatorProcess
 from .sm_objects import GROUP, PLURAL
 
@@ -155,8 +162,13 @@ def operator(control_plane: ControlPlane, namespace: str) -> Iterator[OperatorPr
         kubeconfig=control_plane.kubeconfig,
         namespace=namespace,
         log_path=control_plane.workdir / "operator.log",
-        # A short tuning tick so tests can use tuning intervals of a second or two.
-        env={"SPECULA_TUNING_TICK_S": "1"},
+        # A short tuning tick so tests can use tuning intervals of a second or two;
+        # the HTTP server (utilization, metrics) on a free loopback port.
+        env={
+            "SPECULA_TUNING_TICK_S": "1",
+            "SPECULA_HTTP_HOST": "127.0.0.1",
+            "SPECULA_HTTP_PORT": str(free_port()),
+        },
     )
     _diagnostics.append(lambda: op.tail(60))
     t0 = time.monotonic()

@@ -209,3 +209,20 @@ def endpoint_slice_body(service: str, address: str, ports: dict[str, int]) -> di
         "endpoints": [{"addresses": [address], "conditions": {"ready": True}}],
         "ports": [{"name": n, "port": p, "protocol": "TCP"} for n, p in sorted(ports.items())],
     }
+
+
+def delete_sm_and_wait(custom_objects, namespace: str, name: str, timeout: float = 30) -> None:
+    """Delete the resource and wait until it is gone (the operator has removed its
+    finalizer), so later tests that count a namespace's objects do not see it."""
+    delete_sm(custom_objects, namespace, name)
+
+    def gone() -> bool:
+        try:
+            get_sm(custom_objects, namespace, name)
+        except ApiException as exc:
+            if exc.status == 404:
+                return True
+            raise
+        return False
+
+    wait_for(gone, timeout=timeout, message=f"{name} deleted")

@@ -133,8 +133,29 @@ def test_cel_rules(schema):
         "self.method in ['mtp', 'ngram'] || has(self.model)",
         "!has(self.promptLookupMin) || !has(self.promptLookupMax)"
         " || self.promptLookupMin <= self.promptLookupMax",
+        "!has(self.nPredict) || self.method in ['mtp', 'gemma4_mtp']",
+        "!has(self.nPredict) || self.numSpeculativeTokens <= self.nPredict"
+        " || self.numSpeculativeTokens % self.nPredict == 0",
     ]
-    tp_rule, k_rule = spec["x-kubernetes-validations"]
+    tp_rule, k_rule, mtp_rule, autoscaling_rule = spec["x-kubernetes-validations"]
+    assert mtp_rule["fieldPath"] == ".tuning.maxSpeculativeTokens"
+    assert "<= self.speculator.nPredict" in mtp_rule["rule"]
+    assert autoscaling_rule["rule"] == (
+        "!has(self.autoscaling) || !has(self.tuning) || self.tuning.mode != 'Off'"
+    )
+    autoscaling = spec["properties"]["autoscaling"]
+    (min_max_replicas,) = autoscaling["x-kubernetes-validations"]
+    assert min_max_replicas["rule"] == "self.minReplicas <= self.maxReplicas"
+    target = autoscaling["properties"]["targetUtilization"]
+    assert (target["minimum"], target["exclusiveMinimum"], target["maximum"]) == (0, True, 1)
+    assert autoscaling["properties"]["provider"]["enum"] == ["keda", "hpa"]
+    assert autoscaling["required"] == ["maxReplicas"]
+    assert spec["properties"]["engine"] == {
+        "description": spec["properties"]["engine"]["description"],
+        "default": "specula",
+        "enum": ["specula", "vllm"],
+        "type": "string",
+    }
     assert "self.speculator.draftTensorParallelSize == 1" in tp_rule["rule"]
     assert "self.model.tensorParallelSize" in tp_rule["rule"]
     assert k_rule["fieldPath"] == ".speculator.numSpeculativeTokens"
@@ -163,7 +184,7 @@ def test_status_schema(schema):
     status = schema["properties"]["status"]["properties"]
     assert set(status) == {
         "observedGeneration", "replicas", "readyReplicas", "selector", "conditions", "speculation",
-        "tuningHistory", "tuner",
+        "tuningHistory", "tuner", "autoscaling",
     }
     conditions = status["conditions"]
     assert conditions["x-kubernetes-list-type"] == "map"

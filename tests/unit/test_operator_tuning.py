@@ -4,6 +4,7 @@ stored baselines, decisions turned into status, conditions and events."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -11,7 +12,7 @@ from specula.api.models import SpeculativeModelSpec, SpeculativeModelStatus, Tun
 from specula.operator import tuner
 from specula.operator.status import TUNED, Observation, compute_status, get_condition
 from specula.operator.tuner import Endpoint, PodReading
-from specula.tuning import RuntimeMetrics, TuningState
+from specula.tuning import QueueGauges, RuntimeMetrics, TuningState
 
 NOW = 1_800_000_000.0
 NOW_S = "2027-01-15T08:00:00Z"
@@ -399,3 +400,28 @@ def test_unreadable_baseline_counts_as_a_new_pod():
     ev = tuner.evaluate(spec("Recommend"), status, [reading("a", 2)], NOW, NOW_S)
     assert ev.decision.sampled_drafts == 0
     assert RuntimeMetrics.from_dict(ev.tuner.baselines["a"]).counters.num_drafts == 1000
+
+
+def test_out_of_place_engines_get_no_pods_to_apply_to():
+    """``engine: vllm``: the target k is decided, but no pod is told (a rollout is)."""
+    ev = tuner.evaluate(
+        spec("Auto", k=2), None, [reading("a", 4, configured=4)], NOW, NOW_S, in_place=False
+    )
+    assert ev.target_num_speculative_tokens == 2
+    assert ev.to_apply == [] and ev.tuner.pending_pods == []
+
+
+def test_window_reports_queue_and_length_of_pods_measured_throughout():
+    s = spec("Recommend", k=2)
+    first = tuner.evaluate(s, None, [reading("a", 2)], NOW, NOW_S)
+    assert first.window_seconds is None and first.window_pods == 0
+    status = roundtrip(SpeculativeModelStatus(), tuner.finish(first, {}, None, 1, NOW_S))
+    queued = [
+        replace(reading("a", 2, scale=2.0), queue=QueueGauges(4, 2)),
+        replace(reading("b", 2, scale=2.0), queue=QueueGauges(3, 5)),  # new: no baseline
+    ]
+    second = tuner.evaluate(s, status, queued, NOW + 10, NOW_S)
+    assert second.window_seconds == pytest.approx(10)
+    assert second.window_pods == 1
+    assert second.queue == QueueGauges(4, 2)
+    assert second.window.counters.num_drafts == 1000
