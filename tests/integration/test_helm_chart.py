@@ -275,6 +275,8 @@ def test_monitoring_objects_select_the_runtime(rendered):
     assert [e["port"] for e in pm["spec"]["podMetricsEndpoints"]] == [METRICS_PORT_NAME]
     assert pm["spec"]["podMetricsEndpoints"][0]["interval"] == "15s"
     op_sm = one(objects, "ServiceMonitor", "specula-operator")
+    # The utilization gauge's own namespace label must survive the scrape.
+    assert op_sm["spec"]["endpoints"][0]["honorLabels"] is True
     assert op_sm["spec"]["selector"]["matchLabels"].items() <= (
         one(objects, "Service")["metadata"]["labels"].items()
     )
