@@ -1,0 +1,224 @@
+"""CUDA graphs of the target's decode and verification forwards.
+
+A batch is described by a :class:`BatchExecutionDescriptor` (tokens, requests, uniform
+query length: 1 for decode, ``k + 1`` for verification). One graph is captured per
+descriptor, for the request counts of :func:`cudagraph_capture_sizes`, into one memory
+pool, largest first (so smaller graphs reuse the largest one's blocks), on static input
+buffers sized for the largest batch. At replay a batch is padded to the next captured
+request count (padding requests: ``seq_lens`` 0, ``slot_mapping`` -1, so they neither
+read nor write the cache); a batch with no captured size (prefill, mixed query lengths,
+more requests than captured) runs eagerly.
+
+Each capture returns a :class:`CapturedAttentionState`: the attention metadata, slot
+mapping and position buffers that graph reads. Keeping them by descriptor lets a
+speculator's prefill graphs reuse the target's metadata instead of rebuilding it
+(vLLM Model Runner V2, PR #40410). Design after vLLM's ``cudagraph_utils.py`` and
+nano-vllm's ``capture_cudagraph``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from specula.runtime.gpu.model_runner import GPUModelRunner
+from specula.runtime.gpu.paged_kv import PagedAttentionMetadata
+
+
+@dataclass(frozen=True)
+class BatchExecutionDescriptor:
+    """The launch shape of one forward: what a CUDA graph is keyed by."""
+
+    num_tokens: int
+    num_reqs: int
+    uniform_query_len: int
+    """Query tokens per request: 1 for decode, ``k + 1`` for verification."""
+
+
+@dataclass
+class CapturedAttentionState:
+    """The device buffers a captured graph reads, views of the manager's static buffers
+    sized for its descriptor; writing a batch into them and replaying runs that batch."""
+
+    descriptor: BatchExecutionDescriptor
+    metadata: PagedAttentionMetadata
+    """``slot_mapping [num_tokens]``, ``block_table [num_reqs, max_blocks_per_req]``,
+    ``seq_lens [num_reqs]``, ``query_start_loc [num_reqs + 1]`` (constant: uniform)."""
+    input_ids: torch.Tensor
+    """[num_tokens] int64."""
+    positions: torch.Tensor
+    """[num_tokens] int64."""
+
+
+def cudagraph_capture_sizes(max_num_reqs: int) -> list[int]:
+    """Request counts to capture: 1, 2, 4, 8, then every multiple of 8 up to
+    ``max_num_reqs``, and ``max_num_reqs`` itself (vLLM's default ladder); ascending.
+
+    Raises:
+        ValueError: ``max_num_reqs`` < 1.
+    """
+    if max_num_reqs < 1:
+        raise ValueError(f"max_num_reqs={max_num_reqs} must be >= 1")
+    sizes = {s for s in (1, 2, 4, 8) if s <= max_num_reqs}
+    sizes.update(range(16, max_num_reqs + 1, 8))
+    sizes.add(max_num_reqs)
+    return sorted(sizes)
+
+
+class CUDAGraphManager:
+    """Captures and replays the runner's forward per :class:`BatchExecutionDescriptor`.
+
+    Args:
+        runner: the eager forward to capture.
+        max_num_reqs: most requests in one forward.
+        uniform_query_lens: query lengths to capture (1 for decode; add ``k + 1`` for
+            each verification width in use).
+        capture_sizes: request counts to capture; default
+            :func:`cudagraph_capture_sizes` of ``max_num_reqs``.
+
+    Raises:
+        ValueError: a capture size outside ``[1, max_num_reqs]`` or a query length < 1.
+    """
+
+    def __init__(
+        self,
+        runner: GPUModelRunner,
+        max_num_reqs: int,
+        uniform_query_lens: Sequence[int] = (1,),
+        capture_sizes: Sequence[int] | None = None,
+    ) -> None:
+        sizes = sorted(set(capture_sizes or cudagraph_capture_sizes(max_num_reqs)))
+        if sizes[0] < 1 or sizes[-1] > max_num_reqs:
+            raise ValueError(f"capture sizes {sizes} outside [1, {max_num_reqs}]")
+        if min(uniform_query_lens) < 1:
+            raise ValueError(f"uniform_query_lens {uniform_query_lens} must be >= 1")
+        self.runner = runner
+        self.capture_sizes = sizes
+        self.uniform_query_lens = tuple(sorted(set(uniform_query_lens)))
+        device = runner.device
+        max_tokens = max_num_reqs * max(self.uniform_query_lens)
+        self.input_ids = torch.zeros(max_tokens, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(max_tokens, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)
+        self.block_table = torch.zeros(
+            max_num_reqs, runner.max_blocks_per_req, dtype=torch.int32, device=device
+        )
+        self.seq_lens = torch.zeros(max_num_reqs, dtype=torch.int32, device=device)
+        self.query_start_loc = {
+            q: torch.arange(max_num_reqs + 1, dtype=torch.int32, device=device) * q
+            for q in self.uniform_query_lens
+        }
+        self.pool: tuple | None = None
+        self.graphs: dict[BatchExecutionDescriptor, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[BatchExecutionDescriptor, torch.Tensor] = {}
+        self.states: dict[BatchExecutionDescriptor, CapturedAttentionState] = {}
+
+    def descriptors(self) -> list[BatchExecutionDescriptor]:
+        """Every descriptor to capture, largest first."""
+        out = [
+            BatchExecutionDescriptor(r * q, r, q)
+            for q in self.uniform_query_lens
+            for r in self.capture_sizes
+        ]
+        return sorted(out, key=lambda d: (d.num_tokens, d.num_reqs), reverse=True)
+
+    def _state(self, d: BatchExecutionDescriptor) -> CapturedAttentionState:
+        n, r = d.num_tokens, d.num_reqs
+        metadata = PagedAttentionMetadata(
+            slot_mapping=self.slot_mapping[:n],
+            block_table=self.block_table[:r],
+            seq_lens=self.seq_lens[:r],
+            query_start_loc=self.query_start_loc[d.uniform_query_len][: r + 1],
+            num_reqs=r,
+            num_tokens=n,
+            uniform_query_len=d.uniform_query_len,
+            prefill=False,
+            query_lens_cpu=(d.uniform_query_len,) * r,
+        )
+        return CapturedAttentionState(d, metadata, self.input_ids[:n], self.positions[:n])
+
+    @torch.no_grad()
+    def capture(self) -> dict[BatchExecutionDescriptor, CapturedAttentionState]:
+        """Capture every descriptor (largest first, one pool).
+
+        Returns:
+            the captured attention states by descriptor (also kept in ``self.states``).
+
+        Raises:
+            RuntimeError: the runner is not on a CUDA device.
+        """
+        if self.runner.device.type != "cuda":
+            raise RuntimeError("CUDA graphs need the runner on a CUDA device")
+        # Padding values everywhere: the warm-up forwards then neither read nor write
+        # the KV cache.
+        self.slot_mapping.fill_(-1)
+        self.seq_lens.zero_()
+        for d in self.descriptors():
+            state = self._state(d)
+            # Warm-up on a side stream, as torch.cuda.graph's documentation asks:
+            # compiles the Triton kernels of this launch shape and lets cuBLAS pick its
+            # algorithms before capture.
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self.runner.forward(state.input_ids, state.positions, state.metadata)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                hidden, _ = self.runner.forward(state.input_ids, state.positions, state.metadata)
+            if self.pool is None:
+                self.pool = graph.pool()
+            self.graphs[d] = graph
+            self.outputs[d] = hidden
+            self.states[d] = state
+        torch.cuda.synchronize()
+        return dict(self.states)
+
+    def descriptor_for(
+        self, num_reqs: int, uniform_query_len: int | None
+    ) -> BatchExecutionDescriptor | None:
+        """The captured descriptor a batch pads to, or ``None`` (run eagerly)."""
+        if uniform_query_len not in self.uniform_query_lens:
+            return None
+        for r in self.capture_sizes:
+            if r >= num_reqs:
+                d = BatchExecutionDescriptor(r * uniform_query_len, r, uniform_query_len)
+                return d if d in self.graphs else None
+        return None
+
+    @torch.no_grad()
+    def run(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: PagedAttentionMetadata,
+    ) -> torch.Tensor:
+        """The forward of a batch: graph replay when a captured size fits, else eager.
+
+        Args:
+            input_ids, positions: [num_tokens] int64.
+            metadata: the batch's metadata (``block_table`` ``max_blocks_per_req`` wide).
+
+        Returns:
+            [num_tokens, hidden_size] final hidden states. After a replay this is a view
+            of the graph's output buffer: valid until the next replay of any graph.
+        """
+        d = None
+        if not metadata.prefill:
+            d = self.descriptor_for(metadata.num_reqs, metadata.uniform_query_len)
+        if d is None:
+            return self.runner.forward(input_ids, positions, metadata)[0]
+        n, r = metadata.num_tokens, metadata.num_reqs
+        assert metadata.block_table.shape[1] == self.block_table.shape[1]
+        self.input_ids[:n].copy_(input_ids)
+        self.positions[:n].copy_(positions)
+        self.slot_mapping[:n].copy_(metadata.slot_mapping)
+        self.seq_lens[:r].copy_(metadata.seq_lens)
+        self.block_table[:r].copy_(metadata.block_table)
+        if d.num_reqs > r:
+            self.slot_mapping[n : d.num_tokens].fill_(-1)
+            self.seq_lens[r : d.num_reqs].zero_()
+        self.graphs[d].replay()
+        return self.outputs[d][:n]

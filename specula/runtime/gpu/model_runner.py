@@ -1,0 +1,258 @@
+"""The paged forward of a Llama / Qwen3 target on the GPU kernels.
+
+The model classes in :mod:`specula.runtime.models` own the weights (Hugging Face names,
+fused ``qkv_proj`` and ``gate_up_proj``); this module runs those same parameters through
+the Triton kernels of :mod:`specula.runtime.kernels` over a paged KV cache, as functions
+of the modules, so one checkpoint load serves both the CPU engine and this path.
+
+Per decoder layer: fused residual add + RMSNorm, the qkv GEMM, (Qwen3: RMSNorm of each
+query and key head), rotary in place fused with the cache write, paged attention,
+``o_proj``, fused residual add + RMSNorm, the gate/up GEMM, SiLU-and-multiply,
+``down_proj`` (vLLM's decoder structure, with the residual carried beside the hidden
+state so each add fuses into the next norm). At batch 1 a step is bound by reading the
+weights; every small kernel adds a fixed launch latency on top, hence the fusions.
+
+Attention reads the paged cache for decode (one query token per request) and
+verification (``k + 1`` per request, causal among themselves). A prefill (every
+request's context empty) attends over the prompt itself with
+``scaled_dot_product_attention`` and writes its keys and values to the cache for later
+steps. Nothing here copies device data to the host, so a decode or verification forward
+can be captured in a CUDA graph (:mod:`specula.runtime.gpu.cudagraph`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from specula.runtime.gpu.block_manager import cdiv
+from specula.runtime.gpu.paged_kv import PagedAttentionMetadata, PagedKVCache
+from specula.runtime.kernels.activation import silu_and_mul
+from specula.runtime.kernels.layernorm import fused_add_rms_norm, rms_norm
+from specula.runtime.kernels.paged_attention import paged_attention
+from specula.runtime.kernels.rotary import build_cos_sin_cache
+from specula.runtime.kernels.rotary_cache import rotary_embedding_and_cache
+from specula.runtime.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
+from specula.runtime.models.qwen3 import Qwen3ForCausalLM
+
+SUPPORTED_MODELS = (LlamaForCausalLM, Qwen3ForCausalLM)
+
+
+def _prefill_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    metadata: PagedAttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
+    n, num_heads, head_dim = q.shape
+    q_len = metadata.uniform_query_len
+    if q_len is not None:
+        # Equal prompts: one batched call, [num_reqs, heads, q_len, head_dim].
+        b = metadata.num_reqs
+        out = F.scaled_dot_product_attention(
+            q.view(b, q_len, num_heads, head_dim).transpose(1, 2),
+            k.view(b, q_len, -1, head_dim).transpose(1, 2),
+            v.view(b, q_len, -1, head_dim).transpose(1, 2),
+            is_causal=True,
+            scale=scale,
+            enable_gqa=True,
+        )
+        return out.transpose(1, 2).reshape(n, num_heads, head_dim)
+    out = torch.empty_like(q)
+    start = 0
+    for length in metadata.query_lens_cpu:
+        end = start + length
+        out[start:end] = F.scaled_dot_product_attention(
+            q[start:end].transpose(0, 1),
+            k[start:end].transpose(0, 1),
+            v[start:end].transpose(0, 1),
+            is_causal=True,
+            scale=scale,
+            enable_gqa=True,
+        ).transpose(0, 1)
+        start = end
+    return out
+
+
+class GPUModelRunner:
+    """Runs a :class:`LlamaForCausalLM` or :class:`Qwen3ForCausalLM` over a
+    :class:`PagedKVCache` with the Triton kernels.
+
+    Args:
+        model: the target, on its device, in eval mode, in the cache's dtype.
+        kv_cache: one key/value cache pair per decoder layer.
+        max_model_len: longest context (tokens) a request may reach; fixes the
+            block-table width ``max_blocks_per_req`` and the rotary table length.
+        attn_num_splits: programs per (request, KV head) along the context in paged
+            attention; ``None`` uses the kernel's default for each launch shape.
+
+    Raises:
+        ValueError: an unsupported model class, or a cache that does not match the model.
+    """
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv_cache: PagedKVCache,
+        max_model_len: int,
+        attn_num_splits: int | None = None,
+    ) -> None:
+        if type(model) not in SUPPORTED_MODELS:
+            raise ValueError(
+                f"{type(model).__name__} is not supported by the paged GPU runner; "
+                f"supported: {', '.join(c.__name__ for c in SUPPORTED_MODELS)}"
+            )
+        config = model.config
+        spec = kv_cache.spec
+        if (spec.num_layers, spec.num_kv_heads, spec.head_dim) != (
+            config.num_hidden_layers,
+            config.num_key_value_heads,
+            config.head_dim,
+        ):
+            raise ValueError(f"KV cache {spec} does not match the model config")
+        self.model = model
+        self.config = config
+        self.kv_cache = kv_cache
+        self.device = model.model.embed_tokens.weight.device
+        self.dtype = model.model.embed_tokens.weight.dtype
+        if spec.dtype != self.dtype:
+            raise ValueError(f"KV cache dtype {spec.dtype} != model dtype {self.dtype}")
+        self.block_size = spec.block_size
+        self.max_model_len = max_model_len
+        self.max_blocks_per_req = cdiv(max_model_len, spec.block_size)
+        self.attn_num_splits = attn_num_splits
+        self.has_qk_norm = isinstance(model, Qwen3ForCausalLM)
+        self.scale = config.head_dim**-0.5
+        # float32 table: the kernel computes in float32 and rounds once, closer to the
+        # float32 reference than a table in the activation dtype.
+        self.cos_sin_cache = build_cos_sin_cache(
+            model.rotary.inv_freq.to(self.device), max_model_len
+        )
+
+    # -- sublayers -------------------------------------------------------------------
+
+    def _attention(
+        self,
+        attn: LlamaAttention,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        layer_idx: int,
+        metadata: PagedAttentionMetadata,
+    ) -> torch.Tensor:
+        # hidden: [num_tokens, hidden_size]
+        n = hidden.shape[0]
+        num_heads, num_kv_heads, head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        qkv = attn.qkv_proj(hidden)  # [num_tokens, q_size + 2 * kv_size]
+        q = qkv[:, :q_size].view(n, num_heads, head_dim)
+        k = qkv[:, q_size : q_size + kv_size].view(n, num_kv_heads, head_dim)
+        v = qkv[:, q_size + kv_size :].view(n, num_kv_heads, head_dim)
+        if self.has_qk_norm:
+            q_norm, k_norm = attn.q_norm, attn.k_norm
+            q = rms_norm(q.reshape(-1, head_dim), q_norm.weight, q_norm.eps).view(n, num_heads, -1)
+            k = rms_norm(k.reshape(-1, head_dim), k_norm.weight, k_norm.eps).view(
+                n, num_kv_heads, -1
+            )
+        key_cache, value_cache = self.kv_cache.layer(layer_idx)
+        rotary_embedding_and_cache(
+            positions, q, k, v, key_cache, value_cache, metadata.slot_mapping, self.cos_sin_cache
+        )
+        if metadata.prefill:
+            out = _prefill_attention(q, k, v, metadata, self.scale)
+        else:
+            if metadata.uniform_query_len is None:
+                raise ValueError(
+                    "paged attention needs the same query length for every request "
+                    "(decode: 1, verification: k + 1); split the batch"
+                )
+            out = paged_attention(
+                q,
+                key_cache,
+                value_cache,
+                metadata.block_table,
+                metadata.seq_lens,
+                self.scale,
+                metadata.uniform_query_len,
+                num_splits=self.attn_num_splits,
+            )
+        return attn.o_proj(out.view(n, q_size))
+
+    @staticmethod
+    def _mlp(mlp: LlamaMLP, hidden: torch.Tensor) -> torch.Tensor:
+        return mlp.down_proj(silu_and_mul(mlp.gate_up_proj(hidden)))
+
+    # -- forward ---------------------------------------------------------------------
+
+    @torch.no_grad()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: PagedAttentionMetadata,
+        aux_layer_ids: Sequence[int] = (),
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One forward of a flattened batch, writing its keys and values to the cache.
+
+        Args:
+            input_ids: [num_tokens] int64 token ids, request-major.
+            positions: [num_tokens] int64 rotary positions (< ``max_model_len``).
+            metadata: from :func:`~specula.runtime.gpu.paged_kv.build_attention_metadata`,
+                whose ``block_table`` is ``max_blocks_per_req`` wide.
+            aux_layer_ids: residual streams to return, Hugging Face
+                ``output_hidden_states`` ids as in
+                :meth:`LlamaForCausalLM.forward_with_aux` (EAGLE-3, arXiv 2503.01840).
+
+        Returns:
+            ``(hidden [num_tokens, hidden_size] after the final norm, aux [num_tokens,
+            len(aux_layer_ids) * hidden_size] or None)``.
+
+        Raises:
+            AssertionError: shapes or dtypes that do not match the above.
+            ValueError: a non-prefill batch with unequal query lengths.
+        """
+        assert input_ids.ndim == 1 and input_ids.shape == positions.shape
+        assert input_ids.shape[0] == metadata.num_tokens
+        assert positions.dtype == torch.int64
+        assert metadata.block_table.shape[1] == self.max_blocks_per_req
+        model = self.model.model
+        layers = model.layers
+        captured: dict[int, torch.Tensor] = {}
+        hidden = model.embed_tokens(input_ids)  # [num_tokens, hidden_size]
+        residual: torch.Tensor | None = None
+        for i, layer in enumerate(layers):
+            ln = layer.input_layernorm
+            if residual is None:
+                residual = hidden
+                hidden = rms_norm(hidden, ln.weight, ln.eps)
+            else:
+                hidden, residual = fused_add_rms_norm(hidden, residual, ln.weight, ln.eps)
+            if i in aux_layer_ids:
+                captured[i] = residual
+            hidden = self._attention(layer.self_attn, hidden, positions, i, metadata)
+            ln = layer.post_attention_layernorm
+            hidden, residual = fused_add_rms_norm(hidden, residual, ln.weight, ln.eps)
+            hidden = self._mlp(layer.mlp, hidden)
+        norm = model.norm
+        if residual is None:  # no layers
+            hidden = rms_norm(hidden, norm.weight, norm.eps)
+            residual = hidden
+        else:
+            hidden, residual = fused_add_rms_norm(hidden, residual, norm.weight, norm.eps)
+        captured[len(layers)] = residual
+        aux = torch.cat([captured[i] for i in aux_layer_ids], dim=-1) if aux_layer_ids else None
+        return hidden, aux
+
+    @torch.no_grad()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[num_positions, hidden_size] -> [num_positions, vocab_size] float32 logits."""
+        return self.model.compute_logits(hidden)
+
+    @staticmethod
+    def last_token_indices(metadata: PagedAttentionMetadata) -> torch.Tensor:
+        """[num_reqs] int64 row of each request's last query token (where a prefill
+        samples)."""
+        return metadata.query_start_loc[1:].long() - 1

@@ -1,0 +1,230 @@
+"""Paged KV-cache tensors and the attention metadata of one forward.
+
+The cache of each layer is a pair ``key_cache, value_cache [num_blocks, block_size,
+num_kv_heads, head_dim]`` in vLLM's layout, the one the kernels in
+:mod:`specula.runtime.kernels` read and write. The metadata is a plain dataclass of
+device tensors passed explicitly to every layer (no global forward context).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from specula.runtime.gpu.block_manager import BlockManager, cdiv
+from specula.runtime.models.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """Shape of the paged KV cache of one model."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    """Token slots per block; 16 as vLLM's default."""
+    dtype: torch.dtype
+
+    @classmethod
+    def from_model_config(
+        cls, config: ModelConfig, dtype: torch.dtype, block_size: int = 16
+    ) -> KVCacheSpec:
+        return cls(
+            config.num_hidden_layers,
+            config.num_key_value_heads,
+            config.head_dim,
+            block_size,
+            dtype,
+        )
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes of one block over all layers, keys and values."""
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * itemsize
+
+
+def num_blocks_for_memory(spec: KVCacheSpec, memory_bytes: int) -> int:
+    """Blocks that fit in ``memory_bytes``."""
+    return max(0, memory_bytes // spec.bytes_per_block)
+
+
+class PagedKVCache:
+    """Per-layer key and value caches ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+
+    Args:
+        spec: the cache shape.
+        num_blocks: blocks per layer (> 0).
+        device: where the tensors live.
+
+    Raises:
+        ValueError: ``num_blocks`` <= 0.
+    """
+
+    def __init__(self, spec: KVCacheSpec, num_blocks: int, device: torch.device) -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks={num_blocks} must be > 0")
+        self.spec = spec
+        self.num_blocks = num_blocks
+        shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        # Zero-filled, not empty: a padded verification row may read a stale slot whose
+        # softmax weight is 0, and 0 * NaN from uninitialised memory would still be NaN.
+        self.key_caches = [
+            torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)
+        ]
+        self.value_caches = [
+            torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)
+        ]
+
+    @classmethod
+    def from_free_memory(
+        cls,
+        spec: KVCacheSpec,
+        device: torch.device,
+        memory_fraction: float = 0.9,
+        reserve_bytes: int = 1 << 30,
+    ) -> PagedKVCache:
+        """Size the cache to ``memory_fraction`` of the device's free memory minus
+        ``reserve_bytes`` (left for activations and CUDA-graph pools).
+
+        Raises:
+            ValueError: not a CUDA device, or no block fits.
+        """
+        if device.type != "cuda":
+            raise ValueError(f"sizing from free memory needs a CUDA device, got {device}")
+        free, _ = torch.cuda.mem_get_info(device)
+        budget = int(free * memory_fraction) - reserve_bytes
+        num_blocks = num_blocks_for_memory(spec, budget)
+        if num_blocks <= 0:
+            raise ValueError(f"no KV block of {spec.bytes_per_block} bytes fits in {budget} bytes")
+        return cls(spec, num_blocks, device)
+
+    def block_manager(self, watermark: float = 0.01) -> BlockManager:
+        """A :class:`BlockManager` over this cache's blocks."""
+        return BlockManager(self.num_blocks, self.spec.block_size, watermark)
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.key_caches[i], self.value_caches[i]
+
+
+@dataclass
+class PagedAttentionMetadata:
+    """Where a forward's keys and values go and which cached keys each query sees.
+
+    Requests are flattened request-major: request ``i``'s query tokens are rows
+    ``query_start_loc[i]:query_start_loc[i + 1]``, the last tokens of its
+    ``seq_lens[i]``-token context. A padding request (CUDA-graph batch padded to a
+    captured size) has ``seq_lens`` 0 and ``slot_mapping`` -1 for its tokens.
+    """
+
+    slot_mapping: torch.Tensor
+    """[num_tokens] int64: cache slot ``block * block_size + offset`` of each token."""
+    block_table: torch.Tensor
+    """[num_reqs, max_blocks_per_req] int32 block ids (unused entries 0)."""
+    seq_lens: torch.Tensor
+    """[num_reqs] int32 context length including this forward's tokens."""
+    query_start_loc: torch.Tensor
+    """[num_reqs + 1] int32 cumulative query lengths."""
+    num_reqs: int
+    num_tokens: int
+    uniform_query_len: int | None
+    """Query tokens per request when all requests have the same number (1 for decode,
+    ``k + 1`` for verification), else ``None``."""
+    prefill: bool
+    """Every request's context starts empty (``seq_lens == query_lens``): attention
+    runs on the prompt itself instead of reading the paged cache."""
+    query_lens_cpu: tuple[int, ...] = ()
+    """Host copy of the query lengths; the prefill path slices requests with it."""
+
+
+def _to_device(values: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    # A pinned staging tensor lets the copy run asynchronously; PyTorch's caching host
+    # allocator keeps it alive until the copy has executed.
+    pin = device.type == "cuda"
+    host = torch.tensor(values, dtype=dtype, pin_memory=pin)
+    return host.to(device, non_blocking=pin)
+
+
+def build_attention_metadata(
+    block_tables: Sequence[Sequence[int]],
+    seq_lens: Sequence[int],
+    query_lens: Sequence[int],
+    block_size: int,
+    max_blocks_per_req: int,
+    device: torch.device,
+) -> tuple[PagedAttentionMetadata, torch.Tensor]:
+    """Device metadata and rotary positions for a batch described on the host.
+
+    Args:
+        block_tables: per request, its block ids (from :class:`BlockManager`), covering
+            at least ``seq_lens[i]`` tokens.
+        seq_lens: per request, context length including this forward's tokens.
+        query_lens: per request, tokens in this forward (<= ``seq_lens[i]``).
+        block_size: tokens per block.
+        max_blocks_per_req: width of the block-table tensor; fixed per engine (from the
+            maximum model length) so CUDA graphs and kernel launch shapes stay valid.
+        device: target device.
+
+    Returns:
+        ``(metadata, positions [num_tokens] int64)``.
+
+    Raises:
+        ValueError: inconsistent lengths, or a block table too short or too wide.
+    """
+    num_reqs = len(seq_lens)
+    if not (len(block_tables) == len(query_lens) == num_reqs):
+        raise ValueError("block_tables, seq_lens and query_lens differ in length")
+    slots: list[int] = []
+    positions: list[int] = []
+    table_rows: list[int] = []
+    query_start_loc = [0]
+    for table, seq_len, q_len in zip(block_tables, seq_lens, query_lens, strict=True):
+        if not 0 < q_len <= seq_len:
+            raise ValueError(f"query_len {q_len} must be in (0, seq_len={seq_len}]")
+        if len(table) < cdiv(seq_len, block_size) or len(table) > max_blocks_per_req:
+            raise ValueError(
+                f"block table of {len(table)} blocks for {seq_len} tokens "
+                f"(block_size {block_size}, at most {max_blocks_per_req} blocks)"
+            )
+        for p in range(seq_len - q_len, seq_len):
+            positions.append(p)
+            slots.append(table[p // block_size] * block_size + p % block_size)
+        table_rows.extend(table)
+        table_rows.extend([0] * (max_blocks_per_req - len(table)))
+        query_start_loc.append(query_start_loc[-1] + q_len)
+    uniform = query_lens[0] if num_reqs and all(q == query_lens[0] for q in query_lens) else None
+    metadata = PagedAttentionMetadata(
+        slot_mapping=_to_device(slots, torch.int64, device),
+        block_table=_to_device(table_rows, torch.int32, device).view(num_reqs, max_blocks_per_req),
+        seq_lens=_to_device(list(seq_lens), torch.int32, device),
+        query_start_loc=_to_device(query_start_loc, torch.int32, device),
+        num_reqs=num_reqs,
+        num_tokens=len(slots),
+        uniform_query_len=uniform,
+        prefill=all(q == s for q, s in zip(query_lens, seq_lens, strict=True)),
+        query_lens_cpu=tuple(query_lens),
+    )
+    return metadata, _to_device(positions, torch.int64, device)
+
+
+def metadata_from_block_manager(
+    manager: BlockManager,
+    request_ids: Sequence[object],
+    query_lens: Sequence[int],
+    max_blocks_per_req: int,
+    device: torch.device,
+) -> tuple[PagedAttentionMetadata, torch.Tensor]:
+    """:func:`build_attention_metadata` for requests whose slots for this forward were
+    already taken (:meth:`BlockManager.allocate` for a prefill,
+    :meth:`BlockManager.append_slots` for decode or verification)."""
+    return build_attention_metadata(
+        [manager.block_table(r) for r in request_ids],
+        [manager.num_tokens(r) for r in request_ids],
+        query_lens,
+        manager.block_size,
+        max_blocks_per_req,
+        device,
+    )

@@ -1,0 +1,209 @@
+"""Rotary embedding of the new tokens' queries and keys fused with the write of their
+keys and values into the paged KV cache: :func:`specula.runtime.kernels.rotary.
+rotary_embedding` followed by :func:`specula.runtime.kernels.reshape_and_cache.
+reshape_and_cache`, in one launch (one program per token), so a decode step pays one
+small kernel per layer for both.
+
+Same conventions as those two: rotate-half layout with a ``cos_sin_cache
+[max_position, head_dim]`` (full rotary only: ``rotary_dim == head_dim``, as Llama and
+Qwen3), float32 arithmetic rounded once, vLLM's slot mapping with negative slots
+skipped (padding tokens). ``query`` and ``key`` are rotated in place as well, because
+the attention that follows reads the query, and a prefill attends over the new keys
+directly.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from specula.runtime.kernels.reshape_and_cache import reshape_and_cache_reference
+from specula.runtime.kernels.rotary import rotary_embedding_reference
+
+
+@triton.jit
+def _rotary_cache_kernel(
+    positions_ptr,  # [num_tokens] int64
+    slot_mapping_ptr,  # [num_tokens] int64
+    query_ptr,  # [num_tokens, num_heads, head_dim]
+    key_ptr,  # [num_tokens, num_kv_heads, head_dim]
+    value_ptr,  # [num_tokens, num_kv_heads, head_dim]
+    key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache_ptr,
+    cos_sin_ptr,  # [max_position, head_dim]
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_kcb,
+    stride_kcs,
+    stride_kch,
+    stride_vcb,
+    stride_vcs,
+    stride_vch,
+    stride_cs,
+    NUM_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_KH: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    pos = tl.load(positions_ptr + token)
+    slot = tl.load(slot_mapping_ptr + token)
+    offs_r = tl.arange(0, BLOCK_HALF)
+    r_valid = offs_r < HALF
+    cos = tl.load(cos_sin_ptr + pos * stride_cs + offs_r, mask=r_valid, other=0.0)
+    sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + offs_r, mask=r_valid, other=0.0)
+    cos = cos.to(tl.float32)[None, :]
+    sin = sin.to(tl.float32)[None, :]
+
+    offs_h = tl.arange(0, BLOCK_H)
+    qmask = (offs_h < NUM_HEADS)[:, None] & r_valid[None, :]
+    q_ptrs = query_ptr + token * stride_qt + offs_h[:, None] * stride_qh + offs_r[None, :]
+    q1 = tl.load(q_ptrs, mask=qmask, other=0.0)
+    q2 = tl.load(q_ptrs + HALF, mask=qmask, other=0.0)
+    dtype = q1.dtype
+    q1 = q1.to(tl.float32)
+    q2 = q2.to(tl.float32)
+    tl.store(q_ptrs, (q1 * cos - q2 * sin).to(dtype), mask=qmask)
+    tl.store(q_ptrs + HALF, (q2 * cos + q1 * sin).to(dtype), mask=qmask)
+
+    offs_kh = tl.arange(0, BLOCK_KH)
+    kmask = (offs_kh < NUM_KV_HEADS)[:, None] & r_valid[None, :]
+    k_ptrs = key_ptr + token * stride_kt + offs_kh[:, None] * stride_kh + offs_r[None, :]
+    k1 = tl.load(k_ptrs, mask=kmask, other=0.0).to(tl.float32)
+    k2 = tl.load(k_ptrs + HALF, mask=kmask, other=0.0).to(tl.float32)
+    r1 = (k1 * cos - k2 * sin).to(dtype)
+    r2 = (k2 * cos + k1 * sin).to(dtype)
+    tl.store(k_ptrs, r1, mask=kmask)
+    tl.store(k_ptrs + HALF, r2, mask=kmask)
+
+    # A padding token (negative slot) writes nothing to the cache.
+    cache_heads = tl.where(slot >= 0, NUM_KV_HEADS, 0)
+    cmask = (offs_kh < cache_heads)[:, None] & r_valid[None, :]
+    block = slot // BLOCK_SIZE
+    offset = slot % BLOCK_SIZE
+    kc_ptrs = (
+        key_cache_ptr
+        + block * stride_kcb
+        + offset * stride_kcs
+        + offs_kh[:, None] * stride_kch
+        + offs_r[None, :]
+    )
+    tl.store(kc_ptrs, r1, mask=cmask)
+    tl.store(kc_ptrs + HALF, r2, mask=cmask)
+    v_ptrs = value_ptr + token * stride_vt + offs_kh[:, None] * stride_vh + offs_r[None, :]
+    v1 = tl.load(v_ptrs, mask=cmask, other=0.0)
+    v2 = tl.load(v_ptrs + HALF, mask=cmask, other=0.0)
+    vc_ptrs = (
+        value_cache_ptr
+        + block * stride_vcb
+        + offset * stride_vcs
+        + offs_kh[:, None] * stride_vch
+        + offs_r[None, :]
+    )
+    tl.store(vc_ptrs, v1, mask=cmask)
+    tl.store(vc_ptrs + HALF, v2, mask=cmask)
+
+
+def rotary_embedding_and_cache(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+) -> None:
+    """Rotate ``query`` and ``key`` in place, then write the rotated keys and ``value``
+    into their cache slots.
+
+    Args:
+        positions: [num_tokens] int64, each < ``max_position``.
+        query: [num_tokens, num_heads, head_dim]; last dim contiguous (views into a fused
+            qkv output are fine).
+        key, value: [num_tokens, num_kv_heads, head_dim] in ``query.dtype``; last dim
+            contiguous.
+        key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim] in
+            ``query.dtype``; last dim contiguous.
+        slot_mapping: [num_tokens] int64 ``block * block_size + offset``; negative
+            entries write nothing.
+        cos_sin_cache: [max_position, head_dim] from
+            :func:`specula.runtime.kernels.rotary.build_cos_sin_cache`.
+
+    Raises:
+        AssertionError: shapes, dtypes or layouts do not match the above (including a
+            partial rotary table: use the two separate kernels for those).
+    """
+    assert positions.ndim == 1 and positions.dtype == torch.int64 and positions.is_contiguous()
+    assert slot_mapping.ndim == 1 and slot_mapping.dtype == torch.int64
+    assert slot_mapping.is_contiguous() and slot_mapping.shape == positions.shape
+    assert query.ndim == 3 and key.ndim == 3 and value.shape == key.shape
+    assert query.dtype in (torch.float16, torch.bfloat16, torch.float32)
+    assert key.dtype == value.dtype == key_cache.dtype == value_cache.dtype == query.dtype
+    for t in (query, key, value, key_cache, value_cache, cos_sin_cache):
+        assert t.stride(-1) == 1, "last dim must be contiguous"
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = key.shape[1]
+    assert key.shape[0] == num_tokens == positions.shape[0] and key.shape[2] == head_dim
+    assert key_cache.ndim == 4 and value_cache.shape == key_cache.shape
+    assert key_cache.shape[2:] == (num_kv_heads, head_dim)
+    assert cos_sin_cache.ndim == 2 and cos_sin_cache.shape[1] == head_dim and head_dim % 2 == 0
+    if num_tokens == 0:
+        return
+    _rotary_cache_kernel[(num_tokens,)](
+        positions,
+        slot_mapping,
+        query,
+        key,
+        value,
+        key_cache,
+        value_cache,
+        cos_sin_cache,
+        query.stride(0),
+        query.stride(1),
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        value_cache.stride(2),
+        cos_sin_cache.stride(0),
+        NUM_HEADS=num_heads,
+        NUM_KV_HEADS=num_kv_heads,
+        HALF=head_dim // 2,
+        BLOCK_SIZE=key_cache.shape[1],
+        BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
+        BLOCK_H=triton.next_power_of_2(num_heads),
+        BLOCK_KH=triton.next_power_of_2(num_kv_heads),
+        enable_fp_fusion=True,
+    )
+
+
+def rotary_embedding_and_cache_reference(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+) -> None:
+    """Torch reference of :func:`rotary_embedding_and_cache` (same arguments, in place):
+    the two unfused references one after the other."""
+    q, k = rotary_embedding_reference(positions, query, key, cos_sin_cache)
+    query.copy_(q)
+    key.copy_(k)
+    reshape_and_cache_reference(key, value, key_cache, value_cache, slot_mapping)
