@@ -8,7 +8,9 @@ starting pods that would fail.
 
 from __future__ import annotations
 
-IMPLEMENTED_METHODS: frozenset[str] = frozenset({"draft_model", "ngram"})
+IMPLEMENTED_METHODS: frozenset[str] = frozenset(
+    {"dflash", "draft_model", "eagle3", "gemma4_mtp", "mtp", "ngram"}
+)
 """Speculation methods the runtime implements (vLLM ``speculative_config.method`` names)."""
 
 

@@ -20,7 +20,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from specula.api.capabilities import IMPLEMENTED_METHODS, is_method_implemented
+from specula.api import capabilities
 from specula.api.models import API_VERSION, KIND, SpeculativeModelSpec, SpeculativeModelStatus
 from specula.api.render_vllm import VllmConfigError
 from specula.operator.autoscaling import PROVIDER_KINDS, SCALED_OBJECT
@@ -91,8 +91,8 @@ def parse_spec(body: dict[str, Any]) -> tuple[SpeculativeModelSpec | None, Probl
         return None, Problem(REASON_INVALID_SPEC, format_validation_error(e))
     method = spec.speculator.method
     # vLLM implements every method the API names; the runtime only some.
-    if spec.engine == "specula" and not is_method_implemented(method):
-        implemented = ", ".join(sorted(IMPLEMENTED_METHODS))
+    if spec.engine == "specula" and not capabilities.is_method_implemented(method):
+        implemented = ", ".join(sorted(capabilities.IMPLEMENTED_METHODS))
         return spec, Problem(
             REASON_METHOD_NOT_SUPPORTED,
             f"speculator.method {method!r} is not implemented by the runtime yet "

@@ -8,6 +8,7 @@ import pytest
 from specula.api.runtime_config import PVC_MOUNT_ROOT, RuntimeConfig, SpeculatorRuntimeConfig
 from specula.runtime.engine.llm_engine import LLMEngine, SamplingParams
 from specula.runtime.loader import resolve_model_uri
+from specula.runtime.spec_decode import registry
 from specula.runtime.spec_decode.registry import UnsupportedSpeculatorMethod
 
 pytestmark = pytest.mark.runtime
@@ -56,7 +57,11 @@ def test_vocab_mismatch_is_rejected_at_load(
         make_engine(tiny_llama_target, tmp_path)
 
 
-def test_unsupported_method_and_context_length(tiny_llama_target, tiny_llama_draft, make_engine):
+def test_unsupported_method_and_context_length(
+    tiny_llama_target, tiny_llama_draft, make_engine, monkeypatch
+):
+    # Every method the API names has an implementation now: withdraw one.
+    monkeypatch.delitem(registry.SPECULATOR_FACTORIES, "eagle3")
     config = RuntimeConfig(
         model=f"file://{tiny_llama_target}",
         speculator=SpeculatorRuntimeConfig(method="eagle3", model=f"file://{tiny_llama_draft}"),

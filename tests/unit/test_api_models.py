@@ -141,10 +141,12 @@ def test_whole_object_and_status_parse():
 
 
 def test_implemented_methods_in_one_place():
-    assert {"draft_model", "ngram"} <= IMPLEMENTED_METHODS
+    assert {"draft_model", "eagle3", "mtp", "ngram"} <= IMPLEMENTED_METHODS
     assert is_method_implemented("ngram")
     assert is_method_implemented("draft_model")
-    assert not is_method_implemented("eagle3")
+    assert is_method_implemented("eagle3")
+    assert is_method_implemented("mtp")
+    assert not is_method_implemented("medusa")
 
 
 def test_render_runtime_config():

@@ -19,8 +19,20 @@ from specula.runtime.models.config import ModelConfig
 _INITIAL_CAPACITY = 256
 
 
+def kv_cache_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
+    """Bytes of key plus value one token occupies across all layers that own KV storage
+    (``config.kv_cache_shapes()``), at ``dtype``; layers that read another layer's KV
+    (Gemma4 ``num_kv_shared_layers``) add nothing."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return sum(2 * heads * head_dim * itemsize for heads, head_dim in config.kv_cache_shapes())
+
+
 class KVCache:
-    """Per-layer key/value tensors for ``max_num_seqs`` slots of up to ``max_len`` positions."""
+    """Per-layer key/value tensors for ``max_num_seqs`` slots of up to ``max_len`` positions.
+
+    ``layers`` has one ``(k, v)`` per layer that owns storage, shaped by
+    ``config.kv_cache_shapes()`` (layers may differ in KV heads and head size).
+    """
 
     def __init__(
         self,
@@ -30,10 +42,11 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        self.num_layers = config.num_hidden_layers
+        self._layer_shapes = config.kv_cache_shapes()
+        self.num_layers = len(self._layer_shapes)
+        """Layers that own storage (fewer than the model's when layers share KV)."""
         self.max_num_seqs = max_num_seqs
         self.max_len = max_len
-        self._shape = (max_num_seqs, config.num_key_value_heads, 0, config.head_dim)
         self.dtype = dtype
         self.device = device
         self.capacity = 0
@@ -51,9 +64,9 @@ class KVCache:
         if num_positions > self.max_len:
             raise ValueError(f"KV cache needs {num_positions} positions; max_len is {self.max_len}")
         new_cap = min(self.max_len, max(num_positions, 2 * self.capacity))
-        slots, heads, _, head_dim = self._shape
+        slots = self.max_num_seqs
         new_layers = []
-        for i in range(self.num_layers):
+        for i, (heads, head_dim) in enumerate(self._layer_shapes):
             k = torch.zeros(slots, heads, new_cap, head_dim, dtype=self.dtype, device=self.device)
             v = torch.zeros_like(k)
             if self.layers:

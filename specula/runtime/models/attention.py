@@ -12,7 +12,7 @@ forward context).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +42,10 @@ class AttentionGroup:
     first_slot: int | None = None
     """Set when ``slot_ids`` are consecutive (the common case): the cache rows are then
     read through a view instead of a gather copy."""
+    query_positions: torch.Tensor | None = None
+    """[group_size, max_query_len] cache position of each query (0 in padding cells), on
+    the host (only :func:`with_sliding_window` reads it, so full-attention models never
+    copy it to the device)."""
 
 
 @dataclass
@@ -115,6 +119,7 @@ def build_attention_metadata(
                 max_query_len=max_q,
                 max_seq_len=max_kv,
                 first_slot=group_slots[0] if consecutive else None,
+                query_positions=query_pos,
             )
         )
     return AttentionMetadata(
@@ -123,6 +128,28 @@ def build_attention_metadata(
         groups=groups,
         num_tokens=total,
     )
+
+
+def with_sliding_window(metadata: AttentionMetadata, window: int) -> AttentionMetadata:
+    """The same forward with each query restricted to the last ``window`` cache
+    positions up to its own (``query_pos - window < kv_pos <= query_pos``), as
+    sliding-window layers (Mistral, Gemma) attend. Built once per forward by models
+    that have such layers; the full-attention metadata is left untouched.
+
+    Raises:
+        ValueError: ``window`` < 1, or ``metadata`` lacks query positions.
+    """
+    if window < 1:
+        raise ValueError(f"sliding window {window} must be >= 1")
+    groups = []
+    for g in metadata.groups:
+        if g.query_positions is None:
+            raise ValueError("attention metadata has no query_positions to window")
+        kv_pos = torch.arange(g.max_seq_len)
+        # [group_size, 1, max_query_len, max_seq_len]
+        inside = kv_pos[None, None, None, :] > (g.query_positions - window)[:, None, :, None]
+        groups.append(replace(g, mask=g.mask & inside.to(g.mask.device)))
+    return replace(metadata, groups=groups)
 
 
 def cached_attention(
@@ -147,13 +174,34 @@ def cached_attention(
         [num_tokens, num_heads, head_dim]
     """
     assert q.ndim == 3 and k.ndim == 3 and k_cache.ndim == 4
-    num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads = k.shape[1]
-    group_size = num_heads // num_kv_heads
     # Advanced indices on dims 0 and 2 put the token dim first: [num_tokens, kv_heads, head_dim].
     k_cache[metadata.token_slot_ids, :, metadata.cache_positions] = k
     v_cache[metadata.token_slot_ids, :, metadata.cache_positions] = v
+    return attend_cached(q, k_cache, v_cache, metadata, scale)
 
+
+def attend_cached(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Attend to keys and values already in the cache, writing nothing: the read half
+    of :func:`cached_attention`, for layers that reuse another layer's KV (Gemma4
+    ``num_kv_shared_layers``, Gemma4 MTP drafts).
+
+    Args:
+        q: [num_tokens, num_heads, head_dim]
+        k_cache, v_cache: [num_slots, num_kv_heads, capacity, head_dim] of one layer.
+
+    Returns:
+        [num_tokens, num_heads, head_dim]
+    """
+    assert q.ndim == 3 and k_cache.ndim == 4
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    group_size = num_heads // num_kv_heads
     out = q.new_empty(num_tokens, num_heads, head_dim)
     for g in metadata.groups:
         bsz = g.slot_ids.shape[0]

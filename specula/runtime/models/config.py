@@ -69,6 +69,10 @@ class ModelConfig:
 
     @classmethod
     def from_hf_config(cls, hf: Any) -> ModelConfig:
+        from specula.runtime.models.gemma4_config import GEMMA4_MODEL_TYPES, Gemma4ModelConfig
+
+        if hf.model_type in GEMMA4_MODEL_TYPES:
+            return Gemma4ModelConfig.from_hf_config(hf)
         architectures = getattr(hf, "architectures", None) or []
         if not architectures and hf.model_type in _DEFAULT_ARCHITECTURE:
             architectures = [_DEFAULT_ARCHITECTURE[hf.model_type]]
@@ -91,11 +95,6 @@ class ModelConfig:
         hidden_act = getattr(hf, "hidden_act", "silu")
         if hidden_act != "silu":
             raise ValueError(f"hidden_act {hidden_act!r} is not supported (only 'silu')")
-        dtype = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None)
-        if isinstance(dtype, str):
-            dtype = _DTYPES.get(dtype)
-        eos = getattr(hf, "eos_token_id", None)
-        eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list | tuple) else (eos,)
         return cls(
             architecture=architectures[0],
             model_type=hf.model_type,
@@ -113,10 +112,30 @@ class ModelConfig:
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
             attention_bias=bool(getattr(hf, "attention_bias", False)),
             mlp_bias=bool(getattr(hf, "mlp_bias", False)),
-            torch_dtype=dtype if isinstance(dtype, torch.dtype) else None,
-            eos_token_ids=eos_ids,
+            torch_dtype=checkpoint_dtype(hf),
+            eos_token_ids=eos_token_ids(hf),
             hidden_act=hidden_act,
         )
+
+    def kv_cache_shapes(self) -> tuple[tuple[int, int], ...]:
+        """``(num_kv_heads, head_dim)`` of each layer that owns KV-cache storage, in
+        layer order (every layer here; architectures that share KV between layers
+        override it)."""
+        return ((self.num_key_value_heads, self.head_dim),) * self.num_hidden_layers
+
+
+def checkpoint_dtype(hf: Any) -> torch.dtype | None:
+    """The dtype a Hugging Face config says its weights were saved in, if any."""
+    dtype = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None)
+    if isinstance(dtype, str):
+        dtype = _DTYPES.get(dtype)
+    return dtype if isinstance(dtype, torch.dtype) else None
+
+
+def eos_token_ids(hf: Any) -> tuple[int, ...]:
+    """``eos_token_id`` of a Hugging Face config as a tuple (empty when unset)."""
+    eos = getattr(hf, "eos_token_id", None)
+    return () if eos is None else tuple(eos) if isinstance(eos, list | tuple) else (eos,)
 
 
 def resolve_dtype(dtype: str, config: ModelConfig, device: torch.device) -> torch.dtype:

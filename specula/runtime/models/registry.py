@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from specula.runtime.models.config import ModelConfig
+from specula.runtime.models.gemma4 import Gemma4ForCausalLM
 from specula.runtime.models.layers import MergedLinear
 from specula.runtime.models.llama import LlamaForCausalLM
 from specula.runtime.models.qwen3 import Qwen3ForCausalLM
@@ -15,6 +16,8 @@ from specula.runtime.models.qwen3 import Qwen3ForCausalLM
 MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Gemma4ForCausalLM": Gemma4ForCausalLM,
+    "Gemma4ForConditionalGeneration": Gemma4ForCausalLM,
 }
 """``architectures[0]`` of ``config.json`` -> model class."""
 
@@ -54,7 +57,8 @@ def load_safetensors(model: LlamaForCausalLM, checkpoint_dir: Path) -> None:
     """Copy every tensor of ``checkpoint_dir/*.safetensors`` into ``model`` by HF name.
 
     Checkpoint names of projections fused in the model (``packed_modules_mapping``) are
-    routed to their shard of the fused parameter.
+    routed to their shard of the fused parameter. A model with a ``checkpoint_name``
+    method maps each stored name through it first (``None``: a tensor it does not use).
 
     Raises:
         FileNotFoundError: no ``*.safetensors`` file.
@@ -73,14 +77,18 @@ def load_safetensors(model: LlamaForCausalLM, checkpoint_dir: Path) -> None:
         for fused, subs in model.packed_modules_mapping.items()
         for i, sub in enumerate(subs)
     }
+    rename = getattr(model, "checkpoint_name", None)
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+            for stored in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                name = stored if rename is None else rename(stored)
+                if name is None:
+                    continue
                 if name.endswith("rotary_emb.inv_freq"):
                     continue  # derived from the config, not a weight
                 if name == "lm_head.weight" and model.lm_head is None:
                     continue  # tied to embed_tokens
-                tensor = f.get_tensor(name)
+                tensor = f.get_tensor(stored)
                 module_path, _, param_name = name.rpartition(".")
                 parent, _, leaf = module_path.rpartition(".")
                 if leaf in shard_map:

@@ -60,10 +60,29 @@ def _ngram(ctx: SpeculatorContext) -> BaseSpeculator:
     )
 
 
+def _draft_kwargs(ctx: SpeculatorContext) -> dict:
+    """Constructor arguments of a :class:`DraftModelSpeculator` subclass."""
+    return {
+        "draft_dir": ctx.draft_dir(),
+        "target_config": ctx.target_config,
+        "num_speculative_tokens": ctx.config.max_k,
+        "max_num_seqs": ctx.max_num_seqs,
+        "max_model_len": ctx.max_model_len,
+        "dtype": ctx.dtype,
+        "device": ctx.device,
+    }
+
+
 def _draft_model(ctx: SpeculatorContext) -> BaseSpeculator:
     from specula.runtime.spec_decode.draft_model import PlainDraftModelSpeculator
 
-    return PlainDraftModelSpeculator(
+    return PlainDraftModelSpeculator(**_draft_kwargs(ctx))
+
+
+def _dflash(ctx: SpeculatorContext) -> BaseSpeculator:
+    from specula.runtime.spec_decode.dflash import DFlashSpeculator
+
+    return DFlashSpeculator(
         draft_dir=ctx.draft_dir(),
         target_config=ctx.target_config,
         num_speculative_tokens=ctx.config.max_k,
@@ -74,8 +93,30 @@ def _draft_model(ctx: SpeculatorContext) -> BaseSpeculator:
     )
 
 
+def _eagle3(ctx: SpeculatorContext) -> BaseSpeculator:
+    from specula.runtime.spec_decode.eagle import Eagle3Speculator
+
+    return Eagle3Speculator(**_draft_kwargs(ctx))
+
+
+def _gemma4_mtp(ctx: SpeculatorContext) -> BaseSpeculator:
+    from specula.runtime.spec_decode.gemma4 import Gemma4MTPSpeculator
+
+    return Gemma4MTPSpeculator(**_draft_kwargs(ctx))
+
+
+def _mtp(ctx: SpeculatorContext) -> BaseSpeculator:
+    from specula.runtime.spec_decode.mtp import MTPSpeculator
+
+    return MTPSpeculator(**_draft_kwargs(ctx))
+
+
 SPECULATOR_FACTORIES: dict[str, Callable[[SpeculatorContext], BaseSpeculator]] = {
+    "dflash": _dflash,
     "draft_model": _draft_model,
+    "eagle3": _eagle3,
+    "gemma4_mtp": _gemma4_mtp,
+    "mtp": _mtp,
     "ngram": _ngram,
 }
 """Method name (vLLM ``speculative_config.method``) -> factory."""

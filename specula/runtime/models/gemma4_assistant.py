@@ -1,0 +1,259 @@
+"""The Gemma4 MTP draft network (Hugging Face ``Gemma4AssistantForCausalLM``, model type
+``gemma4_assistant``) and its checkpoint loading.
+
+The assistant has no KV of its own. Each draft step feeds one row per request:
+``pre_projection(cat(target_embedding(token), backbone_hidden))`` where the backbone
+hidden state is the target's final hidden state at the position before ``token`` (first
+step) or the assistant's own ``post_projection`` output (later steps). The row runs
+through Gemma4 decoder layers whose attention is query-only: layer type ``t`` attends to
+the target's cached keys and values of the target's last non-shared layer of type ``t``,
+at one constant rotary position (the position of the last verified token). The final
+normed state gives the logits, through the tied ``lm_head`` or, with
+``use_ordered_embeddings``, only over the tokens of the top centroids.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specula.runtime.models.attention import AttentionMetadata
+from specula.runtime.models.gemma4 import Gemma4DecoderLayer
+from specula.runtime.models.gemma4_config import Gemma4ModelConfig
+from specula.runtime.models.gemma4_layers import Gemma4RMSNorm, Gemma4Rotary
+
+ASSISTANT_MODEL_TYPE = "gemma4_assistant"
+
+
+@dataclass(frozen=True)
+class Gemma4AssistantConfig:
+    """``Gemma4AssistantConfig`` of ``transformers``: the decoder layers' text config
+    plus the projection and logits settings."""
+
+    text: Gemma4ModelConfig
+    """The assistant's own layers (every one KV-shared with the target)."""
+    backbone_hidden_size: int
+    """Hidden size of the target it was trained with."""
+    use_ordered_embeddings: bool
+    num_centroids: int
+    centroid_intermediate_top_k: int
+    tie_word_embeddings: bool
+
+    @property
+    def vocab_size(self) -> int:
+        return self.text.vocab_size
+
+    @classmethod
+    def from_pretrained(cls, checkpoint_dir: str | Path) -> Gemma4AssistantConfig:
+        """Read ``config.json`` of a ``gemma4_assistant`` checkpoint.
+
+        Raises:
+            FileNotFoundError: no ``config.json``.
+            ValueError: another ``model_type``, or settings the assistant does not
+                allow (per-layer inputs, experts, double-wide MLPs); the message names
+                the field and its value.
+        """
+        from transformers import AutoConfig
+
+        path = Path(checkpoint_dir)
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"no config.json in {str(path)!r}")
+        hf = AutoConfig.from_pretrained(str(path))
+        if hf.model_type != ASSISTANT_MODEL_TYPE:
+            raise ValueError(
+                f"gemma4_mtp draft model_type {hf.model_type!r} != {ASSISTANT_MODEL_TYPE!r}"
+            )
+        text = hf.get_text_config()
+        for field in ("hidden_size_per_layer_input", "enable_moe_block", "use_double_wide_mlp"):
+            if getattr(text, field, None):
+                raise ValueError(
+                    f"gemma4_assistant text_config.{field} {getattr(text, field)!r} must be off"
+                )
+        architectures = getattr(hf, "architectures", None) or ["Gemma4AssistantForCausalLM"]
+        return cls(
+            text=Gemma4ModelConfig.from_text_config(text, architectures[0], outer=hf),
+            backbone_hidden_size=int(hf.backbone_hidden_size),
+            use_ordered_embeddings=bool(hf.use_ordered_embeddings),
+            num_centroids=int(hf.num_centroids),
+            centroid_intermediate_top_k=int(hf.centroid_intermediate_top_k),
+            tie_word_embeddings=bool(hf.tie_word_embeddings),
+        )
+
+
+def check_gemma4_target(config: Gemma4AssistantConfig, target: Any) -> None:
+    """Check that a Gemma4 assistant can draft for ``target`` (a ``ModelConfig``).
+
+    Raises:
+        ValueError: the target is not a Gemma4 text model, or a shape the assistant
+            depends on differs; the message names the field and both values.
+    """
+    if not isinstance(target, Gemma4ModelConfig):
+        raise ValueError(
+            f"a gemma4_mtp draft needs a Gemma4 target: target model_type "
+            f"{target.model_type!r} ({target.architecture}) != 'gemma4_text'"
+        )
+    if config.backbone_hidden_size != target.hidden_size:
+        raise ValueError(
+            f"draft backbone_hidden_size {config.backbone_hidden_size} != target hidden_size "
+            f"{target.hidden_size}"
+        )
+    if config.vocab_size != target.vocab_size:
+        raise ValueError(
+            f"draft vocab_size {config.vocab_size} != target vocab_size {target.vocab_size}"
+        )
+    producers = target.kv_producer_layers()
+    text = config.text
+    for i, layer_type in enumerate(text.layer_types):
+        if layer_type not in producers:
+            raise ValueError(
+                f"draft layer {i} is {layer_type} but the target has no non-shared "
+                f"{layer_type} layer (target layer_types {sorted(set(target.layer_types))})"
+            )
+        src = producers[layer_type]
+        if text.layer_head_dims[i] != target.layer_head_dims[src]:
+            raise ValueError(
+                f"draft layer {i} ({layer_type}) head_dim {text.layer_head_dims[i]} != target "
+                f"layer {src} head_dim {target.layer_head_dims[src]}"
+            )
+        if text.num_attention_heads % target.layer_num_kv_heads[src]:
+            raise ValueError(
+                f"draft num_attention_heads {text.num_attention_heads} is not a multiple of "
+                f"target layer {src} ({layer_type}) num_key_value_heads "
+                f"{target.layer_num_kv_heads[src]}"
+            )
+
+
+class Gemma4AssistantMaskedEmbedder(nn.Module):
+    """Sparse logits over an ordered vocabulary: ``centroids`` score ``num_centroids``
+    clusters of ``vocab_size / num_centroids`` tokens (``token_ordering`` lists them
+    cluster by cluster); only tokens of the top ``centroid_intermediate_top_k`` clusters
+    get a real logit, every other token the row's lowest real logit minus one."""
+
+    def __init__(self, config: Gemma4AssistantConfig) -> None:
+        super().__init__()
+        hidden = config.text.hidden_size
+        self.num_centroids = config.num_centroids
+        self.top_k = config.centroid_intermediate_top_k
+        self.centroids = nn.Linear(hidden, config.num_centroids, bias=False)
+        self.token_ordering = nn.Parameter(
+            torch.zeros(config.vocab_size, dtype=torch.long), requires_grad=False
+        )
+
+    def forward(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
+        """[num_rows, hidden_size] -> [num_rows, vocab_size] (hidden's dtype)."""
+        n = hidden.shape[0]
+        top = self.centroids(hidden).topk(self.top_k, dim=-1).indices  # [n, top_k]
+        clusters = self.token_ordering.view(self.num_centroids, -1)  # [C, V / C]
+        tokens = clusters[top].reshape(n, -1)  # [n, top_k * V / C]
+        selected = torch.einsum("nh,nth->nt", hidden, lm_head_weight[tokens])
+        # Per row (HF takes the minimum over the whole batch): one request's logits never
+        # depend on which other requests share the forward.
+        floor = selected.min(dim=-1, keepdim=True).values - 1.0
+        out = floor.expand(n, lm_head_weight.shape[0]).clone()
+        return out.scatter_(1, tokens, selected)
+
+
+class Gemma4AssistantModel(nn.Module):
+    def __init__(self, config: Gemma4ModelConfig) -> None:
+        super().__init__()
+        # Only the logits use it (tied lm_head); inputs come from the target's embedding.
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            Gemma4DecoderLayer(config, i, kv_shared=True) for i in range(config.num_hidden_layers)
+        )
+        self.norm = Gemma4RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class Gemma4AssistantForCausalLM(nn.Module):
+    """The assistant network; parameter names follow the Hugging Face checkpoint."""
+
+    packed_modules_mapping = {"gate_up_proj": ["gate_proj", "up_proj"]}
+
+    def __init__(self, config: Gemma4AssistantConfig, device: torch.device) -> None:
+        super().__init__()
+        self.config = config
+        text = config.text
+        self.model = Gemma4AssistantModel(text)
+        self.lm_head = (
+            None if config.tie_word_embeddings
+            else nn.Linear(text.hidden_size, text.vocab_size, bias=False)
+        )
+        backbone = config.backbone_hidden_size
+        self.pre_projection = nn.Linear(2 * backbone, text.hidden_size, bias=False)
+        self.post_projection = nn.Linear(text.hidden_size, backbone, bias=False)
+        self.masked_embedding = (
+            Gemma4AssistantMaskedEmbedder(config) if config.use_ordered_embeddings else None
+        )
+        self.rotary = Gemma4Rotary(text, device)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def forward(
+        self,
+        inputs_embeds: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: dict[str, tuple[torch.Tensor, torch.Tensor]],
+        metadata: dict[str, AttentionMetadata],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One draft step.
+
+        Args:
+            inputs_embeds: [num_rows, 2 * backbone_hidden_size], the target's scaled
+                embedding of each row's token concatenated with its backbone state.
+            positions: [num_rows] rotary positions.
+            kv_caches: per layer type, the target cache ``(k, v)`` it attends to, each
+                ``[num_slots, num_kv_heads, capacity, head_dim]``.
+            metadata: per layer type, which cached positions each row sees.
+
+        Returns:
+            ``(hidden [num_rows, hidden_size], backbone [num_rows, backbone_hidden_size])``:
+            the final normed state (for :meth:`compute_logits`) and its
+            ``post_projection`` (the next step's backbone state).
+        """
+        hidden = self.pre_projection(inputs_embeds)
+        rope = self.rotary.cos_sin(positions, hidden.dtype)
+        for layer, layer_type in zip(self.model.layers, self.config.text.layer_types, strict=True):
+            cos, sin = rope[layer_type]
+            hidden = layer(hidden, None, cos, sin, kv_caches[layer_type], metadata[layer_type])
+        hidden = self.model.norm(hidden)
+        return hidden, self.post_projection(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[num_rows, hidden_size] -> [num_rows, vocab_size] float32 draft logits."""
+        if self.masked_embedding is not None:
+            return self.masked_embedding(hidden, self.lm_head_weight).float()
+        return F.linear(hidden, self.lm_head_weight).float()
+
+    @property
+    def sliding_window(self) -> int:
+        """Target positions a sliding layer's row at position ``p`` sees: ``p - 1 - W ..
+        p - 1``, i.e. ``W + 1`` of them, since the assistant counts distance inclusively
+        (``|q - kv| <= W``, transformers' bidirectional sliding-window mask)."""
+        return self.config.text.sliding_window + 1
+
+
+def load_gemma4_assistant(
+    checkpoint_dir: Path, dtype: torch.dtype, device: torch.device
+) -> Gemma4AssistantForCausalLM:
+    """Build the assistant of ``checkpoint_dir`` and load its ``*.safetensors``.
+
+    Raises:
+        FileNotFoundError: no ``config.json`` or ``*.safetensors``.
+        ValueError: not a ``gemma4_assistant`` checkpoint, or tensors that do not fit.
+    """
+    from specula.runtime.models.registry import load_safetensors
+
+    config = Gemma4AssistantConfig.from_pretrained(checkpoint_dir)
+    with torch.device("meta"):
+        model = Gemma4AssistantForCausalLM(config, device=device)
+        model.to(dtype)
+    model.to_empty(device=device)
+    load_safetensors(model, Path(checkpoint_dir))
+    return model.eval()

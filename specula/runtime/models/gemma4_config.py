@@ -1,0 +1,180 @@
+"""Gemma4 text hyper-parameters: per-layer attention geometry and KV sharing.
+
+Gemma4 (Hugging Face ``Gemma4TextConfig``, model type ``gemma4_text``; the text part of
+``gemma4`` checkpoints) departs from the Llama shape in ways that change the KV cache:
+
+- ``layer_types``: each layer is ``sliding_attention`` (window ``sliding_window``, its
+  own rotary settings) or ``full_attention``; the two types have their own ``head_dim``
+  and number of KV heads (``per_layer_config`` in the checkpoint's ``config.json``).
+- ``num_kv_shared_layers``: the last that many layers compute no keys and values; each
+  reads the KV of the last earlier non-shared layer of the same type. Only non-shared
+  layers own KV-cache storage.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from specula.runtime.models.config import ModelConfig, checkpoint_dtype, eos_token_ids
+
+GEMMA4_MODEL_TYPES = frozenset({"gemma4_text", "gemma4"})
+"""``model_type`` values whose text model :class:`Gemma4ModelConfig` describes."""
+
+SLIDING = "sliding_attention"
+FULL = "full_attention"
+
+_ACTIVATIONS = frozenset({"gelu_pytorch_tanh", "gelu", "silu"})
+
+
+@dataclass(frozen=True)
+class Gemma4ModelConfig(ModelConfig):
+    """:class:`ModelConfig` plus the Gemma4-specific fields.
+
+    The inherited ``head_dim`` / ``num_key_value_heads`` are layer 0's; :attr:`layer_head_dims`
+    and :attr:`layer_num_kv_heads` hold every layer's own.
+    """
+
+    layer_types: tuple[str, ...] = ()
+    """Per layer, ``sliding_attention`` or ``full_attention``."""
+    sliding_window: int = 0
+    """Sliding layers see the last ``sliding_window`` positions, their own included."""
+    layer_head_dims: tuple[int, ...] = ()
+    layer_num_kv_heads: tuple[int, ...] = ()
+    rope_parameters: dict[str, dict[str, Any]] | None = None
+    """Per layer type: ``rope_type`` (``default`` or ``proportional``), ``rope_theta``,
+    optional ``partial_rotary_factor`` and ``factor``."""
+    num_kv_shared_layers: int = 0
+    final_logit_softcapping: float | None = None
+    """Logits become ``cap * tanh(logits / cap)``; ``None`` disables it."""
+    hidden_size_per_layer_input: int = 0
+    """Width of the per-layer input embeddings (PLE); 0 disables them."""
+    vocab_size_per_layer_input: int = 0
+    attention_k_eq_v: bool = False
+    """Full-attention layers have no ``v_proj``: values come from the key projection."""
+    use_double_wide_mlp: bool = False
+    """KV-shared layers have an MLP twice ``intermediate_size`` wide."""
+    enable_moe_block: bool = False
+    """Each layer adds a routed mixture of experts beside its dense MLP."""
+    num_experts: int = 0
+    top_k_experts: int = 0
+    moe_intermediate_size: int = 0
+
+    @classmethod
+    def from_hf_config(cls, hf: Any) -> Gemma4ModelConfig:
+        """Read a ``Gemma4TextConfig`` (or the ``text_config`` of a ``Gemma4Config``).
+
+        Raises:
+            ValueError: an activation we do not implement, bidirectional attention, or
+                a KV-shared layer type with no non-shared layer to read from.
+        """
+        architectures = getattr(hf, "architectures", None) or []
+        text = hf.get_text_config() if hf.model_type == "gemma4" else hf
+        config = cls.from_text_config(
+            text,
+            architecture=architectures[0] if architectures else "Gemma4ForCausalLM",
+            outer=hf,
+        )
+        config.kv_source_layers()  # validates the sharing pattern
+        return config
+
+    @classmethod
+    def from_text_config(cls, text: Any, architecture: str, outer: Any = None) -> Gemma4ModelConfig:
+        """Read a ``Gemma4TextConfig`` without checking its KV-sharing pattern (a Gemma4
+        MTP draft's layers are all shared and read the target's KV). ``outer`` is the
+        enclosing config, whose ``eos_token_id``, dtype and embedding tying win.
+
+        Raises:
+            ValueError: an activation we do not implement, or bidirectional attention.
+        """
+        outer = outer if outer is not None else text
+        act = text.hidden_activation
+        if act not in _ACTIVATIONS:
+            raise ValueError(f"hidden_activation {act!r} is not supported ({sorted(_ACTIVATIONS)})")
+        if getattr(text, "use_bidirectional_attention", None) is not None:
+            raise ValueError(
+                "use_bidirectional_attention "
+                f"{text.use_bidirectional_attention!r} is not supported (causal decoding only)"
+            )
+        n = text.num_hidden_layers
+        per_layer = [text.per_layer_config[i] for i in range(n)]
+        rope = {t: dict(p) for t, p in (text.rope_parameters or {}).items() if p is not None}
+        dtype = checkpoint_dtype(outer) or checkpoint_dtype(text)
+        return cls(
+            architecture=architecture,
+            model_type=text.model_type,
+            vocab_size=text.vocab_size,
+            hidden_size=text.hidden_size,
+            intermediate_size=text.intermediate_size,
+            num_hidden_layers=n,
+            num_attention_heads=text.num_attention_heads,
+            num_key_value_heads=int(per_layer[0].num_key_value_heads),
+            head_dim=int(per_layer[0].head_dim),
+            rms_norm_eps=text.rms_norm_eps,
+            rope_theta=float(rope.get(SLIDING, {}).get("rope_theta", 10000.0)),
+            rope_scaling=None,
+            max_position_embeddings=text.max_position_embeddings,
+            tie_word_embeddings=bool(getattr(outer, "tie_word_embeddings", True)),
+            attention_bias=bool(text.attention_bias),
+            mlp_bias=False,
+            torch_dtype=dtype,
+            eos_token_ids=eos_token_ids(outer) or eos_token_ids(text),
+            hidden_act=act,
+            layer_types=tuple(text.layer_types),
+            sliding_window=int(text.sliding_window),
+            layer_head_dims=tuple(int(c.head_dim) for c in per_layer),
+            layer_num_kv_heads=tuple(int(c.num_key_value_heads) for c in per_layer),
+            rope_parameters=rope,
+            num_kv_shared_layers=int(text.num_kv_shared_layers or 0),
+            final_logit_softcapping=text.final_logit_softcapping,
+            hidden_size_per_layer_input=int(text.hidden_size_per_layer_input or 0),
+            vocab_size_per_layer_input=int(text.vocab_size_per_layer_input or 0),
+            attention_k_eq_v=bool(text.attention_k_eq_v),
+            use_double_wide_mlp=bool(text.use_double_wide_mlp),
+            enable_moe_block=bool(text.enable_moe_block),
+            num_experts=int(text.num_experts or 0),
+            top_k_experts=int(text.top_k_experts or 0),
+            moe_intermediate_size=int(text.moe_intermediate_size or 0),
+        )
+
+    @property
+    def first_kv_shared_layer(self) -> int:
+        return self.num_hidden_layers - self.num_kv_shared_layers
+
+    def is_kv_shared(self, layer: int) -> bool:
+        return layer >= self.first_kv_shared_layer
+
+    def kv_producer_layers(self) -> dict[str, int]:
+        """Per layer type, the last non-shared layer of that type: the layer whose KV the
+        shared layers (and a Gemma4 MTP draft) of that type read."""
+        return {t: i for i, t in enumerate(self.layer_types[: self.first_kv_shared_layer])}
+
+    def kv_source_layers(self) -> tuple[int, ...]:
+        """Per layer, the layer whose keys and values it attends to (itself when it is
+        not KV-shared). Non-shared layers are a prefix and own KV-cache entries ``0..`` in
+        order, so this is also each layer's index into the cache's layer list.
+
+        Raises:
+            ValueError: a shared layer's type has no non-shared layer before it.
+        """
+        producers = self.kv_producer_layers()
+        sources = []
+        for i, layer_type in enumerate(self.layer_types):
+            if not self.is_kv_shared(i):
+                sources.append(i)
+            elif layer_type in producers:
+                sources.append(producers[layer_type])
+            else:
+                raise ValueError(
+                    f"layer {i} ({layer_type}) is KV-shared (num_kv_shared_layers="
+                    f"{self.num_kv_shared_layers}) but no earlier non-shared layer has that type"
+                )
+        return tuple(sources)
+
+    def kv_cache_shapes(self) -> tuple[tuple[int, int], ...]:
+        """``(num_kv_heads, head_dim)`` of each non-shared layer, in layer order: shared
+        layers allocate nothing."""
+        return tuple(
+            (self.layer_num_kv_heads[i], self.layer_head_dims[i])
+            for i in range(self.first_kv_shared_layer)
+        )

@@ -1,0 +1,327 @@
+"""The EAGLE-3 draft network (Li et al., arXiv 2503.01840) over Llama or Qwen3 layers.
+
+The target's auxiliary hidden states (the residual stream entering a few of its layers,
+concatenated, ``[n, num_aux * H_target]``) are fused to width ``H`` by ``fc`` once, when
+they arrive (:meth:`Eagle3LlamaForCausalLM.combine_hidden_states`). The first decoder
+layer attends over ``cat(input_layernorm(embedding), hidden_norm(hidden))`` of width
+``2H`` (its q/k/v projections take ``2H``) and keeps ``hidden`` as its residual; further
+layers are ordinary decoder layers. ``norm`` and an ``lm_head`` over the draft
+vocabulary follow; draft id ``i`` is target id ``i + d2t[i]``.
+
+Parameter names follow the ``speculators`` checkpoint (``fc``, ``layers.0.hidden_norm``,
+``norm``, ``lm_head``, ``embed_tokens``, ``d2t``); q/k/v and gate/up are fused as in
+:mod:`specula.runtime.models.llama`. Design reference: vLLM's ``llama_eagle3.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from specula.runtime.models.attention import AttentionMetadata
+from specula.runtime.models.config import ModelConfig
+from specula.runtime.models.layers import MergedLinear, RMSNorm, RotaryEmbedding
+from specula.runtime.models.llama import KVCaches, LlamaDecoderLayer
+from specula.runtime.models.qwen3 import Qwen3Attention, Qwen3DecoderLayer
+from specula.runtime.models.speculators_format import (
+    iter_checkpoint_tensors,
+    layer_model_config,
+    load_parameter,
+    read_speculators_config,
+)
+
+
+@dataclass(frozen=True)
+class Eagle3Config:
+    """The EAGLE-3 settings of a ``speculators`` ``eagle3`` config (top-level fields)."""
+
+    layer: ModelConfig
+    """``transformer_layer_config``: width ``H``, heads, number of draft layers;
+    ``vocab_size`` is the target vocabulary."""
+    draft_vocab_size: int
+    aux_hidden_state_layer_ids: tuple[int, ...]
+    target_hidden_size: int
+    """Width of each auxiliary state (``target_hidden_size``, default ``H``)."""
+    norm_before_residual: bool = False
+    norm_before_fc: bool = False
+    fc_norm: bool = False
+    norm_output: bool = False
+
+
+class Eagle3DecoderLayer(LlamaDecoderLayer):
+    """The first EAGLE-3 layer: attention over ``[embedding, hidden]`` of width ``2H``."""
+
+    def __init__(self, config: ModelConfig, norm_before_residual: bool) -> None:
+        super().__init__(config)
+        # q/k/v read the concatenated 2H input.
+        self.self_attn.qkv_proj = MergedLinear(
+            2 * config.hidden_size, self.self_attn.qkv_proj.output_sizes, config.attention_bias
+        )
+        self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm_before_residual = norm_before_residual
+
+    def forward(
+        self,
+        embeds: torch.Tensor,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        # embeds, hidden: [num_tokens, H]
+        normed_hidden = self.hidden_norm(hidden)
+        residual = normed_hidden if self.norm_before_residual else hidden
+        attn_in = torch.cat([self.input_layernorm(embeds), normed_hidden], dim=-1)  # [n, 2H]
+        hidden = residual + self.self_attn(attn_in, cos, sin, kv_cache, metadata)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class Qwen3Eagle3DecoderLayer(Eagle3DecoderLayer):
+    attention_cls = Qwen3Attention
+
+
+_LAYERS: dict[str, tuple[type[Eagle3DecoderLayer], type[LlamaDecoderLayer]]] = {
+    "llama": (Eagle3DecoderLayer, LlamaDecoderLayer),
+    "qwen3": (Qwen3Eagle3DecoderLayer, Qwen3DecoderLayer),
+}
+"""``transformer_layer_config.model_type`` -> (first layer, further layers)."""
+
+
+class Eagle3LlamaForCausalLM(nn.Module):
+    """EAGLE-3 draft head (see the module docstring).
+
+    ``config`` is the layer :class:`ModelConfig` (the KV cache is shaped from it; its
+    ``vocab_size`` is the target vocabulary that :meth:`compute_logits` covers).
+    """
+
+    packed_modules_mapping: dict[str, list[str]] = {
+        "qkv_proj": ["q_proj", "k_proj", "v_proj"],
+        "gate_up_proj": ["gate_proj", "up_proj"],
+    }
+
+    def __init__(self, eagle: Eagle3Config, device: torch.device) -> None:
+        super().__init__()
+        config = eagle.layer
+        self.eagle = eagle
+        self.config = config
+        h = config.hidden_size
+        num_aux = len(eagle.aux_hidden_state_layer_ids)
+        aux_width = num_aux * eagle.target_hidden_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, h)
+        self.input_norm = RMSNorm(aux_width, config.rms_norm_eps) if eagle.norm_before_fc else None
+        self.fc_norm = (
+            nn.ModuleList(
+                RMSNorm(eagle.target_hidden_size, config.rms_norm_eps) for _ in range(num_aux)
+            )
+            if eagle.fc_norm
+            else None
+        )
+        self.fc = nn.Linear(aux_width, h, bias=False)
+        first_cls, layer_cls = _LAYERS[config.model_type]
+        self.layers = nn.ModuleList(
+            [first_cls(config, eagle.norm_before_residual)]
+            + [layer_cls(config) for _ in range(config.num_hidden_layers - 1)]
+        )
+        self.norm = RMSNorm(h, config.rms_norm_eps)
+        self.lm_head = nn.Linear(h, eagle.draft_vocab_size, bias=False)
+        self.register_buffer(
+            "draft_to_target", torch.arange(eagle.draft_vocab_size), persistent=False
+        )
+        """[draft_vocab_size] target id of each draft id (``i + d2t[i]``)."""
+        self.rotary = RotaryEmbedding(
+            config.head_dim, config.rope_theta, config.rope_scaling, device
+        )
+        self.missing_target_weights: set[str] = set()
+        """Parameters the checkpoint lacked, to be shared from the target."""
+
+    def combine_hidden_states(self, aux_hidden_states: torch.Tensor) -> torch.Tensor:
+        """Fuse the target's auxiliary states ``[n, num_aux * H_target]`` to ``[n, H]``."""
+        if self.input_norm is not None:
+            aux_hidden_states = self.input_norm(aux_hidden_states)
+        if self.fc_norm is not None:
+            chunks = aux_hidden_states.chunk(len(self.fc_norm), dim=-1)
+            aux_hidden_states = torch.cat(
+                [norm(c) for norm, c in zip(self.fc_norm, chunks, strict=True)], dim=-1
+            )
+        return self.fc(aux_hidden_states)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: KVCaches,
+        metadata: AttentionMetadata,
+        hidden_states: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One draft forward over a flattened batch.
+
+        Args:
+            input_ids: [num_tokens] the token after each conditioning row's position.
+            positions: [num_tokens] rotary positions.
+            kv_caches: one ``(k_cache, v_cache)`` per draft layer.
+            metadata: attention metadata of the draft's cache.
+            hidden_states: [num_tokens, H] fused target states
+                (:meth:`combine_hidden_states`) or the draft's own previous output.
+
+        Returns:
+            ``(normed [num_tokens, H] for :meth:`compute_logits`, [num_tokens, H] the
+            state the next draft step reads: pre-norm, or normed with ``norm_output``)``.
+        """
+        assert not self.missing_target_weights, "bind the target's weights first"
+        assert hidden_states.shape == (*input_ids.shape, self.config.hidden_size)
+        embeds = self.embed_tokens(input_ids)  # [num_tokens, H]
+        cos, sin = self.rotary.cos_sin(positions, embeds.dtype)
+        first, *rest = self.layers
+        hidden = first(embeds, hidden_states, cos, sin, kv_caches[0], metadata)
+        for layer, kv_cache in zip(rest, kv_caches[1:], strict=True):
+            hidden = layer(hidden, cos, sin, kv_cache, metadata)
+        normed = self.norm(hidden)
+        return normed, normed if self.eagle.norm_output else hidden
+
+    def compute_draft_vocab_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[num_positions, H] -> [num_positions, draft_vocab_size] float32."""
+        return self.lm_head(hidden).float()
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[num_positions, H] -> [num_positions, target vocab_size] float32; target ids
+        outside the draft vocabulary get ``-inf`` (probability zero)."""
+        draft = self.compute_draft_vocab_logits(hidden)
+        if draft.shape[-1] == self.config.vocab_size:
+            return draft
+        logits = draft.new_full((draft.shape[0], self.config.vocab_size), float("-inf"))
+        logits[:, self.draft_to_target] = draft
+        return logits
+
+    def set_draft_to_target(self, d2t: torch.Tensor) -> None:
+        """Install the ``d2t`` offsets (draft id ``i`` -> target id ``i + d2t[i]``).
+
+        Raises:
+            ValueError: ``d2t`` has the wrong length, or maps to ids outside the target
+                vocabulary or to one target id twice.
+        """
+        n = self.eagle.draft_vocab_size
+        if d2t.shape != (n,):
+            raise ValueError(f"d2t has shape {tuple(d2t.shape)}, draft_vocab_size is {n}")
+        ids = torch.arange(n) + d2t.long().cpu()
+        vocab = self.config.vocab_size
+        if ids.min() < 0 or ids.max() >= vocab:
+            raise ValueError(
+                f"d2t maps draft ids to target ids in [{ids.min().item()}, {ids.max().item()}], "
+                f"outside the target vocab_size {vocab}"
+            )
+        if ids.unique().numel() != n:
+            raise ValueError("d2t maps two draft ids to the same target id")
+        self.draft_to_target = ids.to(self.draft_to_target.device)
+
+
+def default_aux_hidden_state_layer_ids(num_hidden_layers: int) -> tuple[int, ...]:
+    """EAGLE-3's default auxiliary layers ``(2, L // 2, L - 3)`` (as vLLM and
+    ``speculators`` choose them) for a target of ``L`` layers."""
+    return (2, num_hidden_layers // 2, num_hidden_layers - 3)
+
+
+def load_eagle3_draft(
+    checkpoint_dir: Path, target: ModelConfig, dtype: torch.dtype, device: torch.device
+) -> Eagle3LlamaForCausalLM:
+    """Build the EAGLE-3 head of a ``speculators`` ``eagle3`` checkpoint for ``target``.
+
+    ``embed_tokens.weight`` and ``lm_head.weight`` may be absent from the checkpoint;
+    the head then shares the target's (:func:`share_target_weights`), as
+    ``speculators`` fills them from the verifier.
+
+    Raises:
+        FileNotFoundError: no ``config.json`` or ``*.safetensors``.
+        ValueError: another ``speculators_model_type``; a vocabulary, hidden size or
+            auxiliary layer id that does not fit ``target`` (the message names the
+            field and both values); a malformed ``d2t``; a tensor of the wrong shape, an
+            unknown tensor, or a required tensor missing.
+    """
+    raw = read_speculators_config(checkpoint_dir, "eagle3")
+    layer = layer_model_config(raw)
+    if layer.vocab_size != target.vocab_size:
+        raise ValueError(
+            f"transformer_layer_config.vocab_size {layer.vocab_size} != target vocab_size "
+            f"{target.vocab_size}"
+        )
+    target_hidden = raw.get("target_hidden_size") or layer.hidden_size
+    if target_hidden != target.hidden_size:
+        field = (
+            "target_hidden_size"
+            if raw.get("target_hidden_size")
+            else "transformer_layer_config.hidden_size"
+        )
+        raise ValueError(f"{field} {target_hidden} != target hidden_size {target.hidden_size}")
+    num_layers = target.num_hidden_layers
+    aux_ids = tuple(
+        raw.get("eagle_aux_hidden_state_layer_ids")
+        or default_aux_hidden_state_layer_ids(num_layers)
+    )
+    for i in aux_ids:
+        if not 0 <= i <= num_layers:
+            raise ValueError(
+                f"eagle_aux_hidden_state_layer_ids contains {i}, outside [0, {num_layers}] "
+                f"for a target with num_hidden_layers={num_layers}"
+            )
+    eagle = Eagle3Config(
+        layer=layer,
+        draft_vocab_size=int(raw.get("draft_vocab_size") or layer.vocab_size),
+        aux_hidden_state_layer_ids=aux_ids,
+        target_hidden_size=target_hidden,
+        norm_before_residual=bool(raw.get("norm_before_residual", False)),
+        norm_before_fc=bool(raw.get("norm_before_fc", False)),
+        fc_norm=bool(raw.get("fc_norm", False)),
+        norm_output=bool(raw.get("norm_output", False)),
+    )
+    with torch.device("meta"):
+        model = Eagle3LlamaForCausalLM(eagle, device)
+        model.to(dtype)
+    model.to_empty(device=device)
+    # Not weights: rebuild what to_empty left uninitialised.
+    model.rotary = RotaryEmbedding(layer.head_dim, layer.rope_theta, layer.rope_scaling, device)
+    model.draft_to_target = torch.arange(eagle.draft_vocab_size, device=device)
+    unloaded = {name for name, _ in model.named_parameters()}
+    d2t = None
+    for name, tensor in iter_checkpoint_tensors(checkpoint_dir):
+        if name == "d2t":
+            d2t = tensor
+        elif name == "t2d" or name.startswith("verifier_"):
+            continue  # t2d is implied by d2t; verifier_* are training-only copies
+        else:
+            unloaded.difference_update(load_parameter(model, name, tensor))
+    if eagle.draft_vocab_size != layer.vocab_size:
+        if d2t is None:
+            raise ValueError(
+                f"draft_vocab_size {eagle.draft_vocab_size} != target vocab_size "
+                f"{layer.vocab_size} but the checkpoint has no d2t"
+            )
+        model.set_draft_to_target(d2t)
+    model.missing_target_weights = unloaded & {"embed_tokens.weight", "lm_head.weight"}
+    if model.missing_target_weights and layer.hidden_size != target.hidden_size:
+        raise ValueError(
+            f"checkpoint lacks {sorted(model.missing_target_weights)} and "
+            f"transformer_layer_config.hidden_size {layer.hidden_size} != target "
+            f"hidden_size {target.hidden_size}: the target's cannot be shared"
+        )
+    unloaded -= model.missing_target_weights
+    if unloaded:
+        raise ValueError(f"checkpoint {str(checkpoint_dir)!r} lacks {sorted(unloaded)}")
+    return model.eval()
+
+
+def share_target_weights(
+    model: Eagle3LlamaForCausalLM, embed: nn.Embedding, lm_head_weight: torch.Tensor
+) -> None:
+    """Give ``model`` the target's embeddings and LM head rows where its checkpoint
+    had none (``model.missing_target_weights``); the head keeps the rows of the draft
+    vocabulary's target ids."""
+    if "embed_tokens.weight" in model.missing_target_weights:
+        model.embed_tokens = embed
+    if "lm_head.weight" in model.missing_target_weights:
+        model.lm_head.weight = nn.Parameter(
+            lm_head_weight[model.draft_to_target], requires_grad=False
+        )
+    model.missing_target_weights = set()

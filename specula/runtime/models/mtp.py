@@ -1,0 +1,203 @@
+"""The multi-token-prediction (MTP) draft head of DeepSeek-V3 (arXiv 2412.19437, §2.2).
+
+An MTP layer reads, at position ``p``, the target's final hidden state ``h_p`` and the
+embedding of the next token ``t_{p+1}``: ``eh_proj(cat(enorm(embedding), hnorm(h_p)))``
+goes through one decoder block and a final norm; the target's LM head turns the result
+into logits for ``t_{p+2}``, and the same normed state conditions the next draft step.
+Embeddings and LM head are the target's (shared, not copied).
+
+Checkpoints are the ``speculators`` ``mtp`` format, whose layer names
+(``mtp_layers.0.token_layernorm``, ``hidden_layernorm``, ``input_proj``,
+``final_layernorm`` beside the block's own modules) map to DeepSeek's ``enorm``,
+``hnorm``, ``eh_proj`` and ``shared_head.norm``. Design reference: vLLM's
+``deepseek_mtp.py``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specula.runtime.models.attention import AttentionMetadata
+from specula.runtime.models.config import ModelConfig
+from specula.runtime.models.layers import RMSNorm, RotaryEmbedding
+from specula.runtime.models.llama import KVCaches, LlamaDecoderLayer
+from specula.runtime.models.qwen3 import Qwen3DecoderLayer
+from specula.runtime.models.speculators_format import (
+    iter_checkpoint_tensors,
+    layer_model_config,
+    load_parameter,
+    read_speculators_config,
+)
+
+_BLOCKS: dict[str, type[LlamaDecoderLayer]] = {
+    "llama": LlamaDecoderLayer,
+    "qwen3": Qwen3DecoderLayer,
+}
+"""``transformer_layer_config.model_type`` -> decoder block class."""
+
+_CHECKPOINT_NAMES = {
+    "token_layernorm": "enorm",
+    "hidden_layernorm": "hnorm",
+    "input_proj": "eh_proj",
+}
+"""``speculators`` MTP module name -> DeepSeek name used here."""
+
+SHARED_WITH_TARGET = ("embed_tokens.weight", "lm_head.weight")
+"""Parameters an MTP checkpoint usually lacks: the target's embeddings and head."""
+
+
+class MTPLayer(nn.Module):
+    """``enorm``, ``hnorm``, ``eh_proj``, one decoder ``block``, ``final_layernorm``."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        h = config.hidden_size
+        self.enorm = RMSNorm(h, config.rms_norm_eps)
+        self.hnorm = RMSNorm(h, config.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * h, h, bias=False)
+        self.block = _BLOCKS[config.model_type](config)
+        self.final_layernorm = RMSNorm(h, config.rms_norm_eps)
+
+    def forward(
+        self,
+        embeds: torch.Tensor,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        # embeds, hidden: [num_tokens, H]
+        x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1))
+        return self.final_layernorm(self.block(x, cos, sin, kv_cache, metadata))
+
+
+class MTPForCausalLM(nn.Module):
+    """One MTP layer over the target's embeddings and LM head.
+
+    ``config`` is the layer :class:`ModelConfig` (one attention layer for the KV cache;
+    ``vocab_size`` the target's).
+    """
+
+    packed_modules_mapping: dict[str, list[str]] = {
+        "qkv_proj": ["q_proj", "k_proj", "v_proj"],
+        "gate_up_proj": ["gate_proj", "up_proj"],
+    }
+
+    def __init__(self, config: ModelConfig, device: torch.device) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.mtp_layers = nn.ModuleList([MTPLayer(config)])
+        self.rotary = RotaryEmbedding(
+            config.head_dim, config.rope_theta, config.rope_scaling, device
+        )
+        self.missing_target_weights: set[str] = set()
+        """Parameters the checkpoint lacked, to be shared from the target."""
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: KVCaches,
+        metadata: AttentionMetadata,
+        hidden_states: torch.Tensor,
+    ) -> torch.Tensor:
+        """One draft forward over a flattened batch.
+
+        Args:
+            input_ids: [num_tokens] the token after each conditioning row's position.
+            positions: [num_tokens] rotary positions.
+            kv_caches: ``(k_cache, v_cache)`` of the MTP layer.
+            metadata: attention metadata of the draft's cache.
+            hidden_states: [num_tokens, H] the target's final (normed) hidden states, or
+                this head's previous output.
+
+        Returns:
+            [num_tokens, H] normed states, for :meth:`compute_logits` and the next step.
+        """
+        assert not self.missing_target_weights, "bind the target's embeddings and head first"
+        assert hidden_states.shape == (*input_ids.shape, self.config.hidden_size)
+        embeds = self.embed_tokens(input_ids)  # [num_tokens, H]
+        cos, sin = self.rotary.cos_sin(positions, embeds.dtype)
+        return self.mtp_layers[0](embeds, hidden_states, cos, sin, kv_caches[0], metadata)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[num_positions, H] -> [num_positions, vocab_size] float32."""
+        return F.linear(hidden, self.lm_head.weight).float()
+
+
+def _model_name(checkpoint_name: str) -> str:
+    """Map a ``speculators`` MTP tensor name to this module's parameter name."""
+    parts = checkpoint_name.split(".")
+    if parts[0] != "mtp_layers" or len(parts) < 4:
+        return checkpoint_name
+    head, module = parts[:2], parts[2]
+    if module in _CHECKPOINT_NAMES:
+        return ".".join([*head, _CHECKPOINT_NAMES[module], *parts[3:]])
+    if module == "final_layernorm":
+        return checkpoint_name
+    return ".".join([*head, "block", *parts[2:]])
+
+
+def load_mtp_draft(
+    checkpoint_dir: Path, target: ModelConfig, dtype: torch.dtype, device: torch.device
+) -> MTPForCausalLM:
+    """Build the MTP head of a ``speculators`` ``mtp`` checkpoint for ``target``.
+
+    ``embed_tokens`` and ``lm_head`` are normally absent (``speculators`` never saves
+    them); the head then shares the target's (:func:`share_target_weights`).
+
+    Raises:
+        FileNotFoundError: no ``config.json`` or ``*.safetensors``.
+        ValueError: another ``speculators_model_type``; a vocabulary or hidden size that
+            differs from ``target``'s (the message names the field and both values);
+            ``num_nextn_predict_layers`` other than 1; a tensor of the wrong shape, an
+            unknown tensor, or a required tensor missing.
+    """
+    raw = read_speculators_config(checkpoint_dir, "mtp")
+    layer = layer_model_config(raw)
+    for field in ("vocab_size", "hidden_size"):
+        ours, theirs = getattr(layer, field), getattr(target, field)
+        if ours != theirs:
+            raise ValueError(f"transformer_layer_config.{field} {ours} != target {field} {theirs}")
+    num_layers = raw.get("num_nextn_predict_layers", 1)
+    if num_layers != 1:
+        # The format itself defines one layer (speculators' MTPSpeculatorConfig).
+        raise ValueError(f"num_nextn_predict_layers {num_layers} is not supported (only 1)")
+    with torch.device("meta"):
+        model = MTPForCausalLM(layer, device)
+        model.to(dtype)
+    model.to_empty(device=device)
+    # Not a weight: rebuild what to_empty left uninitialised.
+    model.rotary = RotaryEmbedding(layer.head_dim, layer.rope_theta, layer.rope_scaling, device)
+    unloaded = {name for name, _ in model.named_parameters()}
+    for name, tensor in iter_checkpoint_tensors(checkpoint_dir):
+        if name in ("d2t", "t2d") or name.startswith("verifier_"):
+            continue  # identity vocabulary maps and training-only copies
+        unloaded.difference_update(load_parameter(model, _model_name(name), tensor))
+    model.missing_target_weights = unloaded & set(SHARED_WITH_TARGET)
+    unloaded -= model.missing_target_weights
+    if unloaded:
+        raise ValueError(f"checkpoint {str(checkpoint_dir)!r} lacks {sorted(unloaded)}")
+    return model.eval()
+
+
+def share_target_weights(
+    model: MTPForCausalLM, embed: nn.Embedding, lm_head_weight: torch.Tensor
+) -> None:
+    """Give ``model`` the target's embeddings and LM head where its checkpoint had none."""
+    if "embed_tokens.weight" in model.missing_target_weights:
+        model.embed_tokens = embed
+    if "lm_head.weight" in model.missing_target_weights:
+        model.lm_head.weight = (
+            lm_head_weight
+            if isinstance(lm_head_weight, nn.Parameter)
+            else nn.Parameter(lm_head_weight, requires_grad=False)
+        )
+    model.missing_target_weights = set()

@@ -1,0 +1,346 @@
+"""EAGLE-3 (arXiv 2503.01840) against the ``speculators`` package's ``Eagle3DraftModel``
+on the same weights: draft logits, every multi-step proposal the engine makes, greedy
+output equal to ``transformers``' for k = 1..8, the target distribution under sampling,
+and load-time errors for checkpoints that do not fit the target."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from hidden_state_drafts import (
+    HIDDEN_SIZE,
+    VOCAB_SIZE,
+    check_greedy_equals_hf,
+    layer_config,
+    make_engine,
+    record_proposals,
+    save_bigram_target,
+)
+
+from specula.runtime.engine.kv_cache import KVCache
+from specula.runtime.engine.llm_engine import SamplingParams
+from specula.runtime.models.attention import build_attention_metadata
+from specula.runtime.models.config import ModelConfig
+from specula.runtime.models.llama_eagle3 import load_eagle3_draft
+
+pytestmark = pytest.mark.runtime
+
+AUX_IDS = (0, 1, 3)
+"""Auxiliary layers of the 3-layer target: the embeddings, layer 1's input and the last
+layer's output (all three kinds of id)."""
+
+
+def _eagle3(
+    target_hf,
+    *,
+    draft_vocab: torch.Tensor | None,
+    seed: int,
+    model_type: str = "llama",
+    num_layers: int = 1,
+    aux_ids: tuple[int, ...] | None = AUX_IDS,
+    layer_overrides: dict | None = None,
+    **flags,
+):
+    """A ``speculators`` EAGLE-3 head for ``target_hf`` with random weights.
+
+    ``draft_vocab``: sorted target ids of a reduced draft vocabulary (``None``: all).
+    Embeddings are the target's; ``lm_head`` random.
+    """
+    from speculators.config import SpeculatorsConfig, VerifierConfig
+    from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
+    from speculators.proposals.greedy import GreedyTokenProposalConfig
+
+    layer = layer_config(model_type, num_hidden_layers=num_layers, **(layer_overrides or {}))
+    # Dense float masks instead of flex attention (CPU).
+    layer._attn_implementation = "eager"
+    num_draft = VOCAB_SIZE if draft_vocab is None else len(draft_vocab)
+    config = Eagle3SpeculatorConfig(
+        transformer_layer_config=layer,
+        draft_vocab_size=num_draft,
+        eagle_aux_hidden_state_layer_ids=None if aux_ids is None else list(aux_ids),
+        speculators_config=SpeculatorsConfig(
+            algorithm="eagle3",
+            proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=3)],
+            default_proposal_method="greedy",
+            verifier=VerifierConfig(name_or_path=None, architectures=["LlamaForCausalLM"]),
+        ),
+        **flags,
+    )
+    model = Eagle3DraftModel(config)
+    if draft_vocab is not None:
+        t2d = torch.zeros(VOCAB_SIZE, dtype=torch.bool)
+        t2d[draft_vocab] = True
+        model.load_vocab_mappings(t2d, draft_vocab - torch.arange(num_draft))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            p.copy_(1 + 0.1 * noise if "norm" in name else 0.2 * noise)
+        model.embed_tokens.weight.copy_(target_hf.model.embed_tokens.weight)
+    return model.eval()
+
+
+def _bigram_eagle3(target_hf, draft_vocab: torch.Tensor, seed: int):
+    """A head that mostly predicts the target's bigram from the token it reads: its
+    attention looks at its own position only (query/key biases whose rotary dot product
+    peaks at distance 0) and copies the normed embedding; the hidden-state path stays
+    (fc, a damped hidden_norm) but is small."""
+    model = _eagle3(
+        target_hf,
+        draft_vocab=draft_vocab,
+        seed=seed,
+        layer_overrides={"num_key_value_heads": 4, "attention_bias": True},
+        norm_before_residual=True,
+    )
+    h = HIDDEN_SIZE
+    attn = model.layers[0].self_attn
+    head_bias = torch.zeros(16)
+    head_bias[[0, 1, 2, 3, 8, 9, 10, 11]] = 25.0  # the fastest-rotating frequency pairs
+    with torch.no_grad():
+        model.fc.weight.mul_(0.25)
+        for proj in (attn.q_proj, attn.k_proj):
+            proj.weight.zero_()
+            proj.bias.copy_(head_bias.repeat(4))
+        attn.v_proj.weight.zero_()
+        attn.v_proj.weight[:, :h] = torch.eye(h)
+        attn.v_proj.bias.zero_()
+        attn.o_proj.weight.copy_(torch.eye(h))
+        attn.o_proj.bias.zero_()
+        model.layers[0].mlp.down_proj.weight.mul_(0.1)
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            getattr(model.layers[0], norm).weight.fill_(1.0)
+        model.layers[0].hidden_norm.weight.fill_(0.1)
+        model.norm.weight.copy_(target_hf.model.norm.weight)
+        model.lm_head.weight.copy_(target_hf.lm_head.weight[draft_vocab])
+    return model
+
+
+def _save(model, path: Path, *, keep_embeddings: bool = True) -> Path:
+    """Save ``model`` in the ``speculators`` format; without ``keep_embeddings`` the
+    checkpoint lacks ``embed_tokens`` (the runtime then shares the target's)."""
+    from safetensors.torch import load_file, save_file
+
+    model.save_pretrained(path)
+    if not keep_embeddings:
+        (file,) = path.glob("*.safetensors")
+        tensors = load_file(file)
+        del tensors["embed_tokens.weight"]
+        save_file(tensors, file, metadata={"format": "pt"})
+    return path
+
+
+def _draft_vocab(seed: int, size: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randperm(VOCAB_SIZE, generator=gen)[:size].sort().values
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory, tiny_tokenizer) -> Path:
+    return save_bigram_target("llama", tiny_tokenizer, tmp_path_factory.mktemp("target"), 5)
+
+
+@pytest.fixture(scope="module")
+def target_hf(target):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def bigram_draft(tmp_path_factory, target_hf) -> Path:
+    model = _bigram_eagle3(target_hf, _draft_vocab(seed=1, size=288), seed=2)
+    return _save(model, tmp_path_factory.mktemp("eagle3-bigram"), keep_embeddings=False)
+
+
+def _speculators_logits(model, aux, input_ids, ttt_steps: int) -> list[torch.Tensor]:
+    """``speculators``' forward on one sequence; returns each TTT step's draft-vocab
+    logits ``[seq_len, draft_vocab_size]`` (read from ``lm_head``)."""
+    captured: list[torch.Tensor] = []
+    hook = model.lm_head.register_forward_hook(lambda mod, inp, out: captured.append(out[0]))
+    n = input_ids.shape[0]
+    try:
+        with torch.no_grad():
+            model(
+                hidden_states=aux[None],
+                input_ids=input_ids[None],
+                document_ids=torch.zeros(1, n, dtype=torch.long),
+                position_ids=torch.arange(n)[None],
+                ttt_steps=ttt_steps,
+            )
+    finally:
+        hook.remove()
+    return captured
+
+
+def _target_aux(target_hf, tokens: list[int]) -> torch.Tensor:
+    """``transformers``' residual stream entering layers :data:`AUX_IDS` of the target,
+    ``[len(tokens), 3H]``; id ``num_hidden_layers`` is the last layer's output before
+    the final norm (``hidden_states[-1]`` of ``transformers`` is after it)."""
+    pre_norm: list[torch.Tensor] = []
+    hook = target_hf.model.norm.register_forward_hook(
+        lambda mod, inp, out: pre_norm.append(inp[0][0])
+    )
+    try:
+        with torch.no_grad():
+            out = target_hf.model(torch.tensor([tokens]), output_hidden_states=True)
+    finally:
+        hook.remove()
+    states = [s[0] for s in out.hidden_states[:-1]] + pre_norm
+    return torch.cat([states[i] for i in AUX_IDS], dim=-1)
+
+
+@pytest.mark.parametrize(
+    ("model_type", "num_layers", "reduced", "flags"),
+    [
+        ("llama", 1, True, {}),
+        ("llama", 2, True, {"norm_before_residual": True, "norm_before_fc": True}),
+        ("qwen3", 1, False, {"fc_norm": True, "norm_output": True}),
+    ],
+    ids=["llama", "llama-2-layers-norms", "qwen3-full-vocab"],
+)
+def test_draft_logits_match_speculators(
+    model_type, num_layers, reduced, flags, target, target_hf, tmp_path
+):
+    draft_vocab = _draft_vocab(seed=3, size=200) if reduced else None
+    ref = _eagle3(
+        target_hf,
+        draft_vocab=draft_vocab,
+        seed=4,
+        model_type=model_type,
+        num_layers=num_layers,
+        **flags,
+    )
+    ours = load_eagle3_draft(
+        _save(ref, tmp_path),
+        ModelConfig.from_pretrained(target),
+        torch.float32,
+        torch.device("cpu"),
+    )
+    gen = torch.Generator().manual_seed(5)
+    n = 12
+    input_ids = torch.randint(1, VOCAB_SIZE, (n,), generator=gen)
+    aux = torch.randn(n, len(AUX_IDS) * HIDDEN_SIZE, generator=gen)
+    (expected,) = _speculators_logits(ref, aux, input_ids, ttt_steps=1)
+
+    kv = KVCache(ours.config, 1, 64, torch.float32, torch.device("cpu"))
+    metadata = build_attention_metadata([0], [n], [0], torch.device("cpu"))
+    with torch.no_grad():
+        fused = ours.combine_hidden_states(aux)
+        normed, _ = ours(input_ids, torch.arange(n), kv.layers, metadata, fused)
+        got = ours.compute_draft_vocab_logits(normed)
+        full = ours.compute_logits(normed)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    # Over the target vocabulary: draft id i sits at target id i + d2t[i]; the rest is
+    # -inf, so sampled drafts have probability zero there.
+    ids = torch.arange(VOCAB_SIZE) if draft_vocab is None else draft_vocab
+    torch.testing.assert_close(full[:, ids], expected, atol=1e-5, rtol=1e-5)
+    outside = torch.ones(VOCAB_SIZE, dtype=torch.bool)
+    outside[ids] = False
+    assert torch.isneginf(full[:, outside]).all()
+
+
+def test_every_proposal_follows_speculators_multi_step_forward(
+    target, target_hf, tmp_path, tiny_tokenizer
+):
+    """Each draft the engine proposes (k = 4, over prefill, acceptances and rejections)
+    equals ``speculators``' own TTT unrolling on the same context: step ``s`` of its
+    forward at the last verified row reads draft token ``s`` and its previous state."""
+    ref = _eagle3(target_hf, draft_vocab=_draft_vocab(seed=6, size=256), seed=7)
+    draft = _save(ref, tmp_path, keep_embeddings=False)
+    k = 4
+    engine = make_engine(target, "eagle3", draft, k=k)
+    assert engine.speculator.aux_hidden_state_layers == AUX_IDS
+    log = record_proposals(engine)
+    prompts = [[5, 9, 14], [3, 8, 21, 30, 7, 2, 40], [11, 4, 60, 61, 62]]
+    engine.generate(prompts, SamplingParams(max_tokens=10, ignore_eos=True))
+    assert len(log) >= 4
+    d2t_ids = ref.d2t + torch.arange(ref.d2t.shape[0])
+    for token_ids, proposal in log:
+        for tokens, drafts in zip(token_ids, proposal.draft_token_ids.tolist(), strict=True):
+            n = len(tokens)
+            aux = _target_aux(target_hf, tokens[:-1])  # [n - 1, 3H]
+            # Row j reads token j+1; the drafts extend the sequence for later TTT steps.
+            input_ids = torch.tensor(tokens[1:] + drafts[:-1])
+            aux = torch.cat([aux, aux.new_zeros(k - 1, aux.shape[1])])
+            steps = _speculators_logits(ref, aux, input_ids, ttt_steps=k)
+            expected = [d2t_ids[logits[n - 2].argmax()].item() for logits in steps]
+            assert drafts == expected, f"context of {n} tokens"
+
+
+def test_greedy_equals_hf_generate_for_k_1_to_8(target, target_hf, bigram_draft):
+    engine = make_engine(target, "eagle3", bigram_draft, k=8)
+    check_greedy_equals_hf(engine, target_hf, ks=range(1, 9))
+
+
+def test_sampling_keeps_target_distribution(target, target_hf, bigram_draft, target_pvalue):
+    temperature, top_k, length, k = 0.9, 4, 3, 3
+    prompt = [17, 42, 99, 7, 250]
+    torch.manual_seed(0)
+    engine = make_engine(target, "eagle3", bigram_draft, k=k, max_num_seqs=256)
+    num_samples = 2000
+    params = [
+        SamplingParams(
+            max_tokens=length, temperature=temperature, top_k=top_k, seed=s, ignore_eos=True
+        )
+        for s in range(num_samples)
+    ]
+    outputs = engine.generate([prompt] * num_samples, params)
+    stats = engine.spec_decoding_stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert stats.num_accepted_tokens_per_pos[1] > 0
+    assert target_pvalue(target_hf, prompt, outputs, temperature, top_k, length) > 0.001
+
+
+def _edit_config(src: Path, dst: Path, **changes) -> Path:
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    for key, value in changes.items():
+        if key.startswith("layer_"):
+            config["transformer_layer_config"][key.removeprefix("layer_")] = value
+        elif value is None:
+            config.pop(key, None)
+        else:
+            config[key] = value
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        (
+            {"layer_vocab_size": 400},
+            r"transformer_layer_config\.vocab_size 400 != target vocab_size 320",
+        ),
+        (
+            {"layer_hidden_size": 96},
+            r"transformer_layer_config\.hidden_size 96 != target hidden_size 64",
+        ),
+        ({"target_hidden_size": 32}, r"target_hidden_size 32 != target hidden_size 64"),
+        (
+            {"speculators_model_type": "eagle"},
+            r"speculators_model_type is 'eagle', expected 'eagle3'",
+        ),
+        (
+            {"eagle_aux_hidden_state_layer_ids": [0, 7, 2]},
+            r"eagle_aux_hidden_state_layer_ids contains 7, outside \[0, 3\].*num_hidden_layers=3",
+        ),
+    ],
+    ids=["vocab", "hidden", "target-hidden", "model-type", "aux-layer"],
+)
+def test_mismatched_checkpoint_fails_at_load(changes, message, target, bigram_draft, tmp_path):
+    draft = _edit_config(bigram_draft, tmp_path / "draft", **changes)
+    with pytest.raises(ValueError, match=message):
+        make_engine(target, "eagle3", draft, k=2)
+
+
+def test_default_aux_layers_when_the_checkpoint_names_none(target, bigram_draft, tmp_path):
+    draft = _edit_config(bigram_draft, tmp_path / "draft", eagle_aux_hidden_state_layer_ids=None)
+    engine = make_engine(target, "eagle3", draft, k=2)
+    # (2, L // 2, L - 3) for the 3-layer target.
+    assert engine.speculator.aux_hidden_state_layers == (2, 1, 0)
+    assert engine.aux_hidden_state_layers == (2, 1, 0)
