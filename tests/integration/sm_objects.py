@@ -211,9 +211,11 @@ def endpoint_slice_body(service: str, address: str, ports: dict[str, int]) -> di
     }
 
 
-def delete_sm_and_wait(custom_objects, namespace: str, name: str, timeout: float = 30) -> None:
+def delete_sm_and_wait(custom_objects, namespace: str, name: str, timeout: float = 90) -> None:
     """Delete the resource and wait until it is gone (the operator has removed its
-    finalizer), so later tests that count a namespace's objects do not see it."""
+    finalizer), so later tests that count a namespace's objects do not see it. The
+    operator finishes a running tuning tick first, which on a loaded machine with many
+    resources in the namespace can take tens of seconds."""
     delete_sm(custom_objects, namespace, name)
 
     def gone() -> bool:

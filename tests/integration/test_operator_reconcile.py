@@ -182,24 +182,23 @@ def test_unchanged_object_is_not_rewritten(operator, custom_objects, core_v1, ap
     assert get_sm(custom_objects, namespace, name)["metadata"]["resourceVersion"] == sm_version
 
 
-def test_unimplemented_method_is_accepted_and_reported_degraded(
+def test_eagle3_resource_is_reconciled_into_runtime_pods(
     operator, custom_objects, core_v1, apps_v1, namespace
 ):
-    name = "eagle3-pending"
+    """Every method the API names is implemented by the runtime, so an EAGLE-3 resource
+    gets its children and no MethodNotSupported (the path for methods named ahead of
+    the runtime is unit-tested in tests/unit/test_operator_status.py)."""
+    name = "eagle3-head"
     body = sm_body(
         name, {"speculator": {"method": "eagle3", "model": {"uri": "hf://org/eagle3-head"}}}
     )
     created = create_sm(custom_objects, namespace, body)
-    sm = wait_condition(
-        custom_objects, namespace, name, "Degraded", "True", reason="MethodNotSupported"
-    )
-    assert "eagle3" in condition(sm, "Degraded")["message"]
-    ready = condition(sm, "Ready")
-    assert ready is None or ready["status"] != "True"
-    assert sm["status"]["observedGeneration"] == 1
-    # Pods that could only crash-loop are not started.
     children = Children(core_v1, apps_v1, namespace, created["metadata"]["uid"])
-    assert children.deployments() == []
+    config_map, _, _ = children.wait_all()
+    sm = wait_condition(custom_objects, namespace, name, "Degraded", "False")
+    assert sm["status"]["observedGeneration"] == 1
+    speculator = runtime_config(config_map).speculator
+    assert (speculator.method, speculator.model) == ("eagle3", "hf://org/eagle3-head")
     operator.check_alive()
 
 
