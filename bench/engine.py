@@ -1,4 +1,8 @@
-"""Benchmark 1: target-only decode on the GPU engine path.
+"""Engine benchmarks on the GPU path; phase ``decode`` is benchmark 1, target-only decode
+(below); phase ``spec`` is benchmarks 2 and 4 (EAGLE-3 speculative decoding with
+synthetic acceptance, attention-state reuse and CUDA-graph ablations,
+``bench/engine_spec.py``); phase ``hf`` is benchmark 3 (Hugging Face ``transformers``
+on the same GPU and shape, ``bench/engine_hf.py``), run last, after our model is freed.
 
 A Llama-3.1-8B-shaped ``LlamaForCausalLM`` (our model class) with random bfloat16
 weights, built on the GPU (meta device, ``to_empty``, normal initialisation: decode
@@ -17,14 +21,17 @@ read plus written (``bench/hf_baseline.py``'s function). Also reported: the step
 a CUDA graph holding only the batch-1 GEMMs (every weight matrix, lm_head included), to
 separate the GEMV bandwidth from the cost of everything else in a step.
 
-Run on the GPU machine (about 2 minutes on an H100)::
+Run on the GPU machine (all phases; ``--phases decode`` alone takes about a minute)::
 
     PYTHONPATH=. python3 bench/engine.py
 
-Merges its figures into ``bench/results/engine.json`` (key ``target_decode`` and the
-top-level ``roofline_fraction_bs1``; other keys are kept) with the command, GPU,
-software versions and date. ``--dry-run`` runs a tiny model on the CPU with the Triton
-kernels in the interpreter (eager only) to check the plumbing, and writes nothing.
+Merges its figures into ``bench/results/engine.json`` after each phase (keys
+``target_decode`` and ``roofline_fraction_bs1``; ``spec_decode``,
+``speedup_vs_nospec``, ``attn_state_reuse``, ``spec_cudagraph_vs_eager``; ``vs_hf``;
+other keys are kept) with the command, GPU, software versions and date.
+``--dry-run`` runs every phase on a tiny model on the CPU with the Triton kernels in the
+interpreter (eager only: the CUDA-graph ablations are skipped) to check the plumbing,
+and writes nothing.
 """
 
 from __future__ import annotations
@@ -47,7 +54,8 @@ TINY = dict(
     vocab_size=320,
     hidden_size=64,
     intermediate_size=128,
-    num_hidden_layers=2,
+    # 4 layers: EAGLE-3's default auxiliary layers (2, L // 2, L - 3) must exist.
+    num_hidden_layers=4,
     num_attention_heads=4,
     num_key_value_heads=2,
     max_position_embeddings=256,
@@ -68,6 +76,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--attn-num-splits", type=int, default=None)
     p.add_argument("--skip-eager", action="store_true")
     p.add_argument("--dry-run", action="store_true")
+    p.add_argument(
+        "--phases",
+        default="decode,spec,hf",
+        help="comma-separated: decode (benchmark 1), spec (2 and 4), hf (3)",
+    )
+    g = p.add_argument_group("spec phase (bench/engine_spec.py)")
+    g.add_argument("--spec-ks", default="1,2,3,4,5,6,7,8")
+    g.add_argument("--spec-rates", default="0.6,0.8")
+    g.add_argument("--spec-batch-sizes", default="1,32")
+    g.add_argument("--spec-steps", type=int, default=64, help="timed speculative steps")
+    g.add_argument("--spec-warmup", type=int, default=8)
+    g.add_argument("--draft-vocab-size", type=int, default=32000)
+    g.add_argument("--ablation-k", type=int, default=4)
+    g.add_argument("--ablation-reps", type=int, default=200)
+    g.add_argument("--eager-steps", type=int, default=16, help="timed eager spec steps")
+    g = p.add_argument_group("hf phase (bench/engine_hf.py)")
+    g.add_argument("--hf-new-tokens", type=int, default=256)
+    g.add_argument("--hf-assisted-new-tokens", type=int, default=128)
+    g.add_argument("--hf-assistant-layers", type=int, default=2)
     return p.parse_args(argv)
 
 
@@ -226,12 +253,18 @@ def main(argv: list[str] | None = None) -> int:
     from specula.runtime.gpu.paged_kv import KVCacheSpec, PagedKVCache
 
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    phases = set(args.phases.split(","))
+    if not phases <= {"decode", "spec", "hf"}:
+        raise SystemExit(f"unknown phases in {args.phases!r}")
     if args.dry_run:
         torch.set_num_threads(1)
         device, dtype, shape = torch.device("cpu"), torch.float32, TINY
         batch_sizes = [b for b in batch_sizes if b <= 2] or [1]
         args.prompt_len, args.steps, args.warmup = 8, 3, 1
-        args.block_size, args.max_model_len = 4, 32
+        args.block_size, args.max_model_len = 4, 48
+        args.spec_ks, args.spec_batch_sizes, args.spec_steps, args.spec_warmup = "1,2", "1,2", 2, 1
+        args.draft_vocab_size, args.ablation_k = 256, 2
+        args.hf_new_tokens, args.hf_assisted_new_tokens, args.hf_assistant_layers = 4, 4, 1
     else:
         if not torch.cuda.is_available():
             print("no CUDA device: run on the GPU machine, or use --dry-run", file=sys.stderr)
@@ -269,11 +302,21 @@ def main(argv: list[str] | None = None) -> int:
     blocks_per_req = -(-context // args.block_size)
     if context > args.max_model_len:
         raise SystemExit(f"prompt + steps = {context} tokens > --max-model-len")
-    cache = PagedKVCache(spec, max_bs * blocks_per_req + 8, device)
+    num_blocks = max_bs * blocks_per_req + 8
+    if "spec" in phases:
+        # A speculative step appends k + 1 slots before truncating to the accepted ones.
+        max_k = max(int(k) for k in args.spec_ks.split(","))
+        spec_context = args.prompt_len + (args.spec_warmup + args.spec_steps + 6) * (max_k + 1)
+        if spec_context > args.max_model_len:
+            raise SystemExit(f"spec phase may reach {spec_context} tokens > --max-model-len")
+        spec_bs = max(int(b) for b in args.spec_batch_sizes.split(","))
+        num_blocks = max(num_blocks, spec_bs * (-(-args.max_model_len // args.block_size)) + 8)
+    cache = PagedKVCache(spec, num_blocks, device)
     runner = GPUModelRunner(model, cache, args.max_model_len, attn_num_splits=args.attn_num_splits)
     manager = cache.block_manager(watermark=0.0)
 
-    if device.type == "cuda":
+    graphs = None
+    if device.type == "cuda" and "decode" in phases:
         roofline_step_s = weight_bytes / bandwidth
         section["copy_bandwidth_GBps"] = round(bandwidth / 1e9, 1)
         section["roofline_step_ms_bs1"] = round(roofline_step_s * 1e3, 3)
@@ -304,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     def eager(input_ids, positions, metadata):
         return runner.forward(input_ids, positions, metadata)[0]
 
-    if not args.skip_eager:
+    if not args.skip_eager and "decode" in phases:
         section["eager_tokens_per_s"], eager_ms = {}, {}
         for bs in batch_sizes:
             res = decode_run(runner, manager, eager, bs, args, device)
@@ -322,17 +365,77 @@ def main(argv: list[str] | None = None) -> int:
             section["tokens_per_s"] = section["eager_tokens_per_s"]
             section["step_ms"] = {k: round(v, 3) for k, v in eager_ms.items()}
     section["wall_s"] = round(time.perf_counter() - t_start, 1)
+    if "decode" in phases:
+        print(json.dumps(section, indent=2))
+        print(markdown_table(section))
+    results = (
+        json.loads(args.output.read_text()) if args.output.exists() and not args.dry_run else {}
+    )
 
-    print(json.dumps(section, indent=2))
-    print(markdown_table(section))
-    if args.dry_run:
-        return 0
-    results = json.loads(args.output.read_text()) if args.output.exists() else {}
-    results["target_decode"] = section
-    results["roofline_fraction_bs1"] = section["roofline_fraction_bs1"]
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(results, indent=2) + "\n")
-    print(f"wrote {args.output}")
+    def save() -> None:
+        # After every phase, so that a later phase's failure keeps the earlier figures.
+        if not args.dry_run:
+            args.output.parent.mkdir(parents=True, exist_ok=True)
+            args.output.write_text(json.dumps(results, indent=2) + "\n")
+            print(f"wrote {args.output}", flush=True)
+
+    if "decode" in phases:
+        results["target_decode"] = section
+        results["roofline_fraction_bs1"] = section.get("roofline_fraction_bs1")
+        save()
+
+    baseline = None
+    if "spec" in phases:
+        from bench.engine_spec import run_spec_phase, spec_markdown_table
+
+        if device.type == "cuda":
+            if graphs is None:
+                spec_sizes = [int(b) for b in args.spec_batch_sizes.split(",")]
+                graphs = CUDAGraphManager(runner, max(spec_sizes), capture_sizes=spec_sizes)
+                graphs.capture()
+            baseline = graphs.run
+        else:
+            baseline = eager
+        spec_out = run_spec_phase(model, runner, cache, baseline, args, device)
+        spec_out["spec_decode"].update(
+            command=section["command"],
+            date=section["date"],
+            gpu=section["gpu"],
+            software=section["software"],
+            model=section["model"],
+            dtype=section["dtype"],
+        )
+        print(json.dumps(spec_out, indent=2), flush=True)
+        print(spec_markdown_table(spec_out), flush=True)
+        results.update(spec_out)
+        save()
+
+    if "hf" in phases:
+        import gc
+
+        from bench.engine_hf import run_hf_phase
+
+        # Every reference to our model goes, so that its memory is free for theirs.
+        del graphs, runner, cache, manager, model, eager, baseline
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        hf = run_hf_phase(shape, dtype, device, args)
+        hf.update(command=section["command"], date=section["date"], gpu=section["gpu"])
+        ours_bs1 = results.get("target_decode", {}).get("tokens_per_s", {}).get("bs1")
+        ours_spec = results.get("spec_decode", {}).get("tokens_per_s", {}).get("a0.8_k4_bs1")
+        theirs = hf["tokens_per_s"]
+        static, assisted = theirs.get("static_compile_bs1"), theirs.get("assisted_bs1")
+        vs_hf = {
+            "generate_bs1": round(ours_bs1 / static, 3) if ours_bs1 and static else None,
+            "assisted_bs1": round(ours_spec / assisted, 3) if ours_spec and assisted else None,
+            "ours_target_only_bs1_tokens_per_s": ours_bs1,
+            "ours_spec_a0.8_k4_bs1_tokens_per_s": ours_spec,
+            "hf": hf,
+        }
+        print(json.dumps(vs_hf, indent=2), flush=True)
+        results["vs_hf"] = vs_hf
+        save()
     return 0
 
 

@@ -6,5 +6,9 @@ over the Triton kernels, and CUDA graphs per batch shape.
 - :mod:`.model_runner`: the Llama / Qwen3 forward on the kernels, over the model
   classes' own parameters;
 - :mod:`.cudagraph`: graphs captured per ``BatchExecutionDescriptor``, each with the
-  ``CapturedAttentionState`` it reads.
+  ``CapturedAttentionState`` it reads;
+- :mod:`.eagle3_runner`: the EAGLE-3 head's forward on the kernels;
+- :mod:`.draft_graphs`: the draft's prefill (reusing the verification's attention
+  state) and decode steps, eager and in CUDA graphs;
+- :mod:`.spec_decode`: the speculative step (verify, reject, roll back, draft).
 """

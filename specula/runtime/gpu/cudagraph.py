@@ -77,6 +77,9 @@ class CUDAGraphManager:
             each verification width in use).
         capture_sizes: request counts to capture; default
             :func:`cudagraph_capture_sizes` of ``max_num_reqs``.
+        aux_layer_ids: residual streams the graphs also return (EAGLE-3's auxiliary
+            hidden states, see :meth:`GPUModelRunner.forward`); read them with
+            :meth:`run_with_aux`.
 
     Raises:
         ValueError: a capture size outside ``[1, max_num_reqs]`` or a query length < 1.
@@ -88,6 +91,7 @@ class CUDAGraphManager:
         max_num_reqs: int,
         uniform_query_lens: Sequence[int] = (1,),
         capture_sizes: Sequence[int] | None = None,
+        aux_layer_ids: Sequence[int] = (),
     ) -> None:
         sizes = sorted(set(capture_sizes or cudagraph_capture_sizes(max_num_reqs)))
         if sizes[0] < 1 or sizes[-1] > max_num_reqs:
@@ -95,6 +99,7 @@ class CUDAGraphManager:
         if min(uniform_query_lens) < 1:
             raise ValueError(f"uniform_query_lens {uniform_query_lens} must be >= 1")
         self.runner = runner
+        self.aux_layer_ids = tuple(aux_layer_ids)
         self.capture_sizes = sizes
         self.uniform_query_lens = tuple(sorted(set(uniform_query_lens)))
         device = runner.device
@@ -113,6 +118,9 @@ class CUDAGraphManager:
         self.pool: tuple | None = None
         self.graphs: dict[BatchExecutionDescriptor, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[BatchExecutionDescriptor, torch.Tensor] = {}
+        self.aux_outputs: dict[BatchExecutionDescriptor, torch.Tensor] = {}
+        """[num_tokens, len(aux_layer_ids) * hidden_size] per descriptor, when
+        ``aux_layer_ids`` is set."""
         self.states: dict[BatchExecutionDescriptor, CapturedAttentionState] = {}
 
     def descriptors(self) -> list[BatchExecutionDescriptor]:
@@ -163,15 +171,21 @@ class CUDAGraphManager:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
-                self.runner.forward(state.input_ids, state.positions, state.metadata)
+                self.runner.forward(
+                    state.input_ids, state.positions, state.metadata, self.aux_layer_ids
+                )
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                hidden, _ = self.runner.forward(state.input_ids, state.positions, state.metadata)
+                hidden, aux = self.runner.forward(
+                    state.input_ids, state.positions, state.metadata, self.aux_layer_ids
+                )
             if self.pool is None:
                 self.pool = graph.pool()
             self.graphs[d] = graph
             self.outputs[d] = hidden
+            if aux is not None:
+                self.aux_outputs[d] = aux
             self.states[d] = state
         torch.cuda.synchronize()
         return dict(self.states)
@@ -205,11 +219,23 @@ class CUDAGraphManager:
             [num_tokens, hidden_size] final hidden states. After a replay this is a view
             of the graph's output buffer: valid until the next replay of any graph.
         """
+        return self.run_with_aux(input_ids, positions, metadata)[0]
+
+    @torch.no_grad()
+    def run_with_aux(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: PagedAttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:meth:`run`, also returning the auxiliary hidden states ``[num_tokens,
+        len(aux_layer_ids) * hidden_size]`` (``None`` without ``aux_layer_ids``); after
+        a replay both are views of the graph's output buffers."""
         d = None
         if not metadata.prefill:
             d = self.descriptor_for(metadata.num_reqs, metadata.uniform_query_len)
         if d is None:
-            return self.runner.forward(input_ids, positions, metadata)[0]
+            return self.runner.forward(input_ids, positions, metadata, self.aux_layer_ids)
         n, r = metadata.num_tokens, metadata.num_reqs
         assert metadata.block_table.shape[1] == self.block_table.shape[1]
         self.input_ids[:n].copy_(input_ids)
@@ -221,4 +247,5 @@ class CUDAGraphManager:
             self.slot_mapping[n : d.num_tokens].fill_(-1)
             self.seq_lens[r : d.num_reqs].zero_()
         self.graphs[d].replay()
-        return self.outputs[d][:n]
+        aux = self.aux_outputs.get(d)
+        return self.outputs[d][:n], None if aux is None else aux[:n]

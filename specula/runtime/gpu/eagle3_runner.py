@@ -1,0 +1,195 @@
+"""The EAGLE-3 draft head's forward on the GPU kernels, over its own paged KV cache.
+
+The head (:class:`~specula.runtime.models.llama_eagle3.Eagle3LlamaForCausalLM`, Li et
+al., arXiv 2503.01840) owns its weights; this runner applies them with the same kernels
+and sublayers as the target's :class:`~specula.runtime.gpu.model_runner.GPUModelRunner`.
+The draft's cache has as many blocks as the target's and is indexed by the *target's*
+block tables and slot mappings (one block manager for both, as vLLM allocates draft
+layers in the target's KV-cache groups): a draft forward over the slots of a
+verification forward can then read that forward's attention metadata unchanged, which is
+what attention-state reuse (vLLM PR #40410) relies on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+
+from specula.runtime.gpu.block_manager import cdiv
+from specula.runtime.gpu.model_runner import GPUModelRunner
+from specula.runtime.gpu.paged_kv import PagedAttentionMetadata, PagedKVCache
+from specula.runtime.kernels.layernorm import fused_add_rms_norm, rms_norm
+from specula.runtime.kernels.rotary import build_cos_sin_cache
+from specula.runtime.models.config import ModelConfig
+from specula.runtime.models.layers import RotaryEmbedding
+from specula.runtime.models.llama_eagle3 import Eagle3Config, Eagle3LlamaForCausalLM
+
+
+class GPUEagle3Runner(GPUModelRunner):
+    """Runs an :class:`Eagle3LlamaForCausalLM` over a :class:`PagedKVCache` of its
+    layers with the Triton kernels.
+
+    Args:
+        model: the head on its device, in eval mode, in the cache's dtype, with the
+            target's weights bound (``missing_target_weights`` empty).
+        kv_cache: one key/value pair per draft layer; ``num_blocks`` and ``block_size``
+            equal to the target cache's (block tables are shared).
+        max_model_len: as for the target runner.
+        attn_num_splits: as for the target runner.
+
+    Raises:
+        ValueError: unbound target weights, or a cache that does not match the head.
+    """
+
+    def __init__(
+        self,
+        model: Eagle3LlamaForCausalLM,
+        kv_cache: PagedKVCache,
+        max_model_len: int,
+        attn_num_splits: int | None = None,
+    ) -> None:
+        # GPUModelRunner.__init__ checks for a target class; the attributes its
+        # sublayers read are set here for the head instead.
+        if model.missing_target_weights:
+            raise ValueError(f"bind the target's {sorted(model.missing_target_weights)} first")
+        config = model.config
+        spec = kv_cache.spec
+        if (spec.num_layers, spec.num_kv_heads, spec.head_dim) != (
+            len(model.layers),
+            config.num_key_value_heads,
+            config.head_dim,
+        ):
+            raise ValueError(f"KV cache {spec} does not match the draft head")
+        self.model = model
+        self.config = config
+        self.kv_cache = kv_cache
+        self.device = model.fc.weight.device
+        self.dtype = model.fc.weight.dtype
+        if spec.dtype != self.dtype:
+            raise ValueError(f"KV cache dtype {spec.dtype} != draft dtype {self.dtype}")
+        self.block_size = spec.block_size
+        self.max_model_len = max_model_len
+        self.max_blocks_per_req = cdiv(max_model_len, spec.block_size)
+        self.attn_num_splits = attn_num_splits
+        self.has_qk_norm = config.model_type == "qwen3"
+        self.scale = config.head_dim**-0.5
+        self.cos_sin_cache = build_cos_sin_cache(
+            model.rotary.inv_freq.to(self.device), max_model_len
+        )
+
+    @torch.no_grad()
+    def combine_hidden_states(self, aux_hidden_states: torch.Tensor) -> torch.Tensor:
+        """``fc`` (and its optional norms): [n, num_aux * H_target] -> [n, H]."""
+        return self.model.combine_hidden_states(aux_hidden_states)
+
+    @torch.no_grad()
+    def forward(  # type: ignore[override]
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: PagedAttentionMetadata,
+        hidden_states: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One draft forward, writing the draft's keys and values to its cache.
+
+        Args:
+            input_ids: [num_tokens] int64, the token after each conditioning position.
+            positions: [num_tokens] int64 rotary positions.
+            metadata: paged metadata over the shared block tables.
+            hidden_states: [num_tokens, H], fused target states or the draft's previous
+                output.
+
+        Returns:
+            ``(normed [num_tokens, H] for :meth:`draft_token_ids`, [num_tokens, H] the
+            state the next draft step reads)``, as
+            :meth:`Eagle3LlamaForCausalLM.forward`.
+
+        Raises:
+            AssertionError: shapes that do not match the above.
+        """
+        assert input_ids.ndim == 1 and input_ids.shape == positions.shape
+        assert input_ids.shape[0] == metadata.num_tokens
+        assert hidden_states.shape == (input_ids.shape[0], self.config.hidden_size)
+        model = self.model
+        first, *rest = model.layers
+        embeds = model.embed_tokens(input_ids)  # [num_tokens, H]
+        normed_hidden = rms_norm(hidden_states, first.hidden_norm.weight, first.hidden_norm.eps)
+        residual = normed_hidden if first.norm_before_residual else hidden_states
+        ln = first.input_layernorm
+        attn_in = torch.cat([rms_norm(embeds, ln.weight, ln.eps), normed_hidden], dim=-1)
+        hidden = self._attention(first.self_attn, attn_in, positions, 0, metadata)
+        ln = first.post_attention_layernorm
+        hidden, residual = fused_add_rms_norm(hidden, residual, ln.weight, ln.eps)
+        hidden = self._mlp(first.mlp, hidden)
+        for i, layer in enumerate(rest, start=1):
+            ln = layer.input_layernorm
+            hidden, residual = fused_add_rms_norm(hidden, residual, ln.weight, ln.eps)
+            hidden = self._attention(layer.self_attn, hidden, positions, i, metadata)
+            ln = layer.post_attention_layernorm
+            hidden, residual = fused_add_rms_norm(hidden, residual, ln.weight, ln.eps)
+            hidden = self._mlp(layer.mlp, hidden)
+        normed, residual = fused_add_rms_norm(hidden, residual, model.norm.weight, model.norm.eps)
+        return normed, normed if model.eagle.norm_output else residual
+
+    @torch.no_grad()
+    def draft_token_ids(self, normed: torch.Tensor) -> torch.Tensor:
+        """Greedy draft tokens: [n, H] -> [n] int64 *target* ids (argmax over the draft
+        vocabulary, mapped through ``d2t``)."""
+        return self.model.draft_to_target[self.model.lm_head(normed).argmax(dim=-1)]
+
+
+def random_eagle3_head(
+    target: ModelConfig,
+    *,
+    draft_vocab_size: int,
+    aux_layer_ids: Sequence[int],
+    dtype: torch.dtype,
+    device: torch.device,
+    num_layers: int = 1,
+    std: float = 0.02,
+    seed: int = 0,
+) -> Eagle3LlamaForCausalLM:
+    """An EAGLE-3 head of the target's width with random weights, for benchmarks and
+    tests where speed, not the drafts' quality, is measured: matrices ``N(0, std)``,
+    norms 1, and a ``d2t`` that maps the draft vocabulary onto a random sorted subset of
+    the target's (vLLM's and ``speculators``' default ``draft_vocab_size`` is 32000).
+
+    Args:
+        target: the target's config (width, heads, vocabulary, rotary).
+        draft_vocab_size: rows of ``lm_head`` (<= ``target.vocab_size``).
+        aux_layer_ids: the target layers whose residual streams ``fc`` fuses.
+        dtype, device: of the weights.
+        num_layers: decoder layers (the first takes ``2H``).
+        std: standard deviation of the matrices.
+        seed: of the weights and of ``d2t``.
+
+    Raises:
+        ValueError: ``draft_vocab_size`` outside ``[1, target.vocab_size]``.
+    """
+    if not 1 <= draft_vocab_size <= target.vocab_size:
+        raise ValueError(f"draft_vocab_size {draft_vocab_size} outside [1, {target.vocab_size}]")
+    eagle = Eagle3Config(
+        layer=dataclasses.replace(target, num_hidden_layers=num_layers),
+        draft_vocab_size=draft_vocab_size,
+        aux_hidden_state_layer_ids=tuple(aux_layer_ids),
+        target_hidden_size=target.hidden_size,
+    )
+    with torch.device("meta"):
+        model = Eagle3LlamaForCausalLM(eagle, device)
+        model.to(dtype)
+    model.to_empty(device=device)
+    model.rotary = RotaryEmbedding(target.head_dim, target.rope_theta, target.rope_scaling, device)
+    gen = torch.Generator(device).manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 1:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, std, generator=gen)
+    ids = torch.randperm(target.vocab_size, generator=torch.Generator().manual_seed(seed))
+    ids = ids[:draft_vocab_size].sort().values
+    model.draft_to_target = torch.arange(draft_vocab_size, device=device)
+    model.set_draft_to_target(ids - torch.arange(draft_vocab_size))
+    return model.eval()
