@@ -57,6 +57,9 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
                         "between code and prose)")
     p.add_argument("--tune-intervals", type=int, default=18,
                    help="tuning intervals, split into code, prose and code phases")
+    p.add_argument("--compare", action="store_true",
+                   help="instead: serve the target with each of draft_model, eagle3, mtp and "
+                        "ngram in turn and print their acceptance side by side")
 
 
 def _add_crd(sub: argparse._SubParsersAction) -> None:

@@ -87,6 +87,71 @@ class Recipe:
         return asdict(self)
 
 
+#: Bump when the head-training code changes the weights for the same :class:`HeadsRecipe`.
+HEADS_VERSION = 1
+
+
+@dataclass(frozen=True)
+class HeadsRecipe:
+    """The EAGLE-3 and MTP heads trained on the demo target (:mod:`specula.demo.train_heads`).
+
+    Context length, warmup, weight decay and clipping are the :class:`Recipe`'s.
+    """
+
+    eagle3_aux_hidden_state_layer_ids: tuple[int, ...] = (2, 4, 6)
+    """Target layers whose input the EAGLE-3 head reads (vLLM's ``aux_hidden_state_layers``
+    numbering; ``6`` is the last layer's output before the final norm, which ``speculators``
+    accepts as the final hidden state). The default ``(2, L // 2, L - 3)`` repeats layer 3
+    for the 6-layer target, so low, middle and top are spelled out."""
+
+    eagle3_draft_vocab_size: int = 1024
+    """The EAGLE-3 head's vocabulary: the most frequent training tokens, mapped to target ids
+    through ``d2t`` (EAGLE-3 prunes the vocabulary the same way)."""
+
+    eagle3_norm_output: bool = True
+    """Feed the normed state, not the layer's raw output, to the next draft step
+    (``speculators``' ``norm_output``, EAGLE 3.1). On the demo target it lifts teacher-forced
+    acceptance at draft positions 2 and 3 from 0.39 / 0.23 to 0.50 / 0.35 (250 steps)."""
+
+    num_unrolled_steps: int = 3
+    """Draft steps unrolled per training example (EAGLE-3's training-time test)."""
+
+    steps: int = 400
+    """Optimizer steps; both heads train on the same batches of target features (about one
+    CPU-second per step)."""
+
+    batch_size: int = 8
+    """Sequences per step (of the recipe's ``seq_len``); every sequence is unrolled
+    ``num_unrolled_steps`` times per head, so half the target's batch costs about as much."""
+
+    lr: float = 3e-3
+    eagle3_step_weight_beta: float = 0.8
+    """Loss weight of unrolled step ``s`` is proportional to ``beta ** s`` (EAGLE-3: 0.8)."""
+
+    mtp_step_weight_beta: float = 0.6
+    """The same for MTP (FastMTP, arXiv 2509.18362, Eq. 2: 0.6)."""
+
+    mtp_hidden_state: str = "final_norm"
+    """Which target state feeds MTP: ``final_norm`` (the target's output hidden state after its
+    final norm, what vLLM hands its MTP proposers) or ``pre_norm`` (before it)."""
+
+    num_speculative_tokens: int = 3
+    """``speculative_tokens`` written into the checkpoints' proposal config."""
+
+    eval_batches: int = 6
+    seed: int = 1236
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def heads_hash(heads: HeadsRecipe) -> str:
+    """16 hex digits of SHA-256 over ``heads`` and :data:`HEADS_VERSION`; the target they are
+    trained on is keyed by the directory above (:func:`recipe_hash`)."""
+    blob = json.dumps({"version": HEADS_VERSION, "heads": heads.to_json()}, sort_keys=True)
+    return hashlib.sha256(blob.encode("utf-8")).hexdigest()[:16]
+
+
 def recipe_hash(recipe: Recipe, corpus_digest: str) -> str:
     """16 hex digits of SHA-256 over the recipe, :data:`RECIPE_VERSION`, the Python minor
     version and the corpus digest."""

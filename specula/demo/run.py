@@ -2,7 +2,9 @@
 alone.
 
 1. Train (first run) or load from the cache the demo target and draft
-   (:func:`specula.demo.train.ensure_models`).
+   (:func:`specula.demo.train.ensure_models`), and the EAGLE-3 and MTP heads on that target
+   (:func:`specula.demo.train_heads.ensure_heads`). With ``--compare``, the rest is replaced by
+   :mod:`specula.demo.compare`: every method served in turn and compared.
 2. Serve the target with the draft as its speculator (``draft_model``, ``k`` speculative
    tokens), send a batch of Python prompts concurrently at temperature 0, and read the
    speculative-decoding counters from ``/metrics``.
@@ -69,7 +71,7 @@ class ServedRun:
         return self.completion_tokens / self.wall_s if self.wall_s > 0 else 0.0
 
 
-def _measure(servers: dict[str, ServerProcess], max_tokens: int) -> dict[str, ServedRun]:
+def measure_servers(servers: dict[str, ServerProcess], max_tokens: int) -> dict[str, ServedRun]:
     """Warm up every server, then send the prompt batch to each in turn, ``TIMED_ROUNDS``
     times. Alternating between servers round by round spreads any drift in the machine's load
     (other processes on a shared CPU) evenly over both configurations."""
@@ -122,6 +124,16 @@ def _print_training(model_dir: Path, report: dict, trained_now: bool) -> None:
     state = "trained now" if trained_now else "cached"
     cpu = f", {report['cpu_s']:.0f} CPU-s" if "cpu_s" in report else ""
     print(f"  training wall time {w['total']:.0f}s on {report['num_threads']} threads{cpu} ({state})")
+
+
+def _print_heads(heads_dir: Path, report: dict, trained_now: bool) -> None:
+    tf, w = report["teacher_forced"], report["wall_s"]
+    state = "trained now" if trained_now else "cached"
+    print(f"heads: {heads_dir} ({state}, {w['total']:.0f}s on {report['device']})")
+    for name, label in (("eagle3", "EAGLE-3"), ("mtp", "MTP")):
+        accept = " ".join(f"{a:.2f}" for a in tf[name]["acceptance_per_position"])
+        print(f"  {label + ':':<9}{report['params'][name] / 1e6:.2f}M trained params, "
+              f"teacher-forced acceptance per position {accept}")
 
 
 def _print_completions(run: ServedRun) -> None:
@@ -188,6 +200,7 @@ def run_demo(args: argparse.Namespace) -> int:
         130 on Ctrl-C. Servers started here are stopped on every path.
     """
     from specula.demo.train import COMPLETE_MARKER, ensure_models
+    from specula.demo.train_heads import ensure_heads
 
     k, max_tokens = args.num_speculative_tokens, args.max_tokens
     tune = getattr(args, "tune", True)
@@ -202,6 +215,13 @@ def run_demo(args: argparse.Namespace) -> int:
     try:
         model_dir, report, trained_now = ensure_models(retrain=args.retrain)
         _print_training(model_dir, report, trained_now)
+        heads_dir, heads_report, heads_trained_now = ensure_heads(model_dir)
+        _print_heads(heads_dir, heads_report, heads_trained_now)
+        if getattr(args, "compare", False):
+            from specula.demo.compare import compare_main
+
+            stage = "compare: "
+            return compare_main(model_dir, heads_dir, k, max_tokens, args.port)
 
         target_uri = f"file://{model_dir / 'target'}"
         draft_uri = f"file://{model_dir / 'draft'}"
@@ -223,7 +243,8 @@ def run_demo(args: argparse.Namespace) -> int:
                 server.wait_healthy()
             print(f"sending {len(PROMPTS)} prompts concurrently, greedy, max_tokens={max_tokens}, "
                   f"{TIMED_ROUNDS} timed rounds per server (alternating)")
-            runs = _measure({"speculative": spec_server, "target only": base_server}, max_tokens)
+            runs = measure_servers({"speculative": spec_server, "target only": base_server},
+                                   max_tokens)
         spec, base = runs["speculative"], runs["target only"]
 
         _print_completions(spec)

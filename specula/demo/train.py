@@ -12,8 +12,9 @@ Steps, all seeded:
    distilling the draft on the target raises the acceptance rate).
 4. Save both in Hugging Face layout, each with the shared tokenizer.
 
-Run as ``python -m specula.demo.train --out DIR``; ``specula demo`` calls :func:`ensure_models`,
-which caches the result under ``<cache>/demo/<recipe-hash>``.
+Run as ``python -m specula.demo.train --out DIR`` (which then also trains the EAGLE-3 and MTP
+heads of :mod:`specula.demo.train_heads` into ``DIR/heads-<hash>``); ``specula demo`` calls
+:func:`ensure_models`, which caches the result under ``<cache>/demo/<recipe-hash>``.
 """
 
 from __future__ import annotations
@@ -93,7 +94,8 @@ def cosine_lr(step: int, total: int, warmup: int, min_ratio: float) -> float:
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def _optimizer(model: torch.nn.Module, lr: float, weight_decay: float) -> torch.optim.AdamW:
+def adamw_optimizer(model: torch.nn.Module, lr: float, weight_decay: float) -> torch.optim.AdamW:
+    """AdamW (betas 0.9/0.95) over ``model``'s parameters; only matrices are decayed."""
     # Decay only matrices: norms' gains shrinking towards zero hurts small models.
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
@@ -131,7 +133,7 @@ def evaluate(
 def train_target(model, stream: torch.Tensor, recipe: Recipe, progress: bool) -> float:
     """Train ``model`` in place with next-token cross-entropy; returns the last smoothed loss."""
     gen = torch.Generator().manual_seed(recipe.seed)
-    opt = _optimizer(model, recipe.target_lr, recipe.weight_decay)
+    opt = adamw_optimizer(model, recipe.target_lr, recipe.weight_decay)
     model.train()
     ema = None
     bar = tqdm(range(recipe.target_steps), desc="target", disable=not progress, unit="step")
@@ -173,7 +175,7 @@ def distill_draft(draft, target, stream: torch.Tensor, recipe: Recipe, progress:
     """Distil ``draft`` on ``target``: loss = KL(p_target || p_draft) at temperature T (scaled by
     T^2) + ``distill_ce_weight`` * cross-entropy on the corpus. Returns the last smoothed loss."""
     gen = torch.Generator().manual_seed(recipe.seed + 1)
-    opt = _optimizer(draft, recipe.draft_lr, recipe.weight_decay)
+    opt = adamw_optimizer(draft, recipe.draft_lr, recipe.weight_decay)
     temp = recipe.distill_temperature
     draft.train()
     target.eval()
@@ -311,6 +313,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target-steps", type=int, default=None)
     p.add_argument("--draft-steps", type=int, default=None)
     p.add_argument("--max-bytes", type=int, default=None, help="corpus cap in bytes")
+    p.add_argument("--no-heads", dest="heads", action="store_false",
+                   help="skip the EAGLE-3 and MTP heads")
     args = p.parse_args(argv)
     recipe = Recipe()
     if args.target_steps is not None:
@@ -326,6 +330,15 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "train_report.json").write_text(json.dumps(report, indent=2))
     print(json.dumps({k: report[k] for k in ("params", "target_val_loss", "draft_val_loss",
                                              "greedy_agreement", "wall_s")}, indent=2))
+    if args.heads:
+        from specula.demo.recipe import HeadsRecipe, heads_hash
+        from specula.demo.train_heads import train_heads
+
+        heads = HeadsRecipe()
+        heads_report = train_heads(args.out, args.out / f"heads-{heads_hash(heads)}", recipe,
+                                   heads)
+        (args.out / "heads_report.json").write_text(json.dumps(heads_report, indent=2))
+        print(json.dumps({k: heads_report[k] for k in ("teacher_forced", "wall_s")}, indent=2))
     return 0
 
 
