@@ -121,6 +121,37 @@ def build_random_model(hf_config_kwargs: dict, dtype, device, seed: int = 0):
     return model.eval()
 
 
+class DeviceTimer:
+    """Seconds spent in a ``with`` block (:attr:`seconds`): CUDA events around it on a
+    GPU (the device timeline; nothing inside the block synchronises), the host clock
+    elsewhere (dry runs on the CPU)."""
+
+    def __init__(self, device) -> None:
+        self.cuda = device.type == "cuda"
+        self.seconds = 0.0
+
+    def __enter__(self) -> DeviceTimer:
+        if self.cuda:
+            import torch
+
+            torch.cuda.synchronize()
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._end = torch.cuda.Event(enable_timing=True)
+            self._start.record()
+        self._t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.cuda:
+            import torch
+
+            self._end.record()
+            torch.cuda.synchronize()
+            self.seconds = self._start.elapsed_time(self._end) / 1e3
+        else:
+            self.seconds = time.perf_counter() - self._t0
+
+
 def decode_run(runner, manager, forward, batch_size: int, args, device) -> dict:
     """Prefill ``batch_size`` random prompts, then ``warmup + steps`` greedy decode steps
     through ``forward(input_ids, positions, metadata) -> hidden``; returns the timed
@@ -152,24 +183,13 @@ def decode_run(runner, manager, forward, batch_size: int, args, device) -> dict:
 
     for _ in range(args.warmup):
         next_ids = step(next_ids)
-    timing = device.type == "cuda"
-    if timing:
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-    t0 = time.perf_counter()
-    for _ in range(args.steps):
-        next_ids = step(next_ids)
-    if timing:
-        end.record()
-        torch.cuda.synchronize()
-        seconds = start.elapsed_time(end) / 1e3
-    else:
-        seconds = time.perf_counter() - t0
+    with DeviceTimer(device) as timer:
+        for _ in range(args.steps):
+            next_ids = step(next_ids)
     assert next_ids.shape == (batch_size,)
     for r in ids:
         manager.free(r)
-    step_s = seconds / args.steps
+    step_s = timer.seconds / args.steps
     return {"step_ms": step_s * 1e3, "tokens_per_s": batch_size / step_s}
 
 

@@ -23,6 +23,7 @@ import time
 def _spec_run(decoder, batch_size: int, k: int, rate: float, steps: int, warmup: int, args):
     import torch
 
+    from bench.engine import DeviceTimer
     from specula.runtime.gpu.spec_decode import synthetic_num_accepted
 
     device = decoder.device
@@ -33,24 +34,14 @@ def _spec_run(decoder, batch_size: int, k: int, rate: float, steps: int, warmup:
     decoder.start(list(range(batch_size)), prompts, k)
     for _ in range(warmup):
         decoder.step(synthetic_num_accepted(rng, rate, k, batch_size))
-    timing = device.type == "cuda"
-    if timing:
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-    t0 = time.perf_counter()
     emitted = 0
     output = None
-    for _ in range(steps):
-        accepted = synthetic_num_accepted(rng, rate, k, batch_size)
-        output, _ = decoder.step(accepted)
-        emitted += sum(accepted) + batch_size
-    if timing:
-        end.record()
-        torch.cuda.synchronize()
-        seconds = start.elapsed_time(end) / 1e3
-    else:
-        seconds = time.perf_counter() - t0
+    with DeviceTimer(device) as timer:
+        for _ in range(steps):
+            accepted = synthetic_num_accepted(rng, rate, k, batch_size)
+            output, _ = decoder.step(accepted)
+            emitted += sum(accepted) + batch_size
+    seconds = timer.seconds
     assert output is not None and output.shape == (batch_size, k + 1)
     return {
         "tokens_per_s": emitted / seconds,

@@ -27,6 +27,7 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -292,19 +293,37 @@ def ensure_models(
     recipe = recipe or Recipe()
     corpus = select_corpus(recipe.corpus)
     out = cache_root() / "demo" / recipe_hash(recipe, corpus.digest)
+    message = f"training the demo models into {out} (first run; CPU, a few minutes)"
+    return ensure_cached(
+        out, lambda d: train_models(d, recipe, corpus, progress), retrain,
+        message if progress else None,
+    )
+
+
+def ensure_cached(
+    out: Path, train: Callable[[Path], dict], retrain: bool, message: str | None
+) -> tuple[Path, dict, bool]:
+    """Return ``(out, report, trained)``: the report in ``out``'s completion marker, or,
+    when there is none (or ``retrain``), the report of ``train(out)`` run into an emptied
+    ``out``, printing ``message`` first unless it is ``None``.
+
+    The marker is written last (atomically), so an interrupted run is trained again
+    from scratch. The report is returned as a cached run returns it (read back from
+    JSON: lists, not tuples).
+    """
     marker = out / COMPLETE_MARKER
     if marker.is_file() and not retrain:
         return out, json.loads(marker.read_text()), False
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
-    if progress:
-        print(f"training the demo models into {out} (first run; CPU, a few minutes)", flush=True)
-    report = train_models(out, recipe, corpus, progress)
+    if message is not None:
+        print(message, flush=True)
+    text = json.dumps(train(out), indent=2)
     tmp = out / (COMPLETE_MARKER + ".tmp")
-    tmp.write_text(json.dumps(report, indent=2))
+    tmp.write_text(text)
     os.replace(tmp, marker)
-    return out, report, True
+    return out, json.loads(text), True
 
 
 def main(argv: list[str] | None = None) -> int:

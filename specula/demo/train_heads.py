@@ -23,9 +23,7 @@ earlier ones, and from it the expected mean acceptance length.
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,9 +41,9 @@ from specula.demo.heads import (
 )
 from specula.demo.recipe import HeadsRecipe, Recipe, heads_hash
 from specula.demo.train import (
-    COMPLETE_MARKER,
     adamw_optimizer,
     cosine_lr,
+    ensure_cached,
     sample_batch,
     token_stream,
 )
@@ -347,17 +345,8 @@ def ensure_heads(
     recipe = recipe or Recipe()
     heads = heads or HeadsRecipe()
     out = model_dir / f"heads-{heads_hash(heads)}"
-    marker = out / COMPLETE_MARKER
-    if marker.is_file() and not retrain:
-        return out, json.loads(marker.read_text()), False
-    if out.exists():
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
-    if progress:
-        print(f"training the EAGLE-3 and MTP heads into {out} (first run; CPU, minutes)",
-              flush=True)
-    text = json.dumps(train_heads(model_dir, out, recipe, heads, progress=progress), indent=2)
-    tmp = out / (COMPLETE_MARKER + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, marker)
-    return out, json.loads(text), True  # as a cached run returns it (lists, not tuples)
+    message = f"training the EAGLE-3 and MTP heads into {out} (first run; CPU, minutes)"
+    return ensure_cached(
+        out, lambda d: train_heads(model_dir, d, recipe, heads, progress=progress), retrain,
+        message if progress else None,
+    )

@@ -55,6 +55,29 @@ def _reshape_and_cache_kernel(
     tl.store(v_dst + offs_h[:, None] * stride_vch + offs_d[None, :], v, mask=mask)
 
 
+def check_cache_write(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Launch checks shared by the kernels that write the paged KV cache (see
+    :func:`reshape_and_cache` for the shapes).
+
+    Raises:
+        AssertionError: shapes, dtypes or layouts do not match.
+    """
+    assert key.ndim == 3 and value.shape == key.shape
+    assert key_cache.ndim == 4 and value_cache.shape == key_cache.shape
+    assert key.dtype == value.dtype == key_cache.dtype == value_cache.dtype
+    assert slot_mapping.ndim == 1 and slot_mapping.dtype == torch.int64
+    assert slot_mapping.is_contiguous() and slot_mapping.shape[0] == key.shape[0]
+    for t in (key, value, key_cache, value_cache):
+        assert t.stride(-1) == 1, "last dim must be contiguous"
+    assert key_cache.shape[2:] == key.shape[1:]
+
+
 def reshape_and_cache(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -74,15 +97,8 @@ def reshape_and_cache(
     Raises:
         AssertionError: shapes, dtypes or layouts do not match the above.
     """
-    assert key.ndim == 3 and value.shape == key.shape
-    assert key_cache.ndim == 4 and value_cache.shape == key_cache.shape
-    assert key.dtype == value.dtype == key_cache.dtype == value_cache.dtype
-    assert slot_mapping.ndim == 1 and slot_mapping.dtype == torch.int64
-    assert slot_mapping.is_contiguous() and slot_mapping.shape[0] == key.shape[0]
-    assert key.stride(-1) == 1 and value.stride(-1) == 1
-    assert key_cache.stride(-1) == 1 and value_cache.stride(-1) == 1
+    check_cache_write(key, value, key_cache, value_cache, slot_mapping)
     num_tokens, num_kv_heads, head_dim = key.shape
-    assert key_cache.shape[2:] == (num_kv_heads, head_dim)
     if num_tokens == 0:
         return
     _reshape_and_cache_kernel[(num_tokens,)](
@@ -95,12 +111,8 @@ def reshape_and_cache(
         key.stride(1),
         value.stride(0),
         value.stride(1),
-        key_cache.stride(0),
-        key_cache.stride(1),
-        key_cache.stride(2),
-        value_cache.stride(0),
-        value_cache.stride(1),
-        value_cache.stride(2),
+        *key_cache.stride()[:3],
+        *value_cache.stride()[:3],
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
         BLOCK_SIZE=key_cache.shape[1],

@@ -28,6 +28,32 @@ def build_cos_sin_cache(
 
 
 @triton.jit
+def load_cos_sin(cos_sin_ptr, pos, stride_cs, offs_r, r_valid, HALF: tl.constexpr):
+    """``(cos, sin)`` of position ``pos`` as float32 ``[1, BLOCK_HALF]`` rows (0 past
+    ``HALF``), for :func:`rotate_half_in_place`."""
+    cos = tl.load(cos_sin_ptr + pos * stride_cs + offs_r, mask=r_valid, other=0.0)
+    sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + offs_r, mask=r_valid, other=0.0)
+    return cos.to(tl.float32)[None, :], sin.to(tl.float32)[None, :]
+
+
+@triton.jit
+def rotate_half_in_place(ptrs, mask, cos, sin, HALF: tl.constexpr):
+    """Rotate the ``[heads, BLOCK_HALF]`` first halves at ``ptrs`` with the second halves
+    at ``ptrs + HALF``, in float32, and store them back in the element dtype; returns the
+    stored halves ``(x1 * cos - x2 * sin, x2 * cos + x1 * sin)``."""
+    x1 = tl.load(ptrs, mask=mask, other=0.0)
+    x2 = tl.load(ptrs + HALF, mask=mask, other=0.0)
+    dtype = x1.dtype
+    x1 = x1.to(tl.float32)
+    x2 = x2.to(tl.float32)
+    r1 = (x1 * cos - x2 * sin).to(dtype)
+    r2 = (x2 * cos + x1 * sin).to(dtype)
+    tl.store(ptrs, r1, mask=mask)
+    tl.store(ptrs + HALF, r2, mask=mask)
+    return r1, r2
+
+
+@triton.jit
 def _rotary_kernel(
     positions_ptr,  # [num_tokens] int64
     query_ptr,  # [num_tokens, num_heads, head_dim]
@@ -50,31 +76,16 @@ def _rotary_kernel(
     pos = tl.load(positions_ptr + token)
     offs_r = tl.arange(0, BLOCK_HALF)
     r_valid = offs_r < HALF
-    cos = tl.load(cos_sin_ptr + pos * stride_cs + offs_r, mask=r_valid, other=0.0)
-    sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + offs_r, mask=r_valid, other=0.0)
-    cos = cos.to(tl.float32)[None, :]
-    sin = sin.to(tl.float32)[None, :]
-
+    cos, sin = load_cos_sin(cos_sin_ptr, pos, stride_cs, offs_r, r_valid, HALF)
     offs_h = tl.arange(0, BLOCK_H)
     mask = (offs_h < NUM_HEADS)[:, None] & r_valid[None, :]
     ptrs = query_ptr + token * stride_qt + offs_h[:, None] * stride_qh + offs_r[None, :]
-    x1 = tl.load(ptrs, mask=mask, other=0.0)
-    x2 = tl.load(ptrs + HALF, mask=mask, other=0.0)
-    dtype = x1.dtype
-    x1 = x1.to(tl.float32)
-    x2 = x2.to(tl.float32)
-    tl.store(ptrs, (x1 * cos - x2 * sin).to(dtype), mask=mask)
-    tl.store(ptrs + HALF, (x2 * cos + x1 * sin).to(dtype), mask=mask)
-
+    rotate_half_in_place(ptrs, mask, cos, sin, HALF)
     if HAS_KEY:
         offs_kh = tl.arange(0, BLOCK_KH)
         kmask = (offs_kh < NUM_KV_HEADS)[:, None] & r_valid[None, :]
         kptrs = key_ptr + token * stride_kt + offs_kh[:, None] * stride_kh + offs_r[None, :]
-        k1 = tl.load(kptrs, mask=kmask, other=0.0).to(tl.float32)
-        k2 = tl.load(kptrs + HALF, mask=kmask, other=0.0).to(tl.float32)
-        tl.store(kptrs, (k1 * cos - k2 * sin).to(dtype), mask=kmask)
-        tl.store(kptrs + HALF, (k2 * cos + k1 * sin).to(dtype), mask=kmask)
-
+        rotate_half_in_place(kptrs, kmask, cos, sin, HALF)
 
 def rotary_embedding(
     positions: torch.Tensor,

@@ -18,8 +18,15 @@ import torch
 import triton
 import triton.language as tl
 
-from specula.runtime.kernels.reshape_and_cache import reshape_and_cache_reference
-from specula.runtime.kernels.rotary import rotary_embedding_reference
+from specula.runtime.kernels.reshape_and_cache import (
+    check_cache_write,
+    reshape_and_cache_reference,
+)
+from specula.runtime.kernels.rotary import (
+    load_cos_sin,
+    rotary_embedding_reference,
+    rotate_half_in_place,
+)
 
 
 @triton.jit
@@ -58,31 +65,15 @@ def _rotary_cache_kernel(
     slot = tl.load(slot_mapping_ptr + token)
     offs_r = tl.arange(0, BLOCK_HALF)
     r_valid = offs_r < HALF
-    cos = tl.load(cos_sin_ptr + pos * stride_cs + offs_r, mask=r_valid, other=0.0)
-    sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + offs_r, mask=r_valid, other=0.0)
-    cos = cos.to(tl.float32)[None, :]
-    sin = sin.to(tl.float32)[None, :]
-
+    cos, sin = load_cos_sin(cos_sin_ptr, pos, stride_cs, offs_r, r_valid, HALF)
     offs_h = tl.arange(0, BLOCK_H)
     qmask = (offs_h < NUM_HEADS)[:, None] & r_valid[None, :]
     q_ptrs = query_ptr + token * stride_qt + offs_h[:, None] * stride_qh + offs_r[None, :]
-    q1 = tl.load(q_ptrs, mask=qmask, other=0.0)
-    q2 = tl.load(q_ptrs + HALF, mask=qmask, other=0.0)
-    dtype = q1.dtype
-    q1 = q1.to(tl.float32)
-    q2 = q2.to(tl.float32)
-    tl.store(q_ptrs, (q1 * cos - q2 * sin).to(dtype), mask=qmask)
-    tl.store(q_ptrs + HALF, (q2 * cos + q1 * sin).to(dtype), mask=qmask)
-
+    rotate_half_in_place(q_ptrs, qmask, cos, sin, HALF)
     offs_kh = tl.arange(0, BLOCK_KH)
     kmask = (offs_kh < NUM_KV_HEADS)[:, None] & r_valid[None, :]
     k_ptrs = key_ptr + token * stride_kt + offs_kh[:, None] * stride_kh + offs_r[None, :]
-    k1 = tl.load(k_ptrs, mask=kmask, other=0.0).to(tl.float32)
-    k2 = tl.load(k_ptrs + HALF, mask=kmask, other=0.0).to(tl.float32)
-    r1 = (k1 * cos - k2 * sin).to(dtype)
-    r2 = (k2 * cos + k1 * sin).to(dtype)
-    tl.store(k_ptrs, r1, mask=kmask)
-    tl.store(k_ptrs + HALF, r2, mask=kmask)
+    r1, r2 = rotate_half_in_place(k_ptrs, kmask, cos, sin, HALF)
 
     # A padding token (negative slot) writes nothing to the cache.
     cache_heads = tl.where(slot >= 0, NUM_KV_HEADS, 0)
@@ -143,18 +134,14 @@ def rotary_embedding_and_cache(
             partial rotary table: use the two separate kernels for those).
     """
     assert positions.ndim == 1 and positions.dtype == torch.int64 and positions.is_contiguous()
-    assert slot_mapping.ndim == 1 and slot_mapping.dtype == torch.int64
-    assert slot_mapping.is_contiguous() and slot_mapping.shape == positions.shape
-    assert query.ndim == 3 and key.ndim == 3 and value.shape == key.shape
+    assert slot_mapping.shape == positions.shape
+    check_cache_write(key, value, key_cache, value_cache, slot_mapping)
+    assert query.ndim == 3 and query.dtype == key.dtype
     assert query.dtype in (torch.float16, torch.bfloat16, torch.float32)
-    assert key.dtype == value.dtype == key_cache.dtype == value_cache.dtype == query.dtype
-    for t in (query, key, value, key_cache, value_cache, cos_sin_cache):
-        assert t.stride(-1) == 1, "last dim must be contiguous"
+    assert query.stride(-1) == 1 and cos_sin_cache.stride(-1) == 1
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = key.shape[1]
-    assert key.shape[0] == num_tokens == positions.shape[0] and key.shape[2] == head_dim
-    assert key_cache.ndim == 4 and value_cache.shape == key_cache.shape
-    assert key_cache.shape[2:] == (num_kv_heads, head_dim)
+    assert key.shape[0] == num_tokens and key.shape[2] == head_dim
     assert cos_sin_cache.ndim == 2 and cos_sin_cache.shape[1] == head_dim and head_dim % 2 == 0
     if num_tokens == 0:
         return
@@ -173,12 +160,8 @@ def rotary_embedding_and_cache(
         key.stride(1),
         value.stride(0),
         value.stride(1),
-        key_cache.stride(0),
-        key_cache.stride(1),
-        key_cache.stride(2),
-        value_cache.stride(0),
-        value_cache.stride(1),
-        value_cache.stride(2),
+        *key_cache.stride()[:3],
+        *value_cache.stride()[:3],
         cos_sin_cache.stride(0),
         NUM_HEADS=num_heads,
         NUM_KV_HEADS=num_kv_heads,
