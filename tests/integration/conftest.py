@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from .helm_cli import Helm, HelmError, find_helm
 from .kube_control_plane import (
     REPO_ROOT,
     ControlPlane,
@@ -25,6 +26,7 @@ from .kube_control_plane import (
 )
 from .operator_process import OperatorProcess
 from .sm_objects import GROUP, PLURAL
+from .stand_in_pod import StandInPod
 
 CRD_FILE = REPO_ROOT / "crds" / "speculativemodel.yaml"
 TEST_NAMESPACE = "specula-it"
@@ -149,6 +151,13 @@ def custom_objects(api_client):
 
 
 @pytest.fixture(scope="package")
+def discovery_v1(api_client):
+    from kubernetes import client
+
+    return client.DiscoveryV1Api(api_client)
+
+
+@pytest.fixture(scope="package")
 def namespace(core_v1) -> str:
     """The namespace the operator watches and the tests work in."""
     core_v1.create_namespace({"metadata": {"name": TEST_NAMESPACE}})
@@ -181,6 +190,35 @@ def operator(control_plane: ControlPlane, namespace: str) -> Iterator[OperatorPr
         yield op
     finally:
         op.stop()
+
+
+@pytest.fixture(scope="module")
+def stand_in_pods(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., StandInPod]]:
+    """``stand_in_pods(prefix, **counters)`` starts a :class:`StandInPod` (``counters``:
+    its ``k``, ``alphas``, ...); every pod started is stopped after the module."""
+    pods: list[StandInPod] = []
+
+    def start(prefix: str, **counters) -> StandInPod:
+        pod = StandInPod(workdir=tmp_path_factory.mktemp(f"{prefix}-stand-in"), prefix=prefix,
+                         **counters)
+        pods.append(pod)
+        pod.start()
+        return pod
+
+    try:
+        yield start
+    finally:
+        for pod in reversed(pods):
+            pod.stop()
+
+
+@pytest.fixture(scope="module")
+def helm(tmp_path_factory: pytest.TempPathFactory) -> Helm:
+    try:
+        binary = find_helm()
+    except HelmError as exc:
+        pytest.fail(f"helm unavailable: {exc}", pytrace=False)
+    return Helm(binary=binary, home=tmp_path_factory.mktemp("helm-home"))
 
 
 @pytest.hookimpl(wrapper=True)

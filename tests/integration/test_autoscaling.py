@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import math
 import subprocess
-from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -58,13 +57,8 @@ def keda_crd(control_plane: ControlPlane) -> None:
 
 
 @pytest.fixture(scope="module")
-def stand_in(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StandInPod]:
-    pod = StandInPod(workdir=tmp_path_factory.mktemp("stand-in"), prefix="specula")
-    try:
-        pod.start()
-        yield pod
-    finally:
-        pod.stop()
+def stand_in(stand_in_pods) -> StandInPod:
+    return stand_in_pods("specula")
 
 
 @pytest.fixture(scope="module")
@@ -72,13 +66,6 @@ def autoscaling_v2(api_client):
     from kubernetes import client
 
     return client.AutoscalingV2Api(api_client)
-
-
-@pytest.fixture(scope="module")
-def discovery_v1(api_client):
-    from kubernetes import client
-
-    return client.DiscoveryV1Api(api_client)
 
 
 def _scaled_object(custom_objects, namespace: str, name: str) -> dict | None:

@@ -36,9 +36,7 @@ from .helm_cli import (
     RELEASE,
     RELEASE_NAMESPACE,
     Helm,
-    HelmError,
     find,
-    find_helm,
     one,
     rules_table,
 )
@@ -49,17 +47,6 @@ pytestmark = pytest.mark.integration
 VALUES_FILES = sorted(CI_VALUES.glob("*-values.yaml"))
 CRD_SOURCE = REPO_ROOT / "crds" / "speculativemodel.yaml"
 DASHBOARD = CHART / "files" / "dashboards" / "speculative-decoding.json"
-
-
-
-
-@pytest.fixture(scope="module")
-def helm(tmp_path_factory: pytest.TempPathFactory) -> Helm:
-    try:
-        binary = find_helm()
-    except HelmError as exc:
-        pytest.fail(f"helm unavailable: {exc}", pytrace=False)
-    return Helm(binary=binary, home=tmp_path_factory.mktemp("helm-home"))
 
 
 @pytest.fixture(scope="module")

@@ -34,8 +34,6 @@ from .helm_cli import (
     RELEASE,
     RELEASE_NAMESPACE,
     Helm,
-    HelmError,
-    find_helm,
     rules_table,
 )
 from .kube_control_plane import (
@@ -129,15 +127,6 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
         yield cp
     finally:
         cp.stop()
-
-
-@pytest.fixture(scope="module")
-def helm(tmp_path_factory: pytest.TempPathFactory) -> Helm:
-    try:
-        binary = find_helm()
-    except HelmError as exc:
-        pytest.fail(f"helm unavailable: {exc}", pytrace=False)
-    return Helm(binary=binary, home=tmp_path_factory.mktemp("helm-home"))
 
 
 @pytest.fixture(scope="module")

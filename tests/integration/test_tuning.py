@@ -53,13 +53,6 @@ def runtime_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runtime
         test_host.delete()
 
 
-@pytest.fixture(scope="module")
-def discovery_v1(api_client):
-    from kubernetes import client
-
-    return client.DiscoveryV1Api(api_client)
-
-
 def _tuned_sm(name: str, mode: str, k: int) -> dict:
     return sm_body(name, {
         "model": {"dtype": "float32", "maxModelLen": 128},

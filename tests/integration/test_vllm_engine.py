@@ -12,7 +12,6 @@ length 1 + 1.2 = 2.2.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 
 import pytest
 from kubernetes.client.rest import ApiException
@@ -35,22 +34,8 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
-def vllm_pod(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StandInPod]:
-    pod = StandInPod(
-        workdir=tmp_path_factory.mktemp("vllm-stand-in"), prefix="vllm", k=2, alphas=(0.8, 0.5)
-    )
-    try:
-        pod.start()
-        yield pod
-    finally:
-        pod.stop()
-
-
-@pytest.fixture(scope="module")
-def discovery_v1(api_client):
-    from kubernetes import client
-
-    return client.DiscoveryV1Api(api_client)
+def vllm_pod(stand_in_pods) -> StandInPod:
+    return stand_in_pods("vllm", k=2, alphas=(0.8, 0.5))
 
 
 def _vllm_sm(name: str, **spec) -> dict:

@@ -17,13 +17,17 @@ Also: ``hf_model(path)`` loads a checkpoint with ``transformers.AutoModelForCaus
 in float32 (cached per path); ``make_engine(target, draft=None, k=3, max_num_seqs=8,
 **runtime_config_fields)`` builds an ``LLMEngine`` through ``from_config`` (float32,
 ``draft_model`` speculator when ``draft`` is given); ``chi_square(counts, probs)`` is
-:func:`chi_square_pvalue`. Torch runs single-threaded in this tier.
+:func:`chi_square_pvalue`; ``sampled_pvalue(engine, hf, prompt, num_samples)`` samples
+with ``engine`` and checks against ``hf``'s exact distribution; ``greedy_rounds(engine,
+prompts, expected, params, ks)`` checks greedy output for each k. Torch runs single-threaded in this tier.
 """
 
 from __future__ import annotations
 
 import copy
+import itertools
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -257,16 +261,89 @@ def target_distribution_pvalue(outputs: list[list[int]], joint: dict) -> float:
     return chi_square_pvalue(counts, probs)
 
 
+def sampled_target_pvalue(
+    engine, hf, prompt: list[int], num_samples: int,
+    temperature: float = 0.9, top_k: int = 4, length: int = 3,
+) -> float:
+    """Sample ``length`` tokens after ``prompt`` with ``engine`` ``num_samples`` times
+    (seeds ``0..num_samples - 1``) and return the chi-square p-value of the outputs
+    against ``hf``'s exact distribution (:func:`exact_joint_probs`).
+
+    Fails unless both branches of the verifier ran (some but not all draft tokens
+    accepted, position 1 accepted at least once): otherwise the p-value says little.
+    """
+    from specula.runtime.engine.llm_engine import SamplingParams
+
+    params = [
+        SamplingParams(
+            max_tokens=length, temperature=temperature, top_k=top_k, seed=s, ignore_eos=True
+        )
+        for s in range(num_samples)
+    ]
+    outputs = engine.generate([prompt] * num_samples, params)
+    stats = engine.spec_decoding_stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert stats.num_accepted_tokens_per_pos[1] > 0
+    joint = exact_joint_probs(hf, prompt, temperature, top_k, length)
+    return target_distribution_pvalue(outputs, joint)
+
+
 @pytest.fixture(scope="session")
-def target_pvalue():
-    """``target_pvalue(hf, prompt, outputs, temperature, top_k, length)`` -> chi-square
-    p-value of ``outputs`` against ``hf``'s exact processed distribution."""
+def sampled_pvalue():
+    """The :func:`sampled_target_pvalue` function, for tests in other files."""
+    return sampled_target_pvalue
 
-    def pvalue(hf, prompt, outputs, temperature: float, top_k: int, length: int) -> float:
-        joint = exact_joint_probs(hf, prompt, temperature, top_k, length)
-        return target_distribution_pvalue(outputs, joint)
 
-    return pvalue
+class GreedyRound(NamedTuple):
+    """What one ``generate`` call at a fixed k did: its outputs and the counters' growth."""
+
+    k: int
+    outputs: list[list[int]]
+    num_drafts: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    num_generation_tokens: int
+
+
+def greedy_rounds_equal_expected(
+    engine, prompts: list[list[int]], expected: list[list[int]], params, ks
+) -> list[GreedyRound]:
+    """For each k in ``ks``: set k, ``generate`` ``prompts`` with ``params`` and check
+    every output equals ``expected``, with both verifier branches run (some but not all
+    draft tokens accepted: the check can fail either way). After all rounds, accepted
+    counts per position form a prefix (position i+1 accepted only after i) that sums to
+    the accepted total, and no request is left. Returns one :class:`GreedyRound` per k
+    for method-specific checks."""
+    stats = engine.spec_decoding_stats
+    rounds = []
+    for k in ks:
+        engine.set_num_speculative_tokens(k)
+        before = (
+            stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens,
+            engine.generation_tokens_total,
+        )
+        got = engine.generate(prompts, params)
+        for prompt, g, e in zip(prompts, got, expected, strict=True):
+            assert g == e, f"k={k}, prompt length {len(prompt)}"
+        done = GreedyRound(
+            k, got, stats.num_drafts - before[0], stats.num_draft_tokens - before[1],
+            stats.num_accepted_tokens - before[2], engine.generation_tokens_total - before[3],
+        )
+        assert 0 < done.num_accepted_tokens < done.num_draft_tokens, (
+            f"k={k}: accepted {done.num_accepted_tokens} of {done.num_draft_tokens}"
+        )
+        rounds.append(done)
+    per_pos = stats.num_accepted_tokens_per_pos
+    assert sum(per_pos) == stats.num_accepted_tokens
+    assert all(a >= b for a, b in itertools.pairwise(per_pos))
+    assert not engine.has_unfinished_requests()
+    return rounds
+
+
+@pytest.fixture(scope="session")
+def greedy_rounds():
+    """The :func:`greedy_rounds_equal_expected` function, for tests in other files."""
+    return greedy_rounds_equal_expected
 
 
 def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:

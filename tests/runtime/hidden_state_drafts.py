@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from specula.api.runtime_config import RuntimeConfig, SpeculatorRuntimeConfig
-from specula.runtime.engine.llm_engine import LLMEngine, SamplingParams
+from specula.runtime.engine.llm_engine import LLMEngine
 from specula.runtime.spec_decode.base import DraftProposal, SpeculatorInput
 
 VOCAB_SIZE = 320
@@ -92,40 +92,6 @@ def random_prompts(seed: int) -> list[list[int]]:
     """Prompts of :data:`PROMPT_LENS` tokens, avoiding the eos id 0."""
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(1, VOCAB_SIZE, (n,), generator=gen).tolist() for n in PROMPT_LENS]
-
-
-def hf_greedy(hf, prompt: list[int], n: int = MAX_TOKENS) -> list[int]:
-    """``transformers`` greedy ``generate`` of ``n`` tokens, run past eos (as the
-    engine's ``ignore_eos`` requests)."""
-    with torch.no_grad():
-        out = hf.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            do_sample=False,
-            max_new_tokens=n,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-    return out[0, len(prompt) :].tolist()
-
-
-def check_greedy_equals_hf(engine: LLMEngine, hf, ks) -> None:
-    """For each k: greedy speculative output == ``transformers``' greedy output for
-    prompts of :data:`PROMPT_LENS` tokens, with both acceptances and rejections."""
-    prompts = random_prompts(seed=11)
-    expected = [hf_greedy(hf, p) for p in prompts]
-    stats = engine.spec_decoding_stats
-    for k in ks:
-        engine.set_num_speculative_tokens(k)
-        before = (stats.num_draft_tokens, stats.num_accepted_tokens)
-        got = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
-        for prompt, g, e in zip(prompts, got, expected, strict=True):
-            assert g == e, f"k={k}, prompt length {len(prompt)}"
-        drafted = stats.num_draft_tokens - before[0]
-        accepted = stats.num_accepted_tokens - before[1]
-        # The test must be able to fail: both branches of the verifier ran.
-        assert 0 < accepted < drafted, f"k={k}: accepted {accepted} of {drafted}"
-    assert not engine.has_unfinished_requests()
 
 
 def record_proposals(engine: LLMEngine) -> list[tuple[list[list[int]], DraftProposal]]:

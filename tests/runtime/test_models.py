@@ -6,62 +6,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from model_checks import ATOL, CPU, check_runner_against_hf, cpu_runner, hf_logits
 
-from specula.runtime.engine.model_runner import ModelRunner
 from specula.runtime.models.registry import load_model
 
 pytestmark = pytest.mark.runtime
 
-ATOL = 1e-4
-CPU = torch.device("cpu")
 
-
-def _runner(path) -> ModelRunner:
-    return ModelRunner(load_model(path, torch.float32, CPU), max_num_seqs=4, max_len=64, device=CPU)
-
-
-def _hf_logits(hf, tokens: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return hf(torch.tensor([tokens])).logits[0].float()  # [len, vocab]
-
-
-def _check_against_hf(runner: ModelRunner, hf, vocab: int) -> None:
-    gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (7, 12)]
-    slots = [2, 0]  # non-trivial slots: the cache row is not the batch index
-
-    # Batched prefill of two prompts of different lengths, logits at every position.
-    hidden = runner.forward(slots, torch.tensor(prompts[0] + prompts[1]), [7, 12], [0, 0])
-    logits = runner.compute_logits(hidden)
-    torch.testing.assert_close(logits[:7], _hf_logits(hf, prompts[0]), atol=ATOL, rtol=0)
-    torch.testing.assert_close(logits[7:], _hf_logits(hf, prompts[1]), atol=ATOL, rtol=0)
-
-    # Incremental decoding, one token per request per step, greedy.
-    seqs = [list(p) for p in prompts]
-    last = torch.stack([logits[6], logits[18]])
-    for _ in range(4):
-        nxt = last.argmax(-1).tolist()
-        starts = [len(s) for s in seqs]
-        for s, t in zip(seqs, nxt, strict=True):
-            s.append(t)
-        last = runner.compute_logits(runner.forward(slots, torch.tensor(nxt), [1, 1], starts))
-        for i, s in enumerate(seqs):
-            torch.testing.assert_close(last[i], _hf_logits(hf, s)[-1], atol=ATOL, rtol=0)
-
-    # Write three speculative tokens past the end of request 0, then roll back two of
-    # them by overwriting from a lower position together with a 1-token step of request 1.
-    spec = torch.randint(0, vocab, (3,), generator=gen).tolist()
-    runner.forward([2], torch.tensor(spec), [3], [len(seqs[0])])
-    seqs[0].append(spec[0])
-    fresh = torch.randint(0, vocab, (3,), generator=gen).tolist()
-    start0, start1 = len(seqs[0]), len(seqs[1])
-    seqs[0] += fresh[:2]
-    seqs[1].append(fresh[2])
-    out = runner.compute_logits(
-        runner.forward(slots, torch.tensor(fresh), [2, 1], [start0, start1])
-    )
-    torch.testing.assert_close(out[:2], _hf_logits(hf, seqs[0])[-2:], atol=ATOL, rtol=0)
-    torch.testing.assert_close(out[2], _hf_logits(hf, seqs[1])[-1], atol=ATOL, rtol=0)
+def _check_against_hf(runner, hf, vocab: int) -> None:
+    check_runner_against_hf(runner, hf, vocab, lens=(7, 12), slots=(2, 0), rollback_request=0)
 
 
 @pytest.mark.parametrize(
@@ -70,7 +23,7 @@ def _check_against_hf(runner: ModelRunner, hf, vocab: int) -> None:
 def test_logits_match_transformers(checkpoint, request, hf_model):
     path = request.getfixturevalue(checkpoint)
     hf = hf_model(path)
-    _check_against_hf(_runner(path), hf, hf.config.vocab_size)
+    _check_against_hf(cpu_runner(path), hf, hf.config.vocab_size)
 
 
 def test_llama_variants_match_transformers(tmp_path, tiny_tokenizer):
@@ -106,12 +59,12 @@ def test_llama_variants_match_transformers(tmp_path, tiny_tokenizer):
             if name.endswith("bias"):
                 p.normal_(0, 0.1)
     hf.save_pretrained(tmp_path, safe_serialization=True)
-    runner = _runner(tmp_path)
+    runner = cpu_runner(tmp_path)
     _check_against_hf(runner, hf, config.vocab_size)
 
     tokens = torch.randint(0, 320, (40,), generator=torch.Generator().manual_seed(1)).tolist()
     logits = runner.compute_logits(runner.forward([3], torch.tensor(tokens), [40], [0]))
-    torch.testing.assert_close(logits, _hf_logits(hf, tokens), atol=ATOL, rtol=0)
+    torch.testing.assert_close(logits, hf_logits(hf, tokens), atol=ATOL, rtol=0)
 
 
 def test_missing_weights_are_reported(tmp_path, tiny_llama_target):

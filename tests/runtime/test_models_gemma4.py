@@ -10,6 +10,7 @@ import dataclasses
 import pytest
 import torch
 from gemma4_checkpoints import SLIDING_WINDOW, gemma4_text_config, save, tiny_gemma4
+from model_checks import ATOL, CPU, check_runner_against_hf, cpu_runner, hf_logits
 
 from specula.runtime.engine.kv_cache import KVCache, kv_cache_bytes_per_token
 from specula.runtime.engine.llm_engine import SamplingParams
@@ -20,10 +21,6 @@ from specula.runtime.models.gemma4_config import Gemma4ModelConfig
 from specula.runtime.models.registry import load_model
 
 pytestmark = pytest.mark.runtime
-
-ATOL = 1e-4
-CPU = torch.device("cpu")
-
 
 @pytest.fixture(scope="module")
 def gemma4_shared(tmp_path_factory, tiny_tokenizer):
@@ -47,59 +44,20 @@ def gemma4_moe(tmp_path_factory, tiny_tokenizer):
     return save(model, tiny_tokenizer, tmp_path_factory.mktemp("gemma4-moe"))
 
 
-def _runner(path) -> ModelRunner:
-    return ModelRunner(load_model(path, torch.float32, CPU), max_num_seqs=4, max_len=64, device=CPU)
-
-
-def _hf_logits(hf, tokens: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return hf(torch.tensor([tokens])).logits[0].float()  # [len, vocab]
-
-
 @pytest.mark.parametrize("checkpoint", ["gemma4_shared", "gemma4_moe"])
 def test_logits_match_transformers(checkpoint, request, hf_model):
+    """Prefill longer than the sliding window; the rolled-back request is request 1."""
     path = request.getfixturevalue(checkpoint)
     hf = hf_model(path)
-    runner = _runner(path)
-    vocab = hf.config.vocab_size
-    gen = torch.Generator().manual_seed(0)
-    lens = (5, 3 * SLIDING_WINDOW + 1)
-    prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lens]
-    slots = [3, 1]
-
-    hidden = runner.forward(slots, torch.tensor(prompts[0] + prompts[1]), list(lens), [0, 0])
-    logits = runner.compute_logits(hidden)
-    torch.testing.assert_close(logits[: lens[0]], _hf_logits(hf, prompts[0]), atol=ATOL, rtol=0)
-    torch.testing.assert_close(logits[lens[0] :], _hf_logits(hf, prompts[1]), atol=ATOL, rtol=0)
-
-    seqs = [list(p) for p in prompts]
-    last = logits[[lens[0] - 1, sum(lens) - 1]]
-    for _ in range(4):
-        nxt = last.argmax(-1).tolist()
-        starts = [len(s) for s in seqs]
-        for s, t in zip(seqs, nxt, strict=True):
-            s.append(t)
-        last = runner.compute_logits(runner.forward(slots, torch.tensor(nxt), [1, 1], starts))
-        for i, s in enumerate(seqs):
-            torch.testing.assert_close(last[i], _hf_logits(hf, s)[-1], atol=ATOL, rtol=0)
-
-    # Three speculative tokens past the end of request 1, then two of them overwritten
-    # from a lower position in a step that also advances request 0.
-    spec = torch.randint(0, vocab, (3,), generator=gen).tolist()
-    runner.forward([1], torch.tensor(spec), [3], [len(seqs[1])])
-    seqs[1].append(spec[0])
-    fresh = torch.randint(0, vocab, (3,), generator=gen).tolist()
-    starts = [len(seqs[0]), len(seqs[1])]
-    seqs[0].append(fresh[0])
-    seqs[1] += fresh[1:]
-    out = runner.compute_logits(runner.forward(slots, torch.tensor(fresh), [1, 2], starts))
-    torch.testing.assert_close(out[0], _hf_logits(hf, seqs[0])[-1], atol=ATOL, rtol=0)
-    torch.testing.assert_close(out[1:], _hf_logits(hf, seqs[1])[-2:], atol=ATOL, rtol=0)
+    check_runner_against_hf(
+        cpu_runner(path), hf, hf.config.vocab_size,
+        lens=(5, 3 * SLIDING_WINDOW + 1), slots=(3, 1), rollback_request=1,
+    )
 
 
 def test_shared_layers_read_the_last_producer_of_their_type(gemma4_shared, hf_model):
     hf = hf_model(gemma4_shared)
-    runner = _runner(gemma4_shared)
+    runner = cpu_runner(gemma4_shared)
     model = runner.model
     assert isinstance(model, Gemma4ForCausalLM)
     config = model.config
@@ -197,5 +155,5 @@ def test_conditional_generation_checkpoint_loads_its_text_model(tmp_path, tiny_t
     runner = ModelRunner(model, max_num_seqs=1, max_len=32, device=CPU)
     prompt = torch.randint(1, len(tiny_tokenizer), (2 * SLIDING_WINDOW,)).tolist()
     logits = runner.compute_logits(runner.forward([0], torch.tensor(prompt), [len(prompt)], [0]))
-    torch.testing.assert_close(logits, _hf_logits(hf, prompt), atol=ATOL, rtol=0)
-    torch.testing.assert_close(logits, _hf_logits(text, prompt), atol=ATOL, rtol=0)
+    torch.testing.assert_close(logits, hf_logits(hf, prompt), atol=ATOL, rtol=0)
+    torch.testing.assert_close(logits, hf_logits(text, prompt), atol=ATOL, rtol=0)

@@ -176,7 +176,7 @@ def _hf_assisted(hf_target, hf_assistant, prompt: list[int], k: int, n: int) -> 
 
 
 def test_greedy_equals_target_and_transformers_assisted_generation(
-    hf_target, target_dir, assistant_dir, hf_greedy
+    hf_target, target_dir, assistant_dir, hf_greedy, greedy_rounds
 ):
     hf_assistant = load_hf_assistant(assistant_dir)
     gen = torch.Generator().manual_seed(3)
@@ -187,39 +187,19 @@ def test_greedy_equals_target_and_transformers_assisted_generation(
     expected = [hf_greedy(hf_target, p, max_tokens) for p in prompts]
     # Fewer slots than prompts: the last prompt waits and joins a running batch.
     engine = _engine(target_dir, assistant_dir, 8, max_num_seqs=2)
-    stats = engine.spec_decoding_stats
-    for k in range(1, 9):
-        engine.set_num_speculative_tokens(k)
-        before = (stats.num_draft_tokens, stats.num_accepted_tokens)
-        got = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
-        for prompt, g, e in zip(prompts, got, expected, strict=True):
-            assert g == e, f"k={k}, prompt length {len(prompt)}"
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    for r in greedy_rounds(engine, prompts, expected, params, ks=range(1, 9)):
         # transformers' assisted generation (batch size 1 only) on the longest prompt.
-        assert _hf_assisted(hf_target, hf_assistant, prompts[-1], k, max_tokens) == got[-1]
-        drafted = stats.num_draft_tokens - before[0]
-        accepted = stats.num_accepted_tokens - before[1]
-        # Both branches of the verifier ran, so the test can fail either way.
-        assert 0 < accepted < drafted, f"k={k}: accepted {accepted} of {drafted}"
-    assert not engine.has_unfinished_requests()
+        got = _hf_assisted(hf_target, hf_assistant, prompts[-1], r.k, max_tokens)
+        assert got == r.outputs[-1], f"k={r.k}"
 
 
 def test_sampled_gemma4_mtp_keeps_target_distribution(
-    hf_target, target_dir, assistant_dir, target_pvalue
+    hf_target, target_dir, assistant_dir, sampled_pvalue
 ):
-    temperature, top_k, length, k, num_samples = 0.9, 4, 3, 3, 1200
     prompt = [17, 42, 99, 46, 169, 289, 121, 7]
-    engine = _engine(target_dir, assistant_dir, k, max_num_seqs=256)
-    params = [
-        SamplingParams(
-            max_tokens=length, temperature=temperature, top_k=top_k, seed=s, ignore_eos=True
-        )
-        for s in range(num_samples)
-    ]
-    outputs = engine.generate([prompt] * num_samples, params)
-    stats = engine.spec_decoding_stats
-    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
-    assert stats.num_accepted_tokens_per_pos[1] > 0
-    assert target_pvalue(hf_target, prompt, outputs, temperature, top_k, length) > ALPHA
+    engine = _engine(target_dir, assistant_dir, 3, max_num_seqs=256)
+    assert sampled_pvalue(engine, hf_target, prompt, num_samples=1200) > ALPHA
 
 
 def test_gemma4_draft_on_non_gemma4_target_fails_at_load(tiny_llama_target, assistant_dir):

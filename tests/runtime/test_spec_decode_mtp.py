@@ -16,8 +16,6 @@ from hidden_state_drafts import (
     HIDDEN_SIZE,
     MAX_TOKENS,
     VOCAB_SIZE,
-    check_greedy_equals_hf,
-    hf_greedy,
     layer_config,
     make_engine,
     random_prompts,
@@ -171,12 +169,17 @@ def test_every_proposal_follows_speculators_layer_step_by_step(target, target_hf
             assert drafts == _speculators_chain(ref, hidden, tokens, drafts), len(tokens)
 
 
-def test_greedy_equals_hf_generate_for_k_1_to_8(target, target_hf, bigram_draft):
+def test_greedy_equals_hf_generate_for_k_1_to_8(
+    target, target_hf, bigram_draft, hf_greedy, greedy_rounds
+):
     engine = make_engine(target, "mtp", bigram_draft, k=8)
-    check_greedy_equals_hf(engine, target_hf, ks=range(1, 9))
+    prompts = random_prompts(seed=11)
+    expected = [hf_greedy(target_hf, p, MAX_TOKENS) for p in prompts]
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    greedy_rounds(engine, prompts, expected, params, ks=range(1, 9))
 
 
-def test_k_changes_between_steps(target, target_hf, bigram_draft):
+def test_k_changes_between_steps(target, target_hf, bigram_draft, hf_greedy):
     """Rounds without drafting (k = 0) still deliver the target's states, and the next
     draft prefill consumes all of them: the output stays exact."""
     engine = make_engine(target, "mtp", bigram_draft, k=4)
@@ -191,27 +194,14 @@ def test_k_changes_between_steps(target, target_hf, bigram_draft):
         for out in engine.step():
             got[out.request_id].extend(out.new_token_ids)
         step += 1
-    assert [got["0"], got["1"]] == [hf_greedy(target_hf, p) for p in prompts]
+    assert [got["0"], got["1"]] == [hf_greedy(target_hf, p, MAX_TOKENS) for p in prompts]
     assert engine.spec_decoding_stats.num_accepted_tokens > 0
 
 
-def test_sampling_keeps_target_distribution(target, target_hf, bigram_draft, target_pvalue):
-    temperature, top_k, length, k = 0.9, 4, 3, 3
-    prompt = [17, 42, 99, 7, 250]
+def test_sampling_keeps_target_distribution(target, target_hf, bigram_draft, sampled_pvalue):
     torch.manual_seed(0)
-    engine = make_engine(target, "mtp", bigram_draft, k=k, max_num_seqs=256)
-    num_samples = 2000
-    params = [
-        SamplingParams(
-            max_tokens=length, temperature=temperature, top_k=top_k, seed=s, ignore_eos=True
-        )
-        for s in range(num_samples)
-    ]
-    outputs = engine.generate([prompt] * num_samples, params)
-    stats = engine.spec_decoding_stats
-    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
-    assert stats.num_accepted_tokens_per_pos[1] > 0
-    assert target_pvalue(target_hf, prompt, outputs, temperature, top_k, length) > 0.001
+    engine = make_engine(target, "mtp", bigram_draft, k=3, max_num_seqs=256)
+    assert sampled_pvalue(engine, target_hf, [17, 42, 99, 7, 250], num_samples=2000) > 0.001
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,6 @@ same inputs (this pins the checkpoint format); training lowers the loss; the cac
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -133,20 +132,11 @@ def test_eagle3_rejects_bad_aux_layer_ids(tiny) -> None:
         Eagle3Head(*args, (2, 2), vocab)
 
 
-def test_heads_are_cached_next_to_the_demo_models(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    from specula.demo.corpus import CorpusSpec
+def test_heads_are_cached_next_to_the_demo_models(demo_cache) -> None:
     from specula.demo.train import ensure_models
     from specula.demo.train_heads import ensure_heads
 
-    monkeypatch.setenv("SPECULA_CACHE_DIR", str(tmp_path))
-    recipe = Recipe(
-        corpus=CorpusSpec(max_bytes=40_000), vocab_size=300, seq_len=16,
-        max_position_embeddings=32, batch_size=2,
-        target=ModelShape(4, 16, 32, 2, 1), draft=ModelShape(1, 16, 32, 2, 1),
-        target_steps=1, draft_steps=1, warmup_steps=1, eval_batches=1,
-    )
+    recipe = demo_cache(target_layers=4)
     heads = HeadsRecipe(eagle3_aux_hidden_state_layer_ids=(1, 2, 3), eagle3_draft_vocab_size=200,
                         num_unrolled_steps=2, steps=2, batch_size=2, eval_batches=1)
     model_dir, _, _ = ensure_models(recipe, progress=False)

@@ -114,18 +114,12 @@ def test_draft_initialisation_copies_the_target_prefix() -> None:
 
 
 def test_cache_trains_once_and_retrains_after_an_interrupted_run(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, demo_cache
 ) -> None:
     from specula.demo import train
     from specula.demo.recipe import recipe_hash
 
-    monkeypatch.setenv("SPECULA_CACHE_DIR", str(tmp_path))
-    recipe = Recipe(
-        corpus=CorpusSpec(max_bytes=40_000), vocab_size=300, seq_len=16,
-        max_position_embeddings=32, batch_size=2,
-        target=ModelShape(2, 16, 32, 2, 1), draft=ModelShape(1, 16, 32, 2, 1),
-        target_steps=1, draft_steps=1, warmup_steps=1, eval_batches=1,
-    )
+    recipe = demo_cache(target_layers=2)
     out, report, trained = train.ensure_models(recipe, progress=False)
     digest = select_corpus(recipe.corpus).digest
     assert trained and out == tmp_path / "demo" / recipe_hash(recipe, digest)
