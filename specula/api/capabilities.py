@@ -14,6 +14,12 @@ IMPLEMENTED_METHODS: frozenset[str] = frozenset(
 """Speculation methods the runtime implements (vLLM ``speculative_config.method`` names)."""
 
 
+RUNTIME_METHODS_WITHOUT_DRAFT_MODEL: frozenset[str] = frozenset({"ngram"})
+"""Methods the Specula runtime runs without ``speculator.model``. The API also lets
+``mtp`` omit it because vLLM reads MTP layers from the target checkpoint; the Specula
+runtime loads MTP layers from a ``speculators``-format checkpoint only."""
+
+
 def is_method_implemented(method: str) -> bool:
     """Whether ``specula serve`` can run the speculation method ``method``."""
     return method in IMPLEMENTED_METHODS

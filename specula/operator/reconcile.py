@@ -30,6 +30,7 @@ from specula.operator.kube import ApiException, Kube
 from specula.operator.settings import OperatorSettings
 from specula.operator.status import (
     REASON_APPLY_FAILED,
+    REASON_DRAFT_MODEL_REQUIRED,
     REASON_INVALID_ENGINE_CONFIG,
     REASON_INVALID_SPEC,
     REASON_METHOD_NOT_SUPPORTED,
@@ -97,6 +98,17 @@ def parse_spec(body: dict[str, Any]) -> tuple[SpeculativeModelSpec | None, Probl
             REASON_METHOD_NOT_SUPPORTED,
             f"speculator.method {method!r} is not implemented by the runtime yet "
             f"(implemented: {implemented}); no runtime pods are created",
+        )
+    if (
+        spec.engine == "specula"
+        and spec.speculator.model is None
+        and method not in capabilities.RUNTIME_METHODS_WITHOUT_DRAFT_MODEL
+    ):
+        return spec, Problem(
+            REASON_DRAFT_MODEL_REQUIRED,
+            f"speculator.method {method!r} needs speculator.model with engine specula "
+            f"(a speculators-format checkpoint; only engine vllm reads MTP layers from the "
+            f"target checkpoint); no runtime pods are created",
         )
     return spec, None
 

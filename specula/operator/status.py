@@ -22,6 +22,7 @@ CONDITION_TYPES = (READY, PROGRESSING, DEGRADED)
 # Reasons.  A problem reason is used for all three conditions while it lasts.
 REASON_INVALID_SPEC = "InvalidSpec"
 REASON_METHOD_NOT_SUPPORTED = "MethodNotSupported"
+REASON_DRAFT_MODEL_REQUIRED = "DraftModelRequired"
 REASON_APPLY_FAILED = "ApplyFailed"
 REASON_INVALID_ENGINE_CONFIG = "InvalidEngineConfig"
 """The spec (or the tuner's k) renders an engine configuration the engine would refuse."""

@@ -160,6 +160,20 @@ def test_parse_spec_reports_unimplemented_method(monkeypatch):
     assert "'eagle3'" in problem.message and "draft_model" in problem.message
 
 
+def test_parse_spec_reports_mtp_without_checkpoint_for_the_specula_engine():
+    body = {"model": {"uri": "hf://a/b"}, "speculator": {"method": "mtp"}}
+    spec, problem = parse_spec({"spec": body})
+    assert spec is not None
+    assert problem.reason == "DraftModelRequired"
+    assert "speculator.model" in problem.message and "'mtp'" in problem.message
+    # vLLM reads MTP layers from the target checkpoint; ngram needs no model at all.
+    assert parse_spec({"spec": {**body, "engine": "vllm"}})[1] is None
+    ngram = {"model": {"uri": "hf://a/b"}, "speculator": {"method": "ngram"}}
+    assert parse_spec({"spec": ngram})[1] is None
+    with_head = {**body, "speculator": {"method": "mtp", "model": {"uri": "hf://a/mtp"}}}
+    assert parse_spec({"spec": with_head})[1] is None
+
+
 def test_parse_spec_accepts_draft_model():
     spec, problem = parse_spec({"spec": {
         "model": {"uri": "hf://a/b"},
