@@ -91,6 +91,10 @@ def configure(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
     settings.persistence.finalizer = f"{prefix}/finalizer"
     settings.posting.enabled = ours.post_events
     settings.posting.level = logging.WARNING
+    # A deleted resource keeps its finalizer until its tuning timer has stopped; kopf
+    # checks again only every `cancellation_polling` seconds (default 60) when a tick is
+    # still running, which held deletions for a minute.
+    settings.background.cancellation_polling = 1.0
 
 
 def _status_lookup(memo: Any):
