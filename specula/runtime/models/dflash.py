@@ -26,7 +26,7 @@ from torch import nn
 
 from specula.runtime.models.attention import AttentionGroup, AttentionMetadata
 from specula.runtime.models.config import ModelConfig
-from specula.runtime.models.layers import RMSNorm, RotaryEmbedding, apply_rotary
+from specula.runtime.models.layers import RMSNorm, RotaryEmbedding, apply_rotary, build_empty
 from specula.runtime.models.llama import KVCaches, LlamaForCausalLM
 from specula.runtime.models.qwen3 import Qwen3Attention, Qwen3DecoderLayer
 
@@ -228,10 +228,10 @@ def load_dflash_draft(
     files = sorted(Path(checkpoint_dir).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {str(checkpoint_dir)!r}")
-    with torch.device("meta"):
-        model = DFlashDraftModel(config, num_aux_layers, draft_vocab_size, device)
-        model.to(dtype)  # floating-point tensors only: d2t stays int64
-    model.to_empty(device=device)
+    # Casting touches floating-point tensors only: d2t stays int64.
+    model = build_empty(
+        lambda: DFlashDraftModel(config, num_aux_layers, draft_vocab_size, device), dtype, device
+    )
     expected = model.state_dict()
     shard_map = {
         sub: (fused, i)

@@ -26,6 +26,7 @@ from specula.runtime.models.attention import AttentionMetadata
 from specula.runtime.models.gemma4 import Gemma4DecoderLayer
 from specula.runtime.models.gemma4_config import Gemma4ModelConfig
 from specula.runtime.models.gemma4_layers import Gemma4RMSNorm, Gemma4Rotary
+from specula.runtime.models.layers import build_empty
 
 ASSISTANT_MODEL_TYPE = "gemma4_assistant"
 
@@ -251,9 +252,6 @@ def load_gemma4_assistant(
     from specula.runtime.models.registry import load_safetensors
 
     config = Gemma4AssistantConfig.from_pretrained(checkpoint_dir)
-    with torch.device("meta"):
-        model = Gemma4AssistantForCausalLM(config, device=device)
-        model.to(dtype)
-    model.to_empty(device=device)
+    model = build_empty(lambda: Gemma4AssistantForCausalLM(config, device=device), dtype, device)
     load_safetensors(model, Path(checkpoint_dir))
     return model.eval()

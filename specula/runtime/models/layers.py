@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -112,3 +113,14 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def build_empty(factory: Callable[[], nn.Module], dtype: torch.dtype, device: torch.device):
+    """Build ``factory()`` on the meta device, cast its floating-point tensors to ``dtype``
+    and allocate uninitialised storage on ``device``: no time goes into random
+    initialisation of weights a checkpoint overwrites. Buffers computed at construction
+    (rotary tables, index maps) are left uninitialised too; callers rebuild them."""
+    with torch.device("meta"):
+        model = factory()
+        model.to(dtype)
+    return model.to_empty(device=device)

@@ -23,7 +23,7 @@ from torch import nn
 
 from specula.runtime.models.attention import AttentionMetadata
 from specula.runtime.models.config import ModelConfig
-from specula.runtime.models.layers import MergedLinear, RMSNorm, RotaryEmbedding
+from specula.runtime.models.layers import MergedLinear, RMSNorm, RotaryEmbedding, build_empty
 from specula.runtime.models.llama import KVCaches, LlamaDecoderLayer
 from specula.runtime.models.qwen3 import Qwen3Attention, Qwen3DecoderLayer
 from specula.runtime.models.speculators_format import (
@@ -276,10 +276,7 @@ def load_eagle3_draft(
         fc_norm=bool(raw.get("fc_norm", False)),
         norm_output=bool(raw.get("norm_output", False)),
     )
-    with torch.device("meta"):
-        model = Eagle3LlamaForCausalLM(eagle, device)
-        model.to(dtype)
-    model.to_empty(device=device)
+    model = build_empty(lambda: Eagle3LlamaForCausalLM(eagle, device), dtype, device)
     # Not weights: rebuild what to_empty left uninitialised.
     model.rotary = RotaryEmbedding(layer.head_dim, layer.rope_theta, layer.rope_scaling, device)
     model.draft_to_target = torch.arange(eagle.draft_vocab_size, device=device)

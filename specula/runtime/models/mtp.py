@@ -23,7 +23,7 @@ from torch import nn
 
 from specula.runtime.models.attention import AttentionMetadata
 from specula.runtime.models.config import ModelConfig
-from specula.runtime.models.layers import RMSNorm, RotaryEmbedding
+from specula.runtime.models.layers import RMSNorm, RotaryEmbedding, build_empty
 from specula.runtime.models.llama import KVCaches, LlamaDecoderLayer
 from specula.runtime.models.qwen3 import Qwen3DecoderLayer
 from specula.runtime.models.speculators_format import (
@@ -170,10 +170,7 @@ def load_mtp_draft(
     if num_layers != 1:
         # The format itself defines one layer (speculators' MTPSpeculatorConfig).
         raise ValueError(f"num_nextn_predict_layers {num_layers} is not supported (only 1)")
-    with torch.device("meta"):
-        model = MTPForCausalLM(layer, device)
-        model.to(dtype)
-    model.to_empty(device=device)
+    model = build_empty(lambda: MTPForCausalLM(layer, device), dtype, device)
     # Not a weight: rebuild what to_empty left uninitialised.
     model.rotary = RotaryEmbedding(layer.head_dim, layer.rope_theta, layer.rope_scaling, device)
     unloaded = {name for name, _ in model.named_parameters()}

@@ -9,7 +9,7 @@ from torch import nn
 
 from specula.runtime.models.config import ModelConfig
 from specula.runtime.models.gemma4 import Gemma4ForCausalLM
-from specula.runtime.models.layers import MergedLinear
+from specula.runtime.models.layers import MergedLinear, build_empty
 from specula.runtime.models.llama import LlamaForCausalLM
 from specula.runtime.models.qwen3 import Qwen3ForCausalLM
 
@@ -43,12 +43,7 @@ def load_model(
             f"architecture {config.architecture!r} is not supported; "
             f"supported: {', '.join(sorted(MODEL_REGISTRY))}"
         )
-    # Build on the meta device so that no time goes into random initialisation of weights
-    # that the checkpoint overwrites; then allocate real storage and load.
-    with torch.device("meta"):
-        model = model_cls(config, device=device)
-        model.to(dtype)
-    model.to_empty(device=device)
+    model = build_empty(lambda: model_cls(config, device=device), dtype, device)
     load_safetensors(model, path)
     return model.eval()
 
