@@ -24,6 +24,9 @@ PROMPT_LENS = (3, 9, 17, 30)
 MAX_TOKENS = 16
 LAYER_DAMPING = 0.02
 """Scale of the target layers' residual contributions (attention and MLP outputs)."""
+AUX_IDS = (0, 1, 3)
+"""EAGLE-3 auxiliary layers of the 3-layer target: the embeddings, layer 1's input and
+the last layer's output (all three kinds of id)."""
 
 
 def _shape(**overrides) -> dict:
@@ -109,3 +112,107 @@ def record_proposals(engine: LLMEngine) -> list[tuple[list[list[int]], DraftProp
 
     speculator.propose = recording  # type: ignore[method-assign]
     return log
+
+
+def eagle3_head(
+    target_hf,
+    *,
+    draft_vocab: torch.Tensor | None,
+    seed: int,
+    model_type: str = "llama",
+    num_layers: int = 1,
+    aux_ids: tuple[int, ...] | None = AUX_IDS,
+    layer_overrides: dict | None = None,
+    **flags,
+):
+    """A ``speculators`` EAGLE-3 head for ``target_hf`` with random weights.
+
+    ``draft_vocab``: sorted target ids of a reduced draft vocabulary (``None``: all).
+    Embeddings are the target's; ``lm_head`` random.
+    """
+    from speculators.config import SpeculatorsConfig, VerifierConfig
+    from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
+    from speculators.proposals.greedy import GreedyTokenProposalConfig
+
+    layer = layer_config(model_type, num_hidden_layers=num_layers, **(layer_overrides or {}))
+    # Dense float masks instead of flex attention (CPU).
+    layer._attn_implementation = "eager"
+    num_draft = VOCAB_SIZE if draft_vocab is None else len(draft_vocab)
+    config = Eagle3SpeculatorConfig(
+        transformer_layer_config=layer,
+        draft_vocab_size=num_draft,
+        eagle_aux_hidden_state_layer_ids=None if aux_ids is None else list(aux_ids),
+        speculators_config=SpeculatorsConfig(
+            algorithm="eagle3",
+            proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=3)],
+            default_proposal_method="greedy",
+            verifier=VerifierConfig(name_or_path=None, architectures=["LlamaForCausalLM"]),
+        ),
+        **flags,
+    )
+    model = Eagle3DraftModel(config)
+    if draft_vocab is not None:
+        t2d = torch.zeros(VOCAB_SIZE, dtype=torch.bool)
+        t2d[draft_vocab] = True
+        model.load_vocab_mappings(t2d, draft_vocab - torch.arange(num_draft))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            p.copy_(1 + 0.1 * noise if "norm" in name else 0.2 * noise)
+        model.embed_tokens.weight.copy_(target_hf.model.embed_tokens.weight)
+    return model.eval()
+
+
+def bigram_eagle3_head(target_hf, draft_vocab: torch.Tensor, seed: int):
+    """A head that mostly predicts the target's bigram from the token it reads: its
+    attention looks at its own position only (query/key biases whose rotary dot product
+    peaks at distance 0) and copies the normed embedding; the hidden-state path stays
+    (fc, a damped hidden_norm) but is small."""
+    model = eagle3_head(
+        target_hf,
+        draft_vocab=draft_vocab,
+        seed=seed,
+        layer_overrides={"num_key_value_heads": 4, "attention_bias": True},
+        norm_before_residual=True,
+    )
+    h = HIDDEN_SIZE
+    attn = model.layers[0].self_attn
+    head_bias = torch.zeros(16)
+    head_bias[[0, 1, 2, 3, 8, 9, 10, 11]] = 25.0  # the fastest-rotating frequency pairs
+    with torch.no_grad():
+        model.fc.weight.mul_(0.25)
+        for proj in (attn.q_proj, attn.k_proj):
+            proj.weight.zero_()
+            proj.bias.copy_(head_bias.repeat(4))
+        attn.v_proj.weight.zero_()
+        attn.v_proj.weight[:, :h] = torch.eye(h)
+        attn.v_proj.bias.zero_()
+        attn.o_proj.weight.copy_(torch.eye(h))
+        attn.o_proj.bias.zero_()
+        model.layers[0].mlp.down_proj.weight.mul_(0.1)
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            getattr(model.layers[0], norm).weight.fill_(1.0)
+        model.layers[0].hidden_norm.weight.fill_(0.1)
+        model.norm.weight.copy_(target_hf.model.norm.weight)
+        model.lm_head.weight.copy_(target_hf.lm_head.weight[draft_vocab])
+    return model
+
+
+def save_speculators(model, path: Path, *, keep_embeddings: bool = True) -> Path:
+    """Save ``model`` in the ``speculators`` format; without ``keep_embeddings`` the
+    checkpoint lacks ``embed_tokens`` (the runtime then shares the target's)."""
+    from safetensors.torch import load_file, save_file
+
+    model.save_pretrained(path)
+    if not keep_embeddings:
+        (file,) = path.glob("*.safetensors")
+        tensors = load_file(file)
+        del tensors["embed_tokens.weight"]
+        save_file(tensors, file, metadata={"format": "pt"})
+    return path
+
+
+def draft_vocab_ids(seed: int, size: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randperm(VOCAB_SIZE, generator=gen)[:size].sort().values

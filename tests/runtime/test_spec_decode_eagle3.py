@@ -12,14 +12,18 @@ from pathlib import Path
 import pytest
 import torch
 from hidden_state_drafts import (
+    AUX_IDS,
     HIDDEN_SIZE,
     MAX_TOKENS,
     VOCAB_SIZE,
-    layer_config,
+    bigram_eagle3_head,
+    draft_vocab_ids,
+    eagle3_head,
     make_engine,
     random_prompts,
     record_proposals,
     save_bigram_target,
+    save_speculators,
 )
 
 from specula.runtime.engine.kv_cache import KVCache
@@ -29,115 +33,6 @@ from specula.runtime.models.config import ModelConfig
 from specula.runtime.models.llama_eagle3 import load_eagle3_draft
 
 pytestmark = pytest.mark.runtime
-
-AUX_IDS = (0, 1, 3)
-"""Auxiliary layers of the 3-layer target: the embeddings, layer 1's input and the last
-layer's output (all three kinds of id)."""
-
-
-def _eagle3(
-    target_hf,
-    *,
-    draft_vocab: torch.Tensor | None,
-    seed: int,
-    model_type: str = "llama",
-    num_layers: int = 1,
-    aux_ids: tuple[int, ...] | None = AUX_IDS,
-    layer_overrides: dict | None = None,
-    **flags,
-):
-    """A ``speculators`` EAGLE-3 head for ``target_hf`` with random weights.
-
-    ``draft_vocab``: sorted target ids of a reduced draft vocabulary (``None``: all).
-    Embeddings are the target's; ``lm_head`` random.
-    """
-    from speculators.config import SpeculatorsConfig, VerifierConfig
-    from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
-    from speculators.proposals.greedy import GreedyTokenProposalConfig
-
-    layer = layer_config(model_type, num_hidden_layers=num_layers, **(layer_overrides or {}))
-    # Dense float masks instead of flex attention (CPU).
-    layer._attn_implementation = "eager"
-    num_draft = VOCAB_SIZE if draft_vocab is None else len(draft_vocab)
-    config = Eagle3SpeculatorConfig(
-        transformer_layer_config=layer,
-        draft_vocab_size=num_draft,
-        eagle_aux_hidden_state_layer_ids=None if aux_ids is None else list(aux_ids),
-        speculators_config=SpeculatorsConfig(
-            algorithm="eagle3",
-            proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=3)],
-            default_proposal_method="greedy",
-            verifier=VerifierConfig(name_or_path=None, architectures=["LlamaForCausalLM"]),
-        ),
-        **flags,
-    )
-    model = Eagle3DraftModel(config)
-    if draft_vocab is not None:
-        t2d = torch.zeros(VOCAB_SIZE, dtype=torch.bool)
-        t2d[draft_vocab] = True
-        model.load_vocab_mappings(t2d, draft_vocab - torch.arange(num_draft))
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen)
-            p.copy_(1 + 0.1 * noise if "norm" in name else 0.2 * noise)
-        model.embed_tokens.weight.copy_(target_hf.model.embed_tokens.weight)
-    return model.eval()
-
-
-def _bigram_eagle3(target_hf, draft_vocab: torch.Tensor, seed: int):
-    """A head that mostly predicts the target's bigram from the token it reads: its
-    attention looks at its own position only (query/key biases whose rotary dot product
-    peaks at distance 0) and copies the normed embedding; the hidden-state path stays
-    (fc, a damped hidden_norm) but is small."""
-    model = _eagle3(
-        target_hf,
-        draft_vocab=draft_vocab,
-        seed=seed,
-        layer_overrides={"num_key_value_heads": 4, "attention_bias": True},
-        norm_before_residual=True,
-    )
-    h = HIDDEN_SIZE
-    attn = model.layers[0].self_attn
-    head_bias = torch.zeros(16)
-    head_bias[[0, 1, 2, 3, 8, 9, 10, 11]] = 25.0  # the fastest-rotating frequency pairs
-    with torch.no_grad():
-        model.fc.weight.mul_(0.25)
-        for proj in (attn.q_proj, attn.k_proj):
-            proj.weight.zero_()
-            proj.bias.copy_(head_bias.repeat(4))
-        attn.v_proj.weight.zero_()
-        attn.v_proj.weight[:, :h] = torch.eye(h)
-        attn.v_proj.bias.zero_()
-        attn.o_proj.weight.copy_(torch.eye(h))
-        attn.o_proj.bias.zero_()
-        model.layers[0].mlp.down_proj.weight.mul_(0.1)
-        for norm in ("input_layernorm", "post_attention_layernorm"):
-            getattr(model.layers[0], norm).weight.fill_(1.0)
-        model.layers[0].hidden_norm.weight.fill_(0.1)
-        model.norm.weight.copy_(target_hf.model.norm.weight)
-        model.lm_head.weight.copy_(target_hf.lm_head.weight[draft_vocab])
-    return model
-
-
-def _save(model, path: Path, *, keep_embeddings: bool = True) -> Path:
-    """Save ``model`` in the ``speculators`` format; without ``keep_embeddings`` the
-    checkpoint lacks ``embed_tokens`` (the runtime then shares the target's)."""
-    from safetensors.torch import load_file, save_file
-
-    model.save_pretrained(path)
-    if not keep_embeddings:
-        (file,) = path.glob("*.safetensors")
-        tensors = load_file(file)
-        del tensors["embed_tokens.weight"]
-        save_file(tensors, file, metadata={"format": "pt"})
-    return path
-
-
-def _draft_vocab(seed: int, size: int) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randperm(VOCAB_SIZE, generator=gen)[:size].sort().values
-
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory, tiny_tokenizer) -> Path:
@@ -153,8 +48,8 @@ def target_hf(target):
 
 @pytest.fixture(scope="module")
 def bigram_draft(tmp_path_factory, target_hf) -> Path:
-    model = _bigram_eagle3(target_hf, _draft_vocab(seed=1, size=288), seed=2)
-    return _save(model, tmp_path_factory.mktemp("eagle3-bigram"), keep_embeddings=False)
+    model = bigram_eagle3_head(target_hf, draft_vocab_ids(seed=1, size=288), seed=2)
+    return save_speculators(model, tmp_path_factory.mktemp("eagle3-bigram"), keep_embeddings=False)
 
 
 def _speculators_logits(model, aux, input_ids, ttt_steps: int) -> list[torch.Tensor]:
@@ -206,8 +101,8 @@ def _target_aux(target_hf, tokens: list[int]) -> torch.Tensor:
 def test_draft_logits_match_speculators(
     model_type, num_layers, reduced, flags, target, target_hf, tmp_path
 ):
-    draft_vocab = _draft_vocab(seed=3, size=200) if reduced else None
-    ref = _eagle3(
+    draft_vocab = draft_vocab_ids(seed=3, size=200) if reduced else None
+    ref = eagle3_head(
         target_hf,
         draft_vocab=draft_vocab,
         seed=4,
@@ -216,7 +111,7 @@ def test_draft_logits_match_speculators(
         **flags,
     )
     ours = load_eagle3_draft(
-        _save(ref, tmp_path),
+        save_speculators(ref, tmp_path),
         ModelConfig.from_pretrained(target),
         torch.float32,
         torch.device("cpu"),
@@ -250,8 +145,8 @@ def test_every_proposal_follows_speculators_multi_step_forward(
     """Each draft the engine proposes (k = 4, over prefill, acceptances and rejections)
     equals ``speculators``' own TTT unrolling on the same context: step ``s`` of its
     forward at the last verified row reads draft token ``s`` and its previous state."""
-    ref = _eagle3(target_hf, draft_vocab=_draft_vocab(seed=6, size=256), seed=7)
-    draft = _save(ref, tmp_path, keep_embeddings=False)
+    ref = eagle3_head(target_hf, draft_vocab=draft_vocab_ids(seed=6, size=256), seed=7)
+    draft = save_speculators(ref, tmp_path, keep_embeddings=False)
     k = 4
     engine = make_engine(target, "eagle3", draft, k=k)
     assert engine.speculator.aux_hidden_state_layers == AUX_IDS

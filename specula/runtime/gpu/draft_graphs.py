@@ -84,7 +84,7 @@ def draft_prefill(
     input_ids: torch.Tensor,
     positions: torch.Tensor,
     aux_hidden_states: torch.Tensor,
-    num_draft_tokens: int,
+    num_draft_tokens: int | torch.Tensor,
 ) -> None:
     """The draft's forward over the slots of the target forward it follows; writes the
     first draft token to ``buffers.draft_token_ids[:, 0]`` and its output state to
@@ -97,7 +97,9 @@ def draft_prefill(
         input_ids, positions: [num_tokens] the target forward's inputs.
         aux_hidden_states: [num_tokens, num_aux * H_target] from that forward.
         num_draft_tokens: drafts per request verified by that forward (0 after a
-            prompt prefill, else ``k``).
+            prompt prefill, else ``k``), or, when requests differ (a mixed batch of
+            verifications and prefills), their inclusive cumulative counts
+            ``[num_reqs]`` int32.
     """
     r, n = metadata.num_reqs, metadata.num_tokens
     # A verification batch fits the static buffers (CUDA graphs need fixed addresses);
@@ -107,7 +109,11 @@ def draft_prefill(
         input_ids,
         positions,
         metadata.query_start_loc,
-        buffers.cu_num_draft_tokens[num_draft_tokens][:r],
+        (
+            buffers.cu_num_draft_tokens[num_draft_tokens][:r]
+            if isinstance(num_draft_tokens, int)
+            else num_draft_tokens
+        ),
         buffers.num_accepted[:r],
         buffers.next_token_ids[:r],
         out_input_ids=buffers.draft_input_ids[:n] if static else None,

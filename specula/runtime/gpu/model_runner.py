@@ -78,6 +78,60 @@ def _prefill_attention(
     return out
 
 
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    metadata: PagedAttentionMetadata,
+    scale: float,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Attention of one layer after this forward's keys and values were written to
+    ``key_cache``/``value_cache``: prefill requests attend over their own tokens
+    (``scaled_dot_product_attention``, causal), decode and verification requests over
+    the paged cache (:func:`~specula.runtime.kernels.paged_attention.paged_attention`),
+    a mixed batch (``metadata.split``) both ways, each over its own rows.
+
+    Args:
+        q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim].
+        key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim].
+
+    Returns:
+        [num_tokens, num_heads, head_dim].
+
+    Raises:
+        ValueError: a batch that is neither a prefill, nor of one query length, nor a
+            mixed batch (decode requests of one query length, then prefills).
+    """
+    if metadata.prefill:
+        return _prefill_attention(q, k, v, metadata, scale)
+    if metadata.split is not None:
+        decode, prefill = metadata.split
+        n = decode.num_tokens
+        out = torch.empty_like(q)
+        out[:n] = attend(q[:n], k[:n], v[:n], key_cache, value_cache, decode, scale, num_splits)
+        out[n:] = _prefill_attention(q[n:], k[n:], v[n:], prefill, scale)
+        return out
+    if metadata.uniform_query_len is None:
+        raise ValueError(
+            "paged attention needs the same query length for every request "
+            "(decode: 1, verification: k + 1), optionally followed by prefills; "
+            "split the batch"
+        )
+    return paged_attention(
+        q,
+        key_cache,
+        value_cache,
+        metadata.block_table,
+        metadata.seq_lens,
+        scale,
+        metadata.uniform_query_len,
+        num_splits=num_splits,
+    )
+
+
 class GPUModelRunner:
     """Runs a :class:`LlamaForCausalLM` or :class:`Qwen3ForCausalLM` over a
     :class:`PagedKVCache` with the Triton kernels.
@@ -161,24 +215,9 @@ class GPUModelRunner:
         rotary_embedding_and_cache(
             positions, q, k, v, key_cache, value_cache, metadata.slot_mapping, self.cos_sin_cache
         )
-        if metadata.prefill:
-            out = _prefill_attention(q, k, v, metadata, self.scale)
-        else:
-            if metadata.uniform_query_len is None:
-                raise ValueError(
-                    "paged attention needs the same query length for every request "
-                    "(decode: 1, verification: k + 1); split the batch"
-                )
-            out = paged_attention(
-                q,
-                key_cache,
-                value_cache,
-                metadata.block_table,
-                metadata.seq_lens,
-                self.scale,
-                metadata.uniform_query_len,
-                num_splits=self.attn_num_splits,
-            )
+        out = attend(
+            q, k, v, key_cache, value_cache, metadata, self.scale, self.attn_num_splits
+        )
         return attn.o_proj(out.view(n, q_size))
 
     @staticmethod
@@ -212,7 +251,7 @@ class GPUModelRunner:
 
         Raises:
             AssertionError: shapes or dtypes that do not match the above.
-            ValueError: a non-prefill batch with unequal query lengths.
+            ValueError: a batch :func:`attend` refuses.
         """
         assert input_ids.ndim == 1 and input_ids.shape == positions.shape
         assert input_ids.shape[0] == metadata.num_tokens

@@ -138,6 +138,20 @@ class PagedAttentionMetadata:
     runs on the prompt itself instead of reading the paged cache."""
     query_lens_cpu: tuple[int, ...] = ()
     """Host copy of the query lengths; the prefill path slices requests with it."""
+    split: tuple[PagedAttentionMetadata, PagedAttentionMetadata] | None = None
+    """A *mixed* batch (continuous batching: running requests decode or verify while new
+    ones prefill in the same forward): ``(decode part, prefill part)``, the metadata of
+    its first ``decode.num_reqs`` requests (one uniform query length, context in the
+    paged cache) and of the remaining ones (context empty). ``None`` otherwise. Token
+    rows keep the batch order, decode rows first."""
+
+    @property
+    def num_decode_tokens(self) -> int:
+        """Rows attended through the paged cache: all of a decode or verification
+        batch, none of a prefill, the decode part of a mixed batch."""
+        if self.split is not None:
+            return self.split[0].num_tokens
+        return 0 if self.prefill else self.num_tokens
 
 
 def _to_device(values: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -196,6 +210,7 @@ def build_attention_metadata(
         table_rows.extend([0] * (max_blocks_per_req - len(table)))
         query_start_loc.append(query_start_loc[-1] + q_len)
     uniform = query_lens[0] if num_reqs and all(q == query_lens[0] for q in query_lens) else None
+    is_prefill = [q == s for q, s in zip(query_lens, seq_lens, strict=True)]
     metadata = PagedAttentionMetadata(
         slot_mapping=_to_device(slots, torch.int64, device),
         block_table=_to_device(table_rows, torch.int32, device).view(num_reqs, max_blocks_per_req),
@@ -204,10 +219,54 @@ def build_attention_metadata(
         num_reqs=num_reqs,
         num_tokens=len(slots),
         uniform_query_len=uniform,
-        prefill=all(q == s for q, s in zip(query_lens, seq_lens, strict=True)),
+        prefill=all(is_prefill),
         query_lens_cpu=tuple(query_lens),
     )
+    if not metadata.prefill and uniform is None:
+        metadata.split = _split_mixed(metadata, is_prefill)
     return metadata, _to_device(positions, torch.int64, device)
+
+
+def _split_mixed(
+    metadata: PagedAttentionMetadata, is_prefill: Sequence[bool]
+) -> tuple[PagedAttentionMetadata, PagedAttentionMetadata] | None:
+    """The ``(decode, prefill)`` parts of a batch whose requests are decode or
+    verification requests of one query length followed by prefills; ``None`` for any
+    other shape (attention then refuses it)."""
+    num_decode = is_prefill.index(True) if True in is_prefill else len(is_prefill)
+    if num_decode == 0 or not all(is_prefill[num_decode:]):
+        return None
+    decode_lens = metadata.query_lens_cpu[:num_decode]
+    if any(q != decode_lens[0] for q in decode_lens):
+        return None
+    n = sum(decode_lens)
+    qsl = metadata.query_start_loc
+    decode = PagedAttentionMetadata(
+        slot_mapping=metadata.slot_mapping[:n],
+        block_table=metadata.block_table[:num_decode],
+        seq_lens=metadata.seq_lens[:num_decode],
+        query_start_loc=qsl[: num_decode + 1],
+        num_reqs=num_decode,
+        num_tokens=n,
+        uniform_query_len=decode_lens[0],
+        prefill=False,
+        query_lens_cpu=decode_lens,
+    )
+    prefill_lens = metadata.query_lens_cpu[num_decode:]
+    prefill = PagedAttentionMetadata(
+        slot_mapping=metadata.slot_mapping[n:],
+        block_table=metadata.block_table[num_decode:],
+        seq_lens=metadata.seq_lens[num_decode:],
+        query_start_loc=qsl[num_decode:] - n,
+        num_reqs=len(prefill_lens),
+        num_tokens=metadata.num_tokens - n,
+        uniform_query_len=(
+            prefill_lens[0] if all(q == prefill_lens[0] for q in prefill_lens) else None
+        ),
+        prefill=True,
+        query_lens_cpu=prefill_lens,
+    )
+    return decode, prefill
 
 
 def metadata_from_block_manager(

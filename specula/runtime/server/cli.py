@@ -144,7 +144,7 @@ def serve(args: argparse.Namespace) -> int:
     # Imported here so that a config error is reported without importing torch.
     import uvicorn
 
-    from specula.runtime.engine.llm_engine import LLMEngine
+    from specula.runtime.engine.llm_engine import create_engine
     from specula.runtime.server.app import create_app
     from specula.runtime.server.engine_loop import EngineLoop, EngineState
 
@@ -156,7 +156,7 @@ def serve(args: argparse.Namespace) -> int:
         if server is not None:
             server.should_exit = True
 
-    loop = EngineLoop(lambda: LLMEngine.from_config(config), on_fatal=on_fatal)
+    loop = EngineLoop(lambda: create_engine(config), on_fatal=on_fatal)
     app = create_app(loop)
     if config.metrics_port is not None and config.metrics_port != config.port:
         start_metrics_listener(app, config.host, config.metrics_port)

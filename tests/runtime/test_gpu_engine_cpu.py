@@ -1,0 +1,193 @@
+"""The GPU engine (paged KV, continuous batching, EAGLE-3 on the Triton kernels) run on
+the CPU: its kernels in Triton's interpreter (the ``interpreted`` worker), eagerly.
+
+Against Hugging Face ``transformers`` greedy ``generate`` on the same checkpoint:
+greedy output is the target's token for token, with drafts accepted and rejected, with
+requests admitted while others decode (mixed prefill/decode forwards), and with a KV
+pool so small that running requests are preempted and recomputed. Sampling: top-k 1
+at a positive temperature takes the random path of the rejection-sampling kernel and
+must still give the greedy tokens; two requests with the same seed give the same tokens.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hidden_state_drafts import (
+    MAX_TOKENS,
+    VOCAB_SIZE,
+    bigram_eagle3_head,
+    draft_vocab_ids,
+    random_prompts,
+    save_bigram_target,
+    save_speculators,
+)
+
+pytestmark = pytest.mark.runtime
+
+K = 3
+BLOCK_SIZE = 4
+MAX_MODEL_LEN = 64
+
+
+def run_gpu_engine(
+    target: Path,
+    draft: Path | None,
+    prompts: list[list[int]],
+    params: list[dict],
+    *,
+    max_num_seqs: int,
+    num_gpu_blocks: int,
+) -> dict:
+    """Serve ``prompts`` with a float32 :class:`GPULLMEngine` on the CPU (in the
+    interpreted worker); returns outputs, counters and each step's (decode, prefill)
+    request counts."""
+    from transformers import AutoTokenizer
+
+    from specula.api.runtime_config import SpeculatorRuntimeConfig
+    from specula.runtime.engine.sampling_params import SamplingParams
+    from specula.runtime.gpu.engine import GPULLMEngine
+
+    spec = None
+    if draft is not None:
+        spec = SpeculatorRuntimeConfig(
+            method="eagle3", model=f"file://{draft}", num_speculative_tokens=K
+        )
+    engine = GPULLMEngine(
+        target,
+        AutoTokenizer.from_pretrained(str(target)),
+        model_uri=f"file://{target}",
+        served_model_name="t",
+        speculator_config=spec,
+        draft_dir=draft,
+        dtype="float32",
+        max_model_len=MAX_MODEL_LEN,
+        max_num_seqs=max_num_seqs,
+        device="cpu",
+        block_size=BLOCK_SIZE,
+        num_gpu_blocks=num_gpu_blocks,
+    )
+    steps: list[tuple[int, int]] = []
+    schedule = engine.scheduler.schedule
+
+    def recording():
+        out = schedule()
+        steps.append((len(out.decode), len(out.prefill)))
+        return out
+
+    engine.scheduler.schedule = recording
+    outputs = engine.generate(prompts, [SamplingParams(**p) for p in params])
+    stats = engine.spec_decoding_stats
+    bm = engine.scheduler.block_manager
+    return {
+        "outputs": outputs,
+        "steps": steps,
+        "num_draft_tokens": stats.num_draft_tokens,
+        "num_accepted_tokens": stats.num_accepted_tokens,
+        "num_preemptions": engine.scheduler.num_preemptions,
+        "free_blocks_after": bm.num_free_blocks,
+        "num_blocks": bm.num_blocks,
+    }
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory, tiny_tokenizer) -> Path:
+    return save_bigram_target("llama", tiny_tokenizer, tmp_path_factory.mktemp("target"), 5)
+
+
+@pytest.fixture(scope="module")
+def target_hf(target):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def draft(tmp_path_factory, target_hf) -> Path:
+    head = bigram_eagle3_head(target_hf, draft_vocab_ids(seed=1, size=288), seed=2)
+    return save_speculators(head, tmp_path_factory.mktemp("eagle3"), keep_embeddings=False)
+
+
+# Different lengths, so that requests finish at different steps and waiting ones are
+# admitted while others still decode.
+MAX_TOKENS_PER_PROMPT = (6, MAX_TOKENS, 9, MAX_TOKENS)
+
+
+def _greedy(max_tokens) -> list[dict]:
+    return [{"max_tokens": n, "ignore_eos": True} for n in max_tokens]
+
+
+def _expected(hf_greedy, target_hf, prompts, max_tokens) -> list[list[int]]:
+    return [hf_greedy(target_hf, p, n) for p, n in zip(prompts, max_tokens, strict=True)]
+
+
+@pytest.mark.parametrize("with_draft", [True, False], ids=["eagle3", "target-only"])
+def test_greedy_matches_transformers_with_mixed_batches(
+    interpreted, target, target_hf, draft, hf_greedy, with_draft
+):
+    prompts = random_prompts(seed=11)
+    got = interpreted(
+        run_gpu_engine,
+        target,
+        draft if with_draft else None,
+        prompts,
+        _greedy(MAX_TOKENS_PER_PROMPT),
+        max_num_seqs=2,
+        num_gpu_blocks=64,
+    )
+    assert got["outputs"] == _expected(hf_greedy, target_hf, prompts, MAX_TOKENS_PER_PROMPT)
+    assert any(d and p for d, p in got["steps"]), f"no mixed step in {got['steps']}"
+    assert max(d + p for d, p in got["steps"]) <= 2
+    if with_draft:
+        assert 0 < got["num_accepted_tokens"] < got["num_draft_tokens"]
+    else:
+        assert got["num_draft_tokens"] == 0
+    assert got["free_blocks_after"] == got["num_blocks"]
+
+
+def test_preempted_requests_are_recomputed_and_match_transformers(
+    interpreted, target, target_hf, draft, hf_greedy
+):
+    prompts = random_prompts(seed=12)
+    max_tokens = (MAX_TOKENS,) * len(prompts)
+    # 20 blocks of 4 tokens: the four requests (3..30-token prompts, 16 new tokens, a
+    # 4-slot lookahead each) cannot all grow at once.
+    got = interpreted(
+        run_gpu_engine,
+        target,
+        draft,
+        prompts,
+        _greedy(max_tokens),
+        max_num_seqs=4,
+        num_gpu_blocks=20,
+    )
+    assert got["num_preemptions"] > 0
+    assert got["outputs"] == _expected(hf_greedy, target_hf, prompts, max_tokens)
+    assert got["free_blocks_after"] == got["num_blocks"]
+
+
+def test_sampling_paths(interpreted, target, target_hf, draft, hf_greedy):
+    prompts = random_prompts(seed=13)[:2]
+    n = 8
+    # top-k 1 at temperature 0.8: the kernel's random path, with a one-hot target
+    # distribution, must accept exactly the greedy drafts and emit the greedy tokens.
+    top1 = [{"max_tokens": n, "temperature": 0.8, "top_k": 1, "ignore_eos": True, "seed": 3}]
+    # Two requests with one seed in one batch: the same tokens.
+    seeded = {"max_tokens": n, "temperature": 1.0, "top_p": 0.9, "ignore_eos": True}
+    params = top1 * 2 + [dict(seeded, seed=7), dict(seeded, seed=7)]
+    got = interpreted(
+        run_gpu_engine,
+        target,
+        draft,
+        prompts + [prompts[1], prompts[1]],
+        params,
+        max_num_seqs=4,
+        num_gpu_blocks=64,
+    )
+    outputs = got["outputs"]
+    assert outputs[:2] == _expected(hf_greedy, target_hf, prompts, (n, n))
+    assert outputs[2] == outputs[3]
+    assert len(outputs[2]) == n and all(0 <= t < VOCAB_SIZE for t in outputs[2])
+    assert 0 < got["num_accepted_tokens"] < got["num_draft_tokens"]
