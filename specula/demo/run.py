@@ -29,20 +29,9 @@ from pathlib import Path
 import httpx
 
 from specula.demo.measure import BatchResult, DemoClient, per_position_acceptance
+from specula.demo.prompts import PROMPTS
 from specula.demo.server_process import ServerError, ServerProcess
 from specula.tuning import SpecDecodeCounters
-
-#: Beginnings of Python code, in the style of the training corpus.
-PROMPTS: tuple[str, ...] = (
-    "def fibonacci(n):\n",
-    "import os\n\n\ndef ",
-    "class Stack:\n    def __init__(self):\n",
-    "    def __repr__(self):\n        return ",
-    "def read_file(path):\n    with open(path) as f:\n",
-    "import sys\n\n\ndef main(argv):\n    ",
-    "    for i in range(len(self.items)):\n",
-    "class Error(Exception):\n    \"\"\"",
-)
 
 #: Timed batches per server; each sends every prompt once. More rounds average out the noise of
 #: a shared CPU.
