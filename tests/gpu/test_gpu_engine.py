@@ -134,7 +134,8 @@ def test_greedy_equals_transformers(demo, tokenizer, prompts, reference, eagle3)
 def test_continuous_batching_with_preemption(demo, tokenizer, prompts, reference):
     from specula.runtime.engine.sampling_params import SamplingParams
 
-    engine = _engine(demo, tokenizer, max_num_seqs=8, num_gpu_blocks=40)
+    # 24 blocks of 16 tokens: fewer than 8 requests of up to ~75 tokens each need.
+    engine = _engine(demo, tokenizer, max_num_seqs=8, num_gpu_blocks=24)
     steps = []
     schedule = engine.scheduler.schedule
 
