@@ -92,3 +92,11 @@ def test_registries_are_private():
     b = build_registry(lambda: RuntimeSnapshot(generation_tokens=2), "b")
     assert _samples(a)[("specula:generation_tokens_total", (("model_name", "a"),))] == 1
     assert _samples(b)[("specula:generation_tokens_total", (("model_name", "b"),))] == 2
+
+
+def test_kv_cache_usage_and_preemptions():
+    snap = RuntimeSnapshot(num_preemptions=3, kv_cache_usage=0.25)
+    samples = _samples(build_registry(lambda: snap, "tiny"))
+    labels = (("model_name", "tiny"),)
+    assert samples[("specula:num_preemptions_total", labels)] == 3
+    assert samples[("specula:kv_cache_usage_perc", labels)] == 0.25

@@ -327,6 +327,12 @@ class EngineLoop:
             spec_decoding=stats,
             num_speculative_tokens=k,
             max_num_speculative_tokens=self.engine.max_num_speculative_tokens,
+            num_preemptions=int(sched.get("num_preemptions", 0)),
+            kv_cache_usage=(
+                1.0 - sched["num_free_gpu_blocks"] / sched["num_gpu_blocks"]
+                if sched.get("num_gpu_blocks")
+                else 0.0
+            ),
         ).copy()
         with self._lock:
             self._snapshot = snap

@@ -82,6 +82,11 @@ class RuntimeSnapshot:
     k a single request would get."""
     max_num_speculative_tokens: int = 0
     """The largest k the engine accepts (its startup value; 0 without a speculator)."""
+    num_preemptions: int = 0
+    """Requests preempted (KV blocks freed, recomputed later) since start."""
+    kv_cache_usage: float = 0.0
+    """Fraction of the paged KV cache's blocks in use, in [0, 1] (0 for the one-slot
+    engine, whose cache is allocated per slot up front)."""
 
     def copy(self) -> RuntimeSnapshot:
         return copy.deepcopy(self)
@@ -129,6 +134,16 @@ class RuntimeProm(Collector):
             "Largest num_speculative_tokens the runtime accepts (its startup value).",
             labels=labels,
         )
+        preemptions = CounterMetricFamily(
+            METRIC_PREFIX + "num_preemptions",
+            "Requests preempted because the KV cache ran out (recomputed when readmitted).",
+            labels=labels,
+        )
+        kv_usage = GaugeMetricFamily(
+            METRIC_PREFIX + "kv_cache_usage_perc",
+            "Fraction of the paged KV cache's blocks in use (1 = full).",
+            labels=labels,
+        )
         steps = HistogramMetricFamily(
             METRIC_PREFIX + "step_duration_seconds",
             "Wall time of one engine step (prefill of new requests plus one decode "
@@ -141,6 +156,8 @@ class RuntimeProm(Collector):
             generated.add_metric(values, snap.generation_tokens)
             k_in_effect.add_metric(values, snap.num_speculative_tokens)
             k_max.add_metric(values, snap.max_num_speculative_tokens)
+            preemptions.add_metric(values, snap.num_preemptions)
+            kv_usage.add_metric(values, snap.kv_cache_usage)
             for (bucket, k), s in sorted(snap.step_times.series.items()):
                 cumulative, acc = [], 0
                 for le, n in zip(
@@ -149,7 +166,7 @@ class RuntimeProm(Collector):
                     acc += n
                     cumulative.append((le, acc))
                 steps.add_metric([*values, bucket, str(k)], cumulative, s.sum_s)
-        yield from (running, waiting, generated, k_in_effect, k_max, steps)
+        yield from (running, waiting, generated, k_in_effect, k_max, preemptions, kv_usage, steps)
 
 
 def build_registry(
