@@ -4,6 +4,7 @@ counters, and checkpoint URI resolution."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from specula.api.runtime_config import PVC_MOUNT_ROOT, RuntimeConfig, SpeculatorRuntimeConfig
 from specula.runtime.engine.llm_engine import LLMEngine, SamplingParams
@@ -197,3 +198,26 @@ def test_resolve_model_uri(tmp_path):
         resolve_model_uri("hf://specula-test/absent-model")
     with pytest.raises(ValueError, match="unsupported model URI"):
         resolve_model_uri("s3://bucket/model")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the choice on a machine without GPU")
+def test_create_engine_picks_the_device(tiny_llama_target):
+    from specula.runtime.engine.llm_engine import create_engine
+
+    def config(device: str) -> RuntimeConfig:
+        return RuntimeConfig(model=f"file://{tiny_llama_target}", dtype="float32", device=device)
+
+    engine = create_engine(config("auto"))
+    assert type(engine) is LLMEngine and engine.device.type == "cpu"
+    with pytest.raises(ValueError, match="no CUDA device"):
+        create_engine(config("cuda"))
+
+
+def test_gpu_engine_refuses_what_it_cannot_serve(tiny_llama_target, tiny_llama_draft):
+    from specula.runtime.gpu.engine import gpu_engine_unsupported_reason
+    from specula.runtime.models.config import ModelConfig
+
+    config = ModelConfig.from_pretrained(tiny_llama_target)
+    assert gpu_engine_unsupported_reason(config, None) is None
+    assert gpu_engine_unsupported_reason(config, "eagle3") is None
+    assert "draft_model" in gpu_engine_unsupported_reason(config, "draft_model")
