@@ -188,3 +188,27 @@ def test_sampling_paths(interpreted, target, target_hf, draft, hf_greedy):
     assert outputs[2] == outputs[3]
     assert len(outputs[2]) == n and all(0 <= t < VOCAB_SIZE for t in outputs[2])
     assert 0 < got["num_accepted_tokens"] < got["num_draft_tokens"]
+
+
+def test_gemma4_greedy_matches_transformers(interpreted, tiny_tokenizer, tmp_path, hf_greedy):
+    """A Gemma4 target with sliding-window and KV-shared layers (the window shorter than
+    the contexts), target-only, with a request admitted while another decodes."""
+    import torch
+    from gemma4_checkpoints import save, tiny_gemma4
+    from transformers import AutoModelForCausalLM
+
+    model = tiny_gemma4(
+        len(tiny_tokenizer), tiny_tokenizer.eos_token_id, seed=10,
+        sliding_window=3, num_attention_heads=2, num_key_value_heads=1,
+    )
+    path = save(model, tiny_tokenizer, tmp_path / "gemma4")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompts = _prompts(seed=14)[:3]
+    max_tokens = (4, 7, 5)
+    got = interpreted(
+        run_gpu_engine, path, None, prompts, _greedy(max_tokens),
+        max_num_seqs=2, num_gpu_blocks=32,
+    )
+    assert got["outputs"] == _expected(hf_greedy, hf, prompts, max_tokens)
+    assert any(d and p for d, p in got["steps"]), f"no mixed step in {got['steps']}"
+    assert got["free_blocks_after"] == got["num_blocks"]

@@ -10,5 +10,10 @@ over the Triton kernels, and CUDA graphs per batch shape.
 - :mod:`.eagle3_runner`: the EAGLE-3 head's forward on the kernels;
 - :mod:`.draft_graphs`: the draft's prefill (reusing the verification's attention
   state) and decode steps, eager and in CUDA graphs;
-- :mod:`.spec_decode`: the speculative step (verify, reject, roll back, draft).
+- :mod:`.spec_decode`: the speculative step (verify, reject, roll back, draft) of one
+  static batch, for benchmarks;
+- :mod:`.per_layer_kv`, :mod:`.gemma4_runner`, :mod:`.gemma4_mtp`: Gemma4 (per-layer KV
+  shapes, sliding windows, KV-shared layers) and its MTP drafter reading the target's KV;
+- :mod:`.scheduler`: continuous batching over the block manager (admission, preemption);
+- :mod:`.engine`: the GPU engine that ``specula serve`` runs on a CUDA device.
 """

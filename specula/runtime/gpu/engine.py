@@ -26,8 +26,10 @@ them as one-hot proposals, which keeps every request's output distribution exact
 target's. ``k`` changes between steps (admin API, per-batch-size schedule) without
 recapturing: graphs exist for every ``k`` up to ``max_num_speculative_tokens``.
 
-Targets: Llama and Qwen3 (:class:`~specula.runtime.gpu.model_runner.GPUModelRunner`);
-speculators: none or ``eagle3``. :func:`gpu_engine_unsupported_reason` says why
+Targets: Llama and Qwen3 (:class:`~specula.runtime.gpu.model_runner.GPUModelRunner`),
+alone or with ``eagle3``; Gemma4 text models
+(:class:`~specula.runtime.gpu.gemma4_runner.GPUGemma4Runner`: sliding-window layers,
+KV-shared layers reading their producer's cache) alone. :func:`gpu_engine_unsupported_reason` says why
 another configuration runs on the slot engine instead.
 """
 
@@ -58,11 +60,14 @@ from specula.runtime.gpu.draft_graphs import (
     set_decode_metadata,
 )
 from specula.runtime.gpu.eagle3_runner import GPUEagle3Runner
+from specula.runtime.gpu.gemma4_runner import GPUGemma4Runner
 from specula.runtime.gpu.model_runner import SUPPORTED_MODELS, GPUModelRunner
 from specula.runtime.gpu.paged_kv import KVCacheSpec, PagedKVCache, metadata_from_block_manager
+from specula.runtime.gpu.per_layer_kv import PerLayerKVCacheSpec, PerLayerPagedKVCache
 from specula.runtime.gpu.scheduler import PagedScheduler
 from specula.runtime.kernels.rejection_sampler import rejection_sample
 from specula.runtime.models.config import ModelConfig, resolve_dtype
+from specula.runtime.models.gemma4 import Gemma4ForCausalLM
 from specula.runtime.models.llama_eagle3 import load_eagle3_draft, share_target_weights
 from specula.runtime.models.registry import MODEL_REGISTRY, load_model
 
@@ -76,6 +81,12 @@ GPU_ENGINE_METHODS = ("eagle3",)
 def gpu_engine_unsupported_reason(config: ModelConfig, speculator_method: str | None) -> str | None:
     """Why the GPU engine cannot serve this target/speculator pair (``None``: it can)."""
     model_cls = MODEL_REGISTRY.get(config.architecture)
+    if model_cls is Gemma4ForCausalLM:
+        if getattr(config, "enable_moe_block", False):
+            return "the mixture-of-experts Gemma4 has no paged GPU runner"
+        if speculator_method is not None:
+            return f"speculator method {speculator_method!r} has no paged GPU path for Gemma4"
+        return None
     if model_cls not in SUPPORTED_MODELS:
         return f"architecture {config.architecture!r} has no paged GPU runner"
     if speculator_method is not None and speculator_method not in GPU_ENGINE_METHODS:
@@ -158,7 +169,12 @@ class GPULLMEngine(EngineBase):
             self.aux_layer_ids = model.check_aux_hidden_state_layers(
                 head.eagle.aux_hidden_state_layer_ids
             )
-        target_spec = KVCacheSpec.from_model_config(self.model_config, self.dtype, block_size)
+        is_gemma4 = isinstance(model, Gemma4ForCausalLM)
+        target_spec = (
+            PerLayerKVCacheSpec.from_model_config(model.config, self.dtype, block_size)
+            if is_gemma4
+            else KVCacheSpec.from_model_config(self.model_config, self.dtype, block_size)
+        )
         draft_spec = None
         if head is not None:
             draft_spec = KVCacheSpec(
@@ -182,9 +198,14 @@ class GPULLMEngine(EngineBase):
                 "max_model_len or raise gpu_memory_utilization"
             )
         self.num_gpu_blocks = num_gpu_blocks
-        self.target = GPUModelRunner(
-            model, PagedKVCache(target_spec, num_gpu_blocks, self.device), runner_len
-        )
+        if is_gemma4:
+            self.target = GPUGemma4Runner(
+                model, PerLayerPagedKVCache(target_spec, num_gpu_blocks, self.device), runner_len
+            )
+        else:
+            self.target = GPUModelRunner(
+                model, PagedKVCache(target_spec, num_gpu_blocks, self.device), runner_len
+            )
         self.draft: GPUEagle3Runner | None = None
         self.buffers: DraftBuffers | None = None
         if head is not None:

@@ -218,7 +218,8 @@ class GPUModelRunner:
         out = attend(
             q, k, v, key_cache, value_cache, metadata, self.scale, self.attn_num_splits
         )
-        return attn.o_proj(out.view(n, q_size))
+        # reshape: a one-request prefill's attention output may be a transposed view.
+        return attn.o_proj(out.reshape(n, q_size))
 
     @staticmethod
     def _mlp(mlp: LlamaMLP, hidden: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,13 @@ its token ``t`` lives in block ``block_table[i, t // block_size]`` at offset
 ``seq_lens[i]`` context tokens, and query token ``j`` sees keys ``[0, seq_lens[i] - q_len + j]``
 (causal within the query).
 
+With a sliding window ``W`` (Mistral, Gemma 2-4 sliding layers) a query at position ``p``
+sees only keys at positions ``(p - W, p]``: its own and the ``W - 1`` before it, the
+convention of Hugging Face ``sliding_window_overlay`` (``kv_idx > q_idx - W``) and of
+:func:`specula.runtime.models.attention.with_sliding_window`. The loop over keys then
+starts at the window of the request's first query token instead of at 0, so a long
+context costs no more than ``W + q_len - 1`` keys.
+
 One program handles the ``q_len * (num_heads // num_kv_heads)`` query rows that share a KV
 head, so each key/value tile is read once for the whole GQA group and every query token
 (that read is what bounds decode). Long contexts are split across programs
@@ -30,7 +37,11 @@ _MIN_TOKENS_PER_SPLIT = 128
 extra parallelism gains."""
 _MAX_SPLITS = 64
 _BLOCK_N = 64
-"""Keys per inner-loop tile."""
+"""Keys per inner-loop tile, unless the tiles would not fit in shared memory
+(:func:`_block_n`)."""
+_HOPPER_SMEM_BYTES = 232448
+"""Shared memory one program may take on an H100/H200 (``shared_memory_per_block_optin``);
+the CPU interpreter sizes tiles as for that GPU."""
 _MAX_BLOCK_M = 64
 """Query rows (query tokens x heads of a GQA group) per program."""
 
@@ -47,6 +58,7 @@ def _paged_attention_kernel(
     seq_lens_ptr,  # [num_reqs] int32
     scale_log2,  # softmax scale * log2(e)
     q_len,
+    sliding_window,  # keys per query when SLIDING (its own position included)
     num_heads,
     num_m_blocks,
     stride_qt,
@@ -68,6 +80,7 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
+    SLIDING: tl.constexpr,
 ):
     req = tl.program_id(0)
     kv_head = tl.program_id(1) // num_m_blocks
@@ -90,8 +103,14 @@ def _paged_attention_kernel(
     # Keys [0, key_limit) are visible to each row; padded rows see none.
     key_limit = tl.where(row_valid, seq_len - q_len + q_idx + 1, 0)
     ctx_end = tl.maximum(tl.max(key_limit, axis=0), 0)
-    tokens_per_split = tl.cdiv(tl.cdiv(ctx_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    split_start = split * tokens_per_split
+    if SLIDING:
+        # Keys [key_start, key_limit): the window ends at the row's own position.
+        key_start = tl.maximum(key_limit - sliding_window, 0)
+        ctx_start = tl.min(tl.where(row_valid, key_start, ctx_end), axis=0)
+    else:
+        ctx_start = 0
+    tokens_per_split = tl.cdiv(tl.cdiv(ctx_end - ctx_start, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    split_start = ctx_start + split * tokens_per_split
     split_end = tl.minimum(split_start + tokens_per_split, ctx_end)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -108,6 +127,8 @@ def _paged_attention_kernel(
         k = tl.load(key_cache_ptr + k_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * scale_log2
         visible = n_valid[None, :] & (offs_n[None, :] < key_limit[:, None])
+        if SLIDING:
+            visible = visible & (offs_n[None, :] >= key_start[:, None])
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         # A row with nothing visible yet keeps -inf; subtracting 0 then keeps exp2 at 0
@@ -175,6 +196,26 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def _block_n(block_m: int, block_d: int, itemsize: int, device: torch.device) -> int:
+    """Keys per tile: ``_BLOCK_N`` unless the query, key and value tiles would exceed
+    the device's shared memory (Gemma4's 512-wide full-attention heads).
+
+    The estimate, fitted to what Triton 3.6 allocates on an H100: ``block_d * itemsize``
+    bytes per query row and per key and value row (keys and values twice for 16-bit
+    types, which it double-buffers), plus the ``[block_m, block_n]`` score tiles, and
+    8 KiB of slack.
+    """
+    limit = _HOPPER_SMEM_BYTES
+    if device.type == "cuda":
+        limit = torch.cuda.get_device_properties(device).shared_memory_per_block_optin
+    per_key = 4 if itemsize == 2 else 2
+    for block_n in (_BLOCK_N, _BLOCK_N // 2):
+        tiles = itemsize * block_d * (block_m + per_key * block_n) + 8 * block_m * block_n
+        if tiles + 8192 <= limit:
+            return block_n
+    return _BLOCK_N // 4
+
+
 def default_num_splits(
     num_reqs: int, num_kv_heads: int, num_m_blocks: int, max_context: int, device: torch.device
 ) -> int:
@@ -201,6 +242,7 @@ def paged_attention(
     *,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Attention of ``q_len`` new query tokens per request over the paged KV cache.
 
@@ -217,10 +259,14 @@ def paged_attention(
         scale: softmax scale, usually ``head_dim ** -0.5``.
         q_len: query tokens per request: 1 for decode, ``k + 1`` for verification.
         num_splits: programs per (request, KV head) along the context; default from
-            :func:`default_num_splits` with ``max_blocks_per_req * block_size`` as the
-            longest context. Fixed per launch shape, independent of ``seq_lens`` values,
-            so no device-to-host copy happens.
+            :func:`default_num_splits` with ``max_blocks_per_req * block_size`` (with a
+            window: at most ``sliding_window + q_len - 1``) as the longest context.
+            Fixed per launch shape, independent of ``seq_lens`` values, so no
+            device-to-host copy happens.
         out: optional [num_reqs * q_len, num_heads, head_dim] output buffer.
+        sliding_window: ``W`` >= 1: a query at position ``p`` sees keys at positions
+            ``(p - W, p]`` only (see the module docstring); ``None`` (default): all
+            keys up to its own.
 
     Returns:
         [num_reqs * q_len, num_heads, head_dim] in ``query.dtype``.
@@ -240,6 +286,7 @@ def paged_attention(
     num_reqs = block_table.shape[0]
     assert cache_head_dim == head_dim and num_heads % num_kv_heads == 0
     assert q_len >= 1 and num_tokens == num_reqs * q_len and seq_lens.shape[0] == num_reqs
+    assert sliding_window is None or sliding_window >= 1
     group_size = num_heads // num_kv_heads
     if out is None:
         out = torch.empty_like(query)
@@ -252,6 +299,8 @@ def paged_attention(
     num_m_blocks = triton.cdiv(rows, block_m)
     if num_splits is None:
         max_context = block_table.shape[1] * block_size
+        if sliding_window is not None:
+            max_context = min(max_context, sliding_window + q_len - 1)
         num_splits = default_num_splits(
             num_reqs, num_kv_heads, num_m_blocks, max_context, query.device
         )
@@ -266,6 +315,7 @@ def paged_attention(
     else:
         partial_out = partial_lse = out  # unused by the kernel when NUM_SPLITS == 1
     block_d = triton.next_power_of_2(max(head_dim, 16))
+    block_n = _block_n(block_m, block_d, query.element_size(), query.device)
     # float32 caches are for tests and references: keep their dot products exact.
     precision = "ieee" if query.dtype == torch.float32 else "tf32"
     grid = (num_reqs, num_kv_heads * num_m_blocks, num_splits)
@@ -280,6 +330,7 @@ def paged_attention(
         seq_lens,
         scale * math.log2(math.e),
         q_len,
+        sliding_window or 0,
         num_heads,
         num_m_blocks,
         query.stride(0),
@@ -294,9 +345,10 @@ def paged_attention(
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
         BLOCK_M=block_m,
-        BLOCK_N=_BLOCK_N,
+        BLOCK_N=block_n,
         NUM_SPLITS=num_splits,
         INPUT_PRECISION=precision,
+        SLIDING=sliding_window is not None,
         num_warps=4,
         enable_fp_fusion=True,
     )
@@ -327,12 +379,13 @@ def paged_decode_attention(
     *,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Decode attention: one query token per request, ``query [num_reqs, num_heads,
     head_dim]``. See :func:`paged_attention` for the other arguments and errors."""
     return paged_attention(
         query, key_cache, value_cache, block_table, seq_lens, scale, 1,
-        num_splits=num_splits, out=out,
+        num_splits=num_splits, out=out, sliding_window=sliding_window,
     )
 
 
@@ -347,6 +400,7 @@ def paged_verify_attention(
     *,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Verification attention: the last emitted token and ``num_speculative_tokens`` draft
     tokens per request, ``query [num_reqs * (k + 1), num_heads, head_dim]``, causal among
@@ -354,6 +408,7 @@ def paged_verify_attention(
     return paged_attention(
         query, key_cache, value_cache, block_table, seq_lens, scale,
         num_speculative_tokens + 1, num_splits=num_splits, out=out,
+        sliding_window=sliding_window,
     )
 
 
@@ -375,6 +430,7 @@ def paged_attention_reference(
     seq_lens: torch.Tensor,
     scale: float,
     q_len: int = 1,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Torch reference of :func:`paged_attention` (same arguments and result): gathers each
     request's keys and values through the block table and computes the masked softmax in
@@ -393,7 +449,10 @@ def paged_attention_reference(
         scores = torch.einsum("qhd,khd->hqk", q, keys) * scale
         key_pos = torch.arange(seq_len, device=query.device)
         query_pos = seq_len - q_len + torch.arange(q_len, device=query.device)
-        scores = scores.masked_fill(key_pos[None, None, :] > query_pos[None, :, None], -math.inf)
+        masked = key_pos[None, :] > query_pos[:, None]  # [q_len, seq_len]
+        if sliding_window is not None:
+            masked |= key_pos[None, :] <= query_pos[:, None] - sliding_window
+        scores = scores.masked_fill(masked[None], -math.inf)
         probs = scores.softmax(dim=-1)
         out[req * q_len : (req + 1) * q_len] = torch.einsum("hqk,khd->qhd", probs, values).to(
             query.dtype

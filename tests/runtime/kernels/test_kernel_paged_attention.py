@@ -25,7 +25,11 @@ from specula.runtime.kernels.reshape_and_cache import (
     reshape_and_cache,
     reshape_and_cache_reference,
 )
-from specula.runtime.models.attention import build_attention_metadata, cached_attention
+from specula.runtime.models.attention import (
+    build_attention_metadata,
+    cached_attention,
+    with_sliding_window,
+)
 
 pytestmark = pytest.mark.runtime
 
@@ -58,7 +62,8 @@ def _paged_case(
 
 
 def check_paged_attention(
-    seq_lens, q_len, num_heads, num_kv_heads, head_dim, block_size, dtype, num_splits
+    seq_lens, q_len, num_heads, num_kv_heads, head_dim, block_size, dtype, num_splits,
+    sliding_window=None,
 ) -> None:
     query, key_cache, value_cache, block_table, lens = _paged_case(
         seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, len(seq_lens) * q_len
@@ -66,14 +71,17 @@ def check_paged_attention(
     scale = head_dim**-0.5
     if q_len == 1:
         out = paged_decode_attention(
-            query, key_cache, value_cache, block_table, lens, scale, num_splits=num_splits
+            query, key_cache, value_cache, block_table, lens, scale, num_splits=num_splits,
+            sliding_window=sliding_window,
         )
     else:
         out = paged_verify_attention(
             query, key_cache, value_cache, block_table, lens, scale, q_len - 1,
-            num_splits=num_splits,
+            num_splits=num_splits, sliding_window=sliding_window,
         )
-    ref = paged_attention_reference(query, key_cache, value_cache, block_table, lens, scale, q_len)
+    ref = paged_attention_reference(
+        query, key_cache, value_cache, block_table, lens, scale, q_len, sliding_window
+    )
     assert out.dtype == dtype and out.shape == query.shape
     torch.testing.assert_close(out.float(), ref.float(), atol=ATOL[dtype], rtol=0)
     # A padding request (seq_len 0) attends to nothing and gets zeros, not NaN.
@@ -106,6 +114,32 @@ def test_paged_attention_matches_reference(
     interpreted(
         check_paged_attention,
         seq_lens, q_len, num_heads, num_kv_heads, head_dim, block_size, dtype, num_splits,
+    )
+
+
+@pytest.mark.parametrize(
+    "seq_lens, q_len, num_heads, num_kv_heads, head_dim, block_size, dtype, num_splits, window",
+    [
+        # decode, a window shorter than two contexts and longer than one, padding request
+        ([3, 20, 0, 9], 1, 4, 2, 16, 4, torch.float32, 1, 8),
+        # decode, contexts past one key tile: the loop starts mid-tile, mid-block, and
+        # the window's keys are split over three programs
+        ([70, 131], 1, 4, 2, 16, 8, torch.float32, 3, 37),
+        # verification: each of the 4 query tokens has its own window start; float16
+        ([4, 30], 4, 4, 1, 24, 4, torch.float16, 2, 5),
+        # window 1: each query sees only its own key
+        ([6, 11], 3, 2, 2, 16, 4, torch.float32, 1, 1),
+    ],
+    ids=["decode", "decode-split-long", "verify-fp16", "window-1"],
+)
+def test_sliding_window_matches_reference(
+    interpreted, seq_lens, q_len, num_heads, num_kv_heads, head_dim, block_size, dtype,
+    num_splits, window,
+):
+    interpreted(
+        check_paged_attention,
+        seq_lens, q_len, num_heads, num_kv_heads, head_dim, block_size, dtype, num_splits,
+        window,
     )
 
 
@@ -164,17 +198,20 @@ def test_reshape_and_cache_skips_padding(interpreted, dtype):
     interpreted(check_reshape_and_cache_copies_exactly, dtype)
 
 
-@pytest.mark.parametrize("q_len", [1, 4])
-def test_reference_agrees_with_model_attention(q_len):
+@pytest.mark.parametrize("q_len, window", [(1, None), (4, None), (1, 3), (4, 6)])
+def test_reference_agrees_with_model_attention(q_len, window):
     """The reference and the CPU engine's ``cached_attention`` (slot cache, SDPA with an
-    explicit mask) give the same result on the same keys and values."""
+    explicit mask; with a window, the mask of ``with_sliding_window`` that the CPU Gemma4
+    model uses) give the same result on the same keys and values."""
     seq_lens, num_heads, num_kv_heads, head_dim, block_size = [5, 13, 4], 4, 2, 16, 4
     query, key_cache, value_cache, block_table, lens = _paged_case(
         seq_lens, num_heads, num_kv_heads, head_dim, block_size, torch.float32,
         len(seq_lens) * q_len,
     )
     scale = head_dim**-0.5
-    ref = paged_attention_reference(query, key_cache, value_cache, block_table, lens, scale, q_len)
+    ref = paged_attention_reference(
+        query, key_cache, value_cache, block_table, lens, scale, q_len, window
+    )
 
     capacity = max(seq_lens)
     slot_k = torch.zeros(len(seq_lens), num_kv_heads, capacity, head_dim)
@@ -191,6 +228,8 @@ def test_reference_agrees_with_model_attention(q_len):
         list(range(len(seq_lens))), [q_len] * len(seq_lens), [n - q_len for n in seq_lens],
         torch.device("cpu"),
     )
+    if window is not None:
+        metadata = with_sliding_window(metadata, window)
     out = cached_attention(
         query, torch.cat(new_k), torch.cat(new_v), slot_k, slot_v, metadata, scale
     )
@@ -206,3 +245,17 @@ def test_default_num_splits():
     # Enough programs already: no split.
     assert default_num_splits(8, 8, 1, 4096, cpu) == 1
     assert default_num_splits(1, 1, 1, 1 << 20, cpu) == 8
+
+
+def test_reference_window_convention():
+    """A hand-checked window: query at position 5 with window 3 weighs keys 3, 4, 5
+    equally when their scores are equal, and nothing else."""
+    block_table = torch.tensor([[0, 1]], dtype=torch.int32)
+    key_cache = torch.zeros(2, 4, 1, 2)  # equal scores for every key
+    value_cache = torch.arange(8.0).repeat_interleave(2).view(2, 4, 1, 2)  # value = position
+    query = torch.ones(1, 1, 2)
+    lens = torch.tensor([6], dtype=torch.int32)
+    out = paged_attention_reference(query, key_cache, value_cache, block_table, lens, 1.0, 1, 3)
+    assert torch.allclose(out, torch.full((1, 1, 2), (3 + 4 + 5) / 3))
+    full = paged_attention_reference(query, key_cache, value_cache, block_table, lens, 1.0, 1)
+    assert torch.allclose(full, torch.full((1, 1, 2), sum(range(6)) / 6))

@@ -1,0 +1,445 @@
+"""The paged forward of a Gemma4 text target on the GPU kernels.
+
+:class:`~specula.runtime.models.gemma4.Gemma4ForCausalLM` owns the weights; this module
+runs those same parameters over a :class:`~specula.runtime.gpu.per_layer_kv.
+PerLayerPagedKVCache`, as :class:`~specula.runtime.gpu.model_runner.GPUModelRunner` does
+for Llama and Qwen3, with the same interface (``forward``, ``compute_logits``,
+``device``, ``dtype``, ``block_size``, ``max_blocks_per_req``, ``kv_cache``), so
+:class:`~specula.runtime.gpu.cudagraph.CUDAGraphManager` captures it unchanged.
+
+What differs from the Llama path (see :mod:`specula.runtime.models.gemma4` for the
+model):
+
+- sliding-window layers attend to the last ``sliding_window`` positions only: the paged
+  kernel's window (decode, verification), a banded causal mask for prefills;
+- per layer type its own head size, KV heads and rotary table (``proportional`` RoPE is
+  a table whose unrotated pairs have frequency 0, so the fused rotary + cache-write
+  kernel applies it as a full-width rotation);
+- queries, keys and values are RMS-normed per head before rotary (values without a
+  scale) and the softmax scale is 1;
+- KV-shared layers (``num_kv_shared_layers``) own no cache: they rotate their queries
+  only and attend to the cache of the last earlier non-shared layer of their type; a
+  prefill reuses that layer's keys and values of the same forward;
+- sandwich norms around attention and MLP, per-layer input embeddings (PLE), the learned
+  ``layer_scalar``, final logit soft-capping.
+
+Gemma4's norms scale by ``weight`` directly (not Gemma 1-3's ``1 + weight``), so they
+run on the plain (Llama-convention) RMSNorm kernel: exact in float32; in bfloat16 the
+kernel rounds the normalised row once more before the weight multiplies it, where
+:class:`~specula.runtime.models.gemma4_layers.Gemma4RMSNorm` multiplies in float32.
+
+Nothing copies device data to the host in a decode or verification forward, so it can
+be captured in a CUDA graph. The mixture-of-experts variant (26B-A4B) is refused: its
+expert dispatch runs on the host.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from specula.runtime.gpu.block_manager import cdiv
+from specula.runtime.gpu.model_runner import GPUModelRunner, attend
+from specula.runtime.gpu.paged_kv import PagedAttentionMetadata
+from specula.runtime.gpu.per_layer_kv import PerLayerPagedKVCache
+from specula.runtime.kernels.activation import silu_and_mul
+from specula.runtime.kernels.layernorm import fused_add_rms_norm, rms_norm
+from specula.runtime.kernels.paged_attention import paged_attention
+from specula.runtime.kernels.rotary import build_cos_sin_cache, rotary_embedding
+from specula.runtime.kernels.rotary_cache import rotary_embedding_and_cache
+from specula.runtime.models.gemma4 import (
+    Gemma4Attention,
+    Gemma4DecoderLayer,
+    Gemma4ForCausalLM,
+    Gemma4MLP,
+)
+from specula.runtime.models.gemma4_config import SLIDING, Gemma4ModelConfig
+from specula.runtime.models.gemma4_layers import Gemma4RMSNorm
+from specula.runtime.models.layers import RotaryEmbedding
+
+
+def _sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int
+) -> torch.Tensor:
+    # q: [..., heads, q_len, head_dim]; k, v: [..., kv_heads, q_len, head_dim]
+    q_len = q.shape[-2]
+    mask = None
+    if q_len > window:
+        # Causal band: query i sees keys (i - window, i].
+        mask = torch.ones(q_len, q_len, dtype=torch.bool, device=q.device)
+        mask = mask.tril().triu(1 - window)
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
+    )
+
+
+def _windowed_prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    metadata: PagedAttentionMetadata,
+    scale: float,
+    window: int,
+) -> torch.Tensor:
+    # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
+    n, num_heads, head_dim = q.shape
+    q_len = metadata.uniform_query_len
+    if q_len is not None:
+        b = metadata.num_reqs
+        out = _sdpa(
+            q.view(b, q_len, num_heads, head_dim).transpose(1, 2),
+            k.view(b, q_len, -1, head_dim).transpose(1, 2),
+            v.view(b, q_len, -1, head_dim).transpose(1, 2),
+            scale,
+            window,
+        )  # [num_reqs, num_heads, q_len, head_dim]
+        return out.transpose(1, 2).reshape(n, num_heads, head_dim)
+    out = torch.empty_like(q)
+    start = 0
+    for length in metadata.query_lens_cpu:
+        end = start + length
+        out[start:end] = _sdpa(
+            q[start:end].transpose(0, 1),
+            k[start:end].transpose(0, 1),
+            v[start:end].transpose(0, 1),
+            scale,
+            window,
+        ).transpose(0, 1)
+        start = end
+    return out
+
+
+def attend_sliding(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    metadata: PagedAttentionMetadata,
+    scale: float,
+    sliding_window: int | None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """:func:`~specula.runtime.gpu.model_runner.attend` with an optional sliding window:
+    a query at position ``p`` sees keys at positions ``(p - sliding_window, p]`` (Hugging
+    Face ``sliding_window_overlay``), through the paged kernel's window for decode and
+    verification rows and a banded causal mask for prefill rows.
+
+    Args:
+        q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim],
+            this forward's keys and values, already in ``key_cache``/``value_cache``.
+        key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim].
+        sliding_window: window ``W`` >= 1, or ``None`` for full causal attention.
+
+    Returns:
+        [num_tokens, num_heads, head_dim].
+
+    Raises:
+        ValueError: a batch :func:`~specula.runtime.gpu.model_runner.attend` refuses.
+    """
+    if sliding_window is None:
+        return attend(q, k, v, key_cache, value_cache, metadata, scale, num_splits)
+    if metadata.prefill:
+        return _windowed_prefill(q, k, v, metadata, scale, sliding_window)
+    if metadata.split is not None:
+        decode, prefill = metadata.split
+        n = decode.num_tokens
+        out = torch.empty_like(q)
+        out[:n] = attend_sliding(
+            q[:n], k[:n], v[:n], key_cache, value_cache, decode, scale, sliding_window,
+            num_splits,
+        )
+        out[n:] = _windowed_prefill(q[n:], k[n:], v[n:], prefill, scale, sliding_window)
+        return out
+    if metadata.uniform_query_len is None:
+        # attend raises the error the Llama path gives for this batch shape.
+        return attend(q, k, v, key_cache, value_cache, metadata, scale, num_splits)
+    return paged_attention(
+        q,
+        key_cache,
+        value_cache,
+        metadata.block_table,
+        metadata.seq_lens,
+        scale,
+        metadata.uniform_query_len,
+        num_splits=num_splits,
+        sliding_window=sliding_window,
+    )
+
+
+class Gemma4PagedLayers:
+    """Gemma4 decoder layers on the kernels over a paged KV cache: the part of the
+    forward that the target (:class:`GPUGemma4Runner`) and its MTP draft
+    (:class:`~specula.runtime.gpu.gemma4_mtp.GPUGemma4AssistantRunner`) share.
+
+    Args:
+        config: the layers' config (the target's, or the assistant's text config).
+        kv_cache: the target's cache; entry ``kv_sources[i]`` is what layer ``i`` reads.
+        kv_sources: per layer, its cache entry (written by the layer unless it is
+            KV-shared).
+        windows: per layer, its sliding window in keys (own position included) or
+            ``None``.
+        rotary: per layer type, the rotary embedding (``inv_freq``) of that type.
+        max_model_len: longest context; fixes ``max_blocks_per_req`` and the rotary
+            tables' length.
+        attn_num_splits: programs per (request, KV head) along the context in paged
+            attention; ``None``: the kernel's default per launch shape.
+        device, dtype: where and in what dtype the layers' weights are.
+
+    Raises:
+        ValueError: a cache in another dtype.
+    """
+
+    def __init__(
+        self,
+        config: Gemma4ModelConfig,
+        kv_cache: PerLayerPagedKVCache,
+        kv_sources: Sequence[int],
+        windows: Sequence[int | None],
+        rotary: dict[str, RotaryEmbedding],
+        max_model_len: int,
+        attn_num_splits: int | None,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        spec = kv_cache.spec
+        if spec.dtype != dtype:
+            raise ValueError(f"KV cache dtype {spec.dtype} != model dtype {dtype}")
+        self.config = config
+        self.kv_cache = kv_cache
+        self.device = device
+        self.dtype = dtype
+        self.block_size = spec.block_size
+        self.max_model_len = max_model_len
+        self.max_blocks_per_req = cdiv(max_model_len, spec.block_size)
+        self.attn_num_splits = attn_num_splits
+        self.kv_sources = tuple(kv_sources)
+        """Per layer, the cache entry it reads (and writes when it is not shared)."""
+        self.windows = tuple(windows)
+        """Per layer, its sliding window or ``None`` (full attention)."""
+        # float32 tables, one per layer type: the kernels compute in float32 and round
+        # once, closer to the float32 reference than a table in the activation dtype.
+        self.cos_sin_caches = {
+            t: build_cos_sin_cache(r.inv_freq.to(device), max_model_len)
+            for t, r in rotary.items()
+        }
+        # The value norm has no scale: a weight of ones makes the plain RMSNorm kernel
+        # compute exactly x * rsqrt(mean(x^2) + eps).
+        self._unit_weights = {
+            d: torch.ones(d, dtype=dtype, device=device) for d in set(config.layer_head_dims)
+        }
+
+    def _head_norm(self, x: torch.Tensor, norm: Gemma4RMSNorm, num_heads: int) -> torch.Tensor:
+        # x: [num_tokens, num_heads * head_dim] -> [num_tokens, num_heads, head_dim]
+        head_dim = x.shape[1] // num_heads
+        weight = self._unit_weights[head_dim] if norm.weight is None else norm.weight
+        return rms_norm(x.reshape(-1, head_dim), weight, norm.eps).view(-1, num_heads, head_dim)
+
+    def _attention(
+        self,
+        attn: Gemma4Attention,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        layer_idx: int,
+        metadata: PagedAttentionMetadata,
+        produced: dict[int, tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
+        # hidden: [num_tokens, hidden_size]
+        n = hidden.shape[0]
+        num_heads, num_kv_heads = attn.num_heads, attn.num_kv_heads
+        cos_sin = self.cos_sin_caches[self.config.layer_types[layer_idx]]
+        source = self.kv_sources[layer_idx]
+        key_cache, value_cache = self.kv_cache.layer(source)
+        q = self._head_norm(attn.q_proj(hidden), attn.q_norm, num_heads)
+        if attn.kv_shared:
+            rotary_embedding(positions, q, None, cos_sin)
+            # The producer's keys and values of this forward, which prefill rows attend
+            # over; decode and verification rows (and draft rows, whose producer ran in
+            # an earlier forward) read the cache only.
+            k, v = produced.get(source, (None, None))
+        else:
+            k_proj = attn.k_proj(hidden)  # [num_tokens, num_kv_heads * head_dim]
+            v_proj = k_proj if attn.v_proj is None else attn.v_proj(hidden)
+            k = self._head_norm(k_proj, attn.k_norm, num_kv_heads)
+            v = self._head_norm(v_proj, attn.v_norm, num_kv_heads)
+            rotary_embedding_and_cache(
+                positions, q, k, v, key_cache, value_cache, metadata.slot_mapping, cos_sin
+            )
+            produced[layer_idx] = (k, v)
+        # q, k and v are normed: the softmax scale is 1.
+        out = attend_sliding(
+            q, k, v, key_cache, value_cache, metadata, 1.0, self.windows[layer_idx],
+            self.attn_num_splits,
+        )
+        # reshape, not view: a one-request prefill's SDPA output may keep a
+        # [heads, tokens] layout (backends without a fused kernel for this head size).
+        return attn.o_proj(out.reshape(n, num_heads * attn.head_dim))
+
+    def _mlp(self, mlp: Gemma4MLP, hidden: torch.Tensor) -> torch.Tensor:
+        if self.config.hidden_act == "silu":
+            return mlp.down_proj(silu_and_mul(mlp.gate_up_proj(hidden)))
+        return mlp(hidden)
+
+    def _layer(
+        self,
+        layer: Gemma4DecoderLayer,
+        hidden: torch.Tensor,
+        per_layer_input: torch.Tensor | None,
+        positions: torch.Tensor,
+        layer_idx: int,
+        metadata: PagedAttentionMetadata,
+        produced: dict[int, tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
+        """One decoder layer, as :meth:`Gemma4DecoderLayer.forward`.
+
+        Args:
+            hidden: [num_tokens, hidden_size] residual stream.
+            per_layer_input: [num_tokens, hidden_size_per_layer_input] or ``None``.
+            positions: [num_tokens] int64 rotary positions.
+            produced: this forward's keys and values by cache entry, filled by
+                non-shared layers and read by the shared layers of a prefill.
+
+        Returns:
+            [num_tokens, hidden_size].
+        """
+        ln = layer.input_layernorm
+        x = rms_norm(hidden, ln.weight, ln.eps)
+        x = self._attention(layer.self_attn, x, positions, layer_idx, metadata, produced)
+        ln = layer.post_attention_layernorm
+        x = rms_norm(x, ln.weight, ln.eps)
+        # hidden + post_norm(attn), then the pre-MLP norm of that sum, in one pass.
+        ln = layer.pre_feedforward_layernorm
+        x, hidden = fused_add_rms_norm(x, hidden, ln.weight, ln.eps)
+        x = self._mlp(layer.mlp, x)
+        ln = layer.post_feedforward_layernorm
+        hidden = hidden + rms_norm(x, ln.weight, ln.eps)
+        if per_layer_input is not None:
+            gate = layer.act(layer.per_layer_input_gate(hidden)) * per_layer_input
+            ln = layer.post_per_layer_input_norm
+            projected = layer.per_layer_projection(gate)
+            hidden = hidden + rms_norm(projected, ln.weight, ln.eps)
+        return hidden * layer.layer_scalar
+
+
+class GPUGemma4Runner(Gemma4PagedLayers):
+    """Runs a :class:`Gemma4ForCausalLM` over a :class:`PerLayerPagedKVCache` with the
+    Triton kernels; the interface of :class:`GPUModelRunner`.
+
+    Args:
+        model: the target, on its device, in eval mode, in the cache's dtype.
+        kv_cache: one key/value pair per non-shared layer, shaped as
+            ``model.config.kv_cache_shapes()`` (see
+            :meth:`PerLayerKVCacheSpec.from_model_config`); KV-shared layers read their
+            producer's pair.
+        max_model_len: longest context (tokens) a request may reach; fixes the
+            block-table width ``max_blocks_per_req`` and the rotary table length.
+        attn_num_splits: programs per (request, KV head) along the context in paged
+            attention; ``None`` uses the kernel's default for each launch shape.
+
+    Raises:
+        ValueError: not a Gemma4 text model, the mixture-of-experts variant, or a cache
+            that does not match the model.
+    """
+
+    def __init__(
+        self,
+        model: Gemma4ForCausalLM,
+        kv_cache: PerLayerPagedKVCache,
+        max_model_len: int,
+        attn_num_splits: int | None = None,
+    ) -> None:
+        if not isinstance(model, Gemma4ForCausalLM):
+            raise ValueError(f"{type(model).__name__} is not a Gemma4ForCausalLM")
+        config = model.config
+        if config.enable_moe_block:
+            raise ValueError(
+                "the mixture-of-experts Gemma4 is not supported by the paged GPU runner "
+                "(its expert dispatch reads expert ids on the host)"
+            )
+        spec = kv_cache.spec
+        if tuple(getattr(spec, "layer_shapes", ())) != tuple(config.kv_cache_shapes()):
+            raise ValueError(
+                f"KV cache {spec} does not match the model's per-layer KV shapes "
+                f"{config.kv_cache_shapes()}"
+            )
+        weight = model.model.embed_tokens.weight
+        super().__init__(
+            config,
+            kv_cache,
+            config.kv_source_layers(),
+            [config.sliding_window if t == SLIDING else None for t in config.layer_types],
+            model.rotary.by_type,
+            max_model_len,
+            attn_num_splits,
+            weight.device,
+            weight.dtype,
+        )
+        self.model = model
+
+    # -- forward ---------------------------------------------------------------------
+
+    @torch.no_grad()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: PagedAttentionMetadata,
+        aux_layer_ids: Sequence[int] = (),
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One forward of a flattened batch, writing the non-shared layers' keys and
+        values to the cache.
+
+        Args:
+            input_ids: [num_tokens] int64 token ids, request-major.
+            positions: [num_tokens] int64 rotary positions (< ``max_model_len``).
+            metadata: from :func:`~specula.runtime.gpu.paged_kv.build_attention_metadata`
+                (one for every layer: all share the block tables), whose
+                ``block_table`` is ``max_blocks_per_req`` wide.
+            aux_layer_ids: residual streams to return, counted as in
+                :meth:`Gemma4ForCausalLM.forward_with_aux` (``i``: the input of decoder
+                layer ``i``; ``num_hidden_layers``: the last layer's output).
+
+        Returns:
+            ``(hidden [num_tokens, hidden_size] after the final norm, aux [num_tokens,
+            len(aux_layer_ids) * hidden_size] or None)``.
+
+        Raises:
+            AssertionError: shapes or dtypes that do not match the above.
+            ValueError: a batch :func:`attend_sliding` refuses.
+        """
+        assert input_ids.ndim == 1 and input_ids.shape == positions.shape
+        assert input_ids.shape[0] == metadata.num_tokens
+        assert positions.dtype == torch.int64
+        assert metadata.block_table.shape[1] == self.max_blocks_per_req
+        model = self.model.model
+        hidden = model.embed(input_ids)  # [num_tokens, hidden_size]
+        per_layer = None
+        if self.config.hidden_size_per_layer_input:
+            per_layer = model.per_layer_inputs(input_ids, hidden)  # [n, layers, ple]
+        captured: dict[int, torch.Tensor] = {}
+        produced: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for i, layer in enumerate(model.layers):
+            if i in aux_layer_ids:
+                captured[i] = hidden
+            hidden = self._layer(
+                layer,
+                hidden,
+                None if per_layer is None else per_layer[:, i],
+                positions,
+                i,
+                metadata,
+                produced,
+            )
+        captured[len(model.layers)] = hidden
+        aux = torch.cat([captured[i] for i in aux_layer_ids], dim=-1) if aux_layer_ids else None
+        return rms_norm(hidden, model.norm.weight, model.norm.eps), aux
+
+    @torch.no_grad()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[num_positions, hidden_size] -> [num_positions, vocab_size] float32 logits,
+        soft-capped as :meth:`Gemma4ForCausalLM.compute_logits`."""
+        return self.model.compute_logits(hidden)
+
+    last_token_indices = staticmethod(GPUModelRunner.last_token_indices)
