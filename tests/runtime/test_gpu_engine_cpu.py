@@ -37,6 +37,7 @@ def run_gpu_engine(
     *,
     max_num_seqs: int,
     num_gpu_blocks: int,
+    method: str = "eagle3",
 ) -> dict:
     """Serve ``prompts`` with a float32 :class:`GPULLMEngine` on the CPU (in the
     interpreted worker); returns outputs, counters and each step's (decode, prefill)
@@ -50,7 +51,7 @@ def run_gpu_engine(
     spec = None
     if draft is not None:
         spec = SpeculatorRuntimeConfig(
-            method="eagle3", model=f"file://{draft}", num_speculative_tokens=K
+            method=method, model=f"file://{draft}", num_speculative_tokens=K
         )
     engine = GPULLMEngine(
         target,
@@ -190,11 +191,15 @@ def test_sampling_paths(interpreted, target, target_hf, draft, hf_greedy):
     assert 0 < got["num_accepted_tokens"] < got["num_draft_tokens"]
 
 
-def test_gemma4_greedy_matches_transformers(interpreted, tiny_tokenizer, tmp_path, hf_greedy):
+@pytest.mark.parametrize("with_assistant", [False, True], ids=["target-only", "gemma4_mtp"])
+def test_gemma4_greedy_matches_transformers(
+    interpreted, tiny_tokenizer, tmp_path, hf_greedy, with_assistant
+):
     """A Gemma4 target with sliding-window and KV-shared layers (the window shorter than
-    the contexts), target-only, with a request admitted while another decodes."""
+    the contexts), alone or with its MTP assistant reading its KV, with a request
+    admitted while another decodes."""
     import torch
-    from gemma4_checkpoints import save, tiny_gemma4
+    from gemma4_checkpoints import save, tiny_gemma4, tiny_gemma4_assistant
     from transformers import AutoModelForCausalLM
 
     model = tiny_gemma4(
@@ -202,13 +207,20 @@ def test_gemma4_greedy_matches_transformers(interpreted, tiny_tokenizer, tmp_pat
         sliding_window=3, num_attention_heads=2, num_key_value_heads=1,
     )
     path = save(model, tiny_tokenizer, tmp_path / "gemma4")
+    assistant = None
+    if with_assistant:
+        assistant = save(
+            tiny_gemma4_assistant(model, seed=12), tiny_tokenizer, tmp_path / "assistant"
+        )
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     prompts = _prompts(seed=14)[:3]
     max_tokens = (4, 7, 5)
     got = interpreted(
-        run_gpu_engine, path, None, prompts, _greedy(max_tokens),
-        max_num_seqs=2, num_gpu_blocks=32,
+        run_gpu_engine, path, assistant, prompts, _greedy(max_tokens),
+        max_num_seqs=2, num_gpu_blocks=32, method="gemma4_mtp",
     )
     assert got["outputs"] == _expected(hf_greedy, hf, prompts, max_tokens)
     assert any(d and p for d, p in got["steps"]), f"no mixed step in {got['steps']}"
     assert got["free_blocks_after"] == got["num_blocks"]
+    if with_assistant:
+        assert 0 < got["num_accepted_tokens"] < got["num_draft_tokens"]

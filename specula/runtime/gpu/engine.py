@@ -29,7 +29,9 @@ recapturing: graphs exist for every ``k`` up to ``max_num_speculative_tokens``.
 Targets: Llama and Qwen3 (:class:`~specula.runtime.gpu.model_runner.GPUModelRunner`),
 alone or with ``eagle3``; Gemma4 text models
 (:class:`~specula.runtime.gpu.gemma4_runner.GPUGemma4Runner`: sliding-window layers,
-KV-shared layers reading their producer's cache) alone. :func:`gpu_engine_unsupported_reason` says why
+KV-shared layers reading their producer's cache), alone or with ``gemma4_mtp``
+(:class:`~specula.runtime.gpu.gemma4_mtp.GPUGemma4AssistantRunner`: Q-only draft layers
+on the target's KV, the whole k-step loop in one CUDA graph). :func:`gpu_engine_unsupported_reason` says why
 another configuration runs on the slot engine instead.
 """
 
@@ -60,6 +62,7 @@ from specula.runtime.gpu.draft_graphs import (
     set_decode_metadata,
 )
 from specula.runtime.gpu.eagle3_runner import GPUEagle3Runner
+from specula.runtime.gpu.gemma4_mtp import Gemma4DraftGraphManager, GPUGemma4AssistantRunner
 from specula.runtime.gpu.gemma4_runner import GPUGemma4Runner
 from specula.runtime.gpu.model_runner import SUPPORTED_MODELS, GPUModelRunner
 from specula.runtime.gpu.paged_kv import KVCacheSpec, PagedKVCache, metadata_from_block_manager
@@ -68,6 +71,7 @@ from specula.runtime.gpu.scheduler import PagedScheduler
 from specula.runtime.kernels.rejection_sampler import rejection_sample
 from specula.runtime.models.config import ModelConfig, resolve_dtype
 from specula.runtime.models.gemma4 import Gemma4ForCausalLM
+from specula.runtime.models.gemma4_assistant import load_gemma4_assistant
 from specula.runtime.models.llama_eagle3 import load_eagle3_draft, share_target_weights
 from specula.runtime.models.registry import MODEL_REGISTRY, load_model
 
@@ -84,9 +88,11 @@ def gpu_engine_unsupported_reason(config: ModelConfig, speculator_method: str | 
     if model_cls is Gemma4ForCausalLM:
         if getattr(config, "enable_moe_block", False):
             return "the mixture-of-experts Gemma4 has no paged GPU runner"
-        if speculator_method is not None:
+        if speculator_method not in (None, "gemma4_mtp"):
             return f"speculator method {speculator_method!r} has no paged GPU path for Gemma4"
         return None
+    if speculator_method == "gemma4_mtp":
+        return "gemma4_mtp drafts for Gemma4 targets only"
     if model_cls not in SUPPORTED_MODELS:
         return f"architecture {config.architecture!r} has no paged GPU runner"
     if speculator_method is not None and speculator_method not in GPU_ENGINE_METHODS:
@@ -162,8 +168,11 @@ class GPULLMEngine(EngineBase):
         runner_len = self.max_model_len + 2 * max_k + 2
         model = load_model(target_dir, self.dtype, self.device, self.model_config)
         head = None
+        assistant = None
         self.aux_layer_ids: tuple[int, ...] = ()
-        if method is not None:
+        if method == "gemma4_mtp":
+            assistant = load_gemma4_assistant(draft_dir, self.dtype, self.device)
+        elif method is not None:
             head = load_eagle3_draft(draft_dir, self.model_config, self.dtype, self.device)
             share_target_weights(head, model.model.embed_tokens, model.lm_head_weight)
             self.aux_layer_ids = model.check_aux_hidden_state_layers(
@@ -213,6 +222,20 @@ class GPULLMEngine(EngineBase):
                 head, PagedKVCache(draft_spec, num_gpu_blocks, self.device), runner_len
             )
             self.buffers = DraftBuffers(self.draft, max_num_seqs, max_k)
+        self.assistant: GPUGemma4AssistantRunner | None = None
+        if assistant is not None:
+            self.assistant = GPUGemma4AssistantRunner(assistant, self.target)
+        self.draft_token_ids = (
+            self.buffers.draft_token_ids
+            if self.buffers is not None
+            else torch.zeros(max_num_seqs, max(max_k, 1), dtype=torch.int64, device=self.device)
+        )
+        """[max_num_seqs, max_k] the drafts of the next verification, by request row."""
+        self.cu_num_draft_tokens = {
+            j: torch.arange(1, max_num_seqs + 1, dtype=torch.int32, device=self.device) * j
+            for j in range(max_k + 1)
+        }
+        """``k`` -> [max_num_seqs] int32 inclusive cumulative counts of ``k`` drafts each."""
         self.scheduler = PagedScheduler(
             BlockManager(num_gpu_blocks, block_size),
             max_num_seqs,
@@ -223,6 +246,7 @@ class GPULLMEngine(EngineBase):
         self.target_graphs: CUDAGraphManager | None = None
         self.prefill_graphs: DraftPrefillGraphManager | None = None
         self.decode_graphs: DraftDecodeGraphManager | None = None
+        self.assistant_graphs: Gemma4DraftGraphManager | None = None
         if self.use_cuda_graphs:
             self._capture(max_num_seqs, max_k)
         self._draft_k = 0
@@ -268,6 +292,9 @@ class GPULLMEngine(EngineBase):
             self.target, max_num_seqs, query_lens, aux_layer_ids=self.aux_layer_ids
         )
         self.target_graphs.capture()
+        if self.assistant is not None and max_k > 0:
+            self.assistant_graphs = Gemma4DraftGraphManager(self.assistant, max_num_seqs, max_k)
+            self.assistant_graphs.capture()
         if self.draft is None:
             return
         self.prefill_graphs = DraftPrefillGraphManager(
@@ -375,7 +402,7 @@ class GPULLMEngine(EngineBase):
                 k,
                 graphed,
             )
-        else:
+        elif self.assistant is None:
             k_next = 0
         alive = [batch[i] for i in survivors]
         for request in alive:
@@ -384,6 +411,8 @@ class GPULLMEngine(EngineBase):
         self._draft_rows = {r: i for i, r in enumerate(alive)}
         if self.draft is not None and alive:
             self._propose(alive, survivors, k_next)
+        elif self.assistant is not None and alive and k_next > 0:
+            self._propose_gemma4(hidden, batch, survivors, host_acc, k, k_next)
 
     def _sampling(self, requests: list[Request]) -> SamplingMetadata:
         return SamplingMetadata.from_params(
@@ -403,7 +432,7 @@ class GPULLMEngine(EngineBase):
             last = last.to(self.device, non_blocking=pin)[:, None]
             if k > 0:
                 rows = torch.tensor([self._draft_rows[r] for r in decode], pin_memory=pin)
-                drafts = self.buffers.draft_token_ids[rows.to(self.device, non_blocking=pin), :k]
+                drafts = self.draft_token_ids[rows.to(self.device, non_blocking=pin), :k]
                 last = torch.cat([last, drafts], dim=1)
                 drafts = drafts.reshape(-1)
             parts.append(last.reshape(-1))
@@ -433,7 +462,7 @@ class GPULLMEngine(EngineBase):
             return tokens[:, None], torch.zeros(r, dtype=torch.int64, device=self.device)
         vocab = logits.shape[-1]
         assert drafts is not None and drafts.shape == (r * k,)
-        cu = self.buffers.cu_num_draft_tokens[k][:r]
+        cu = self.cu_num_draft_tokens[k][:r]
         argmax = logits.argmax(dim=-1)
         if part.all_greedy:
             return rejection_sample(drafts, cu, argmax, k)
@@ -505,6 +534,52 @@ class GPULLMEngine(EngineBase):
             padded = self.decode_graphs.padded_num_reqs(r)
             set_decode_metadata(buf, metadata, positions, k_next, padded)
             self.decode_graphs.run(r, k_next - 1)
+
+    def _propose_gemma4(
+        self,
+        hidden: torch.Tensor,
+        batch: list[Request],
+        survivors: list[int],
+        accepted: list[int],
+        k: int,
+        k_next: int,
+    ) -> None:
+        """The Gemma4 assistant's ``k_next`` drafts for the surviving requests: each
+        reads its last emitted token and the target's final hidden state at the row
+        before it (the last accepted verification row, or a prompt's last row), at the
+        constant position of that token, over the committed target KV."""
+        num_decode = len(accepted)
+        q = k + 1
+        rows, tokens, positions = [], [], []
+        offset = num_decode * q
+        for i, request in enumerate(batch):
+            if i < num_decode:
+                row = i * q + accepted[i]
+            else:
+                offset += len(request.token_ids) - 1  # its prompt (one token since)
+                row = offset - 1
+            if not request.finished:
+                rows.append(row)
+                tokens.append(request.token_ids[-1])
+                positions.append(len(request.token_ids) - 1)
+        assert len(rows) == len(survivors)
+        pin = self.device.type == "cuda"
+
+        def dev(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, pin_memory=pin).to(
+                self.device, non_blocking=pin
+            )
+
+        bm = self.scheduler.block_manager
+        width = self.target.max_blocks_per_req
+        tables = [bm.block_table(batch[i].request_id) for i in survivors]
+        block_table = torch.tensor(
+            [t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, pin_memory=pin
+        ).to(self.device, non_blocking=pin)
+        backbone = hidden[dev(rows)]
+        runner = self.assistant_graphs if self.assistant_graphs is not None else self.assistant
+        drafts = runner.propose(dev(tokens), backbone, dev(positions), block_table, k_next)
+        self.draft_token_ids[: len(rows), :k_next] = drafts
 
 
 def _num_blocks_from_free_memory(
