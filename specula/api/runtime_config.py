@@ -110,9 +110,9 @@ class RuntimeConfig(BaseModel):
     """Most requests decoded together in one batch."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where the engine runs; ``auto`` picks a CUDA GPU when one is visible. On a GPU,
-    Llama and Qwen3 targets, alone or with an ``eagle3`` head, run the paged,
-    continuously batched engine; other combinations run the one-slot-per-request
-    engine on the same device."""
+    Llama and Qwen3 targets, alone or with an ``eagle3`` head, and Gemma4 targets, alone
+    or with ``gemma4_mtp``, run the paged, continuously batched engine; other
+    combinations run the one-slot-per-request engine on the same device."""
     gpu_memory_utilization: float = Field(default=0.9, gt=0.0, le=1.0)
     """Fraction of the GPU's free memory (after loading the weights) the paged KV cache
     may take (vLLM's option of the same name)."""
