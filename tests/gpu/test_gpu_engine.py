@@ -193,3 +193,43 @@ def test_sampling_keeps_target_distribution(demo, tokenizer, prompts):
     hf_cpu = AutoModelForCausalLM.from_pretrained(demo[0], dtype=torch.float32).eval()
     joint = exact_joint_probs(hf_cpu, prompt, temperature, top_k, length)
     assert target_distribution_pvalue(outputs, joint) > 0.001
+
+
+@pytest.mark.parametrize("with_assistant", [False, True], ids=["target-only", "gemma4_mtp"])
+def test_gemma4_engine_in_cuda_graphs(tmp_path, with_assistant):
+    """A tiny Gemma4 (sliding-window and KV-shared layers) alone or with its MTP
+    assistant through the GPU engine with CUDA graphs: greedy output equals
+    ``transformers``' on the CPU, with mixed steps and accepted drafts."""
+    from gemma4_checkpoints import save, tiny_gemma4, tiny_gemma4_assistant
+    from test_gpu_engine_cpu import run_gpu_engine
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from specula.demo.prompts import PROMPTS
+
+    tokenizer_dir = _demo_models()
+    if tokenizer_dir is None:
+        pytest.skip("no demo models (their tokenizer is reused here)")
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir[0]))
+    model = tiny_gemma4(len(tokenizer), tokenizer.eos_token_id, seed=10, sliding_window=4)
+    path = save(model, tokenizer, tmp_path / "gemma4")
+    assistant = None
+    if with_assistant:
+        assistant = save(tiny_gemma4_assistant(model, seed=12), tokenizer, tmp_path / "mtp")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
+    max_tokens = [4 + i for i in range(len(prompts))]  # prompt + output <= MAX_MODEL_LEN
+    got = run_gpu_engine(
+        path, assistant, prompts, [{"max_tokens": n, "ignore_eos": True} for n in max_tokens],
+        max_num_seqs=4, num_gpu_blocks=64, method="gemma4_mtp", device="cuda",
+    )
+    expected = []
+    for p, n in zip(prompts, max_tokens, strict=True):
+        out = hf.generate(
+            torch.tensor([p]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+            pad_token_id=0,
+        )
+        expected.append(out[0, len(p) :].tolist())
+    assert got["outputs"] == expected
+    assert any(d and p for d, p in got["steps"])
+    if with_assistant:
+        assert 0 < got["num_accepted_tokens"] < got["num_draft_tokens"]

@@ -38,9 +38,10 @@ def run_gpu_engine(
     max_num_seqs: int,
     num_gpu_blocks: int,
     method: str = "eagle3",
+    device: str = "cpu",
 ) -> dict:
-    """Serve ``prompts`` with a float32 :class:`GPULLMEngine` on the CPU (in the
-    interpreted worker); returns outputs, counters and each step's (decode, prefill)
+    """Serve ``prompts`` with a float32 :class:`GPULLMEngine` on ``device`` (the CPU: in
+    the interpreted worker); returns outputs, counters and each step's (decode, prefill)
     request counts."""
     from transformers import AutoTokenizer
 
@@ -63,7 +64,7 @@ def run_gpu_engine(
         dtype="float32",
         max_model_len=MAX_MODEL_LEN,
         max_num_seqs=max_num_seqs,
-        device="cpu",
+        device=device,
         block_size=BLOCK_SIZE,
         num_gpu_blocks=num_gpu_blocks,
     )
