@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--requests", type=int, default=256)
     p.add_argument("--max-num-seqs", type=int, default=32)
-    p.add_argument("--num-gpu-blocks", type=int, default=112)
+    p.add_argument("--num-gpu-blocks", type=int, default=64)
     p.add_argument("--dry-run", action="store_true", help="print, do not write the results")
     args = p.parse_args(argv)
 

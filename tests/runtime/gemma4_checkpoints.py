@@ -88,10 +88,14 @@ def assistant_kv_sharing_fix() -> Iterator[None]:
     """``transformers`` 5.23's ``Gemma4TextConfig.kv_sharing_modes`` raises when every
     layer is KV-shared, which a ``gemma4_assistant``'s text config always is, so its
     model cannot be built. Inside this context an all-shared config reports every layer
-    as ``reuse``, which is what the assistant's layers do."""
+    as ``reuse``, which is what the assistant's layers do. Versions without the property
+    (5.17) build the model as is."""
     from transformers import Gemma4TextConfig
 
-    original = Gemma4TextConfig.kv_sharing_modes
+    original = getattr(Gemma4TextConfig, "kv_sharing_modes", None)
+    if original is None:
+        yield
+        return
 
     def modes(self):
         if self.num_kv_shared_layers == self.num_hidden_layers:
