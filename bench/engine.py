@@ -95,6 +95,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--hf-new-tokens", type=int, default=256)
     g.add_argument("--hf-assisted-new-tokens", type=int, default=128)
     g.add_argument("--hf-assistant-layers", type=int, default=2)
+    g.add_argument(
+        "--hf-acceptance",
+        type=float,
+        default=0.8,
+        help="greedy agreement the HF target/assistant pair is calibrated to; ours runs at it",
+    )
+    g.add_argument("--hf-assisted-k", type=int, default=4, help="k of the like-for-like pair")
+    g.add_argument(
+        "--hf-acceptance-tolerance",
+        type=float,
+        default=0.03,
+        help="re-measure ours at HF's measured agreement when it is off by more than this",
+    )
+    g.add_argument("--hf-assisted-prompts", type=int, default=3, help="timed assisted calls")
+    g.add_argument("--hf-calibration-rollouts", type=int, default=3)
     return p.parse_args(argv)
 
 
@@ -284,7 +299,11 @@ def main(argv: list[str] | None = None) -> int:
         args.block_size, args.max_model_len = 4, 48
         args.spec_ks, args.spec_batch_sizes, args.spec_steps, args.spec_warmup = "1,2", "1,2", 2, 1
         args.draft_vocab_size, args.ablation_k = 256, 2
-        args.hf_new_tokens, args.hf_assisted_new_tokens, args.hf_assistant_layers = 4, 4, 1
+        args.hf_new_tokens, args.hf_assisted_new_tokens, args.hf_assistant_layers = 4, 16, 2
+        # k within the dry run's spec grid, and tolerance 0 so that the re-measurement of
+        # ours at HF's measured agreement runs too.
+        args.hf_assisted_k, args.hf_acceptance_tolerance = 2, 0.0
+        args.hf_assisted_prompts, args.hf_calibration_rollouts = 2, 2
     else:
         if not torch.cuda.is_available():
             print("no CUDA device: run on the GPU machine, or use --dry-run", file=sys.stderr)
@@ -433,7 +452,7 @@ def main(argv: list[str] | None = None) -> int:
     if "hf" in phases:
         import gc
 
-        from bench.engine_hf import run_hf_phase
+        from bench.engine_hf import engine_spec_point, run_hf_phase, vs_hf_section
 
         # Every reference to our model goes, so that its memory is free for theirs.
         del graphs, runner, cache, manager, model, eager, baseline
@@ -442,17 +461,12 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.empty_cache()
         hf = run_hf_phase(shape, dtype, device, args)
         hf.update(command=section["command"], date=section["date"], gpu=section["gpu"])
-        ours_bs1 = results.get("target_decode", {}).get("tokens_per_s", {}).get("bs1")
-        ours_spec = results.get("spec_decode", {}).get("tokens_per_s", {}).get("a0.8_k4_bs1")
-        theirs = hf["tokens_per_s"]
-        static, assisted = theirs.get("static_compile_bs1"), theirs.get("assisted_bs1")
-        vs_hf = {
-            "generate_bs1": round(ours_bs1 / static, 3) if ours_bs1 and static else None,
-            "assisted_bs1": round(ours_spec / assisted, 3) if ours_spec and assisted else None,
-            "ours_target_only_bs1_tokens_per_s": ours_bs1,
-            "ours_spec_a0.8_k4_bs1_tokens_per_s": ours_spec,
-            "hf": hf,
-        }
+        vs_hf = vs_hf_section(
+            results,
+            hf,
+            args,
+            lambda rate, k: engine_spec_point(shape, dtype, device, args, rate, k),
+        )
         print(json.dumps(vs_hf, indent=2), flush=True)
         results["vs_hf"] = vs_hf
         save()

@@ -1,95 +1,295 @@
 """Benchmark 3 of the engine: Hugging Face ``transformers`` on the same GPU and shape.
 
 Called by ``bench/engine.py`` (phase ``hf``) after the engine's own model is freed.
-The target is ``transformers``' ``LlamaForCausalLM`` of the same shape with random
-bf16 weights; greedy, exactly ``--hf-new-tokens`` new tokens (``min_new_tokens``),
-after a ``--prompt-len`` prompt, batch 1; the elapsed time includes the prefill.
+Greedy, batch 1, a ``--prompt-len`` prompt of random tokens, exactly the requested
+number of new tokens (``min_new_tokens``); the elapsed time includes the prefill.
 
+Every variant runs on the target of a random target/assistant pair whose greedy tokens
+agree at ``--hf-acceptance`` (``bench/engine_hf_pair.py``: the assistant has
+``--hf-assistant-layers`` layers of the target's width and vocabulary, the target is
+the assistant plus random layers of output scale ``eps``, ``eps`` calibrated on the GPU
+at bench time); the pair's construction and calibration are recorded under ``pair``.
+
+Figures (``tokens_per_s``; every variant on the same target):
+
+- ``eager_dynamic_bs1``: plain ``generate``, dynamic cache, ``--hf-assisted-new-tokens``.
+- ``assisted_k{K}_constant_bs1``: assisted generation with ``num_assistant_tokens = K``
+  (``--hf-assisted-k``), ``num_assistant_tokens_schedule = "constant"`` and no
+  confidence stop, as the engine's ``a{a}_k{K}_bs1``; ``assisted_default_bs1``: the
+  installed ``transformers``' default drafting settings; ``assisted_heuristic_bs1``:
+  the ``"heuristic"`` schedule (+2 after a fully accepted draft, -1 otherwise, kept
+  across calls, so the warm-up calls adapt it). Each: warm-up calls on the first
+  prompt, then one timed call on each of ``--hf-assisted-prompts`` random prompts;
+  ``assisted_bs1`` is the fastest variant. Each records (``assisted``) the greedy
+  agreement over its timed outputs (the assistant's teacher-forced argmax against the
+  emitted tokens) with its binomial standard error, the assistant's mean top-1
+  probability there, the smallest share of distinct tokens in an output (a loop would
+  show), the drafting settings in effect, and the verification counts taken from
+  ``transformers`` during the timed calls in vLLM's terms (``num_drafts``,
+  ``num_draft_tokens``, ``num_accepted_tokens``, ``num_accepted_tokens_per_pos``) with
+  the conditional per-position acceptance they give: accepted / (accepted + drafts
+  ended by a rejection), the estimate of the engine's synthetic rate ``a``.
+- ``prompt_lookup_bs1``: ``prompt_lookup_num_tokens = 10`` (n-gram drafts).
 - ``static_compile_bs1``: its fastest plain ``generate``: ``cache_implementation =
   "static"``, with which ``generate`` compiles the decode forward itself
-  (``compile_config``: fullgraph, CUDA graphs); ``model.forward`` is not wrapped by
-  hand, which would break its cache handling.
-- ``assisted_bs1``: assisted generation (``assistant_model``: a Llama of the target's
-  width and vocabulary with ``--hf-assistant-layers`` layers, random weights, default
-  ``num_assistant_tokens`` schedule). With random weights its drafts are almost never
-  accepted, so this is the cost of its speculation machinery at ~0 acceptance, not a
-  speed it would reach with a trained assistant; the acceptance is reported.
-- ``prompt_lookup_bs1``: ``prompt_lookup_num_tokens`` (n-gram drafts from the prompt).
+  (``compile_config``: fullgraph, CUDA graphs), ``--hf-new-tokens``; ``model.forward``
+  is not wrapped by hand, which would break its cache handling.
+
+The comparison (:func:`vs_hf_section`, ``engine.json`` key ``vs_hf``):
+``generate_bs1`` = our target-only batch-1 tokens/s / ``static_compile_bs1``;
+``assisted_bs1`` = our speculative batch-1 tokens/s at synthetic acceptance
+``a = --hf-acceptance`` and ``k = --hf-assisted-k`` (``spec_decode`` key
+``a{a}_k{k}_bs1``) / ``assisted_bs1``. Rule: if the greedy agreement measured on the
+fastest variant's outputs differs from ``a`` by more than ``--hf-acceptance-tolerance``
+(default 0.03), ours is measured again at the measured agreement, rounded to 0.01
+(:func:`engine_spec_point`, recorded as ``ours_spec_at_measured_acceptance``), and that
+figure is the numerator; ``assisted_acceptance`` and ``vs_hf_notes`` record which.
+
+Assisted generation: Leviathan et al., arXiv 2211.17192; ``transformers``
+``AssistedCandidateGenerator``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
 import time
 
+from bench.engine_hf_pair import (
+    CALIBRATION_PROMPTS,
+    build_controlled_pair,
+    calibrate_perturbation,
+    distinct_token_fraction,
+    greedy_agreement,
+    greedy_generate,
+    random_prompts,
+)
 
-def _generate_tokens_per_s(
-    model, prompt, new_tokens: int, reps: int, **gen
-) -> tuple[float, object]:
+
+@contextlib.contextmanager
+def count_verifications():
+    """Record every verification step of ``transformers``' assisted generation
+    (``AssistedCandidateGenerator``) by wrapping ``update_candidate_strategy``, which
+    receives the target's logits over the draft and the number of matches after each
+    step. Yields a dict: ``steps``, a list of ``(num_draft_tokens, num_accepted_tokens)``,
+    and ``settings``, the drafting settings in effect at the first step."""
+    from transformers.generation.candidate_generator import AssistedCandidateGenerator
+
+    log: dict = {"steps": [], "settings": None}
+    original = AssistedCandidateGenerator.update_candidate_strategy
+
+    def update(self, input_ids, scores, num_matches):
+        if log["settings"] is None:
+            config = self.assistant_generation_config
+            log["settings"] = {
+                "num_assistant_tokens": self.num_assistant_tokens,
+                "num_assistant_tokens_schedule": config.num_assistant_tokens_schedule,
+                "assistant_confidence_threshold": self.generation_config.assistant_confidence_threshold,
+            }
+        log["steps"].append((scores.shape[1] - 1, int(num_matches)))  # [1, drafted + 1, V]
+        return original(self, input_ids, scores, num_matches)
+
+    AssistedCandidateGenerator.update_candidate_strategy = update
+    try:
+        yield log
+    finally:
+        AssistedCandidateGenerator.update_candidate_strategy = original
+
+
+def acceptance_counts(steps: list[tuple[int, int]]) -> dict:
+    """vLLM-style counters over verification steps ``(drafted, accepted)`` (steps that
+    drafted nothing are not drafts), and the conditional per-position acceptance: the
+    maximum-likelihood estimate of a fixed rate ``a`` at which each draft position is
+    accepted given the previous one was, accepted / (accepted + drafts ended by a
+    rejection), overall and per position."""
+    drafts = [(d, a) for d, a in steps if d > 0]
+    max_len = max((d for d, _ in drafts), default=0)
+    per_pos = [sum(a > i for _, a in drafts) for i in range(max_len)]
+    reached = [sum(d > i and a >= i for d, a in drafts) for i in range(max_len)]
+    accepted = sum(a for _, a in drafts)
+    rejections = sum(a < d for d, a in drafts)
+    return {
+        "num_drafts": len(drafts),
+        "num_draft_tokens": sum(d for d, _ in drafts),
+        "num_accepted_tokens": accepted,
+        "num_accepted_tokens_per_pos": per_pos,
+        "mean_draft_length": round(sum(d for d, _ in drafts) / max(1, len(drafts)), 3),
+        "mean_acceptance_length": round(1 + accepted / max(1, len(drafts)), 3),
+        "conditional_acceptance": round(accepted / max(1, accepted + rejections), 4),
+        "conditional_acceptance_per_pos": [
+            round(n / r, 4) if r else None for n, r in zip(per_pos, reached, strict=True)
+        ],
+    }
+
+
+DRAFTING_KEYS = (
+    "num_assistant_tokens",
+    "num_assistant_tokens_schedule",
+    "assistant_confidence_threshold",
+)
+"""The assistant's ``generation_config`` fields that set how assisted generation drafts."""
+
+
+def assisted_variants(k: int, defaults: dict) -> dict[str, dict]:
+    """Name -> the assistant's drafting settings (:data:`DRAFTING_KEYS`) of each assisted
+    run; ``defaults`` are those of a freshly built assistant (``transformers`` fills
+    unset ones with its defaults when it drafts)."""
+    return {
+        f"k{k}_constant": dict(
+            num_assistant_tokens=k,
+            num_assistant_tokens_schedule="constant",
+            assistant_confidence_threshold=0.0,  # no confidence stop: always k drafts
+        ),
+        "default": dict(defaults),
+        "heuristic": dict(defaults, num_assistant_tokens_schedule="heuristic"),
+    }
+
+
+def _generate_tokens_per_s(model, prompt, new_tokens: int, reps: int, **gen):
     import torch
 
-    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, **gen)
     for _ in range(reps):  # warm-up (and compilation)
-        model.generate(prompt, **kwargs)
+        greedy_generate(model, prompt, new_tokens, **gen)
     sync = torch.cuda.synchronize if prompt.is_cuda else (lambda: None)
     sync()
     t0 = time.perf_counter()
-    out = model.generate(prompt, **kwargs)
+    out = greedy_generate(model, prompt, new_tokens, **gen)
     sync()
     elapsed = time.perf_counter() - t0
     assert out.shape[1] == prompt.shape[1] + new_tokens
     return prompt.shape[0] * new_tokens / elapsed, out
 
 
-def run_hf_phase(shape: dict, dtype, device, args) -> dict:
-    """Measure ``transformers``' generate variants at batch 1; returns the ``hf``
-    section (tokens/s per variant, assistant shape, acceptance)."""
+def run_assisted(target, assistant, prompts, new_tokens: int, reps: int, settings: dict) -> dict:
+    """One assisted-generation variant, ``settings`` on the assistant's generation
+    config: ``reps`` warm-up calls on ``prompts[0]``, then one timed call per row of
+    ``prompts`` (``[n, prompt_len]``); tokens/s, agreement and verification counts over
+    the timed calls."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+
+    for key, value in settings.items():
+        setattr(assistant.generation_config, key, value)
+    sync = torch.cuda.synchronize if prompts.is_cuda else (lambda: None)
+    outs, elapsed = [], 0.0
+    with count_verifications() as log:
+        for _ in range(reps):
+            greedy_generate(target, prompts[:1], new_tokens, assistant_model=assistant)
+        log["steps"].clear()
+        log["settings"] = None
+        for i in range(prompts.shape[0]):
+            sync()
+            t0 = time.perf_counter()
+            outs.append(
+                greedy_generate(target, prompts[i : i + 1], new_tokens, assistant_model=assistant)
+            )
+            sync()
+            elapsed += time.perf_counter() - t0
+    out = torch.cat(outs)  # [n, prompt_len + new_tokens]
+    assert out.shape == (prompts.shape[0], prompts.shape[1] + new_tokens)
+    prompt_len = prompts.shape[1]
+    agree, top1 = greedy_agreement(assistant, out, prompt_len)
+    return {
+        "tokens_per_s": round(out[:, prompt_len:].numel() / elapsed, 1),
+        "settings": {k: v for k, v in settings.items() if v is not None} or "default",
+        "settings_in_effect": log["settings"],
+        "timed_calls": prompts.shape[0],
+        "agreement": round(agree, 4),
+        "agreement_stderr": round(math.sqrt(agree * (1 - agree) / out[:, prompt_len:].numel()), 4),
+        "assistant_mean_top1_prob": round(top1, 4),
+        "distinct_token_fraction": distinct_token_fraction(out, prompt_len),
+        **acceptance_counts(log["steps"]),
+    }
+
+
+def run_hf_phase(shape: dict, dtype, device, args) -> dict:
+    """Measure ``transformers``' generate variants at batch 1 (module docstring);
+    returns the ``hf`` section: ``tokens_per_s`` per variant, ``pair`` (construction and
+    calibration), ``assisted`` (per assisted variant), ``assisted_best`` (the fastest
+    variant's name) and ``assisted_agreement`` (its agreement)."""
+    import torch
+    from transformers.utils import is_sklearn_available
 
     t_start = time.perf_counter()
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = LlamaForCausalLM(LlamaConfig(**shape)).to(dtype).eval()
-        assistant_shape = dict(shape, num_hidden_layers=args.hf_assistant_layers)
-        assistant = LlamaForCausalLM(LlamaConfig(**assistant_shape)).to(dtype).eval()
-    prompt = torch.randint(0, shape["vocab_size"], (1, args.prompt_len), device=device)
+    new = args.hf_assisted_new_tokens
+    prompts = random_prompts(
+        shape["vocab_size"],
+        max(CALIBRATION_PROMPTS, args.hf_assisted_prompts),
+        args.prompt_len,
+        device,
+    )
+    prompt = prompts[:1]  # plain generate and prompt lookup
     section: dict = {
         "prompt_len": args.prompt_len,
         "new_tokens": args.hf_new_tokens,
+        "assisted_new_tokens": new,
+        "assisted_timed_prompts": args.hf_assisted_prompts,
+        "target_acceptance": args.hf_acceptance,
+        "tokens_per_s": {},
+    }
+    # Not inference mode: tensors made there would become the models' parameters, which
+    # the compiled static-cache generate below then reads.
+    with torch.no_grad():
+        target, assistant, info = build_controlled_pair(
+            shape,
+            args.hf_assistant_layers,
+            dtype,
+            device,
+            prompts[:CALIBRATION_PROMPTS],
+            new,
+            args.hf_acceptance,
+        )
+        calibration = calibrate_perturbation(
+            target,
+            assistant,
+            args.hf_assistant_layers,
+            prompts[:CALIBRATION_PROMPTS],
+            new,
+            args.hf_acceptance,
+            args.hf_calibration_rollouts,
+        )
+    section["pair"] = {
         "assistant": (
             f"LlamaForCausalLM, {args.hf_assistant_layers} layers of the target's width and "
             "vocabulary, random weights"
         ),
-        "tokens_per_s": {},
+        "target": (
+            f"the assistant's embeddings, {args.hf_assistant_layers} layers, norm and lm_head, "
+            f"then {shape['num_hidden_layers'] - args.hf_assistant_layers} random layers with "
+            "o_proj and down_proj scaled by eps"
+        ),
+        **info,
+        "calibration": calibration,
     }
+    print(f"HF pair calibrated: {json_line(section['pair'])}", flush=True)
     reps = 1 if device.type != "cuda" else 2
     with torch.inference_mode():
-        tps, _ = _generate_tokens_per_s(model, prompt, args.hf_assisted_new_tokens, reps)
+        tps, _ = _generate_tokens_per_s(target, prompt, new, reps)
         section["tokens_per_s"]["eager_dynamic_bs1"] = round(tps, 1)
         print(f"HF eager dynamic bs1: {tps:.1f} tok/s", flush=True)
-        tps, out = _generate_tokens_per_s(
-            model, prompt, args.hf_assisted_new_tokens, reps, assistant_model=assistant
-        )
-        section["tokens_per_s"]["assisted_bs1"] = round(tps, 1)
-        section["assisted_new_tokens"] = args.hf_assisted_new_tokens
-        # The assistant and target agree at a position iff the assistant's greedy token
-        # there is the target's: measure it directly over the emitted sequence.
-        logits = assistant(out).logits[0, args.prompt_len - 1 : -1]
-        agree = (logits.argmax(-1) == out[0, args.prompt_len :]).float().mean().item()
-        section["assistant_greedy_agreement"] = round(agree, 4)
-        print(f"HF assisted bs1: {tps:.1f} tok/s (agreement {agree:.3f})", flush=True)
-        tps, _ = _generate_tokens_per_s(
-            model, prompt, args.hf_assisted_new_tokens, reps, prompt_lookup_num_tokens=10
-        )
+        section["assisted"] = {}
+        defaults = {key: getattr(assistant.generation_config, key) for key in DRAFTING_KEYS}
+        for name, settings in assisted_variants(args.hf_assisted_k, defaults).items():
+            res = run_assisted(
+                target, assistant, prompts[: args.hf_assisted_prompts], new, reps, settings
+            )
+            section["assisted"][name] = res
+            section["tokens_per_s"][f"assisted_{name}_bs1"] = res["tokens_per_s"]
+            print(f"HF assisted {name} bs1: {json_line(res)}", flush=True)
+        best = max(section["assisted"], key=lambda n: section["assisted"][n]["tokens_per_s"])
+        section["assisted_best"] = best
+        section["assisted_agreement"] = section["assisted"][best]["agreement"]
+        section["tokens_per_s"]["assisted_bs1"] = section["assisted"][best]["tokens_per_s"]
+        section["sklearn_available"] = is_sklearn_available()  # adapts the confidence stop
+        tps, _ = _generate_tokens_per_s(target, prompt, new, reps, prompt_lookup_num_tokens=10)
         section["tokens_per_s"]["prompt_lookup_bs1"] = round(tps, 1)
         print(f"HF prompt lookup bs1: {tps:.1f} tok/s", flush=True)
         del assistant
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        model.generation_config.cache_implementation = "static"
+        target.generation_config.cache_implementation = "static"
         t0 = time.perf_counter()
         try:
-            tps, _ = _generate_tokens_per_s(model, prompt, args.hf_new_tokens, reps)
+            tps, _ = _generate_tokens_per_s(target, prompt, args.hf_new_tokens, reps)
         except Exception as exc:  # noqa: BLE001 - recorded, the other figures stand
             section["static_compile_error"] = f"{type(exc).__name__}: {exc}"[:500]
             print(f"HF static cache + compile failed: {exc}", flush=True)
@@ -98,7 +298,119 @@ def run_hf_phase(shape: dict, dtype, device, args) -> dict:
             print(f"HF static cache + compile bs1: {tps:.1f} tok/s", flush=True)
         section["static_compile_warmup_and_run_s"] = round(time.perf_counter() - t0, 1)
     section["wall_s"] = round(time.perf_counter() - t_start, 1)
-    del model
+    del target
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return section
+
+
+def engine_spec_point(shape: dict, dtype, device, args, rate: float, k: int) -> dict:
+    """Our engine's speculative decoding at batch 1 with synthetic acceptance ``rate`` and
+    ``k`` draft tokens, measured as the spec phase measures ``a{rate}_k{k}_bs1``
+    (``bench/engine_spec.py``, same ``--spec-steps``), on a freshly built target (the
+    spec phase's is freed before this phase). Returns the key, tokens/s, speedup over
+    plain decode in the same run and mean tokens emitted per step."""
+    import copy
+
+    from bench.engine import build_random_model
+    from bench.engine_spec import run_spec_phase
+    from specula.runtime.gpu.cudagraph import CUDAGraphManager
+    from specula.runtime.gpu.model_runner import GPUModelRunner
+    from specula.runtime.gpu.paged_kv import KVCacheSpec, PagedKVCache
+
+    point = copy.copy(args)
+    point.spec_ks, point.spec_rates, point.spec_batch_sizes = str(k), str(rate), "1"
+    # The spec phase's ablations run too; this point needs none of them.
+    point.ablation_k, point.ablation_reps, point.eager_steps = k, 1, 1
+    model = build_random_model(shape, dtype, device)
+    cache_spec = KVCacheSpec.from_model_config(model.config, dtype, args.block_size)
+    cache = PagedKVCache(cache_spec, -(-args.max_model_len // args.block_size) + 8, device)
+    runner = GPUModelRunner(model, cache, args.max_model_len, attn_num_splits=args.attn_num_splits)
+    if device.type == "cuda":
+        graphs = CUDAGraphManager(runner, 1, capture_sizes=[1])
+        graphs.capture()
+        baseline = graphs.run
+    else:
+
+        def baseline(input_ids, positions, metadata):
+            return runner.forward(input_ids, positions, metadata)[0]
+
+    out = run_spec_phase(model, runner, cache, baseline, point, device)
+    key = f"a{float(rate)}_k{k}_bs1"
+    section = out["spec_decode"]
+    return {
+        "key": key,
+        "tokens_per_s": section["tokens_per_s"][key],
+        "speedup_vs_nospec": out["speedup_vs_nospec"][key],
+        "mean_emitted_per_step": section["mean_emitted_per_step"][key],
+        "nospec_tokens_per_s": section["nospec_tokens_per_s"]["bs1"],
+        "timed_steps": args.spec_steps,
+    }
+
+
+def vs_hf_section(results: dict, hf: dict, args, spec_point) -> dict:
+    """The ``vs_hf`` section: our speed over theirs (module docstring of
+    ``bench/engine.py`` for the phases).
+
+    - ``generate_bs1``: our target-only batch-1 decode over their static + compiled
+      ``generate``.
+    - ``assisted_bs1``: our speculative decoding at batch 1, synthetic acceptance
+      ``--hf-acceptance`` and ``k = --hf-assisted-k`` (``spec_decode`` key
+      ``a{a}_k{k}_bs1``), over the fastest of their assisted variants, whose pair was
+      calibrated to the same acceptance. If the greedy agreement measured on that
+      variant's output differs from ``a`` by more than ``--hf-acceptance-tolerance``,
+      ``spec_point(rate, k)`` measures ours at the measured agreement (rounded to 0.01)
+      and that figure is the numerator (``ours_spec_at_measured_acceptance``).
+    """
+    ours_bs1 = results.get("target_decode", {}).get("tokens_per_s", {}).get("bs1")
+    rate, k, tol = args.hf_acceptance, args.hf_assisted_k, args.hf_acceptance_tolerance
+    key = f"a{float(rate)}_k{k}_bs1"
+    ours_spec = results.get("spec_decode", {}).get("tokens_per_s", {}).get(key)
+    theirs = hf["tokens_per_s"]
+    static, assisted = theirs.get("static_compile_bs1"), theirs.get("assisted_bs1")
+    best = hf["assisted"][hf["assisted_best"]]
+    measured = best["agreement"]
+    vs: dict = {
+        "generate_bs1": round(ours_bs1 / static, 3) if ours_bs1 and static else None,
+        "assisted_bs1": None,
+        "ours_target_only_bs1_tokens_per_s": ours_bs1,
+        f"ours_spec_{key}_tokens_per_s": ours_spec,
+        "assisted_acceptance": {
+            "target": rate,
+            "hf_variant": hf["assisted_best"],
+            "hf_greedy_agreement": measured,
+            "hf_greedy_agreement_stderr": best["agreement_stderr"],
+            "hf_conditional_acceptance": best["conditional_acceptance"],
+            "tolerance": tol,
+        },
+    }
+    numerator = ours_spec
+    if abs(measured - rate) > tol:
+        point = spec_point(round(measured, 2), k)
+        vs["ours_spec_at_measured_acceptance"] = point
+        numerator = point["tokens_per_s"]
+    vs["assisted_acceptance"]["ours_rate_used"] = (
+        vs["ours_spec_at_measured_acceptance"]["key"]
+        if "ours_spec_at_measured_acceptance" in vs
+        else key
+    )
+    if numerator and assisted:
+        vs["assisted_bs1"] = round(numerator / assisted, 3)
+    vs["vs_hf_notes"] = (
+        f"assisted_bs1 = our speculative tokens/s (EAGLE-3-shaped head, synthetic acceptance, "
+        f"k={k}, batch 1) / the fastest HF assisted variant ({hf['assisted_best']}); HF's "
+        f"random target/assistant pair is calibrated to greedy agreement {rate} (target = "
+        "assistant + a perturbation of size eps, hf.pair). Ours runs at synthetic acceptance "
+        f"{rate} unless the agreement measured on HF's timed output differs from it by more "
+        f"than {tol}; then ours is re-measured at the measured agreement "
+        "(ours_spec_at_measured_acceptance) and that is the numerator. generate_bs1 = our "
+        "target-only bs1 / HF static cache + compile."
+    )
+    vs["hf"] = hf
+    return vs
+
+
+def json_line(obj) -> str:
+    import json
+
+    return json.dumps(obj, separators=(",", ":"))
