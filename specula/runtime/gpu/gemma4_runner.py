@@ -38,7 +38,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 
 from specula.runtime.gpu.block_manager import cdiv
 from specula.runtime.gpu.model_runner import GPUModelRunner, attend
@@ -46,7 +45,6 @@ from specula.runtime.gpu.paged_kv import PagedAttentionMetadata
 from specula.runtime.gpu.per_layer_kv import PerLayerPagedKVCache
 from specula.runtime.kernels.activation import silu_and_mul
 from specula.runtime.kernels.layernorm import fused_add_rms_norm, rms_norm
-from specula.runtime.kernels.paged_attention import paged_attention
 from specula.runtime.kernels.rotary import build_cos_sin_cache, rotary_embedding
 from specula.runtime.kernels.rotary_cache import rotary_embedding_and_cache
 from specula.runtime.models.gemma4 import (
@@ -58,115 +56,6 @@ from specula.runtime.models.gemma4 import (
 from specula.runtime.models.gemma4_config import SLIDING, Gemma4ModelConfig
 from specula.runtime.models.gemma4_layers import Gemma4RMSNorm
 from specula.runtime.models.layers import RotaryEmbedding
-
-
-def _sdpa(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int
-) -> torch.Tensor:
-    # q: [..., heads, q_len, head_dim]; k, v: [..., kv_heads, q_len, head_dim]
-    q_len = q.shape[-2]
-    mask = None
-    if q_len > window:
-        # Causal band: query i sees keys (i - window, i].
-        mask = torch.ones(q_len, q_len, dtype=torch.bool, device=q.device)
-        mask = mask.tril().triu(1 - window)
-    return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
-    )
-
-
-def _windowed_prefill(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    metadata: PagedAttentionMetadata,
-    scale: float,
-    window: int,
-) -> torch.Tensor:
-    # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
-    n, num_heads, head_dim = q.shape
-    q_len = metadata.uniform_query_len
-    if q_len is not None:
-        b = metadata.num_reqs
-        out = _sdpa(
-            q.view(b, q_len, num_heads, head_dim).transpose(1, 2),
-            k.view(b, q_len, -1, head_dim).transpose(1, 2),
-            v.view(b, q_len, -1, head_dim).transpose(1, 2),
-            scale,
-            window,
-        )  # [num_reqs, num_heads, q_len, head_dim]
-        return out.transpose(1, 2).reshape(n, num_heads, head_dim)
-    out = torch.empty_like(q)
-    start = 0
-    for length in metadata.query_lens_cpu:
-        end = start + length
-        out[start:end] = _sdpa(
-            q[start:end].transpose(0, 1),
-            k[start:end].transpose(0, 1),
-            v[start:end].transpose(0, 1),
-            scale,
-            window,
-        ).transpose(0, 1)
-        start = end
-    return out
-
-
-def attend_sliding(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    metadata: PagedAttentionMetadata,
-    scale: float,
-    sliding_window: int | None,
-    num_splits: int | None = None,
-) -> torch.Tensor:
-    """:func:`~specula.runtime.gpu.model_runner.attend` with an optional sliding window:
-    a query at position ``p`` sees keys at positions ``(p - sliding_window, p]`` (Hugging
-    Face ``sliding_window_overlay``), through the paged kernel's window for decode and
-    verification rows and a banded causal mask for prefill rows.
-
-    Args:
-        q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim],
-            this forward's keys and values, already in ``key_cache``/``value_cache``.
-        key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim].
-        sliding_window: window ``W`` >= 1, or ``None`` for full causal attention.
-
-    Returns:
-        [num_tokens, num_heads, head_dim].
-
-    Raises:
-        ValueError: a batch :func:`~specula.runtime.gpu.model_runner.attend` refuses.
-    """
-    if sliding_window is None:
-        return attend(q, k, v, key_cache, value_cache, metadata, scale, num_splits)
-    if metadata.prefill:
-        return _windowed_prefill(q, k, v, metadata, scale, sliding_window)
-    if metadata.split is not None:
-        decode, prefill = metadata.split
-        n = decode.num_tokens
-        out = torch.empty_like(q)
-        out[:n] = attend_sliding(
-            q[:n], k[:n], v[:n], key_cache, value_cache, decode, scale, sliding_window,
-            num_splits,
-        )
-        out[n:] = _windowed_prefill(q[n:], k[n:], v[n:], prefill, scale, sliding_window)
-        return out
-    if metadata.uniform_query_len is None:
-        # attend raises the error the Llama path gives for this batch shape.
-        return attend(q, k, v, key_cache, value_cache, metadata, scale, num_splits)
-    return paged_attention(
-        q,
-        key_cache,
-        value_cache,
-        metadata.block_table,
-        metadata.seq_lens,
-        scale,
-        metadata.uniform_query_len,
-        num_splits=num_splits,
-        sliding_window=sliding_window,
-    )
 
 
 class Gemma4PagedLayers:
@@ -269,9 +158,9 @@ class Gemma4PagedLayers:
             )
             produced[layer_idx] = (k, v)
         # q, k and v are normed: the softmax scale is 1.
-        out = attend_sliding(
-            q, k, v, key_cache, value_cache, metadata, 1.0, self.windows[layer_idx],
-            self.attn_num_splits,
+        out = attend(
+            q, k, v, key_cache, value_cache, metadata, 1.0, self.attn_num_splits,
+            self.windows[layer_idx],
         )
         # reshape, not view: a one-request prefill's SDPA output may keep a
         # [heads, tokens] layout (backends without a fused kernel for this head size).
@@ -407,7 +296,7 @@ class GPUGemma4Runner(Gemma4PagedLayers):
 
         Raises:
             AssertionError: shapes or dtypes that do not match the above.
-            ValueError: a batch :func:`attend_sliding` refuses.
+            ValueError: a batch :func:`~specula.runtime.gpu.model_runner.attend` refuses.
         """
         assert input_ids.ndim == 1 and input_ids.shape == positions.shape
         assert input_ids.shape[0] == metadata.num_tokens

@@ -40,12 +40,28 @@ from specula.runtime.models.qwen3 import Qwen3ForCausalLM
 SUPPORTED_MODELS = (LlamaForCausalLM, Qwen3ForCausalLM)
 
 
+def _causal_sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int | None
+) -> torch.Tensor:
+    # q: [..., heads, q_len, head_dim]; k, v: [..., kv_heads, q_len, head_dim]
+    q_len = q.shape[-2]
+    mask = None
+    if window is not None and q_len > window:
+        # Causal band: query i sees keys (i - window, i].
+        mask = torch.ones(q_len, q_len, dtype=torch.bool, device=q.device)
+        mask = mask.tril().triu(1 - window)
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
+    )
+
+
 def _prefill_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     metadata: PagedAttentionMetadata,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
     n, num_heads, head_dim = q.shape
@@ -53,26 +69,24 @@ def _prefill_attention(
     if q_len is not None:
         # Equal prompts: one batched call, [num_reqs, heads, q_len, head_dim].
         b = metadata.num_reqs
-        out = F.scaled_dot_product_attention(
+        out = _causal_sdpa(
             q.view(b, q_len, num_heads, head_dim).transpose(1, 2),
             k.view(b, q_len, -1, head_dim).transpose(1, 2),
             v.view(b, q_len, -1, head_dim).transpose(1, 2),
-            is_causal=True,
-            scale=scale,
-            enable_gqa=True,
+            scale,
+            window,
         )
         return out.transpose(1, 2).reshape(n, num_heads, head_dim)
     out = torch.empty_like(q)
     start = 0
     for length in metadata.query_lens_cpu:
         end = start + length
-        out[start:end] = F.scaled_dot_product_attention(
+        out[start:end] = _causal_sdpa(
             q[start:end].transpose(0, 1),
             k[start:end].transpose(0, 1),
             v[start:end].transpose(0, 1),
-            is_causal=True,
-            scale=scale,
-            enable_gqa=True,
+            scale,
+            window,
         ).transpose(0, 1)
         start = end
     return out
@@ -87,6 +101,7 @@ def attend(
     metadata: PagedAttentionMetadata,
     scale: float,
     num_splits: int | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Attention of one layer after this forward's keys and values were written to
     ``key_cache``/``value_cache``: prefill requests attend over their own tokens
@@ -97,6 +112,10 @@ def attend(
     Args:
         q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim].
         key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim].
+        sliding_window: ``W`` >= 1: a query at position ``p`` sees keys at positions
+            ``(p - W, p]`` (Hugging Face's ``sliding_window_overlay``; Gemma4's sliding
+            layers) through the paged kernel's window and a banded causal mask for
+            prefill rows; ``None``: full causal attention.
 
     Returns:
         [num_tokens, num_heads, head_dim].
@@ -106,13 +125,16 @@ def attend(
             mixed batch (decode requests of one query length, then prefills).
     """
     if metadata.prefill:
-        return _prefill_attention(q, k, v, metadata, scale)
+        return _prefill_attention(q, k, v, metadata, scale, sliding_window)
     if metadata.split is not None:
         decode, prefill = metadata.split
         n = decode.num_tokens
         out = torch.empty_like(q)
-        out[:n] = attend(q[:n], k[:n], v[:n], key_cache, value_cache, decode, scale, num_splits)
-        out[n:] = _prefill_attention(q[n:], k[n:], v[n:], prefill, scale)
+        out[:n] = attend(
+            q[:n], k[:n], v[:n], key_cache, value_cache, decode, scale, num_splits,
+            sliding_window,
+        )
+        out[n:] = _prefill_attention(q[n:], k[n:], v[n:], prefill, scale, sliding_window)
         return out
     if metadata.uniform_query_len is None:
         raise ValueError(
@@ -129,6 +151,7 @@ def attend(
         scale,
         metadata.uniform_query_len,
         num_splits=num_splits,
+        sliding_window=sliding_window,
     )
 
 
