@@ -30,7 +30,16 @@ CASES = {
          "query_ptr": "*bf16", "key_cache_ptr": "*bf16", "value_cache_ptr": "*bf16",
          "block_table_ptr": "*i32", "seq_lens_ptr": "*i32", "scale_log2": "fp32"},
         dict(GROUP_SIZE=4, BLOCK_SIZE=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=16, BLOCK_N=64,
-             NUM_SPLITS=4, INPUT_PRECISION="tf32"),
+             NUM_SPLITS=4, INPUT_PRECISION="tf32", SLIDING=False),
+    ),
+    # Gemma4's sliding layers: 256-wide heads, a window, 32-key tiles.
+    "paged_attention_sliding": (
+        paged_attention._paged_attention_kernel,
+        {"out_ptr": "*bf16", "partial_out_ptr": "*fp32", "partial_lse_ptr": "*fp32",
+         "query_ptr": "*bf16", "key_cache_ptr": "*bf16", "value_cache_ptr": "*bf16",
+         "block_table_ptr": "*i32", "seq_lens_ptr": "*i32", "scale_log2": "fp32"},
+        dict(GROUP_SIZE=8, BLOCK_SIZE=16, HEAD_DIM=256, BLOCK_D=256, BLOCK_M=16, BLOCK_N=32,
+             NUM_SPLITS=2, INPUT_PRECISION="tf32", SLIDING=True),
     ),
     "merge_splits": (
         paged_attention._merge_splits_kernel,
