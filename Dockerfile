@@ -32,8 +32,11 @@ CMD ["operator"]
 # ---- runtime: CUDA, PyTorch and the serving stack --------------------------------
 FROM ${CUDA_IMAGE} AS runtime-base
 ARG DEBIAN_FRONTEND=noninteractive
+# gcc, libc6-dev and python3.12-dev: Triton compiles each kernel's small C launcher at
+# first use (against Python.h) and finds no prebuilt one in a fresh container.
 RUN apt-get update \
- && apt-get install -y --no-install-recommends python3.12 python3.12-venv ca-certificates \
+ && apt-get install -y --no-install-recommends python3.12 python3.12-venv python3.12-dev \
+    gcc libc6-dev ca-certificates \
  && rm -rf /var/lib/apt/lists/*
 # Ubuntu 24.04 ships a user "ubuntu" with uid 1000; the operator runs runtime pods as
 # uid 1000 (runAsUser), so that uid becomes "specula" with a home for model caches.

@@ -298,3 +298,14 @@ def test_dockerignore_keeps_what_the_images_copy_and_drops_the_rest(stages):
     for path in [".venv/bin/python", "tests/unit/test_dockerfile.py", ".git/HEAD",
                  "specula/__pycache__/cli.cpython-311.pyc"]:
         assert dockerignore_excludes(patterns, path), f".dockerignore keeps {path}"
+
+
+def test_runtime_image_has_what_triton_compiles_its_launchers_with(stages):
+    """Triton builds each kernel's C launcher at first use with ``gcc`` (or ``$CC``)
+    against the interpreter's ``Python.h``: the GPU engine's kernels fail without them."""
+    packages: set[str] = set()
+    for stage in lineage(stages, "runtime"):
+        for run in stage.all("RUN"):
+            if "apt-get install" in run:
+                packages |= set(run.split("apt-get install", 1)[1].split("&&", 1)[0].split())
+    assert {"gcc", "libc6-dev", "python3.12-dev"} <= packages
