@@ -252,6 +252,9 @@ class GPULLMEngine(EngineBase):
         self._draft_k = 0
         """The k of the drafts the running requests hold (0: they decode one token)."""
         self._draft_rows: dict[Request, int] = {}
+        self._next_verify: tuple | None = None
+        """``(request ids, k, metadata, positions)`` of the next verification, built while
+        drafting (the draft decode steps write at its slots)."""
         """Row of each running request's drafts in ``buffers``."""
 
     @classmethod
@@ -352,9 +355,15 @@ class GPULLMEngine(EngineBase):
         bm = self.scheduler.block_manager
         ids = [r.request_id for r in batch]
         query_lens = [q] * num_decode + [len(r.token_ids) for r in prefill]
-        metadata, positions = metadata_from_block_manager(
-            bm, ids, query_lens, self.target.max_blocks_per_req, self.device
-        )
+        cached, self._next_verify = self._next_verify, None
+        if not prefill and cached is not None and cached[:2] == (tuple(ids), k):
+            # The drafting at the end of the last step built this verification's
+            # metadata already, and nothing was admitted, preempted or aborted since.
+            metadata, positions = cached[2], cached[3]
+        else:
+            metadata, positions = metadata_from_block_manager(
+                bm, ids, query_lens, self.target.max_blocks_per_req, self.device
+            )
         input_ids, drafts = self._input_ids(decode, prefill, k)
         graphed = None
         if self.target_graphs is not None and not prefill:
@@ -527,6 +536,7 @@ class GPULLMEngine(EngineBase):
             self.draft.max_blocks_per_req,
             self.device,
         )
+        self._next_verify = (tuple(req.request_id for req in alive), k_next, metadata, positions)
         if self.decode_graphs is None:
             set_decode_metadata(buf, metadata, positions, k_next)
             draft_decode(self.draft, buf, r, k_next - 1)
