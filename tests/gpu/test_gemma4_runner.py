@@ -40,6 +40,7 @@ import dataclasses
 import pytest
 import torch
 import triton
+from paged_schedule import run_schedule
 
 from specula.runtime.gpu.cudagraph import CUDAGraphManager
 from specula.runtime.gpu.gemma4_mtp import Gemma4DraftGraphManager, GPUGemma4AssistantRunner
@@ -136,42 +137,10 @@ def _inputs(runner, manager, ids, new_tokens):
 
 def _run_schedule(runner, manager) -> tuple[list[list[int]], list[dict]]:
     """Prefill, decode, mixed and verification steps; every query row's logits."""
-    manager.allocate("warm", 40)  # freed below: later requests get scattered blocks
-    manager.allocate(0, len(PROMPTS[0]))
-    manager.free("warm")
-    manager.allocate(1, len(PROMPTS[1]))
-    tokens: list[list[int]] = [[], [], []]
-    logits: list[dict] = [{}, {}, {}]
-
-    def step(ids, new_tokens):
-        hidden, _ = runner.forward(*_inputs(runner, manager, ids, new_tokens))
-        out = runner.compute_logits(hidden)
-        row = 0
-        for r, toks in zip(ids, new_tokens, strict=True):
-            for t in toks:
-                logits[r][len(tokens[r])] = out[row]
-                tokens[r].append(t)
-                row += 1
-
-    def greedy(r):
-        return int(logits[r][len(tokens[r]) - 1].argmax())
-
-    step([0, 1], [list(PROMPTS[0]), list(PROMPTS[1])])
-    for _ in range(DECODE_STEPS):
-        nxt = [greedy(0), greedy(1)]
-        for r in (0, 1):
-            manager.append_slots(r, 1)
-        step([0, 1], [[nxt[0]], [nxt[1]]])
-    nxt = [greedy(0), greedy(1)]
-    for r in (0, 1):
-        manager.append_slots(r, 1)
-    manager.allocate(2, len(LATE_PROMPT))
-    step([0, 1, 2], [[nxt[0]], [nxt[1]], list(LATE_PROMPT)])
-    verify = [[greedy(r), *DRAFTS[r]] for r in range(3)]
-    for r in range(3):
-        manager.append_slots(r, len(verify[r]))
-    step([0, 1, 2], verify)
-    return tokens, logits
+    return run_schedule(
+        runner, manager, PROMPTS, LATE_PROMPT, DRAFTS,
+        decode_steps=DECODE_STEPS, warm_tokens=40, device=DEVICE,
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -65,7 +65,12 @@ from specula.runtime.gpu.eagle3_runner import GPUEagle3Runner
 from specula.runtime.gpu.gemma4_mtp import Gemma4DraftGraphManager, GPUGemma4AssistantRunner
 from specula.runtime.gpu.gemma4_runner import GPUGemma4Runner
 from specula.runtime.gpu.model_runner import SUPPORTED_MODELS, GPUModelRunner
-from specula.runtime.gpu.paged_kv import KVCacheSpec, PagedKVCache, metadata_from_block_manager
+from specula.runtime.gpu.paged_kv import (
+    KVCacheSpec,
+    PagedKVCache,
+    metadata_from_block_manager,
+    num_blocks_from_free_memory,
+)
 from specula.runtime.gpu.per_layer_kv import PerLayerKVCacheSpec, PerLayerPagedKVCache
 from specula.runtime.gpu.scheduler import PagedScheduler
 from specula.runtime.kernels.rejection_sampler import rejection_sample
@@ -194,8 +199,10 @@ class GPULLMEngine(EngineBase):
                 self.dtype,
             )
         if num_gpu_blocks is None:
-            num_gpu_blocks = _num_blocks_from_free_memory(
-                [target_spec] + ([draft_spec] if draft_spec else []),
+            if self.device.type != "cuda":
+                raise ValueError("num_gpu_blocks must be given on a device other than CUDA")
+            num_gpu_blocks = num_blocks_from_free_memory(
+                sum(spec.bytes_per_block for spec in (target_spec, draft_spec) if spec),
                 self.device,
                 gpu_memory_utilization,
             )
@@ -590,14 +597,3 @@ class GPULLMEngine(EngineBase):
         runner = self.assistant_graphs if self.assistant_graphs is not None else self.assistant
         drafts = runner.propose(dev(tokens), backbone, dev(positions), block_table, k_next)
         self.draft_token_ids[: len(rows), :k_next] = drafts
-
-
-def _num_blocks_from_free_memory(
-    specs: list[KVCacheSpec], device: torch.device, fraction: float
-) -> int:
-    if device.type != "cuda":
-        raise ValueError("num_gpu_blocks must be given on a device other than CUDA")
-    free, _ = torch.cuda.mem_get_info(device)
-    budget = int(free * fraction) - (1 << 30)
-    per_block = sum(s.bytes_per_block for s in specs)
-    return max(0, budget // per_block)

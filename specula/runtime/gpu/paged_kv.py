@@ -47,9 +47,27 @@ class KVCacheSpec:
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * itemsize
 
 
-def num_blocks_for_memory(spec: KVCacheSpec, memory_bytes: int) -> int:
-    """Blocks that fit in ``memory_bytes``."""
-    return max(0, memory_bytes // spec.bytes_per_block)
+def num_blocks_from_free_memory(
+    bytes_per_block: int,
+    device: torch.device,
+    memory_fraction: float = 0.9,
+    reserve_bytes: int = 1 << 30,
+) -> int:
+    """Blocks of ``bytes_per_block`` (summed over every cache indexed by one block id:
+    a target's and its draft's) that fit in ``memory_fraction`` of the device's free
+    memory minus ``reserve_bytes`` (left for activations and CUDA-graph pools).
+
+    Raises:
+        ValueError: not a CUDA device, or no block fits.
+    """
+    if device.type != "cuda":
+        raise ValueError(f"sizing from free memory needs a CUDA device, got {device}")
+    free, _ = torch.cuda.mem_get_info(device)
+    budget = int(free * memory_fraction) - reserve_bytes
+    num_blocks = max(0, budget // bytes_per_block)
+    if num_blocks <= 0:
+        raise ValueError(f"no KV block of {bytes_per_block} bytes fits in {budget} bytes")
+    return num_blocks
 
 
 class PagedKVCache:
@@ -93,13 +111,9 @@ class PagedKVCache:
         Raises:
             ValueError: not a CUDA device, or no block fits.
         """
-        if device.type != "cuda":
-            raise ValueError(f"sizing from free memory needs a CUDA device, got {device}")
-        free, _ = torch.cuda.mem_get_info(device)
-        budget = int(free * memory_fraction) - reserve_bytes
-        num_blocks = num_blocks_for_memory(spec, budget)
-        if num_blocks <= 0:
-            raise ValueError(f"no KV block of {spec.bytes_per_block} bytes fits in {budget} bytes")
+        num_blocks = num_blocks_from_free_memory(
+            spec.bytes_per_block, device, memory_fraction, reserve_bytes
+        )
         return cls(spec, num_blocks, device)
 
     def block_manager(self, watermark: float = 0.01) -> BlockManager:

@@ -24,9 +24,10 @@ from __future__ import annotations
 import pytest
 import torch
 from gemma4_checkpoints import gemma4_text_config, save, tiny_gemma4
+from paged_schedule import run_schedule
 
 from specula.runtime.gpu.gemma4_runner import GPUGemma4Runner
-from specula.runtime.gpu.paged_kv import KVCacheSpec, PagedKVCache, metadata_from_block_manager
+from specula.runtime.gpu.paged_kv import KVCacheSpec, PagedKVCache
 from specula.runtime.gpu.per_layer_kv import PerLayerKVCacheSpec, PerLayerPagedKVCache
 from specula.runtime.models.gemma4 import Gemma4ForCausalLM
 from specula.runtime.models.gemma4_config import Gemma4ModelConfig
@@ -53,49 +54,9 @@ def run_paged(checkpoint: str, num_splits: int | None) -> tuple[list[list[int]],
     cache = PerLayerPagedKVCache(spec, num_blocks=24, device=CPU)
     runner = GPUGemma4Runner(model, cache, MAX_MODEL_LEN, attn_num_splits=num_splits)
     manager = cache.block_manager(watermark=0.0)
-    # A request that comes and goes first, so the others get non-contiguous blocks.
-    manager.allocate("warm", 9)
-    manager.allocate(0, len(PROMPTS[0]))
-    manager.free("warm")
-    manager.allocate(1, len(PROMPTS[1]))
-    tokens: list[list[int]] = [[], [], []]
-    logits: list[dict] = [{}, {}, {}]
-
-    def step(ids: list[int], new_tokens: list[list[int]]) -> None:
-        # Every query row's logits are kept, prompt positions included.
-        query_lens = [len(t) for t in new_tokens]
-        metadata, positions = metadata_from_block_manager(
-            manager, ids, query_lens, runner.max_blocks_per_req, CPU
-        )
-        input_ids = torch.tensor([t for toks in new_tokens for t in toks])
-        hidden, _ = runner.forward(input_ids, positions, metadata)
-        out = runner.compute_logits(hidden)  # [num_tokens, vocab]
-        row = 0
-        for r, toks in zip(ids, new_tokens, strict=True):
-            for t in toks:
-                logits[r][len(tokens[r])] = out[row]
-                tokens[r].append(t)
-                row += 1
-
-    def greedy(r: int) -> int:
-        return int(logits[r][len(tokens[r]) - 1].argmax())
-
-    step([0, 1], [list(PROMPTS[0]), list(PROMPTS[1])])
-    nxt = [greedy(0), greedy(1)]
-    for r in (0, 1):
-        manager.append_slots(r, 1)
-    step([0, 1], [[nxt[0]], [nxt[1]]])
-    # Mixed: decode rows first, then the new request's prefill.
-    nxt = [greedy(0), greedy(1)]
-    for r in (0, 1):
-        manager.append_slots(r, 1)
-    manager.allocate(2, len(LATE_PROMPT))
-    step([0, 1, 2], [[nxt[0]], [nxt[1]], list(LATE_PROMPT)])
-    verify = [[greedy(r), *DRAFTS[r]] for r in range(3)]
-    for r in range(3):
-        manager.append_slots(r, len(verify[r]))
-    step([0, 1, 2], verify)
-    return tokens, logits
+    return run_schedule(
+        runner, manager, PROMPTS, LATE_PROMPT, DRAFTS, decode_steps=1, warm_tokens=9, device=CPU
+    )
 
 
 def _check_against_hf(hf, tokens, logits) -> None:
