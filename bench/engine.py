@@ -7,12 +7,12 @@ on the same GPU and shape, ``bench/engine_hf.py``), run last, after our model is
 A Llama-3.1-8B-shaped ``LlamaForCausalLM`` (our model class) with random bfloat16
 weights, built on the GPU (meta device, ``to_empty``, normal initialisation: decode
 speed does not depend on the values), runs through
-:class:`specula.runtime.gpu.model_runner.GPUModelRunner` over a paged KV cache:
+:class:`specula.runtime.worker.model_runner.ModelRunner` over a paged KV cache:
 a 128-token prompt per request (prefill), then greedy decode steps, each step's
 metadata built on the host from the block manager and its input the previous step's
 argmax on the device (no host synchronisation inside the timed loop). Timed with CUDA
 events over ``--steps`` decode steps after ``--warmup`` steps, at batch 1, 8, 32 and 128,
-with CUDA graphs (:class:`specula.runtime.gpu.cudagraph.CUDAGraphManager`, default
+with CUDA graphs (:class:`specula.runtime.worker.cudagraph.CUDAGraphManager`, default
 capture sizes) and eagerly (the CUDA-graphs-vs-eager ablation).
 
 ``roofline_fraction_bs1`` = (weight bytes / measured device copy bandwidth) / measured
@@ -173,7 +173,7 @@ def decode_run(runner, manager, forward, batch_size: int, args, device) -> dict:
     steps' figures. Frees the requests' blocks at the end."""
     import torch
 
-    from specula.runtime.gpu.paged_kv import metadata_from_block_manager
+    from specula.runtime.worker.paged_kv import metadata_from_block_manager
 
     ids = list(range(batch_size))
     for r in ids:
@@ -283,9 +283,9 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["TRITON_INTERPRET"] = "1"
     import torch
 
-    from specula.runtime.gpu.cudagraph import CUDAGraphManager
-    from specula.runtime.gpu.model_runner import GPUModelRunner
-    from specula.runtime.gpu.paged_kv import KVCacheSpec, PagedKVCache
+    from specula.runtime.worker.cudagraph import CUDAGraphManager
+    from specula.runtime.worker.model_runner import ModelRunner
+    from specula.runtime.worker.paged_kv import KVCacheSpec, PagedKVCache
 
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     phases = set(args.phases.split(","))
@@ -351,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
         spec_bs = max(int(b) for b in args.spec_batch_sizes.split(","))
         num_blocks = max(num_blocks, spec_bs * (-(-args.max_model_len // args.block_size)) + 8)
     cache = PagedKVCache(spec, num_blocks, device)
-    runner = GPUModelRunner(model, cache, args.max_model_len, attn_num_splits=args.attn_num_splits)
+    runner = ModelRunner(model, cache, args.max_model_len, attn_num_splits=args.attn_num_splits)
     manager = cache.block_manager(watermark=0.0)
 
     graphs = None

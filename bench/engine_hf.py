@@ -314,9 +314,9 @@ def engine_spec_point(shape: dict, dtype, device, args, rate: float, k: int) -> 
 
     from bench.engine import build_random_model
     from bench.engine_spec import run_spec_phase
-    from specula.runtime.gpu.cudagraph import CUDAGraphManager
-    from specula.runtime.gpu.model_runner import GPUModelRunner
-    from specula.runtime.gpu.paged_kv import KVCacheSpec, PagedKVCache
+    from specula.runtime.worker.cudagraph import CUDAGraphManager
+    from specula.runtime.worker.model_runner import ModelRunner
+    from specula.runtime.worker.paged_kv import KVCacheSpec, PagedKVCache
 
     point = copy.copy(args)
     point.spec_ks, point.spec_rates, point.spec_batch_sizes = str(k), str(rate), "1"
@@ -325,7 +325,7 @@ def engine_spec_point(shape: dict, dtype, device, args, rate: float, k: int) -> 
     model = build_random_model(shape, dtype, device)
     cache_spec = KVCacheSpec.from_model_config(model.config, dtype, args.block_size)
     cache = PagedKVCache(cache_spec, -(-args.max_model_len // args.block_size) + 8, device)
-    runner = GPUModelRunner(model, cache, args.max_model_len, attn_num_splits=args.attn_num_splits)
+    runner = ModelRunner(model, cache, args.max_model_len, attn_num_splits=args.attn_num_splits)
     if device.type == "cuda":
         graphs = CUDAGraphManager(runner, 1, capture_sizes=[1])
         graphs.capture()

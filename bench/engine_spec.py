@@ -121,8 +121,8 @@ def run_spec_phase(model, runner, cache, baseline_forward, args, device) -> dict
     import torch
 
     from bench.engine import decode_run
-    from specula.runtime.gpu.eagle3_runner import GPUEagle3Runner, random_eagle3_head
-    from specula.runtime.gpu.paged_kv import KVCacheSpec, PagedKVCache
+    from specula.runtime.spec_decode.eagle.runner import Eagle3Runner, random_eagle3_head
+    from specula.runtime.worker.paged_kv import KVCacheSpec, PagedKVCache
     from specula.runtime.gpu.spec_decode import GPUEagle3SpecDecoder
     from specula.runtime.models.llama_eagle3 import default_aux_hidden_state_layer_ids
 
@@ -143,7 +143,7 @@ def run_spec_phase(model, runner, cache, baseline_forward, args, device) -> dict
     head.embed_tokens = model.model.embed_tokens  # shared, as speculators checkpoints do
     draft_spec = KVCacheSpec.from_model_config(head.config, runner.dtype, cache.spec.block_size)
     draft_cache = PagedKVCache(draft_spec, cache.num_blocks, device)
-    draft = GPUEagle3Runner(head, draft_cache, runner.max_model_len, runner.attn_num_splits)
+    draft = Eagle3Runner(head, draft_cache, runner.max_model_len, runner.attn_num_splits)
     manager = cache.block_manager(watermark=0.0)
     graphs = device.type == "cuda"
     decoder = GPUEagle3SpecDecoder(

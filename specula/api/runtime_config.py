@@ -50,6 +50,14 @@ class SpeculatorRuntimeConfig(BaseModel):
     prompt_lookup_max: int | None = Field(default=None, ge=1, le=16)
     """``ngram`` only (ignored by other methods): the longest n-gram prompt lookup tries
     first; ``None`` means ``max(4, prompt_lookup_min)``."""
+    draft_sample_method: Literal["greedy", "probabilistic"] = "greedy"
+    """How a draft network picks its tokens (vLLM's ``draft_sample_method``): ``greedy``
+    takes the draft's argmax (the verifier treats it as a one-hot proposal, which keeps
+    the output exact for every request); ``probabilistic`` samples each sampled
+    request's draft under its own temperature, top-k and top-p and hands the
+    distributions to the verifier (higher acceptance at temperature > 0, at the cost of
+    keeping ``[max_num_seqs, k, vocab_size]`` float32 probabilities). n-gram drafts are
+    always deterministic."""
 
     @model_validator(mode="after")
     def _max_covers_start(self) -> SpeculatorRuntimeConfig:
@@ -109,10 +117,9 @@ class RuntimeConfig(BaseModel):
     max_num_seqs: int = Field(default=32, ge=1)
     """Most requests decoded together in one batch."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    """Where the engine runs; ``auto`` picks a CUDA GPU when one is visible. On a GPU,
-    Llama and Qwen3 targets, alone or with an ``eagle3`` head, and Gemma4 targets, alone
-    or with ``gemma4_mtp``, run the paged, continuously batched engine; other
-    combinations run the one-slot-per-request engine on the same device."""
+    """Where the engine runs; ``auto`` picks a CUDA GPU when one is visible. The engine
+    is the same everywhere (paged KV cache, continuous batching); on a GPU it runs the
+    Triton kernels and CUDA graphs, on a CPU the kernels' torch references."""
     gpu_memory_utilization: float = Field(default=0.9, gt=0.0, le=1.0)
     """Fraction of the GPU's free memory (after loading the weights) the paged KV cache
     may take (vLLM's option of the same name)."""

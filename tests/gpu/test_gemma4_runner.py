@@ -42,11 +42,11 @@ import torch
 import triton
 from paged_schedule import run_schedule
 
-from specula.runtime.gpu.cudagraph import CUDAGraphManager
-from specula.runtime.gpu.gemma4_mtp import Gemma4DraftGraphManager, GPUGemma4AssistantRunner
-from specula.runtime.gpu.gemma4_runner import GPUGemma4Runner
-from specula.runtime.gpu.paged_kv import metadata_from_block_manager
-from specula.runtime.gpu.per_layer_kv import PerLayerKVCacheSpec, PerLayerPagedKVCache
+from specula.runtime.worker.cudagraph import CUDAGraphManager
+from specula.runtime.spec_decode.gemma4.runner import Gemma4DraftGraphManager, Gemma4AssistantRunner
+from specula.runtime.worker.gemma4_runner import Gemma4Runner
+from specula.runtime.worker.paged_kv import metadata_from_block_manager
+from specula.runtime.worker.paged_kv import KVCacheSpec, PagedKVCache
 from specula.runtime.kernels.paged_attention import paged_attention, paged_attention_reference
 from specula.runtime.models.gemma4_assistant import (
     Gemma4AssistantConfig,
@@ -122,9 +122,9 @@ def checkpoint(tmp_path_factory):
 
 def _runner(checkpoint, dtype: torch.dtype, num_blocks: int = 64):
     model = load_model(checkpoint, dtype, DEVICE)
-    spec = PerLayerKVCacheSpec.from_model_config(model.config, dtype, BLOCK_SIZE)
-    cache = PerLayerPagedKVCache(spec, num_blocks, DEVICE)
-    return GPUGemma4Runner(model, cache, MAX_MODEL_LEN), cache.block_manager(watermark=0.0)
+    spec = KVCacheSpec.from_model_config(model.config, dtype, BLOCK_SIZE)
+    cache = PagedKVCache(spec, num_blocks, DEVICE)
+    return Gemma4Runner(model, cache, MAX_MODEL_LEN), cache.block_manager(watermark=0.0)
 
 
 def _inputs(runner, manager, ids, new_tokens):
@@ -250,7 +250,7 @@ def test_window_covering_the_context_equals_no_window():
     assert torch.equal(full, windowed)
 
 
-def _assistant(runner: GPUGemma4Runner) -> Gemma4AssistantForCausalLM:
+def _assistant(runner: Gemma4Runner) -> Gemma4AssistantForCausalLM:
     """A random assistant shaped to read the target's producer layers (one sliding,
     one full), its token embedding the target's (tied logits, as trained ones are)."""
     tc = runner.config
@@ -286,7 +286,7 @@ def _assistant(runner: GPUGemma4Runner) -> Gemma4AssistantForCausalLM:
 
 def test_mtp_draft_graphs_match_eager(checkpoint):
     runner, manager = _runner(checkpoint, torch.bfloat16, num_blocks=128)
-    draft = GPUGemma4AssistantRunner(_assistant(runner), runner)
+    draft = Gemma4AssistantRunner(_assistant(runner), runner)
     graphs = Gemma4DraftGraphManager(draft, max_num_reqs=8, max_num_speculative_tokens=4)
     graphs.capture()
     assert sorted(graphs.graphs) == [(r, k) for r in (1, 2, 4, 8) for k in (1, 2, 3, 4)]

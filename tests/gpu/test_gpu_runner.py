@@ -21,9 +21,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specula.runtime.gpu.cudagraph import CUDAGraphManager, cudagraph_capture_sizes
-from specula.runtime.gpu.model_runner import GPUModelRunner
-from specula.runtime.gpu.paged_kv import KVCacheSpec, PagedKVCache, metadata_from_block_manager
+from specula.runtime.worker.cudagraph import CUDAGraphManager, cudagraph_capture_sizes
+from specula.runtime.worker.model_runner import ModelRunner
+from specula.runtime.worker.paged_kv import KVCacheSpec, PagedKVCache, metadata_from_block_manager
 from specula.runtime.models.registry import load_model
 
 pytestmark = [
@@ -74,7 +74,7 @@ def _runner(checkpoint, num_blocks: int = 64):
     model = load_model(checkpoint, torch.bfloat16, DEVICE)
     spec = KVCacheSpec.from_model_config(model.config, torch.bfloat16, BLOCK_SIZE)
     cache = PagedKVCache(spec, num_blocks, DEVICE)
-    return GPUModelRunner(model, cache, MAX_MODEL_LEN), cache.block_manager(watermark=0.0)
+    return ModelRunner(model, cache, MAX_MODEL_LEN), cache.block_manager(watermark=0.0)
 
 
 def _forward(runner, manager, ids, query_lens, new_tokens):

@@ -25,9 +25,9 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from specula.runtime.gpu.eagle3_runner import GPUEagle3Runner, random_eagle3_head
-from specula.runtime.gpu.model_runner import GPUModelRunner
-from specula.runtime.gpu.paged_kv import KVCacheSpec, PagedKVCache, metadata_from_block_manager
+from specula.runtime.spec_decode.eagle.runner import Eagle3Runner, random_eagle3_head
+from specula.runtime.worker.model_runner import ModelRunner
+from specula.runtime.worker.paged_kv import KVCacheSpec, PagedKVCache, metadata_from_block_manager
 from specula.runtime.gpu.spec_decode import GPUEagle3SpecDecoder
 from specula.runtime.models.config import ModelConfig
 from specula.runtime.models.llama import LlamaForCausalLM
@@ -90,8 +90,8 @@ def build_case(device: torch.device = DEVICE):
     draft_cache = PagedKVCache(
         KVCacheSpec.from_model_config(head.config, DTYPE, BLOCK_SIZE), 96, device
     )
-    runner = GPUModelRunner(target, cache, MAX_MODEL_LEN)
-    draft = GPUEagle3Runner(head, draft_cache, MAX_MODEL_LEN)
+    runner = ModelRunner(target, cache, MAX_MODEL_LEN)
+    draft = Eagle3Runner(head, draft_cache, MAX_MODEL_LEN)
     return runner, draft, cache.block_manager(watermark=0.0), (layers,)
 
 

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import torch
 
-from specula.runtime.gpu.paged_kv import metadata_from_block_manager
+from specula.runtime.worker.paged_kv import metadata_from_block_manager
 
 
 def run_schedule(

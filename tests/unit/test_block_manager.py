@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from specula.runtime.gpu.block_manager import BlockManager, NoFreeBlocksError
+from specula.runtime.engine.block_manager import BlockManager, NoFreeBlocksError
 
 
 def test_allocate_gives_blocks_for_the_prompt_and_slots_follow_the_table():

@@ -8,8 +8,8 @@ import pytest
 
 from specula.runtime.engine.request import Request
 from specula.runtime.engine.sampling_params import SamplingParams
-from specula.runtime.gpu.block_manager import BlockManager
-from specula.runtime.gpu.scheduler import PagedScheduler
+from specula.runtime.engine.block_manager import BlockManager
+from specula.runtime.engine.scheduler import PagedScheduler
 
 BLOCK = 4
 

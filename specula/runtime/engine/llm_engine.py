@@ -1,46 +1,80 @@
-"""The synchronous engine: admits requests, prefills them, and runs speculative steps.
+"""The engine: paged KV cache, continuous batching, per-request sampling and speculative
+decoding through the speculator hierarchy, on a GPU (Triton kernels, CUDA graphs) or a
+CPU (the kernels' torch references), by the same code.
 
-One :meth:`LLMEngine.step` admits waiting requests into free slots and prefills them on
-the target (each emits its first token), then runs one speculative step for every
-running request: the speculator proposes ``k`` draft tokens, the target scores the last
-emitted token plus the ``k`` drafts in ONE batched forward, and the rejection sampler
-(Leviathan et al., arXiv 2211.17192) keeps an accepted prefix plus one recovered or
-bonus token. Rejected positions are rolled back by lowering cache lengths. Without a
-speculator (or with ``k = 0``) the step decodes one token per request.
+One :meth:`LLMEngine.step` (Leviathan et al., arXiv 2211.17192; the step order of vLLM
+Model Runner V2):
+
+1. the :class:`~specula.runtime.engine.scheduler.PagedScheduler` picks the running
+   requests and admits new ones by KV capacity (preempting by recompute when the running
+   ones cannot grow), giving each the KV slots the whole step may write;
+2. the inputs are built on the device from the persistent
+   :class:`~specula.runtime.engine.input_batch.InputBatch` (last tokens, drafts, context
+   lengths, block tables); ONE target forward runs every running request's ``[last
+   token, d_1 .. d_k]`` (or one token without drafts) and every admitted request's
+   prompt; a batch without prefills replays the CUDA graph of its
+   :class:`~specula.runtime.worker.cudagraph.BatchExecutionDescriptor`;
+3. sampling on the device: the rejection sampler keeps an accepted prefix of the drafts
+   plus one recovered or bonus token (greedy requests: exact argmax matching), prefills
+   sample their first token; the persistent state is updated in place;
+4. the speculator proposes the next drafts from this forward's inputs, metadata and
+   hidden states (:meth:`~specula.runtime.spec_decode.base.BaseSpeculator.propose`);
+5. the host reads the step's tokens and accepted counts once (the copy was queued before
+   the proposal, so the host's stop checks overlap the drafting) and applies stop
+   conditions.
 
 ``k`` is either one configured value or, with a per-batch-size schedule
-(:mod:`specula.runtime.engine.spec_schedule`), looked up each step from the number of
-requests in that step's speculative round. Both change only between steps.
+(:mod:`specula.runtime.engine.spec_schedule`), looked up from the step's number of
+requests when the drafts are proposed; either changes between steps, without recapture
+(graphs exist for every ``k`` up to the maximum).
 
 The engine is single-threaded and not thread-safe: call it from one thread.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from specula.runtime.engine.engine_base import EngineBase
-from specula.runtime.engine.model_runner import ModelRunner
+from specula.runtime.engine.block_manager import BlockManager, cdiv
+from specula.runtime.engine.input_batch import InputBatch, to_device
 from specula.runtime.engine.request import Request, RequestOutput
-from specula.runtime.engine.sampler import SamplingMetadata, sample
-from specula.runtime.engine.sampling_params import SamplingParams
-from specula.runtime.engine.scheduler import Scheduler
-from specula.runtime.engine.spec_schedule import SpeculativeConfigError
-from specula.runtime.loader import resolve_model_uri
-from specula.runtime.models.config import resolve_dtype
-from specula.runtime.models.registry import load_model
-from specula.runtime.spec_decode.base import (
-    BaseSpeculator,
-    SpeculatorInput,
-    TargetHiddenStates,
+from specula.runtime.engine.sampler import (
+    STREAM_ACCEPT,
+    STREAM_TARGET,
+    compute_probs,
+    random_exponential,
+    random_uniform,
+    sample,
 )
+from specula.runtime.engine.sampling_params import SamplingParams
+from specula.runtime.engine.scheduler import PagedScheduler
+from specula.runtime.engine.spec_schedule import (
+    SCHEDULE_PARAM,
+    BatchSizeSchedule,
+    SpeculativeConfigError,
+    check_k,
+)
+from specula.runtime.kernels.rejection_sampler import rejection_sample
+from specula.runtime.loader import resolve_model_uri
+from specula.runtime.models.config import ModelConfig, resolve_dtype
+from specula.runtime.models.registry import load_model
+from specula.runtime.spec_decode.base import BaseSpeculator, ProposeInputs
 from specula.runtime.spec_decode.metrics import SpecDecodingStats
 from specula.runtime.spec_decode.registry import create_speculator
-from specula.runtime.spec_decode.rejection_sampler import rejection_sample
+from specula.runtime.worker import create_model_runner
+from specula.runtime.worker.cudagraph import CUDAGraphManager
+from specula.runtime.worker.paged_kv import (
+    KVCacheSpec,
+    PagedKVCache,
+    device_metadata,
+    mark_prefills,
+    num_blocks_from_free_memory,
+)
 
 if TYPE_CHECKING:
     from specula.api.runtime_config import RuntimeConfig, SpeculatorRuntimeConfig
@@ -57,10 +91,37 @@ __all__ = [
 ]
 
 
-class LLMEngine(EngineBase):
-    """Target model with one KV-cache slot per request, any speculator, on the CPU or
-    a GPU (plain torch); see :class:`~specula.runtime.gpu.engine.GPULLMEngine` for the
-    paged, continuously batched GPU engine."""
+class LLMEngine:
+    """Serves a target checkpoint, with or without a speculator.
+
+    Args:
+        target_dir: the resolved target checkpoint (Hugging Face layout).
+        tokenizer: its tokenizer (stop strings, eos).
+        model_uri, served_model_name: as the runtime config names them.
+        speculator_config: how drafts are proposed; ``None``: the target alone.
+        dtype: ``auto``, ``bfloat16``, ``float16`` or ``float32``.
+        max_model_len: context length; default the target's ``max_position_embeddings``.
+        max_num_seqs: most requests in one step.
+        device: ``cpu`` or a CUDA device.
+        block_size: KV tokens per block (vLLM's default 16).
+        num_gpu_blocks: KV blocks (each holds ``block_size`` tokens of every target and
+            draft layer); default: on CUDA, as many as fit in ``gpu_memory_utilization``
+            of the free memory after loading, less 1 GiB for activations and graphs; on
+            a CPU, enough for ``max_num_seqs`` requests of ``max_model_len`` tokens.
+        gpu_memory_utilization: fraction of the free memory the KV cache may take.
+        max_num_batched_tokens: prompt tokens prefilled per step; default
+            ``max(max_model_len, 2048)``.
+        enforce_eager: no CUDA graphs (vLLM's flag of the same name).
+        tensor_parallel_size: 1 (the only degree this engine runs).
+
+    Raises:
+        ValueError: ``max_model_len`` above the target's limit; an architecture no
+            paged runner serves (the message names it); a draft that does not fit the
+            target (names the field and both values); a KV cache too small for one
+            request of ``max_model_len`` tokens; ``tensor_parallel_size`` other than 1.
+        UnsupportedSpeculatorMethod: the speculator method is not implemented.
+        FileNotFoundError: a checkpoint is missing.
+    """
 
     def __init__(
         self,
@@ -74,26 +135,52 @@ class LLMEngine(EngineBase):
         max_model_len: int | None = None,
         max_num_seqs: int = 32,
         device: str | torch.device = "cpu",
+        block_size: int = 16,
+        num_gpu_blocks: int | None = None,
+        gpu_memory_utilization: float = 0.9,
+        max_num_batched_tokens: int | None = None,
+        enforce_eager: bool = False,
+        tensor_parallel_size: int = 1,
     ) -> None:
-        """Load the target (and the speculator's draft) from local directories.
-
-        Raises:
-            ValueError: ``max_model_len`` above the target's ``max_position_embeddings``;
-                draft and target vocabularies differ; an unknown dtype.
-            UnsupportedSpeculatorMethod: the speculator method is not implemented.
-            FileNotFoundError: a checkpoint is missing.
-        """
-        self._init_engine(
-            target_dir,
-            tokenizer,
-            model_uri=model_uri,
-            served_model_name=served_model_name,
-            speculator_config=speculator_config,
-            max_model_len=max_model_len,
-            max_num_seqs=max_num_seqs,
-            device=device,
+        if tensor_parallel_size != 1:
+            raise ValueError(
+                f"tensor_parallel_size {tensor_parallel_size} is not supported: this runtime "
+                "runs a model on one device (tensor_parallel_size 1)"
+            )
+        self.device = torch.device(device)
+        self.tokenizer = tokenizer
+        self.model_uri = model_uri
+        self.served_model_name = served_model_name
+        self.model_config = ModelConfig.from_pretrained(target_dir)
+        limit = self.model_config.max_position_embeddings
+        if max_model_len is not None and max_model_len > limit:
+            raise ValueError(
+                f"max_model_len {max_model_len} exceeds the target's max_position_embeddings {limit}"
+            )
+        self.max_model_len: int = max_model_len or limit
+        self.max_num_seqs = max_num_seqs
+        self.vocab_size = self.model_config.vocab_size
+        self.eos_token_ids = _eos_token_ids(self.model_config, target_dir, tokenizer)
+        self.speculator_config = speculator_config
+        max_k = speculator_config.max_k if speculator_config is not None else 0
+        self.max_num_speculative_tokens = max_k
+        self.num_speculative_tokens: int | None = (
+            speculator_config.num_speculative_tokens if speculator_config is not None else 0
         )
+        """The configured k, or ``None`` while a per-batch-size schedule is in force."""
+        self.speculative_schedule: BatchSizeSchedule | None = None
+        self.last_step_num_reqs = 0
+        """Requests in the last step that decoded or verified (0 when none did)."""
+        self.last_step_num_speculative_tokens = 0
+        """The k the last step verified (0: plain decoding, or no running request)."""
+        self.spec_decoding_stats = SpecDecodingStats(num_spec_tokens=max_k)
+        self.generation_tokens_total = 0
+        """Tokens emitted to requests since start (a counter)."""
+        self._pending: list[RequestOutput] = []
+        self._generate_counter = 0
+
         self.dtype = resolve_dtype(dtype, self.model_config, self.device)
+        model = load_model(target_dir, self.dtype, self.device, self.model_config)
         self.speculator: BaseSpeculator | None = None
         if speculator_config is not None:
             self.speculator = create_speculator(
@@ -101,25 +188,79 @@ class LLMEngine(EngineBase):
                 self.model_config,
                 target_dir=target_dir,
                 max_num_seqs=max_num_seqs,
-                max_model_len=self.max_model_len,
                 dtype=self.dtype,
                 device=self.device,
             )
-        model = load_model(target_dir, self.dtype, self.device, self.model_config)
-        # Verification writes k positions past the last emitted token.
-        self.runner = ModelRunner(
-            model, max_num_seqs, self.max_model_len + self.max_num_speculative_tokens, self.device
+        spec = self.speculator
+        self.aux_layer_ids: tuple[int, ...] = (
+            model.check_aux_hidden_state_layers(spec.aux_hidden_state_layers) if spec else ()
         )
-        self.aux_hidden_state_layers: tuple[int, ...] = ()
-        """Target layers whose hidden states the speculator consumes (EAGLE-3)."""
-        if self.speculator is not None:
-            self.aux_hidden_state_layers = model.check_aux_hidden_state_layers(
-                self.speculator.aux_hidden_state_layers
+        self.num_lookahead_tokens = spec.num_lookahead_tokens(max_k) if spec else 0
+        # Positions reach the context, a verification (k + 1) and the drafts after it.
+        runner_len = self.max_model_len + max_k + 1 + self.num_lookahead_tokens
+        self.block_size = block_size
+        target_spec = KVCacheSpec.from_model_config(model.config, self.dtype, block_size)
+        draft_spec = spec.kv_cache_spec(block_size) if spec else None
+        self.input_batch = InputBatch(
+            max_num_seqs,
+            cdiv(runner_len, block_size),
+            max_k,
+            self.vocab_size,
+            self.device,
+            token_capacity=runner_len if spec is not None and spec.needs_token_ids else None,
+            keep_draft_probs=spec is not None and spec.keeps_draft_probs,
+        )
+        if num_gpu_blocks is None:
+            if self.device.type == "cuda":
+                # The speculator's static buffers come later: keep their largest part.
+                probs = 4 * max_num_seqs * max_k * self.vocab_size if spec and spec.keeps_draft_probs else 0
+                num_gpu_blocks = num_blocks_from_free_memory(
+                    target_spec.bytes_per_block + (draft_spec.bytes_per_block if draft_spec else 0),
+                    self.device,
+                    gpu_memory_utilization,
+                    reserve_bytes=(1 << 30) + probs,
+                )
+            else:
+                num_gpu_blocks = cdiv(max_num_seqs * runner_len, block_size)
+        self.scheduler = PagedScheduler(
+            BlockManager(num_gpu_blocks, block_size),
+            max_num_seqs,
+            max_num_batched_tokens or max(self.max_model_len, 2048),
+        )
+        one_request = self.max_model_len + max_k + 1 + self.num_lookahead_tokens
+        if self.scheduler.max_request_tokens(0) < one_request:
+            raise ValueError(
+                f"the KV cache ({num_gpu_blocks} blocks of {block_size} tokens) cannot hold "
+                f"one request of max_model_len {self.max_model_len} tokens; lower "
+                "max_model_len or raise gpu_memory_utilization"
             )
-            self.speculator.bind_target(self.runner)
-            self.speculator.init_cudagraph_manager()
-            self.speculator.capture()
-        self.scheduler = Scheduler(max_num_seqs)
+        self.num_gpu_blocks = num_gpu_blocks
+        self.runner = create_model_runner(
+            model, PagedKVCache(target_spec, num_gpu_blocks, self.device), runner_len
+        )
+        if spec is not None:
+            spec.bind_target(self.runner)
+            spec.allocate_kv_cache(num_gpu_blocks, block_size, runner_len)
+            spec.init_cudagraph_manager()
+        self.graphs: CUDAGraphManager | None = None
+        if self.device.type == "cuda" and not enforce_eager:
+            self.graphs = CUDAGraphManager(
+                self.runner,
+                max_num_seqs,
+                [1] + [k + 1 for k in range(1, max_k + 1)],
+                aux_layer_ids=self.aux_layer_ids,
+            )
+            states = self.graphs.capture()
+            if spec is not None:
+                spec.capture(states)
+        self.cu_num_draft_tokens = {
+            j: torch.arange(1, max_num_seqs + 1, dtype=torch.int32, device=self.device) * j
+            for j in range(max_k + 1)
+        }
+        """``k`` -> [max_num_seqs] int32 inclusive cumulative counts of ``k`` drafts each."""
+        self._draft_k = 0
+        """The k of the drafts the running requests hold (0: they decode one token)."""
+        self._idx: tuple[tuple[int, ...], torch.Tensor] = ((), torch.zeros(0))
 
     @classmethod
     def from_config(cls, config: RuntimeConfig, device: str | torch.device = "cpu") -> LLMEngine:
@@ -140,154 +281,386 @@ class LLMEngine(EngineBase):
             max_model_len=config.max_model_len,
             max_num_seqs=config.max_num_seqs,
             device=device,
+            gpu_memory_utilization=config.gpu_memory_utilization,
+            enforce_eager=config.enforce_eager,
+            tensor_parallel_size=config.tensor_parallel_size,
         )
+
+    # ---- requests -------------------------------------------------------------------
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> None:
+        """Queue a request.
+
+        Raises:
+            ValueError: invalid sampling params, a duplicate ``request_id``, an empty
+                prompt, a token id outside the vocabulary,
+                ``len(prompt_token_ids) + max_tokens > max_model_len``, or more tokens than
+                the whole KV cache holds.
+        """
+        params.validate()
+        if request_id in self.scheduler:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("the prompt is empty")
+        if any(not 0 <= t < self.vocab_size for t in prompt_token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+        if n + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt ({n} tokens) plus max_tokens ({params.max_tokens}) exceeds "
+                f"max_model_len ({self.max_model_len})"
+            )
+        seed = params.seed
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, (1,)).item())
+        self.scheduler.add(
+            Request(request_id, list(prompt_token_ids), params, self.eos_token_ids, seed)
+        )
+
+    def abort_request(self, request_id: str) -> None:
+        """Drop a request; the next :meth:`step` reports it finished with reason
+        ``"abort"``. Unknown or finished ids are ignored."""
+        request = self.scheduler.remove(request_id)
+        if request is not None:
+            self.input_batch.remove(request)
+            self._pending.append(RequestOutput(request_id, [], True, "abort"))
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.scheduler.waiting or self.scheduler.running or self._pending)
+
+    def scheduler_stats(self) -> dict[str, int]:
+        bm = self.scheduler.block_manager
+        return {
+            "num_requests_running": len(self.scheduler.running),
+            "num_requests_waiting": len(self.scheduler.waiting),
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_free_gpu_blocks": bm.num_free_blocks,
+            "num_gpu_blocks": bm.num_blocks,
+        }
+
+    # ---- speculation settings -------------------------------------------------------
+
+    def get_speculative_config(self) -> dict[str, Any]:
+        """The configured speculation, as ``GET /v1/speculative_config`` returns it.
+
+        ``num_speculative_tokens`` is the configured single k, ``None`` while a
+        per-batch-size schedule is in force; ``num_speculative_tokens_per_batch_size``
+        is that schedule as ``[[start, end, k], ...]``, else ``None``. The k a step
+        actually used is :attr:`last_step_num_speculative_tokens`.
+        """
+        spec = self.speculator_config
+        schedule = self.speculative_schedule
+        return {
+            "method": spec.method if spec else None,
+            "num_speculative_tokens": self.num_speculative_tokens,
+            "num_speculative_tokens_per_batch_size": schedule.as_lists() if schedule else None,
+            "max_num_speculative_tokens": self.max_num_speculative_tokens,
+            "model": spec.model if spec else None,
+        }
+
+    def set_speculative_config(
+        self,
+        num_speculative_tokens: int | None = None,
+        num_speculative_tokens_per_batch_size: list[tuple[int, int, int]] | None = None,
+    ) -> None:
+        """Set one k, or a per-batch-size schedule ``[[start, end, k], ...]`` (rules in
+        :mod:`specula.runtime.engine.spec_schedule`), from the next proposal on. Give
+        exactly one. k = 0 turns speculation off without unloading the draft. Nothing
+        changes when the setting is refused.
+
+        Raises:
+            SpeculativeConfigError (a ``ValueError``): no speculator, neither or both
+                arguments, a k outside ``[0, max_num_speculative_tokens]``, or an invalid
+                schedule (the message names the offending range).
+        """
+        if (num_speculative_tokens is None) == (num_speculative_tokens_per_batch_size is None):
+            raise SpeculativeConfigError(
+                "give exactly one of num_speculative_tokens and "
+                "num_speculative_tokens_per_batch_size",
+                param="num_speculative_tokens",
+                code="invalid_value",
+            )
+        param = "num_speculative_tokens" if num_speculative_tokens is not None else SCHEDULE_PARAM
+        if self.speculator_config is None:
+            raise SpeculativeConfigError(
+                "no speculator is configured; num_speculative_tokens is fixed at 0",
+                param=param,
+                code="no_speculator",
+            )
+        if num_speculative_tokens_per_batch_size is not None:
+            self.speculative_schedule = BatchSizeSchedule.parse(
+                num_speculative_tokens_per_batch_size, self.max_num_speculative_tokens
+            )
+            self.num_speculative_tokens = None
+            return
+        assert num_speculative_tokens is not None
+        check_k(num_speculative_tokens, self.max_num_speculative_tokens)
+        self.num_speculative_tokens = num_speculative_tokens
+        self.speculative_schedule = None
+
+    def set_num_speculative_tokens(self, k: int) -> None:
+        """Draft ``k`` tokens per step from the next proposal on (clearing any
+        per-batch-size schedule); ``0`` turns speculation off without unloading the draft.
+
+        Raises:
+            SpeculativeConfigError (a ``ValueError``): ``k`` outside
+                ``[0, max_num_speculative_tokens]`` or no speculator.
+        """
+        self.set_speculative_config(num_speculative_tokens=k)
+
+    def num_speculative_tokens_for(self, num_reqs: int) -> int:
+        """The k a proposal for ``num_reqs`` (>= 1) requests drafts."""
+        if self.speculator_config is None:
+            return 0
+        if self.speculative_schedule is not None:
+            return self.speculative_schedule.k_for(num_reqs)
+        assert self.num_speculative_tokens is not None
+        return self.num_speculative_tokens
 
     # ---- stepping -------------------------------------------------------------------
 
-    def _run_step(self, emitted: dict[Request, list[int]]) -> None:
-        admitted = self.scheduler.admit()
-        if admitted:
-            self._prefill(admitted, emitted)
-        active = [r for r in self.scheduler.running if not r.finished]
-        k = self.num_speculative_tokens_for(len(active)) if active else 0
-        self.last_step_num_reqs, self.last_step_num_speculative_tokens = len(active), k
-        if active:
-            if k > 0:
-                self._speculative_step(active, k, emitted)
-            else:
-                self._decode_step(active, emitted)
-
-    def _sampling(self, requests: list[Request]) -> SamplingMetadata:
-        return SamplingMetadata.from_params(
-            [r.params for r in requests], [r.generator for r in requests], self.device
-        )
-
-    def _target_forward(
-        self,
-        slots: list[int],
-        input_ids: torch.Tensor,
-        query_lens: list[int],
-        starts: list[int],
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Target forward; also returns the aux hidden states the speculator needs."""
-        return self.runner.forward_with_aux(
-            slots, input_ids, query_lens, starts, self.aux_hidden_state_layers
-        )
-
-    def _observe_target(
-        self,
-        slots: list[int],
-        starts: list[int],
-        query_lens: list[int],
-        num_committed: list[int],
-        hidden: torch.Tensor,
-        aux: torch.Tensor | None,
-    ) -> None:
-        """Hand the speculator the target's hidden states of the first
-        ``num_committed[i]`` of request ``i``'s ``query_lens[i]`` rows of ``hidden``
-        (``[sum(query_lens), hidden_size]``), when it conditions on them."""
-        if self.speculator is None or not self.speculator.uses_target_hidden_states:
-            return
-        offsets = torch.tensor([0, *query_lens[:-1]]).cumsum(0).tolist()
-        rows = torch.cat(
-            [torch.arange(o, o + n) for o, n in zip(offsets, num_committed, strict=True)]
-        ).to(hidden.device)
-        self.speculator.observe_target(
-            TargetHiddenStates(
-                slot_ids=slots,
-                start_positions=starts,
-                num_rows=num_committed,
-                hidden_states=hidden[rows],
-                aux_hidden_states=None if aux is None else aux[rows],
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduler step; returns one output per request that produced tokens,
+        finished, or was aborted since the last step."""
+        emitted: dict[Request, list[int]] = {}
+        self._run_step(emitted)
+        outputs, self._pending = self._pending, []
+        for request, tokens in emitted.items():
+            self.generation_tokens_total += len(tokens)
+            outputs.append(
+                RequestOutput(
+                    request.request_id,
+                    tokens,
+                    request.finished,
+                    request.finish_reason,
+                    request.stop_reason,
+                )
             )
-        )
+        for request in self.scheduler.remove_finished():
+            self.input_batch.remove(request)
+        return outputs
 
-    def _prefill(self, requests: list[Request], emitted: dict[Request, list[int]]) -> None:
-        slots = [r.slot for r in requests]
-        lens = [r.num_prompt_tokens for r in requests]
-        input_ids = torch.tensor([t for r in requests for t in r.token_ids], dtype=torch.long)
-        hidden, aux = self._target_forward(slots, input_ids, lens, [0] * len(requests))
-        last = torch.tensor(lens).cumsum(0) - 1
-        token_ids, _ = sample(self.runner.compute_logits(hidden[last]), self._sampling(requests))
-        if self.speculator is not None:
-            self.speculator.add_requests(slots)
-            self._observe_target(slots, [0] * len(requests), lens, lens, hidden, aux)
-        for request, token in zip(requests, token_ids.tolist(), strict=True):
-            request.num_computed_tokens = request.num_prompt_tokens
-            self._emit(request, [token], emitted)
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+    ) -> list[list[int]]:
+        """Run ``prompts`` to completion (batched) and return each one's output tokens."""
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        ids = []
+        for prompt, p in zip(prompts, params_list, strict=True):
+            self._generate_counter += 1
+            ids.append(f"generate-{self._generate_counter}")
+            self.add_request(ids[-1], prompt, p)
+        results: dict[str, list[int]] = {i: [] for i in ids}
+        while any(i in self.scheduler for i in ids):
+            for out in self.step():
+                if out.request_id in results:
+                    results[out.request_id].extend(out.new_token_ids)
+        return [results[i] for i in ids]
 
-    def _decode_step(
-        self,
-        requests: list[Request],
-        emitted: dict[Request, list[int]],
-        sampling: SamplingMetadata | None = None,
-    ) -> None:
-        starts = [len(r.token_ids) - 1 for r in requests]
-        slots = [r.slot for r in requests]
-        input_ids = torch.tensor([r.token_ids[-1] for r in requests], dtype=torch.long)
-        ones = [1] * len(requests)
-        hidden, aux = self._target_forward(slots, input_ids, ones, starts)
-        self._observe_target(slots, starts, ones, ones, hidden, aux)
-        if sampling is None:
-            sampling = self._sampling(requests)
-        token_ids, _ = sample(self.runner.compute_logits(hidden), sampling)
-        for request, token in zip(requests, token_ids.tolist(), strict=True):
-            request.num_computed_tokens = len(request.token_ids)
-            self._emit(request, [token], emitted)
+    def _emit(self, request: Request, tokens: list[int], emitted: dict[Request, list[int]]) -> None:
+        appended = request.append_tokens(tokens, self.tokenizer, self.max_model_len)
+        emitted.setdefault(request, []).extend(appended)
 
-    def _speculative_step(
-        self, requests: list[Request], k: int, emitted: dict[Request, list[int]]
-    ) -> None:
-        assert self.speculator is not None
-        num_reqs = len(requests)
-        slots = [r.slot for r in requests]
-        sampling = self._sampling(requests)
-        proposal = self.speculator.propose(
-            SpeculatorInput(slots, [r.token_ids for r in requests], sampling), k
-        )
-        draft_lens = proposal.num_draft_tokens or [k] * num_reqs
-        # Verify only as far as the longest real draft; nothing drafted: plain decoding.
-        k = max(draft_lens)
-        if k == 0:
-            self._decode_step(requests, emitted, sampling)  # same requests: reuse sampling
+    def _rows(self, batch: list[Request]) -> torch.Tensor:
+        """[num_reqs] int64 device rows of ``batch`` (reused while the batch is unchanged)."""
+        rows = tuple(r.row for r in batch)
+        if rows != self._idx[0]:
+            self._idx = (rows, to_device(rows, torch.int64, self.device))
+        return self._idx[1]
+
+    def _sync_block_tables(self, batch: list[Request]) -> None:
+        bm, ib = self.scheduler.block_manager, self.input_batch
+        for request in batch:
+            held = bm.num_blocks_held(request.request_id)
+            written = ib.num_blocks_written(request)
+            if held > written:
+                ib.set_blocks(request, written, bm.blocks_from(request.request_id, written))
+            elif held < written:
+                ib.truncate_blocks(request, held)
+        ib.flush()
+
+    def _run_step(self, emitted: dict[Request, list[int]]) -> None:
+        k = self._draft_k
+        q = k + 1
+        sched = self.scheduler.schedule(q, self.num_lookahead_tokens)
+        ib = self.input_batch
+        for request in sched.preempted:
+            ib.remove(request)
+        decode, prefill = sched.decode, sched.prefill
+        self.last_step_num_reqs = len(decode)
+        self.last_step_num_speculative_tokens = k if decode else 0
+        if not decode and not prefill:
             return
-        draft_ids = proposal.draft_token_ids[:, :k]  # [num_reqs, k]
-        draft_probs = None if proposal.draft_probs is None else proposal.draft_probs[:, :k]
-        lens = [len(r.token_ids) for r in requests]
-        assert all(r.num_computed_tokens == n - 1 for r, n in zip(requests, lens, strict=True))
-        last_ids = torch.tensor([r.token_ids[-1] for r in requests], dtype=torch.long)
-        verify_ids = torch.cat([last_ids[:, None], draft_ids.cpu()], dim=1)
-        hidden, aux = self._target_forward(
-            slots, verify_ids.flatten(), [k + 1] * num_reqs, [n - 1 for n in lens]
-        )  # [num_reqs * (k + 1), hidden_size]
-        logits = self.runner.compute_logits(hidden).view(num_reqs, k + 1, -1)
-        output_ids, num_accepted = rejection_sample(draft_ids, draft_probs, logits, sampling)
-        # Padding past a short draft is verified like a real proposal (one-hot draft
-        # probability), so the token at position draft_lens[i] is a valid target sample
-        # whether it was accepted or recovered; acceptance stops there.
-        num_accepted = [
-            min(a, n) for a, n in zip(num_accepted.tolist(), draft_lens, strict=True)
-        ]
-        output_ids = output_ids.tolist()
-        self.speculator.rollback(slots, [n + a for n, a in zip(lens, num_accepted, strict=True)])
-        self._observe_target(
-            slots, [n - 1 for n in lens], [k + 1] * num_reqs,
-            [a + 1 for a in num_accepted], hidden, aux,
+        for request in prefill:
+            ib.add(request)
+        batch = decode + prefill
+        self._sync_block_tables(batch)
+        nd, num_reqs = len(decode), len(batch)
+        idx = self._rows(batch)
+        idx_d = idx[:nd]
+        dev = self.device
+
+        # -- inputs and the target forward ----------------------------------------------
+        prompt_lens = [len(r.token_ids) for r in prefill]
+        query_lens = [q] * nd + prompt_lens
+        starts = ib.num_computed_tokens[idx]
+        metadata, positions = device_metadata(ib.block_table[idx], starts, query_lens, self.block_size)
+        mark_prefills(metadata, nd)
+        parts = []
+        if nd:
+            last = ib.last_token_ids[idx_d, None]
+            parts.append(torch.cat([last, ib.draft_token_ids[idx_d, :k]], 1).reshape(-1))
+        if prefill:
+            parts.append(to_device([t for r in prefill for t in r.token_ids], torch.int64, dev))
+        input_ids = parts[0] if len(parts) == 1 else torch.cat(parts)
+        if self.graphs is not None:
+            hidden, aux, descriptor = self.graphs.run(input_ids, positions, metadata)
+        else:
+            hidden, aux = self.runner.forward(input_ids, positions, metadata, self.aux_layer_ids)
+            descriptor = None
+
+        # -- sampling and verification --------------------------------------------------
+        sampling = ib.sampling(idx, batch)
+        # Draw keys: the position of the first token this step can emit.
+        keys = starts + 1
+        if prefill:
+            keys = torch.cat([keys[:nd], to_device(prompt_lens, torch.int64, dev)])
+        width = q if nd else 1
+        out = torch.zeros(num_reqs, width, dtype=torch.int64, device=dev)
+        num_accepted = torch.zeros(num_reqs, dtype=torch.int64, device=dev)
+        num_verified = torch.zeros(num_reqs, dtype=torch.int64, device=dev)
+        if nd:
+            s_d = sampling.select(slice(0, nd))
+            logits = self.runner.compute_logits(hidden[: nd * q])  # [nd * q, V]
+            if k > 0:
+                out[:nd], num_accepted[:nd] = self._verify(logits, idx_d, k, s_d, keys[:nd])
+                num_verified[:nd] = ib.num_draft_tokens[idx_d]
+                num_accepted[:nd] = torch.minimum(num_accepted[:nd], num_verified[:nd])
+            else:
+                out[:nd, 0] = sample(logits, s_d, keys[:nd], STREAM_TARGET)[0]
+        if prefill:
+            last_rows = metadata.query_start_loc[nd + 1 :].long() - 1
+            logits = self.runner.compute_logits(hidden[last_rows])
+            s_p = sampling.select(slice(nd, num_reqs))
+            out[nd:, 0] = sample(logits, s_p, keys[nd:], STREAM_TARGET)[0]
+        next_tokens = out.gather(1, num_accepted[:, None])[:, 0]
+        if prefill:
+            committed = torch.cat(
+                [starts[:nd] + num_accepted[:nd] + 1, to_device(prompt_lens, torch.int64, dev)]
+            )
+        else:
+            committed = starts + num_accepted + 1
+        ib.commit(idx, committed, next_tokens, out, num_accepted + 1)
+        # The step's only device-to-host copy, queued before the drafting so that the
+        # host's stop checks overlap it.
+        host = torch.cat([num_accepted[:, None], num_verified[:, None], out], dim=1)
+        ready = None
+        if dev.type == "cuda":
+            host = host.to("cpu", non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+
+        # -- drafting ---------------------------------------------------------------------
+        k_next = 0
+        if self.speculator is not None:
+            k_next = self.num_speculative_tokens_for(num_reqs)
+            draft = self.speculator.propose(
+                ProposeInputs(
+                    num_reqs=num_reqs,
+                    num_decode=nd,
+                    idx_mapping=idx,
+                    input_batch=ib,
+                    input_ids=input_ids,
+                    positions=positions,
+                    metadata=metadata,
+                    descriptor=descriptor,
+                    hidden_states=hidden,
+                    aux_hidden_states=aux,
+                    cu_num_draft_tokens=(
+                        self.cu_num_draft_tokens[k][:num_reqs]
+                        if not prefill
+                        else torch.cat(
+                            [
+                                self.cu_num_draft_tokens[k][:nd],
+                                torch.full((len(prefill),), k * nd, dtype=torch.int32, device=dev),
+                            ]
+                        )
+                    ),
+                    num_accepted=num_accepted,
+                    next_token_ids=next_tokens,
+                    next_positions=committed,
+                    sampling=sampling,
+                    draw_keys=committed + 1,
+                    num_speculative_tokens=k_next,
+                )
+            )
+            if draft is None:
+                k_next = 0
+            else:
+                ib.draft_token_ids[idx, :k_next] = draft.draft_token_ids
+                ib.num_draft_tokens[idx] = (
+                    k_next if draft.num_draft_tokens is None else draft.num_draft_tokens
+                )
+                if draft.draft_probs is not None and ib.draft_probs is not None:
+                    ib.draft_probs[idx, :k_next] = draft.draft_probs
+        self._draft_k = k_next
+
+        # -- the host: tokens, counters, stop conditions ---------------------------------
+        if ready is not None:
+            ready.synchronize()
+        rows = host.tolist()
+        for i, request in enumerate(batch):
+            accepted, verified, *tokens = rows[i]
+            if i < nd:
+                if k > 0 and verified > 0:
+                    self.spec_decoding_stats.observe_draft(verified, accepted)
+                request.num_computed_tokens += accepted + 1
+                self._emit(request, tokens[: accepted + 1], emitted)
+            else:
+                request.num_computed_tokens = len(request.token_ids)
+                self._emit(request, tokens[:1], emitted)
+
+    def _verify(
+        self,
+        logits: torch.Tensor,
+        idx: torch.Tensor,
+        k: int,
+        sampling,
+        keys: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rejection sampling of ``logits [num_reqs * (k + 1), V]`` against the drafts of
+        rows ``idx``: ``(output [num_reqs, k + 1] int64, num_accepted [num_reqs] int64)``."""
+        r = idx.shape[0]
+        ib = self.input_batch
+        drafts = ib.draft_token_ids[idx, :k].reshape(-1)  # [r * k]
+        cu = self.cu_num_draft_tokens[k][:r]
+        argmax = logits.argmax(dim=-1)
+        if sampling.all_greedy:
+            return rejection_sample(drafts, cu, argmax, k)
+        vocab = logits.shape[-1]
+        probs = compute_probs(logits.view(r, k + 1, vocab), sampling).view(-1, vocab)
+        draft_probs = None
+        if ib.draft_probs is not None:
+            draft_probs = ib.draft_probs[idx, :k].reshape(-1, vocab)
+        return rejection_sample(
+            drafts,
+            cu,
+            argmax,
+            k,
+            is_greedy=sampling.is_greedy,
+            draft_probs=draft_probs,
+            target_probs=probs,
+            uniform_samples=random_uniform(sampling.seeds, keys, STREAM_ACCEPT, k).view(-1),
+            exponential_noise=random_exponential(sampling.seeds, keys, STREAM_TARGET, vocab),
         )
-        for i, request in enumerate(requests):
-            accepted = num_accepted[i]
-            # As vLLM: a request that proposed nothing is not a draft.
-            if draft_lens[i] > 0:
-                self.spec_decoding_stats.observe_draft(draft_lens[i], accepted)
-            request.num_computed_tokens = lens[i] + accepted
-            self._emit(request, output_ids[i][: accepted + 1], emitted)
 
 
-def create_engine(config: RuntimeConfig) -> EngineBase:
-    """The engine ``specula serve`` runs for ``config``: on a CUDA device (``device``
-    ``cuda``, or ``auto`` with a GPU visible) the paged, continuously batched
-    :class:`~specula.runtime.gpu.engine.GPULLMEngine` when it supports the target and
-    the speculator method, else :class:`LLMEngine` on that device.
+def create_engine(config: RuntimeConfig) -> LLMEngine:
+    """The engine ``specula serve`` runs for ``config``, on a CUDA device (``device``
+    ``cuda``, or ``auto`` with a GPU visible) or the CPU.
 
     Raises:
         ValueError: ``device: cuda`` without a visible GPU; load errors of the engine.
@@ -297,16 +670,17 @@ def create_engine(config: RuntimeConfig) -> EngineBase:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     elif device == "cuda" and not torch.cuda.is_available():
         raise ValueError("device is 'cuda' but no CUDA device is visible")
-    if device == "cuda":
-        from specula.runtime.gpu.engine import GPULLMEngine, gpu_engine_unsupported_reason
-        from specula.runtime.models.config import ModelConfig
-
-        target_config = ModelConfig.from_pretrained(
-            resolve_model_uri(config.model, config.revision)
-        )
-        method = config.speculator.method if config.speculator is not None else None
-        reason = gpu_engine_unsupported_reason(target_config, method)
-        if reason is None:
-            return GPULLMEngine.from_config(config, device)
-        logger.info("running the one-slot-per-request engine on the GPU: %s", reason)
     return LLMEngine.from_config(config, device)
+
+
+def _eos_token_ids(config: ModelConfig, checkpoint_dir: Path, tokenizer: Any) -> frozenset[int]:
+    """Union of the eos ids of ``config.json``, ``generation_config.json`` (which
+    ``transformers.generate`` uses) and the tokenizer."""
+    ids = set(config.eos_token_ids)
+    gen_path = checkpoint_dir / "generation_config.json"
+    if gen_path.is_file():
+        eos = json.loads(gen_path.read_text()).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)

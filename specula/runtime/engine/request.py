@@ -5,14 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from specula.runtime.engine.sampling_params import SamplingParams
 
 
 @dataclass
 class RequestOutput:
-    """What one :meth:`LLMEngine.step` produced for one request."""
+    """What one :meth:`~specula.runtime.engine.llm_engine.LLMEngine.step` produced for
+    one request."""
 
     request_id: str
     new_token_ids: list[int]
@@ -33,11 +32,12 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     eos_token_ids: frozenset[int]
-    generator: torch.Generator | None
+    seed: int
+    """Seeds every random draw of the request (its own or drawn at random)."""
     token_ids: list[int] = field(init=False)
     """Prompt then output tokens."""
-    slot: int = -1
-    """KV-cache slot while running."""
+    row: int = -1
+    """Row of the engine's per-request device state while running (-1: none)."""
     num_computed_tokens: int = 0
     """Leading tokens whose target KV is cached and valid."""
     finish_reason: str | None = None

@@ -1,21 +1,85 @@
-"""First-come-first-served admission of requests into KV-cache slots."""
+"""Continuous batching over a paged KV cache: admission by KV capacity, recompute
+preemption (Orca, Yu et al., OSDI 2022; vLLM's scheduler, Kwon et al., arXiv 2309.06180).
+
+Every step runs the *running* requests (each decodes one token, or verifies its ``k``
+drafts: ``k + 1`` query tokens) together with *prefills* of newly admitted requests, in
+one forward. Before the step, :meth:`PagedScheduler.schedule` gives every request the KV
+slots the whole step may write, so nothing is allocated while the device works:
+
+- a running request with ``num_computed_tokens`` tokens in the cache holds slots for
+  ``num_computed_tokens + num_decode_tokens + num_lookahead_tokens``: this step's query
+  tokens, then the draft tokens the speculator writes after the last accepted one
+  (however many are accepted);
+- an admitted request holds slots for its tokens plus ``num_lookahead_tokens``.
+
+Slots a request holds beyond that (those of rejected drafts) are returned at the next
+schedule. When the running requests' growth does not fit, the newest running requests
+are preempted: their blocks are freed and they go back to the front of the waiting queue
+with all their tokens (prompt and output so far), which are prefilled again when
+readmitted (vLLM's ``PreemptionMode.RECOMPUTE``). A step that preempted admits nothing.
+
+Waiting requests are admitted oldest first while the requests fit ``max_num_seqs``,
+their prompt tokens fit the step's ``max_num_batched_tokens`` budget, and their blocks
+fit above the block manager's watermark.
+
+Pure Python: no torch.
+"""
 
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass, field
 
+from specula.runtime.engine.block_manager import BlockManager
 from specula.runtime.engine.request import Request
 
 
-class Scheduler:
-    """Keeps the waiting queue and the running batch (at most ``max_num_seqs``)."""
+@dataclass
+class SchedulerOutput:
+    """The requests of one step, in the order of the forward's rows."""
 
-    def __init__(self, max_num_seqs: int) -> None:
+    decode: list[Request] = field(default_factory=list)
+    """Running requests: one decode token or ``k + 1`` verification tokens each."""
+    prefill: list[Request] = field(default_factory=list)
+    """Requests admitted this step (new, or resumed after preemption); every token in
+    their ``token_ids`` is prefilled."""
+    preempted: list[Request] = field(default_factory=list)
+    """Requests preempted this step (now at the front of the waiting queue)."""
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.decode) + len(self.prefill)
+
+
+class PagedScheduler:
+    """Waiting queue, running batch and KV blocks of the engine.
+
+    Args:
+        block_manager: the KV block pool (keyed by request id).
+        max_num_seqs: most running requests.
+        max_num_batched_tokens: most prompt tokens prefilled in one step (a request
+            longer than this is still admitted alone, so that it is not stuck).
+
+    Raises:
+        ValueError: a non-positive limit.
+    """
+
+    def __init__(
+        self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int
+    ) -> None:
+        if min(max_num_seqs, max_num_batched_tokens) < 1:
+            raise ValueError(
+                f"max_num_seqs={max_num_seqs} and max_num_batched_tokens="
+                f"{max_num_batched_tokens} must be >= 1"
+            )
+        self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self._free_slots = list(range(max_num_seqs - 1, -1, -1))
         self._by_id: dict[str, Request] = {}
+        self.num_preemptions = 0
+        """Preemptions since start (a counter)."""
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._by_id
@@ -24,29 +88,86 @@ class Scheduler:
         self.waiting.append(request)
         self._by_id[request.request_id] = request
 
-    def admit(self) -> list[Request]:
-        """Move waiting requests into free slots, oldest first; returns those admitted."""
-        admitted = []
-        while self.waiting and self._free_slots:
-            request = self.waiting.popleft()
-            request.slot = self._free_slots.pop()
+    def max_request_tokens(self, num_lookahead_tokens: int) -> int:
+        """Most tokens a request can ever reach: the whole pool minus the watermark, less
+        the slots of one step's verification and lookahead."""
+        bm = self.block_manager
+        return (bm.num_blocks - bm.watermark_blocks) * bm.block_size - num_lookahead_tokens
+
+    # -- scheduling ------------------------------------------------------------------
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.block_manager.free(request.request_id)
+        request.num_computed_tokens = 0
+        self.waiting.appendleft(request)
+        self.num_preemptions += 1
+
+    def schedule(self, num_decode_tokens: int, num_lookahead_tokens: int) -> SchedulerOutput:
+        """Choose this step's requests and give them their slots (module docstring).
+
+        Args:
+            num_decode_tokens: query tokens of each running request this step (1, or
+                ``k + 1`` to verify ``k`` drafts).
+            num_lookahead_tokens: slots the speculator may write after a request's last
+                accepted token (0 without one).
+
+        Returns:
+            the running requests to decode or verify, then the admitted requests (now
+            running too), and the preempted ones.
+        """
+        bm = self.block_manager
+        out = SchedulerOutput()
+        step = num_decode_tokens + num_lookahead_tokens
+
+        def growth(request: Request) -> int:
+            need = bm.num_blocks_needed(request.num_computed_tokens + step)
+            return need - bm.num_blocks_held(request.request_id)
+
+        needed = sum(growth(r) for r in self.running)
+        while self.running and needed > bm.num_free_blocks:
+            victim = self.running[-1]
+            needed -= growth(victim)
+            self._preempt(victim)
+            out.preempted.append(victim)
+        # Shrinking first returns the blocks the growing ones take.
+        for request in sorted(self.running, key=growth):
+            bm.resize(request.request_id, request.num_computed_tokens + step)
+        out.decode = list(self.running)
+        if out.preempted:
+            return out
+        budget = self.max_num_batched_tokens
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            n = len(request.token_ids)
+            if n > budget and (out.prefill or out.decode):
+                break
+            if not bm.can_allocate(n + num_lookahead_tokens):
+                break
+            self.waiting.popleft()
+            bm.allocate(request.request_id, n + num_lookahead_tokens)
             self.running.append(request)
-            admitted.append(request)
-        return admitted
+            out.prefill.append(request)
+            budget -= n
+        return out
+
+    # -- removal ---------------------------------------------------------------------
 
     def remove(self, request_id: str) -> Request | None:
-        """Drop a request wherever it is and free its slot; ``None`` if unknown."""
+        """Drop a request wherever it is and free its blocks; ``None`` if unknown."""
         request = self._by_id.pop(request_id, None)
         if request is None:
             return None
-        if request.slot >= 0:
+        if request in self.running:
             self.running.remove(request)
-            self._free_slots.append(request.slot)
-            request.slot = -1
+            self.block_manager.free(request_id)
         else:
             self.waiting.remove(request)
         return request
 
-    def remove_finished(self) -> None:
-        for request in [r for r in self.running if r.finished]:
+    def remove_finished(self) -> list[Request]:
+        """Drop the finished running requests; returns them."""
+        done = [r for r in self.running if r.finished]
+        for request in done:
             self.remove(request.request_id)
+        return done

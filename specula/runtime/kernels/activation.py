@@ -13,6 +13,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from specula.runtime.kernels.dispatch import use_reference
+
 _BLOCK = 1024
 """Columns per program."""
 
@@ -60,6 +62,8 @@ def silu_and_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torc
     assert out.shape == (num_tokens, d) and out.dtype == gate_up.dtype and out.stride(-1) == 1
     if num_tokens == 0:
         return out
+    if use_reference(gate_up):
+        return out.copy_(silu_and_mul_reference(gate_up))
     _silu_and_mul_kernel[(num_tokens, triton.cdiv(d, _BLOCK))](
         out, gate_up, d, out.stride(0), gate_up.stride(0), BLOCK=_BLOCK, enable_fp_fusion=True
     )

@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from specula.runtime.kernels.dispatch import use_reference
+
 _BLOCK = 128
 """Tokens per step of a request's copy loop."""
 
@@ -116,7 +118,15 @@ def prepare_draft_inputs(
     assert draft_input_ids.shape[0] >= num_tokens and draft_positions.shape[0] >= num_tokens
     assert draft_input_ids.dtype == draft_positions.dtype == torch.int64
     assert last_token_indices.shape[0] >= num_reqs and last_token_indices.dtype == torch.int64
-    if num_reqs > 0:
+    if num_reqs > 0 and use_reference(input_ids):
+        ids, pos, last = prepare_draft_inputs_reference(
+            input_ids, positions, query_start_loc, cu_num_draft_tokens, num_accepted,
+            next_token_ids,
+        )
+        draft_input_ids[:num_tokens] = ids
+        draft_positions[:num_tokens] = pos
+        last_token_indices[:num_reqs] = last
+    elif num_reqs > 0:
         _prepare_draft_inputs_kernel[(num_reqs,)](
             draft_input_ids,
             draft_positions,

@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from specula.runtime.kernels.dispatch import use_reference
+
 _MAX_HIDDEN = 65536
 """One program holds a whole row in registers."""
 
@@ -88,6 +90,11 @@ def _launch(
         _check_rows("residual_out", residual_out, x)
     if num_tokens == 0:
         return out, residual_out
+    if use_reference(x):
+        normed, summed = rms_norm_reference(x, weight, eps, gemma=gemma, residual=residual)
+        if summed is not None:
+            residual_out.copy_(summed)
+        return out.copy_(normed), residual_out
     block = triton.next_power_of_2(hidden)
     res_in = residual if residual is not None else x
     res_out = residual_out if residual is not None else out

@@ -32,6 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
+from specula.runtime.kernels.dispatch import use_reference
+
 _MIN_TOKENS_PER_SPLIT = 128
 """A split reads at least this many keys: fewer would cost more in the merge than the
 extra parallelism gains."""
@@ -294,6 +296,12 @@ def paged_attention(
     if num_reqs == 0:
         return out
 
+    if use_reference(query):
+        return out.copy_(
+            paged_attention_reference(
+                query, key_cache, value_cache, block_table, seq_lens, scale, q_len, sliding_window
+            )
+        )
     rows = q_len * group_size
     block_m = max(16, min(_MAX_BLOCK_M, triton.next_power_of_2(rows)))
     num_m_blocks = triton.cdiv(rows, block_m)

@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from specula.runtime.kernels.dispatch import use_reference
+
 PLACEHOLDER_TOKEN_ID = -1
 """Fills output positions after the first rejection; the value of
 :data:`specula.runtime.spec_decode.rejection_sampler.PLACEHOLDER_TOKEN_ID` (vLLM's), kept
@@ -213,6 +215,18 @@ def rejection_sample(
         if draft_probs is not None:
             assert draft_probs.shape == (num_draft_tokens, vocab_size)
             assert draft_probs.dtype == torch.float32 and draft_probs.stride(-1) == 1
+    if use_reference(draft_token_ids):
+        return rejection_sample_reference(
+            draft_token_ids,
+            cu_num_draft_tokens,
+            target_argmax,
+            max_spec_len,
+            is_greedy=is_greedy,
+            draft_probs=draft_probs,
+            target_probs=target_probs,
+            uniform_samples=uniform_samples,
+            exponential_noise=exponential_noise,
+        )
     # Unused pointers still need a tensor; the kernel never dereferences them.
     placeholder = draft_token_ids
     draft_probs_arg = draft_probs if draft_probs is not None else placeholder

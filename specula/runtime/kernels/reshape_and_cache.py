@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from specula.runtime.kernels.dispatch import use_reference
+
 
 @triton.jit
 def _reshape_and_cache_kernel(
@@ -100,6 +102,9 @@ def reshape_and_cache(
     check_cache_write(key, value, key_cache, value_cache, slot_mapping)
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
+        return
+    if use_reference(key):
+        reshape_and_cache_reference(key, value, key_cache, value_cache, slot_mapping)
         return
     _reshape_and_cache_kernel[(num_tokens,)](
         key,

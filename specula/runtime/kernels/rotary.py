@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from specula.runtime.kernels.dispatch import use_reference
+
 
 def build_cos_sin_cache(
     inv_freq: torch.Tensor, max_position: int, dtype: torch.dtype = torch.float32
@@ -121,6 +123,12 @@ def rotary_embedding(
         assert key.shape[0] == num_tokens and key.shape[2] == head_dim
         num_kv_heads = key.shape[1]
     if num_tokens == 0:
+        return
+    if use_reference(query):
+        q, k = rotary_embedding_reference(positions, query, key, cos_sin_cache)
+        query.copy_(q)
+        if key is not None:
+            key.copy_(k)
         return
     k = key if key is not None else query
     _rotary_kernel[(num_tokens,)](

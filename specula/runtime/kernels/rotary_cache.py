@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from specula.runtime.kernels.dispatch import use_reference
 from specula.runtime.kernels.reshape_and_cache import (
     check_cache_write,
     reshape_and_cache_reference,
@@ -144,6 +145,11 @@ def rotary_embedding_and_cache(
     assert key.shape[0] == num_tokens and key.shape[2] == head_dim
     assert cos_sin_cache.ndim == 2 and cos_sin_cache.shape[1] == head_dim and head_dim % 2 == 0
     if num_tokens == 0:
+        return
+    if use_reference(query):
+        rotary_embedding_and_cache_reference(
+            positions, query, key, value, key_cache, value_cache, slot_mapping, cos_sin_cache
+        )
         return
     _rotary_cache_kernel[(num_tokens,)](
         positions,

@@ -1,218 +1,359 @@
-"""The generic autoregressive drafting loop (draft model, EAGLE, MTP, ...).
+"""The generic autoregressive drafting loop (draft model, EAGLE-3, MTP, Gemma4 MTP) on the
+paged cache, eager and in CUDA graphs (vLLM Model Runner V2's ``AutoRegressiveSpeculator``,
+PR #43241; draft prefill on the target's captured attention state, PR #40410).
 
-Two input layouts share the loop:
+After the target's forward and the verification, a proposal has two stages:
 
-- **Token-only drafts** (a plain draft model, Leviathan et al., arXiv 2211.17192): the
-  draft row at cache position ``p`` reads token ``t_p``. Its KV at speculated positions
-  is exactly what an accepted draft token needs, so it is kept (rollback trims it).
-- **Hidden-state-conditioned drafts** (EAGLE, arXiv 2401.15077 / 2503.01840; DeepSeek
-  MTP, arXiv 2412.19437): the draft row at cache position ``p`` reads token ``t_{p+1}``
-  together with a conditioning row, the target's hidden state at ``p`` (delivered by
-  :meth:`observe_target`, stored per slot until drafted over). Later one-token steps
-  read the previous draft token with the draft's own hidden state in place of the
-  target's, so the KV they leave is not what the target's states would give: the cached
-  length goes back to the committed prefix and the next prefill recomputes them (as
-  vLLM's ``EagleProposer`` does).
+1. **Draft prefill** over the target forward's own token slots (same block tables, slot
+   mapping and positions, so a graph of it reads the target graph's
+   :class:`~specula.runtime.worker.cudagraph.CapturedAttentionState`).
+
+   - *Hidden-state-conditioned drafts* (EAGLE, arXiv 2401.15077 / 2503.01840; DeepSeek
+     MTP, arXiv 2412.19437): the row at position ``p`` reads token ``t_{p+1}`` with the
+     target's state at ``p`` (the inputs shifted left, the sampled token at each request's
+     last accepted row: :func:`~specula.runtime.kernels.draft_inputs.prepare_draft_inputs`);
+     that row's output gives draft 1. Rows past it (rejected drafts) write KV that the
+     next verification's rows overwrite.
+   - *Token-only drafts* (a plain draft model, Leviathan et al., arXiv 2211.17192): the
+     row at ``p`` reads ``t_p``, the target's own inputs. Their KV for verified drafts was
+     written when they were drafted, so this stage runs only for prefills (and when
+     nothing is drafted, to keep the cache complete).
+   - *Drafts on the target's KV* (Gemma4 MTP) have no prefill: their first step reads
+     the target's final state at the last accepted row.
+
+2. **Draft decode steps**, one token per request each (token-only drafts: the first step
+   reads the last accepted token and the sampled one, rewriting the former's KV), at the
+   positions after the sampled token, where the next verification's rows go. Each step
+   samples one draft; all steps are one graph per ``(padded requests, steps)``.
+
+Nothing here copies device data to the host.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from specula.runtime.engine.sampler import SamplingMetadata, sample
-from specula.runtime.spec_decode.base import DraftProposal, SpeculatorInput, TargetHiddenStates
+from specula.runtime.engine.sampler import STREAM_DRAFT, SamplingMetadata, sample
+from specula.runtime.kernels.draft_inputs import prepare_draft_inputs
+from specula.runtime.spec_decode.base import DraftOutput, ProposeInputs
 from specula.runtime.spec_decode.draft_model_base import DraftModelSpeculator
-
-
-@dataclass
-class DraftPrefill:
-    """The first draft forward of a :meth:`AutoRegressiveSpeculator.propose` call."""
-
-    input_ids: torch.Tensor
-    """[num_tokens] int64, requests' rows concatenated in order."""
-    query_lens: list[int]
-    """Rows per request (each >= 1)."""
-    start_positions: list[int]
-    """Per request, the draft cache position of its first row."""
-    positions: torch.Tensor
-    """[num_tokens] rotary positions."""
-    hidden_states: torch.Tensor | None
-    """[num_tokens, H] conditioning rows; ``None`` for token-only drafts."""
+from specula.runtime.worker.cudagraph import (
+    BatchExecutionDescriptor,
+    CapturedAttentionState,
+    capture_graph,
+    cudagraph_capture_sizes,
+    padded_size,
+)
+from specula.runtime.worker.paged_kv import PagedAttentionMetadata
 
 
 class AutoRegressiveSpeculator(DraftModelSpeculator):
-    """Drafts ``k`` tokens one after another with the draft network.
+    """Drafts ``k`` tokens one after another with the draft network (module docstring).
 
-    Step 1 is a *draft prefill over the verified tokens*: each request feeds the rows the
-    draft has not seen yet (see the module docstring for what a row holds) and samples
-    draft token 1 from its last row. Steps 2..k feed the previous draft token alone (with
-    the draft's own hidden state when conditioned).
-
-    Hooks for subclasses: :attr:`conditions_on_hidden_states`,
-    :meth:`conditioning_from_target`, :meth:`advance_draft_positions`,
-    :attr:`model_returns_tuple`, :meth:`load_draft_model`, :meth:`sample_draft`; drafts
-    that run differently (reading the target's KV) override ``run_draft_model``.
+    Hooks for subclasses: :attr:`conditions_on_hidden_states`, :meth:`conditioning`,
+    :attr:`model_returns_tuple`, :attr:`reads_target_kv`,
+    :meth:`advance_draft_positions`, :meth:`sample_draft`, :meth:`load_draft_model`,
+    :meth:`build_runner`.
     """
 
-    model_returns_tuple: bool = False
-    """True when the draft network returns ``(hidden_for_logits, hidden_for_next_step)``
-    (EAGLE-3's normed and pre-norm states, Gemma4's draft and backbone states); False when
-    it returns one ``[n, H]`` tensor used for both."""
-
     conditions_on_hidden_states: bool = False
-    """True for hidden-state-conditioned drafts (EAGLE, MTP): the draft network's forward
-    takes a fifth argument ``hidden_states [n, H]``, row ``p`` reads token ``t_{p+1}``, and
-    speculated positions are recomputed. Subclasses that set it also set
-    :attr:`uses_target_hidden_states`."""
+    """The draft reads a conditioning state with each token (EAGLE, MTP): its runner's
+    forward takes ``hidden_states [n, H]`` and row ``p`` reads token ``t_{p+1}``."""
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._pending: list[list[torch.Tensor]] = [[] for _ in range(self.max_num_seqs)]
-        """Per slot: conditioning rows observed for positions ``num_cached_tokens[slot]``
-        onwards, not yet drafted over (each ``[rows, H]``)."""
+    model_returns_tuple: bool = False
+    """The runner returns ``(hidden_for_logits, hidden_for_next_step)`` (EAGLE-3's
+    normed and pre-norm states, Gemma4's draft and backbone states); else one tensor."""
+
+    reads_target_kv: bool = False
+    """Draft rows attend to the target's cache up to (not including) their position and
+    write no KV (Gemma4 MTP); there is no draft prefill."""
 
     # ---- hooks ----------------------------------------------------------------------
 
     def advance_draft_positions(self, positions: torch.Tensor) -> torch.Tensor:
         """Rotary positions of the next draft step from the current ones, ``[num_reqs]``.
-        The plain next position; methods with constant draft positions override this."""
+        The plain next position; methods with constant draft positions override it."""
         return positions + 1
 
+    def conditioning(self, hidden: torch.Tensor, aux: torch.Tensor | None) -> torch.Tensor:
+        """The conditioning rows ``[n, H]`` from the target's final states ``hidden`` and
+        auxiliary states ``aux`` of the same rows. Default: the final states (MTP)."""
+        return hidden
+
+    def compute_draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[n, H] -> [n, target vocab_size]`` float32; ids a draft cannot propose get
+        ``-inf``."""
+        return self.model.compute_logits(hidden)
+
+    def draft_argmax(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Greedy drafts ``[n]`` int64 target ids from ``hidden [n, H]``."""
+        return self.compute_draft_logits(hidden).argmax(dim=-1)
+
     def sample_draft(
-        self, logits: torch.Tensor, sampling: SamplingMetadata
+        self, hidden: torch.Tensor, sampling: SamplingMetadata, keys: torch.Tensor, step: int
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Pick draft tokens from ``logits [num_reqs, vocab_size]``: argmax for greedy
-        requests, a sample from the processed distribution otherwise.
+        """Draft ``step`` (0-based) of each request from ``hidden [num_reqs, H]``: the
+        argmax (``draft_sample_method: greedy``), or a sample of the processed draft
+        distribution (``probabilistic``; greedy requests still take the argmax).
 
         Returns ``(token_ids [num_reqs], probs [num_reqs, vocab_size] | None)``.
         """
-        return sample(logits, sampling)
+        if not self.keeps_draft_probs:
+            return self.draft_argmax(hidden), None
+        return sample(self.compute_draft_logits(hidden), sampling, keys, STREAM_DRAFT + step)
 
-    def conditioning_from_target(self, states: TargetHiddenStates) -> torch.Tensor:
-        """The conditioning rows ``[sum(states.num_rows), H]`` to keep from one target
-        forward. Default: the target's final hidden states (MTP); EAGLE-3 overrides it
-        to fuse the auxiliary states (``fc``) once, on arrival."""
-        return states.hidden_states
+    def num_lookahead_tokens(self, num_speculative_tokens: int) -> int:
+        return 0 if self.reads_target_kv else num_speculative_tokens
 
-    # ---- state ----------------------------------------------------------------------
+    # ---- buffers and graphs ---------------------------------------------------------
 
-    def add_requests(self, slot_ids: list[int]) -> None:
-        super().add_requests(slot_ids)
-        for slot in slot_ids:
-            self._pending[slot] = []
+    def init_cudagraph_manager(self) -> None:
+        r, k = self.max_num_seqs, max(self.max_num_speculative_tokens, 1)
+        dev = self.device
+        i64 = {"dtype": torch.int64, "device": dev}
+        self.num_accepted = torch.zeros(r, **i64)
+        self.next_token_ids = torch.zeros(r, **i64)
+        self.prev_token_ids = torch.zeros(r, **i64)
+        """[max_num_seqs] the token before the sampled one (token-only drafts' first step)."""
+        self.start_positions = torch.full((r,), -1, **i64)
+        """[max_num_seqs] position of the sampled token; -1 marks a padding row."""
+        self.cu_num_draft_tokens = torch.zeros(r, dtype=torch.int32, device=dev)
+        self.keys = torch.zeros(r, **i64)
+        self.last_token_indices = torch.zeros(r, **i64)
+        self.prefill_input_ids = torch.zeros(r * (k + 1), **i64)
+        self.prefill_positions = torch.zeros(r * (k + 1), **i64)
+        self.sampling = SamplingMetadata(
+            torch.zeros(r, device=dev), torch.ones(r, device=dev), torch.zeros(r, **i64),
+            torch.zeros(r, **i64),
+            all_greedy=not self.keeps_draft_probs,
+            needs_top_k=self.keeps_draft_probs,
+            needs_top_p=self.keeps_draft_probs,
+        )
+        """Static sampling settings the graphs read (general path when drafts are sampled)."""
+        width = self.runner_hidden_size()
+        self.hidden = torch.zeros(r, width, dtype=self.dtype, device=dev)
+        """[max_num_seqs, H] the state the next draft step reads."""
+        self.draft_token_ids = torch.zeros(r, k, **i64)
+        self.draft_probs = (
+            torch.zeros(r, k, self.vocab_size, device=dev) if self.keeps_draft_probs else None
+        )
+        self.block_table = torch.zeros(
+            r, self.runner.max_blocks_per_req, dtype=torch.int32, device=dev
+        )
+        self.capture_sizes = cudagraph_capture_sizes(r)
+        self.prefill_graphs: dict[BatchExecutionDescriptor, torch.cuda.CUDAGraph] = {}
+        self.decode_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.pool: tuple | None = None
+        self.num_prefill_replays = 0
+        """Draft prefill graph replays (a counter)."""
+        self.num_decode_replays = 0
+        """Draft decode graph replays (a counter)."""
 
-    def observe_target(self, states: TargetHiddenStates) -> None:
-        if not self.conditions_on_hidden_states:
-            return
-        rows = self.conditioning_from_target(states)
-        offset = 0
-        for slot, start, n in zip(
-            states.slot_ids, states.start_positions, states.num_rows, strict=True
-        ):
-            expected = self.num_cached_tokens[slot] + sum(t.shape[0] for t in self._pending[slot])
-            assert start == expected, f"slot {slot}: target rows from {start}, expected {expected}"
-            self._pending[slot].append(rows[offset : offset + n])
-            offset += n
+    def runner_hidden_size(self) -> int:
+        """Width of the state carried between draft steps."""
+        return self.model.config.hidden_size
+
+    @torch.no_grad()
+    def capture(
+        self, captured_attention_states: dict[BatchExecutionDescriptor, CapturedAttentionState]
+    ) -> None:
+        """Prefill graphs on the target's captured states (largest first), then the
+        decode graphs, all in one memory pool."""
+        self.start_positions.fill_(-1)
+        if not self.reads_target_kv:
+            for d, state in captured_attention_states.items():
+                if not self.conditions_on_hidden_states and d.uniform_query_len > 1:
+                    continue  # token-only drafts skip the prefill of verifications
+                graph = capture_graph(lambda state=state: self._prefill_graphed(state), self.pool)
+                self.pool = self.pool or graph.pool()
+                self.prefill_graphs[d] = graph
+        steps = range(1, self.max_num_speculative_tokens + 1)
+        keys = sorted(((r, s) for r in self.capture_sizes for s in steps), reverse=True,
+                      key=lambda rs: (rs[0] * rs[1], rs[0]))
+        for r, s in keys:
+            if s > self._num_decode_steps(self.max_num_speculative_tokens):
+                continue
+            graph = capture_graph(lambda r=r, s=s: self._decode(r, s), self.pool)
+            self.pool = self.pool or graph.pool()
+            self.decode_graphs[(r, s)] = graph
+        torch.cuda.synchronize()
 
     # ---- the loop -------------------------------------------------------------------
 
-    def _forward(
-        self,
-        slot_ids: list[int],
-        input_ids: torch.Tensor,
-        query_lens: list[int],
-        start_positions: list[int],
-        positions: torch.Tensor,
-        hidden_states: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One draft forward -> ``(hidden_for_logits, hidden_for_next_step)``."""
-        out = self.run_draft_model(
-            slot_ids, input_ids, query_lens, start_positions, positions, hidden_states
-        )
+    def _num_decode_steps(self, k: int) -> int:
+        return k - 1 if self.conditions_on_hidden_states else k
+
+    def _forward(self, input_ids, positions, metadata, hidden):
+        args = (input_ids, positions, metadata)
+        out = self.runner.forward(*args, hidden) if hidden is not None else self.runner.forward(*args)
+        if isinstance(out, tuple) and not self.model_returns_tuple:
+            out = out[0]
         return out if self.model_returns_tuple else (out, out)
 
-    def pending_conditioning(self, slot: int) -> torch.Tensor | None:
-        """The conditioning rows ``[rows, H]`` observed for ``slot`` from position
-        ``num_cached_tokens[slot]`` on and not drafted over yet (``None``: none)."""
-        pending = self._pending[slot]
-        return torch.cat(pending) if pending else None
-
-    def prepare_draft_prefill(self, inputs: SpeculatorInput) -> DraftPrefill:
-        """The draft prefill of one :meth:`propose`: every request's rows from its
-        ``num_cached_tokens`` on (see the module docstring for what a row reads).
-        Drafts that need only the last row (reading the target's KV) override this;
-        the cached length becomes ``start_positions[i] + query_lens[i]`` either way
-        for conditioned drafts.
-
-        Raises:
-            AssertionError: a conditioned draft lacks target rows for its prefill (the
-                engine did not deliver every committed position).
-        """
-        shift = 1 if self.conditions_on_hidden_states else 0
-        starts = [self.num_cached_tokens[s] for s in inputs.slot_ids]
-        chunks = [
-            toks[start + shift :] for toks, start in zip(inputs.token_ids, starts, strict=True)
-        ]
-        query_lens = [len(c) for c in chunks]
-        input_ids = torch.tensor([t for c in chunks for t in c], dtype=torch.long)
-        positions = torch.cat(
-            [torch.arange(s, s + q) for s, q in zip(starts, query_lens, strict=True)]
-        ).to(self.device)
-        hidden = None
-        if shift:
-            rows = [self.pending_conditioning(slot) for slot in inputs.slot_ids]
-            for slot, r, q in zip(inputs.slot_ids, rows, query_lens, strict=True):
-                n = 0 if r is None else r.shape[0]
-                assert n == q, f"slot {slot}: {n} target rows pending, the draft prefill needs {q}"
-            hidden = torch.cat(rows)  # type: ignore[arg-type]
-        return DraftPrefill(input_ids, query_lens, starts, positions, hidden)
-
-    def propose(self, inputs: SpeculatorInput, num_speculative_tokens: int) -> DraftProposal:
-        """Draft ``num_speculative_tokens`` tokens per request.
-
-        Raises:
-            ValueError: ``num_speculative_tokens`` outside ``[1, max_num_speculative_tokens]``.
-        """
-        self.check_num_speculative_tokens(num_speculative_tokens)
-        k = num_speculative_tokens
-        slots = inputs.slot_ids
-        num_reqs = len(slots)
-        prefill = self.prepare_draft_prefill(inputs)
-        starts, query_lens = prefill.start_positions, prefill.query_lens
-        h_logits, h_next = self._forward(
-            slots, prefill.input_ids, query_lens, starts, prefill.positions, prefill.hidden_states
+    def _prefill(
+        self,
+        num_reqs: int,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: PagedAttentionMetadata,
+        hidden: torch.Tensor,
+        aux: torch.Tensor | None,
+        sample_first: bool,
+    ) -> None:
+        """Stage 1 over the target forward's rows (module docstring); conditioned drafts
+        write draft 1 of each request to ``draft_token_ids[:, 0]`` and its state to
+        :attr:`hidden`."""
+        r = num_reqs
+        if not self.conditions_on_hidden_states:
+            self._forward(input_ids, positions, metadata, None)
+            return
+        n = input_ids.shape[0]
+        static = n <= self.prefill_input_ids.shape[0]
+        ids, pos, last = prepare_draft_inputs(
+            input_ids,
+            positions,
+            metadata.query_start_loc,
+            self.cu_num_draft_tokens[:r],
+            self.num_accepted[:r],
+            self.next_token_ids[:r],
+            out_input_ids=self.prefill_input_ids[:n] if static else None,
+            out_positions=self.prefill_positions[:n] if static else None,
+            out_last_token_indices=self.last_token_indices[:r],
         )
-        last = torch.tensor(query_lens).cumsum(0) - 1  # [num_reqs] index of each last row
-        cache_pos = [s + q - 1 for s, q in zip(starts, query_lens, strict=True)]
-        rope_pos = prefill.positions[last.to(self.device)]  # [num_reqs]
+        h_logits, h_next = self._forward(ids, pos, metadata, self.conditioning(hidden, aux))
+        self.hidden[:r] = h_next[last]
+        if sample_first:
+            self._store(0, *self.sample_draft(h_logits[last], self._sampling(r), self.keys[:r], 0), r)
 
-        draft_ids = self.draft_token_ids[:num_reqs, :k]  # [num_reqs, k]
-        probs_steps: list[torch.Tensor | None] = []
-        for step in range(k):
-            logits = self.compute_draft_logits(h_logits[last])  # [num_reqs, vocab_size]
-            token_ids, probs = self.sample_draft(logits, inputs.sampling)
-            draft_ids[:, step] = token_ids
-            probs_steps.append(probs)
-            if step == k - 1:
-                break
-            # The last draft token is never fed: the target verifies it, and if accepted
-            # the next step's prefill feeds it.
-            cond = h_next[last] if self.conditions_on_hidden_states else None
-            cache_pos = [p + 1 for p in cache_pos]
-            rope_pos = self.advance_draft_positions(rope_pos)
-            h_logits, h_next = self._forward(
-                slots, token_ids, [1] * num_reqs, cache_pos, rope_pos, cond
-            )
-            last = torch.arange(num_reqs)
+    def _prefill_graphed(self, state: CapturedAttentionState) -> None:
+        d = state.descriptor
+        self._prefill(
+            d.num_reqs, state.input_ids, state.positions, state.metadata, state.hidden_states,
+            state.aux_hidden_states, sample_first=True,
+        )
 
-        if self.conditions_on_hidden_states:
-            for slot, start, q in zip(slots, starts, query_lens, strict=True):
-                self.num_cached_tokens[slot] = start + q
-                self._pending[slot] = []
+    def _sampling(self, r: int) -> SamplingMetadata:
+        return self.sampling.select(slice(0, r))
+
+    def _store(self, col: int, ids: torch.Tensor, probs: torch.Tensor | None, r: int) -> None:
+        self.draft_token_ids[:r, col] = ids
+        if probs is not None and self.draft_probs is not None:
+            self.draft_probs[:r, col] = probs
+
+    def _step_metadata(self, positions: torch.Tensor, valid: torch.Tensor) -> PagedAttentionMetadata:
+        """Metadata of one decode step: ``positions [r, q]`` (q query rows per request,
+        consecutive), ``valid [r]`` (False: a padding row)."""
+        r, q = positions.shape
+        bs = self.runner.block_size
+        rows = torch.arange(r, device=positions.device)[:, None].expand(r, q)
+        slots = self.block_table[rows, positions // bs].long() * bs + positions % bs
+        last = positions[:, -1]
+        if self.reads_target_kv:  # attend to the target's positions before the row
+            slots = torch.full_like(slots, -1)
+            seq_lens = torch.where(valid, last, 0)
         else:
-            for slot, pos in zip(slots, cache_pos, strict=True):
-                self.num_cached_tokens[slot] = pos + 1
-        draft_probs = None if probs_steps[0] is None else torch.stack(probs_steps, dim=1)
-        return DraftProposal(draft_token_ids=draft_ids.clone(), draft_probs=draft_probs)
+            slots = torch.where(valid[:, None], slots, -1)
+            seq_lens = torch.where(valid, last + 1, 0)
+        return PagedAttentionMetadata(
+            slot_mapping=slots.reshape(-1),
+            block_table=self.block_table[:r],
+            seq_lens=seq_lens.to(torch.int32),
+            query_start_loc=torch.arange(r + 1, device=positions.device, dtype=torch.int32) * q,
+            num_reqs=r,
+            num_tokens=r * q,
+            uniform_query_len=q,
+            prefill=False,
+            query_lens_cpu=(q,) * r,
+        )
+
+    def _decode(self, r: int, num_steps: int) -> None:
+        """Stage 2: ``num_steps`` one-token steps for rows ``0..r-1`` (module docstring)."""
+        offset = 1 if self.conditions_on_hidden_states else 0
+        start = self.start_positions[:r]
+        valid = start >= 0
+        pos = start.clamp(min=0)
+        tokens = self.draft_token_ids[:r, 0] if offset else self.next_token_ids[:r]
+        hidden = self.hidden[:r] if self.conditions_on_hidden_states or self.reads_target_kv else None
+        sampling = self._sampling(r)
+        for step in range(num_steps):
+            if step == 0 and not (self.conditions_on_hidden_states or self.reads_target_kv):
+                ids = torch.stack([self.prev_token_ids[:r], tokens], dim=1)  # [r, 2]
+                positions = torch.stack([(pos - 1).clamp(min=0), pos], dim=1)
+            else:
+                ids, positions = tokens[:, None], pos[:, None]
+            metadata = self._step_metadata(positions, valid)
+            q = positions.shape[1]
+            h_logits, h_next = self._forward(
+                ids.reshape(-1), positions.reshape(-1), metadata, hidden
+            )
+            last = torch.arange(r, device=pos.device) * q + (q - 1)
+            tokens, probs = self.sample_draft(h_logits[last], sampling, self.keys[:r], step + offset)
+            self._store(step + offset, tokens, probs, r)
+            if hidden is not None:
+                hidden = h_next[last]
+            pos = self.advance_draft_positions(pos)
+
+    def _load(self, inputs: ProposeInputs) -> int:
+        """Copy the step's per-request inputs into the static buffers; returns the
+        number of rows the graphs run (padded)."""
+        r = inputs.num_reqs
+        padded = padded_size(self.capture_sizes, r) or r
+        self.num_accepted[:r] = inputs.num_accepted
+        self.next_token_ids[:r] = inputs.next_token_ids
+        self.cu_num_draft_tokens[:r] = inputs.cu_num_draft_tokens
+        self.start_positions[:r] = inputs.next_positions
+        if padded > r:  # padding rows of a graph: no drafts, nothing accepted
+            self.start_positions[r:padded] = -1
+            self.num_accepted[r:padded] = 0
+            self.next_token_ids[r:padded] = 0
+            k = inputs.descriptor.uniform_query_len - 1 if inputs.descriptor else 0
+            steps = torch.arange(1, padded - r + 1, device=self.device, dtype=torch.int32)
+            self.cu_num_draft_tokens[r:padded] = inputs.cu_num_draft_tokens[r - 1] + steps * k
+        self.keys[:r] = inputs.draw_keys
+        s = inputs.sampling
+        for dst, src in zip(
+            (self.sampling.temperature, self.sampling.top_p, self.sampling.top_k, self.sampling.seeds),
+            (s.temperature, s.top_p, s.top_k, s.seeds),
+            strict=True,
+        ):
+            dst[:r] = src
+        self.block_table[:r] = inputs.metadata.block_table[:r]
+        if not self.conditions_on_hidden_states:
+            qsl = inputs.metadata.query_start_loc[: r + 1].long()
+            num_drafts = torch.diff(inputs.cu_num_draft_tokens.long(), prepend=qsl[:1] * 0)
+            last = qsl[1:] - 1 - (num_drafts - inputs.num_accepted)
+            self.prev_token_ids[:r] = inputs.input_ids[last]
+            if self.reads_target_kv:
+                self.hidden[:r] = inputs.hidden_states[last]
+        return padded
+
+    @torch.no_grad()
+    def propose(self, inputs: ProposeInputs) -> DraftOutput | None:
+        k = inputs.num_speculative_tokens
+        self.check_num_speculative_tokens(k)
+        r = inputs.num_reqs
+        padded = self._load(inputs)
+        d = inputs.descriptor
+        run_prefill = not self.reads_target_kv and (
+            self.conditions_on_hidden_states or k == 0 or inputs.num_decode < r
+        )
+        if run_prefill and d is not None and d in self.prefill_graphs:
+            self.prefill_graphs[d].replay()
+            self.num_prefill_replays += 1
+        elif run_prefill:
+            self._prefill(
+                r, inputs.input_ids, inputs.positions, inputs.metadata, inputs.hidden_states,
+                inputs.aux_hidden_states, sample_first=k > 0,
+            )
+        if k == 0:
+            return None
+        steps = self._num_decode_steps(k)
+        if steps > 0:
+            graph = self.decode_graphs.get((padded, steps))
+            if graph is not None:
+                graph.replay()
+                self.num_decode_replays += 1
+            else:
+                self._decode(r, steps)
+        probs = None if self.draft_probs is None else self.draft_probs[:r, :k]
+        return DraftOutput(self.draft_token_ids[:r, :k], probs)

@@ -1,7 +1,11 @@
 """The speculator interface: what the engine asks of every drafting method.
 
-Shaped after vLLM Model Runner V2's ``Speculator`` (PRs #40410, #43241): a small abstract
-base, one subclass family per method, no shared mutable config.
+Shaped after vLLM Model Runner V2's ``Speculator`` (``vllm/v1/worker/gpu/spec_decode/
+speculator.py``; PRs #40410, #43241): a small abstract base, one subclass family per
+method, device tensors in and out, no shared mutable config. The engine calls
+:meth:`BaseSpeculator.propose` once per step, right after the target's forward and the
+rejection sampler, with that forward's inputs, attention metadata and hidden states and
+the verification's outcome; it never names a method.
 """
 
 from __future__ import annotations
@@ -13,122 +17,148 @@ from typing import TYPE_CHECKING
 import torch
 
 from specula.runtime.engine.sampler import SamplingMetadata
+from specula.runtime.worker.paged_kv import KVCacheSpec, PagedAttentionMetadata
 
 if TYPE_CHECKING:
-    from specula.runtime.engine.model_runner import ModelRunner
+    from specula.runtime.engine.input_batch import InputBatch
+    from specula.runtime.worker.cudagraph import BatchExecutionDescriptor, CapturedAttentionState
 
 
 @dataclass
-class SpeculatorInput:
-    """The requests to draft for in one speculative step."""
+class ProposeInputs:
+    """One step's target forward and verification outcome, as the speculator sees them.
 
-    slot_ids: list[int]
-    """KV-cache slot of each request (stable from admission to completion)."""
-    token_ids: list[list[int]]
-    """Per request, every verified token (prompt + output). The last one was just emitted
-    by the target and has not been fed to any model yet."""
-    sampling: SamplingMetadata
-    """Per-request temperature/top-k/top-p and generators; the draft samples under the
-    same processing the verifier applies to the target."""
-
-
-@dataclass
-class DraftProposal:
-    draft_token_ids: torch.Tensor
-    """[num_reqs, k] int64."""
-    draft_probs: torch.Tensor | None
-    """[num_reqs, k, vocab_size] float32, the distributions the draft tokens were sampled
-    from; ``None`` when every request is greedy."""
-    num_draft_tokens: list[int] | None = None
-    """Per request, how many leading draft tokens are real (``0 .. k``; the rest is
-    padding the engine does not verify); ``None`` means all ``k`` for every request.
-    Methods that may find nothing to propose (n-gram lookup) set it."""
-
-
-@dataclass
-class TargetHiddenStates:
-    """The target's hidden states at the positions one target forward verified.
-
-    Rows are flattened request by request: request ``i`` contributes ``num_rows[i]`` rows
-    for cache positions ``start_positions[i] .. start_positions[i] + num_rows[i] - 1``,
-    whose input tokens are now committed (the prompt after a prefill; the last emitted
-    token plus the accepted draft tokens after a verification; the last emitted token
-    after a plain decode step). Rows built on rejected draft tokens are never included.
+    Requests are in batch order: ``num_decode`` running requests (each verified the same
+    number of drafts, or decoded one token), then the requests prefilled this step.
     """
 
-    slot_ids: list[int]
-    start_positions: list[int]
-    num_rows: list[int]
+    num_reqs: int
+    num_decode: int
+    idx_mapping: torch.Tensor
+    """[num_reqs] int64 row of each request in the engine's :class:`InputBatch`."""
+    input_batch: InputBatch
+    """The engine's persistent per-request state (token history, when kept)."""
+    input_ids: torch.Tensor
+    """[num_tokens] int64 the target forward's inputs: per running request its last token
+    and its drafts, per prefill its tokens."""
+    positions: torch.Tensor
+    """[num_tokens] int64."""
+    metadata: PagedAttentionMetadata
+    """The target forward's attention metadata (slot mapping, block tables)."""
+    descriptor: BatchExecutionDescriptor | None
+    """The target graph that ran (its captured attention state holds the batch, padded),
+    or ``None`` for an eager forward."""
     hidden_states: torch.Tensor
-    """[sum(num_rows), hidden_size] the target's final (normed) hidden states."""
+    """[num_tokens, H] the target's final (normed) hidden states."""
     aux_hidden_states: torch.Tensor | None
-    """[sum(num_rows), len(aux_hidden_state_layers) * hidden_size], or ``None`` when the
-    speculator asked for no auxiliary layers."""
+    """[num_tokens, len(aux_hidden_state_layers) * H], or ``None``."""
+    cu_num_draft_tokens: torch.Tensor
+    """[num_reqs] int32 inclusive cumulative drafts each request verified (0 for a
+    prefill)."""
+    num_accepted: torch.Tensor
+    """[num_reqs] int64 accepted drafts (0 for a prefill)."""
+    next_token_ids: torch.Tensor
+    """[num_reqs] int64 the token each request sampled last (recovered, bonus, or a
+    prefill's first token); it is not in any KV cache yet."""
+    next_positions: torch.Tensor
+    """[num_reqs] int64 the position of ``next_token_ids`` (the committed length)."""
+    sampling: SamplingMetadata
+    """The requests' sampling settings (probabilistic drafting samples under them)."""
+    draw_keys: torch.Tensor
+    """[num_reqs] int64 keys of this proposal's random draws."""
+    num_speculative_tokens: int
+    """k of the next verification; 0: keep the draft's state complete, propose nothing."""
+
+
+@dataclass
+class DraftOutput:
+    draft_token_ids: torch.Tensor
+    """[num_reqs, k] int64 target vocabulary ids."""
+    draft_probs: torch.Tensor | None = None
+    """[num_reqs, k, vocab_size] float32, the distributions the drafts were sampled
+    from; ``None`` for deterministic drafts (greedy, n-gram), which the rejection sampler
+    treats as one-hot."""
+    num_draft_tokens: torch.Tensor | None = None
+    """[num_reqs] int64 real drafts per request (``0 .. k``; the rest is padding the
+    verifier accepts no further than); ``None``: all ``k``."""
 
 
 class BaseSpeculator(ABC):
-    """Proposes draft tokens for the target to verify."""
+    """Proposes draft tokens for the target to verify.
+
+    Lifecycle (the engine's calls, in order): :meth:`bind_target`,
+    :meth:`kv_cache_spec` and :meth:`allocate_kv_cache` (methods with a KV cache of
+    their own), :meth:`init_cudagraph_manager`, :meth:`capture` (CUDA only), then
+    :meth:`propose` every step.
+    """
 
     max_num_speculative_tokens: int
-    """The largest k :meth:`propose` accepts (the k the engine was started with)."""
-
-    uses_target_hidden_states: bool = False
-    """True when the method conditions on the target's hidden states (EAGLE, MTP,
-    DFlash, Gemma4 MTP): the engine then hands them over through :meth:`observe_target`
-    after every target forward. False spares the engine that work."""
+    """The largest k :meth:`propose` is asked for."""
 
     aux_hidden_state_layers: tuple[int, ...] = ()
-    """Target layers whose input residual stream the method needs (EAGLE-3 auxiliary
-    hidden states); ids as ``LlamaForCausalLM.forward_with_aux`` defines them."""
+    """Target layers whose input residual streams the method reads (EAGLE-3, DFlash);
+    ids as :meth:`~specula.runtime.worker.model_runner.ModelRunner.forward` defines
+    them."""
 
-    @abstractmethod
-    def init_cudagraph_manager(self) -> None:
-        """Set up CUDA-graph managers for the draft forwards (no-op for eager execution)."""
+    needs_token_ids: bool = False
+    """The method reads every request's tokens (n-gram lookup): the engine keeps them
+    in :attr:`InputBatch.token_ids`."""
 
-    @abstractmethod
-    def capture(self) -> None:
-        """Capture CUDA graphs for the draft forwards (no-op for eager execution)."""
+    keeps_draft_probs: bool = False
+    """Drafts are sampled (``draft_sample_method: probabilistic``): the engine keeps
+    their distributions for the verifier."""
 
-    @abstractmethod
-    def propose(self, inputs: SpeculatorInput, num_speculative_tokens: int) -> DraftProposal:
-        """Propose ``num_speculative_tokens`` tokens to follow each request's tokens."""
-
-    def check_num_speculative_tokens(self, num_speculative_tokens: int) -> None:
-        """Validate the ``k`` a :meth:`propose` call was given.
-
-        Raises:
-            ValueError: ``num_speculative_tokens`` outside ``[1, max_num_speculative_tokens]``.
-        """
-        k = num_speculative_tokens
-        if not 1 <= k <= self.max_num_speculative_tokens:
-            raise ValueError(
-                f"num_speculative_tokens {k} outside [1, {self.max_num_speculative_tokens}]"
-            )
-
-    def bind_target(self, target_runner: ModelRunner) -> None:
-        """Called once by the engine after the target is loaded, before any request.
-        Methods that share the target's weights (embeddings, LM head) or read its KV cache
-        (Gemma4 MTP) keep the runner; validation against the target happens here.
-        The default keeps nothing.
+    def bind_target(self, target_runner) -> None:
+        """Called once after the target is loaded: methods that share its weights
+        (embeddings, LM head) or read its KV cache keep what they need; validation
+        against the target happens here. The default keeps nothing.
 
         Raises:
             ValueError: the draft does not fit this target (names the field and values).
         """
         return None
 
-    def observe_target(self, states: TargetHiddenStates) -> None:
-        """Receive the target's hidden states at newly committed positions (called
-        after every target forward when :attr:`uses_target_hidden_states` is true).
-        The default ignores them."""
+    def num_lookahead_tokens(self, num_speculative_tokens: int) -> int:
+        """KV slots :meth:`propose` writes after a request's last sampled position when
+        drafting ``num_speculative_tokens`` (the engine reserves them). Default 0."""
+        return 0
+
+    def kv_cache_spec(self, block_size: int) -> KVCacheSpec | None:
+        """The draft's own paged KV cache (indexed by the target's block tables), or
+        ``None`` when it keeps none (the default)."""
         return None
 
-    def add_requests(self, slot_ids: list[int]) -> None:
-        """Forget whatever state earlier occupants of ``slot_ids`` left (new requests).
-        Stateless speculators keep this default, which does nothing."""
+    def allocate_kv_cache(self, num_blocks: int, block_size: int, max_model_len: int) -> None:
+        """Allocate the :meth:`kv_cache_spec` cache with ``num_blocks`` blocks of
+        ``block_size`` tokens; positions up to ``max_model_len``. The default has nothing
+        to allocate."""
         return None
 
-    def rollback(self, slot_ids: list[int], num_valid_tokens: list[int]) -> None:
-        """After verification, drop draft state beyond the first ``num_valid_tokens[i]``
-        tokens of request ``i`` (those built on rejected draft tokens). Stateless
-        speculators keep this default, which does nothing."""
-        return None
+    @abstractmethod
+    def init_cudagraph_manager(self) -> None:
+        """Allocate the static buffers draft graphs read and write."""
+
+    @abstractmethod
+    def capture(
+        self, captured_attention_states: dict[BatchExecutionDescriptor, CapturedAttentionState]
+    ) -> None:
+        """Capture the draft's CUDA graphs after the target's: graphs over the target's
+        token slots read the target's captured attention states and output buffers
+        (vLLM PR #40410)."""
+
+    @abstractmethod
+    def propose(self, inputs: ProposeInputs) -> DraftOutput | None:
+        """Draft ``inputs.num_speculative_tokens`` tokens per request (``None`` when it
+        is 0), keeping any state the method carries across steps complete.
+
+        Raises:
+            ValueError: ``num_speculative_tokens`` above ``max_num_speculative_tokens``.
+        """
+
+    def check_num_speculative_tokens(self, num_speculative_tokens: int) -> None:
+        """Raises ValueError: ``num_speculative_tokens`` outside ``[0, max]``."""
+        k = num_speculative_tokens
+        if not 0 <= k <= self.max_num_speculative_tokens:
+            raise ValueError(
+                f"num_speculative_tokens {k} outside [0, {self.max_num_speculative_tokens}]"
+            )

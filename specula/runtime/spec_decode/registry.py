@@ -31,7 +31,6 @@ class SpeculatorContext:
     target_dir: Path
     """The target checkpoint (MTP heads live inside it)."""
     max_num_seqs: int
-    max_model_len: int
     dtype: torch.dtype
     device: torch.device
 
@@ -67,9 +66,9 @@ def _draft_kwargs(ctx: SpeculatorContext) -> dict:
         "target_config": ctx.target_config,
         "num_speculative_tokens": ctx.config.max_k,
         "max_num_seqs": ctx.max_num_seqs,
-        "max_model_len": ctx.max_model_len,
         "dtype": ctx.dtype,
         "device": ctx.device,
+        "draft_sample_method": ctx.config.draft_sample_method,
     }
 
 
@@ -82,21 +81,13 @@ def _draft_model(ctx: SpeculatorContext) -> BaseSpeculator:
 def _dflash(ctx: SpeculatorContext) -> BaseSpeculator:
     from specula.runtime.spec_decode.dflash import DFlashSpeculator
 
-    return DFlashSpeculator(
-        draft_dir=ctx.draft_dir(),
-        target_config=ctx.target_config,
-        num_speculative_tokens=ctx.config.max_k,
-        max_num_seqs=ctx.max_num_seqs,
-        max_model_len=ctx.max_model_len,
-        dtype=ctx.dtype,
-        device=ctx.device,
-    )
+    return DFlashSpeculator(**_draft_kwargs(ctx))
 
 
 def _eagle3(ctx: SpeculatorContext) -> BaseSpeculator:
-    from specula.runtime.spec_decode.eagle import Eagle3Speculator
+    from specula.runtime.spec_decode.eagle import EagleSpeculator
 
-    return Eagle3Speculator(**_draft_kwargs(ctx))
+    return EagleSpeculator(**_draft_kwargs(ctx))
 
 
 def _gemma4_mtp(ctx: SpeculatorContext) -> BaseSpeculator:
@@ -133,7 +124,6 @@ def create_speculator(
     *,
     target_dir: Path,
     max_num_seqs: int,
-    max_model_len: int,
     dtype: torch.dtype,
     device: torch.device,
 ) -> BaseSpeculator:
@@ -151,7 +141,5 @@ def create_speculator(
             f"speculator method {config.method!r} is not implemented; "
             f"supported: {', '.join(supported_methods())}"
         )
-    ctx = SpeculatorContext(
-        config, target_config, Path(target_dir), max_num_seqs, max_model_len, dtype, device
-    )
+    ctx = SpeculatorContext(config, target_config, Path(target_dir), max_num_seqs, dtype, device)
     return factory(ctx)

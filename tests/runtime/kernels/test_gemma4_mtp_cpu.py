@@ -18,10 +18,10 @@ import pytest
 import torch
 from gemma4_checkpoints import save, tiny_gemma4, tiny_gemma4_assistant
 
-from specula.runtime.gpu.gemma4_mtp import GPUGemma4AssistantRunner
-from specula.runtime.gpu.gemma4_runner import GPUGemma4Runner
-from specula.runtime.gpu.paged_kv import metadata_from_block_manager
-from specula.runtime.gpu.per_layer_kv import PerLayerKVCacheSpec, PerLayerPagedKVCache
+from specula.runtime.spec_decode.gemma4.runner import Gemma4AssistantRunner
+from specula.runtime.worker.gemma4_runner import Gemma4Runner
+from specula.runtime.worker.paged_kv import metadata_from_block_manager
+from specula.runtime.worker.paged_kv import KVCacheSpec, PagedKVCache
 from specula.runtime.kernels.paged_attention import gather_kv
 from specula.runtime.models.attention import build_attention_metadata, with_sliding_window
 from specula.runtime.models.gemma4_assistant import load_gemma4_assistant
@@ -87,10 +87,10 @@ def run_drafts(target_dir: str, assistant_dir: str) -> list[tuple[torch.Tensor, 
     """``[(paged logits [K, r, V], reference logits, paged drafts [r, K], reference
     drafts)]`` after the prefill and after the verification."""
     target = load_model(target_dir, torch.float32, CPU)
-    spec = PerLayerKVCacheSpec.from_model_config(target.config, torch.float32, BLOCK_SIZE)
-    runner = GPUGemma4Runner(target, PerLayerPagedKVCache(spec, 16, CPU), MAX_MODEL_LEN)
+    spec = KVCacheSpec.from_model_config(target.config, torch.float32, BLOCK_SIZE)
+    runner = Gemma4Runner(target, PagedKVCache(spec, 16, CPU), MAX_MODEL_LEN)
     assistant = load_gemma4_assistant(assistant_dir, torch.float32, CPU)
-    draft = GPUGemma4AssistantRunner(assistant, runner)
+    draft = Gemma4AssistantRunner(assistant, runner)
     manager = runner.kv_cache.block_manager(watermark=0.0)
     manager.allocate("warm", 5)
     manager.allocate(0, len(PROMPTS[0]))

@@ -26,9 +26,9 @@ import torch
 from gemma4_checkpoints import gemma4_text_config, save, tiny_gemma4
 from paged_schedule import run_schedule
 
-from specula.runtime.gpu.gemma4_runner import GPUGemma4Runner
-from specula.runtime.gpu.paged_kv import KVCacheSpec, PagedKVCache
-from specula.runtime.gpu.per_layer_kv import PerLayerKVCacheSpec, PerLayerPagedKVCache
+from specula.runtime.worker.gemma4_runner import Gemma4Runner
+from specula.runtime.worker.paged_kv import KVCacheSpec, PagedKVCache
+from specula.runtime.worker.paged_kv import KVCacheSpec, PagedKVCache
 from specula.runtime.models.gemma4 import Gemma4ForCausalLM
 from specula.runtime.models.gemma4_config import Gemma4ModelConfig
 from specula.runtime.models.registry import load_model
@@ -50,9 +50,9 @@ def run_paged(checkpoint: str, num_splits: int | None) -> tuple[list[list[int]],
     """The schedule of the module docstring on the paged runner; returns each request's
     tokens and, per request, ``{position: logits}`` for every computed position."""
     model = load_model(checkpoint, torch.float32, CPU)
-    spec = PerLayerKVCacheSpec.from_model_config(model.config, torch.float32, BLOCK_SIZE)
-    cache = PerLayerPagedKVCache(spec, num_blocks=24, device=CPU)
-    runner = GPUGemma4Runner(model, cache, MAX_MODEL_LEN, attn_num_splits=num_splits)
+    spec = KVCacheSpec.from_model_config(model.config, torch.float32, BLOCK_SIZE)
+    cache = PagedKVCache(spec, num_blocks=24, device=CPU)
+    runner = Gemma4Runner(model, cache, MAX_MODEL_LEN, attn_num_splits=num_splits)
     manager = cache.block_manager(watermark=0.0)
     return run_schedule(
         runner, manager, PROMPTS, LATE_PROMPT, DRAFTS, decode_steps=1, warm_tokens=9, device=CPU
@@ -106,17 +106,17 @@ def test_plain_checkpoint_matches_transformers(interpreted, gemma4_plain, hf_mod
 
 def test_cache_owns_storage_for_non_shared_layers_only(gemma4_shared):
     model = load_model(gemma4_shared, torch.float32, CPU)
-    spec = PerLayerKVCacheSpec.from_model_config(model.config, torch.float32, BLOCK_SIZE)
+    spec = KVCacheSpec.from_model_config(model.config, torch.float32, BLOCK_SIZE)
     # Layers 0, 1, 3 sliding (1 KV head of 16), layer 2 full (1 of 32); 4 and 5 none.
     assert spec.layer_shapes == ((1, 16), (1, 16), (1, 32), (1, 16))
-    cache = PerLayerPagedKVCache(spec, num_blocks=3, device=CPU)
+    cache = PagedKVCache(spec, num_blocks=3, device=CPU)
     assert [tuple(k.shape) for k in cache.key_caches] == [
         (3, BLOCK_SIZE, h, d) for h, d in spec.layer_shapes
     ]
     pairs = zip(cache.key_caches, cache.value_caches, strict=True)
     allocated = sum(k.nbytes + v.nbytes for k, v in pairs)
     assert allocated == 3 * spec.bytes_per_block == 3 * 2 * BLOCK_SIZE * (3 * 16 + 32) * 4
-    runner = GPUGemma4Runner(model, cache, MAX_MODEL_LEN)
+    runner = Gemma4Runner(model, cache, MAX_MODEL_LEN)
     assert runner.kv_sources == (0, 1, 2, 3, 3, 2)
     assert runner.windows == (WINDOW, WINDOW, None) * 2
     assert cache.block_manager().num_blocks == 3
@@ -126,10 +126,10 @@ def test_refuses_mismatched_caches_and_moe(gemma4_shared, tiny_tokenizer):
     model = load_model(gemma4_shared, torch.float32, CPU)
     uniform = KVCacheSpec.from_model_config(model.config, torch.float32, BLOCK_SIZE)
     with pytest.raises(ValueError, match="per-layer KV shapes"):
-        GPUGemma4Runner(model, PagedKVCache(uniform, 2, CPU), MAX_MODEL_LEN)
-    spec = PerLayerKVCacheSpec.from_model_config(model.config, torch.bfloat16, BLOCK_SIZE)
+        Gemma4Runner(model, PagedKVCache(uniform, 2, CPU), MAX_MODEL_LEN)
+    spec = KVCacheSpec.from_model_config(model.config, torch.bfloat16, BLOCK_SIZE)
     with pytest.raises(ValueError, match="dtype"):
-        GPUGemma4Runner(model, PerLayerPagedKVCache(spec, 2, CPU), MAX_MODEL_LEN)
+        Gemma4Runner(model, PagedKVCache(spec, 2, CPU), MAX_MODEL_LEN)
     hf = gemma4_text_config(
         len(tiny_tokenizer), tiny_tokenizer.eos_token_id, num_hidden_layers=1,
         layer_types=["full_attention"], num_kv_shared_layers=0, enable_moe_block=True,
@@ -137,6 +137,6 @@ def test_refuses_mismatched_caches_and_moe(gemma4_shared, tiny_tokenizer):
     )
     config = Gemma4ModelConfig.from_hf_config(hf)
     moe = Gemma4ForCausalLM(config, CPU)
-    spec = PerLayerKVCacheSpec.from_model_config(config, torch.float32, BLOCK_SIZE)
+    spec = KVCacheSpec.from_model_config(config, torch.float32, BLOCK_SIZE)
     with pytest.raises(ValueError, match="mixture-of-experts"):
-        GPUGemma4Runner(moe, PerLayerPagedKVCache(spec, 2, CPU), MAX_MODEL_LEN)
+        Gemma4Runner(moe, PagedKVCache(spec, 2, CPU), MAX_MODEL_LEN)

@@ -15,8 +15,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specula.runtime.gpu.model_runner import GPUModelRunner
-from specula.runtime.gpu.paged_kv import KVCacheSpec, PagedKVCache, metadata_from_block_manager
+from specula.runtime.worker.model_runner import ModelRunner
+from specula.runtime.worker.paged_kv import KVCacheSpec, PagedKVCache, metadata_from_block_manager
 from specula.runtime.models.registry import load_model
 
 pytestmark = pytest.mark.runtime
@@ -36,7 +36,7 @@ def run_paged(checkpoint: str, num_splits: int | None) -> tuple[list[list[int]],
     model = load_model(checkpoint, torch.float32, device)
     spec = KVCacheSpec.from_model_config(model.config, torch.float32, BLOCK_SIZE)
     cache = PagedKVCache(spec, num_blocks=24, device=device)
-    runner = GPUModelRunner(model, cache, MAX_MODEL_LEN, attn_num_splits=num_splits)
+    runner = ModelRunner(model, cache, MAX_MODEL_LEN, attn_num_splits=num_splits)
     manager = cache.block_manager(watermark=0.0)
     # A request that comes and goes first, so the others get non-contiguous blocks.
     manager.allocate("warm", 9)

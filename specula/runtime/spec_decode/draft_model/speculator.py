@@ -2,14 +2,24 @@
 
 from __future__ import annotations
 
-from specula.runtime.models.llama import LlamaForCausalLM
+from torch import nn
+
 from specula.runtime.models.registry import load_model
 from specula.runtime.spec_decode.autoregressive import AutoRegressiveSpeculator
+from specula.runtime.worker import create_model_runner
+from specula.runtime.worker.paged_kv import KVCacheSpec
 
 
 class PlainDraftModelSpeculator(AutoRegressiveSpeculator):
-    """A Hugging Face-layout causal LM (any architecture in the model registry) used
-    as the draft, with its own KV cache; everything else is the generic loop."""
+    """A Hugging Face-layout causal LM (any architecture the paged runners serve) as the
+    draft (Leviathan et al., arXiv 2211.17192), with its own paged KV cache on the
+    target's block tables; everything else is the generic loop."""
 
-    def load_draft_model(self) -> LlamaForCausalLM:
+    def load_draft_model(self) -> nn.Module:
         return load_model(self.draft_dir, self.dtype, self.device)
+
+    def kv_cache_spec(self, block_size: int) -> KVCacheSpec:
+        return KVCacheSpec.from_model_config(self.model.config, self.dtype, block_size)
+
+    def build_runner(self, kv_cache, max_model_len: int):
+        return create_model_runner(self.model, kv_cache, max_model_len)

@@ -1,5 +1,5 @@
-"""EAGLE-3 speculative decoding (Li et al., arXiv 2503.01840); vLLM's ``eagle3`` method."""
+"""EAGLE-3 drafting."""
 
-from specula.runtime.spec_decode.eagle.speculator import Eagle3Speculator
+from specula.runtime.spec_decode.eagle.speculator import EagleSpeculator
 
-__all__ = ["Eagle3Speculator"]
+__all__ = ["EagleSpeculator"]

@@ -1,9 +1,7 @@
-"""The ``eagle3`` method: a one-layer head conditioned on the target's auxiliary
-hidden states drafts autoregressively, feeding back its own hidden state."""
+"""The ``eagle3`` method: a small head conditioned on the target's auxiliary hidden
+states drafts autoregressively, feeding back its own hidden state."""
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -13,26 +11,21 @@ from specula.runtime.models.llama_eagle3 import (
     share_target_weights,
 )
 from specula.runtime.spec_decode.autoregressive import AutoRegressiveSpeculator
-from specula.runtime.spec_decode.base import TargetHiddenStates
-
-if TYPE_CHECKING:
-    from specula.runtime.engine.model_runner import ModelRunner
+from specula.runtime.spec_decode.eagle.runner import Eagle3Runner
 
 
-class Eagle3Speculator(AutoRegressiveSpeculator):
-    """EAGLE-3 over the generic loop: the target records the residual stream entering
-    the checkpoint's ``eagle_aux_hidden_state_layer_ids`` (default ``(2, L // 2,
-    L - 3)``); ``fc`` fuses them on arrival; the head's forward returns ``(normed,
-    next-step state)``; logits cover the target vocabulary (``-inf`` outside the
-    draft vocabulary's ``d2t`` image), so sampled drafts stay exact under rejection
-    sampling.
+class EagleSpeculator(AutoRegressiveSpeculator):
+    """EAGLE-3 (Li et al., arXiv 2503.01840) over the generic loop: the target records
+    the residual streams entering the checkpoint's ``eagle_aux_hidden_state_layer_ids``
+    (default ``(2, L // 2, L - 3)``), ``fc`` fuses them, the head returns ``(normed,
+    next-step state)``, and drafts come from the draft vocabulary mapped through
+    ``d2t`` (``-inf`` elsewhere when drafts are sampled).
 
     Raises (at construction):
         ValueError: the checkpoint does not fit the target (see
             :func:`~specula.runtime.models.llama_eagle3.load_eagle3_draft`).
     """
 
-    uses_target_hidden_states = True
     conditions_on_hidden_states = True
     model_returns_tuple = True
     model: Eagle3LlamaForCausalLM
@@ -42,10 +35,19 @@ class Eagle3Speculator(AutoRegressiveSpeculator):
         self.aux_hidden_state_layers = model.eagle.aux_hidden_state_layer_ids
         return model
 
-    def bind_target(self, target_runner: ModelRunner) -> None:
+    def bind_target(self, target_runner) -> None:
         target = target_runner.model
         share_target_weights(self.model, target.model.embed_tokens, target.lm_head_weight)
 
-    def conditioning_from_target(self, states: TargetHiddenStates) -> torch.Tensor:
-        assert states.aux_hidden_states is not None
-        return self.model.combine_hidden_states(states.aux_hidden_states)
+    def draft_kv_layers(self) -> int:
+        return len(self.model.layers)
+
+    def build_runner(self, kv_cache, max_model_len: int) -> Eagle3Runner:
+        return Eagle3Runner(self.model, kv_cache, max_model_len)
+
+    def conditioning(self, hidden: torch.Tensor, aux: torch.Tensor | None) -> torch.Tensor:
+        assert aux is not None, "EAGLE-3 reads the target's auxiliary hidden states"
+        return self.runner.combine_hidden_states(aux)
+
+    def draft_argmax(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.runner.draft_token_ids(hidden)

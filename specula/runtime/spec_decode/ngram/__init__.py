@@ -2,6 +2,6 @@
 method): draft tokens are copied from an earlier occurrence of the sequence's last n-gram,
 so no draft model is needed."""
 
-from specula.runtime.spec_decode.ngram.speculator import NgramSpeculator, find_ngram_draft
+from specula.runtime.spec_decode.ngram.speculator import NgramSpeculator, ngram_lookup
 
-__all__ = ["NgramSpeculator", "find_ngram_draft"]
+__all__ = ["NgramSpeculator", "ngram_lookup"]

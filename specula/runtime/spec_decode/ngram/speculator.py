@@ -2,70 +2,85 @@
 
 Saxena, "Prompt Lookup Decoding" (2023, github.com/apoorvumang/prompt-lookup-decoding);
 vLLM's ``ngram`` speculative method (``prompt_lookup_min`` / ``prompt_lookup_max``).
+The lookup runs on the device over the engine's token history, for every request at
+once.
 """
 
 from __future__ import annotations
 
 import torch
 
-from specula.runtime.spec_decode.base import BaseSpeculator, DraftProposal, SpeculatorInput
+from specula.runtime.spec_decode.base import BaseSpeculator, DraftOutput, ProposeInputs
 
 PAD_TOKEN_ID = 0
-"""Fills draft positions past a request's real draft. The engine verifies only the real
-ones; padding is a valid token id so the verifier's shapes and gathers stay uniform."""
+"""Fills draft positions past a request's real draft. The verifier accepts no further
+than the real ones; padding is a valid token id so its shapes and gathers stay uniform."""
 
 
-def find_ngram_draft(
-    token_ids: list[int], prompt_lookup_min: int, prompt_lookup_max: int, k: int
-) -> list[int]:
-    """Draft tokens for ``token_ids`` by prompt lookup.
+def ngram_lookup(
+    token_ids: torch.Tensor,
+    num_tokens: torch.Tensor,
+    prompt_lookup_min: int,
+    prompt_lookup_max: int,
+    k: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draft tokens by prompt lookup, for a batch.
 
     For ``n`` from ``prompt_lookup_max`` down to ``prompt_lookup_min`` (longest first),
-    find the most recent earlier occurrence of the last ``n`` tokens (an occurrence that
-    starts before the suffix itself; it may overlap it) and return the up to ``k`` tokens
-    that followed it, fewer when the sequence ends first. The first ``n`` with a match
-    wins.
+    find the most recent earlier occurrence of a sequence's last ``n`` tokens (one that
+    starts before the suffix itself; it may overlap it) and propose the up to ``k``
+    tokens that followed it, fewer when the sequence ends first. The first ``n`` with a
+    match wins.
 
     Args:
-        token_ids: prompt + generated tokens, length ``L``.
+        token_ids: [num_reqs, capacity] int64, each row's tokens then anything.
+        num_tokens: [num_reqs] int64 valid tokens per row (``L``).
         prompt_lookup_min, prompt_lookup_max: n-gram sizes, ``1 <= min <= max``.
-        k: most tokens to propose (>= 0).
+        k: most tokens to propose (>= 1).
 
     Returns:
-        ``0 .. k`` token ids; empty when no n-gram of the allowed sizes recurs.
+        ``(draft_token_ids [num_reqs, k] int64 (:data:`PAD_TOKEN_ID` past the real
+        ones), num_draft_tokens [num_reqs] int64 in [0, k])``.
 
-    Cost: ``O(L * n)`` per ``n`` tried, in vectorised comparisons.
+    Cost: ``O(num_reqs * capacity * n)`` comparisons per ``n`` tried, on the device.
     """
-    length = len(token_ids)
-    if k <= 0 or length < 2:
-        return []
-    seq = torch.tensor(token_ids, dtype=torch.long)  # [L]
-    for n in range(min(prompt_lookup_max, length - 1), prompt_lookup_min - 1, -1):
-        # Windows starting at 0 .. L-n-1: every n-gram before the suffix itself.
-        windows = seq[:-1].unfold(0, n, 1)  # [L - n, n]
-        hits = (windows == seq[-n:]).all(dim=1).nonzero()
-        if hits.numel():
-            start = int(hits[-1]) + n
-            return token_ids[start : start + k]
-    return []
+    num_reqs, capacity = token_ids.shape
+    dev = token_ids.device
+    found = torch.zeros(num_reqs, dtype=torch.bool, device=dev)
+    follow = torch.zeros(num_reqs, dtype=torch.int64, device=dev)
+    for n in range(min(prompt_lookup_max, capacity - 1), prompt_lookup_min - 1, -1):
+        suffix_cols = (num_tokens[:, None] - n + torch.arange(n, device=dev)).clamp(min=0)
+        suffix = token_ids.gather(1, suffix_cols)  # [num_reqs, n]
+        windows = token_ids.unfold(1, n, 1)  # [num_reqs, capacity - n + 1, n]
+        starts = torch.arange(windows.shape[1], device=dev)
+        hit = (windows == suffix[:, None, :]).all(dim=-1)
+        hit &= starts[None, :] < (num_tokens - n)[:, None]
+        last = torch.where(hit, starts[None, :], -1).amax(dim=1)  # [num_reqs]
+        new = (last >= 0) & ~found & (num_tokens > n)
+        follow = torch.where(new, last + n, follow)
+        found |= new
+    num = torch.where(found, (num_tokens - follow).clamp(0, k), 0)
+    cols = torch.arange(k, device=dev)
+    drafts = token_ids.gather(1, (follow[:, None] + cols).clamp(max=capacity - 1))
+    return torch.where(cols[None, :] < num[:, None], drafts, PAD_TOKEN_ID), num
 
 
 class NgramSpeculator(BaseSpeculator):
     """Proposes, per request, the tokens that followed the last earlier occurrence of its
-    trailing n-gram (:func:`find_ngram_draft`). Stateless and model-free.
+    trailing n-gram (:func:`ngram_lookup`), from the engine's token history. Model-free.
 
-    A request with no match drafts 0 tokens that step; drafts shorter than ``k`` are
-    padded with :data:`PAD_TOKEN_ID` and their real lengths reported in
-    :attr:`DraftProposal.num_draft_tokens`.
-
-    Proposals are deterministic, so the draft distribution of a sampled request is
-    one-hot at the proposed token: the verifier accepts it with probability ``p(x)`` and
-    otherwise samples the recovered token from ``norm(max(0, p - onehot(x)))``, which
-    keeps the target's distribution (Leviathan et al., arXiv 2211.17192).
+    A request with no match drafts 0 tokens that step; shorter drafts are padded and
+    their real lengths reported in :attr:`DraftOutput.num_draft_tokens`. Proposals are
+    deterministic, so the verifier treats them as one-hot draft distributions: it accepts
+    a draft token with probability ``p(x)`` and otherwise samples the recovered token from
+    ``norm(max(0, p - onehot(x)))``, which keeps the target's distribution (Leviathan et
+    al., arXiv 2211.17192).
 
     Raises (at construction):
         ValueError: ``prompt_lookup_min < 1`` or ``prompt_lookup_min > prompt_lookup_max``.
     """
+
+    needs_token_ids = True
 
     def __init__(
         self,
@@ -86,40 +101,26 @@ class NgramSpeculator(BaseSpeculator):
         self.prompt_lookup_max = prompt_lookup_max
         self.device = device
 
+    def num_lookahead_tokens(self, num_speculative_tokens: int) -> int:
+        return 0
+
     def init_cudagraph_manager(self) -> None:
-        """No-op: lookup runs no network."""
+        """Nothing to allocate: the lookup is a few tensor operations, run eagerly."""
 
-    def capture(self) -> None:
-        """No-op: lookup runs no network."""
+    def capture(self, captured_attention_states) -> None:
+        """Nothing to capture."""
 
-    def propose(self, inputs: SpeculatorInput, num_speculative_tokens: int) -> DraftProposal:
-        """Look up up to ``num_speculative_tokens`` draft tokens per request.
-
-        Returns draft_token_ids ``[num_reqs, k]`` (padded), draft_probs
-        ``[num_reqs, k, vocab_size]`` one-hot (``None`` when every request is greedy) and
-        ``num_draft_tokens`` (real draft length per request, ``0 .. k``).
-
-        Raises:
-            ValueError: ``num_speculative_tokens`` outside ``[1, max_num_speculative_tokens]``.
-        """
-        self.check_num_speculative_tokens(num_speculative_tokens)
-        k = num_speculative_tokens
-        drafts = [
-            find_ngram_draft(toks, self.prompt_lookup_min, self.prompt_lookup_max, k)
-            for toks in inputs.token_ids
-        ]
-        draft_ids = torch.full((len(drafts), k), PAD_TOKEN_ID, dtype=torch.long)
-        for i, draft in enumerate(drafts):
-            draft_ids[i, : len(draft)] = torch.tensor(draft, dtype=torch.long)
-        draft_ids = draft_ids.to(self.device)  # [num_reqs, k]
-        draft_probs = None
-        if not inputs.sampling.all_greedy:
-            # One-hot at padding too: a padded position then verifies like any
-            # deterministic proposal, so whatever the verifier emits there is a valid
-            # sample of the target.
-            draft_probs = torch.nn.functional.one_hot(draft_ids, self.vocab_size).float()
-        return DraftProposal(
-            draft_token_ids=draft_ids,
-            draft_probs=draft_probs,
-            num_draft_tokens=[len(d) for d in drafts],
+    @torch.no_grad()
+    def propose(self, inputs: ProposeInputs) -> DraftOutput | None:
+        k = inputs.num_speculative_tokens
+        self.check_num_speculative_tokens(k)
+        if k == 0:
+            return None
+        batch = inputs.input_batch
+        assert batch.token_ids is not None, "the engine keeps no token history"
+        idx = inputs.idx_mapping
+        drafts, num = ngram_lookup(
+            batch.token_ids[idx], batch.num_tokens[idx], self.prompt_lookup_min,
+            self.prompt_lookup_max, k,
         )
+        return DraftOutput(drafts, None, num)

@@ -184,6 +184,43 @@ class BlockManager:
         del table[keep:]
         self._num_tokens[request_id] = num_tokens
 
+    def resize(self, request_id: Hashable, num_tokens: int) -> int:
+        """Hold exactly the blocks for ``num_tokens`` tokens: take new blocks or return
+        those past them (:meth:`append_slots` / :meth:`truncate`).
+
+        Returns:
+            the index in the block table of the first block taken (``len(table)`` when
+            none was).
+
+        Raises:
+            KeyError: unknown request. ValueError: ``num_tokens`` < 0.
+            NoFreeBlocksError: not enough free blocks; nothing is changed then.
+        """
+        held = self._num_tokens[request_id]
+        first_new = len(self._tables[request_id])
+        if num_tokens >= held:
+            self.append_slots(request_id, num_tokens - held)
+        else:
+            self.truncate(request_id, num_tokens)
+            first_new = len(self._tables[request_id])
+        return first_new
+
+    def num_blocks_held(self, request_id: Hashable) -> int:
+        """Blocks in the request's table.
+
+        Raises:
+            KeyError: unknown request.
+        """
+        return len(self._tables[request_id])
+
+    def blocks_from(self, request_id: Hashable, start: int) -> list[int]:
+        """The request's block ids from table index ``start`` on (a copy).
+
+        Raises:
+            KeyError: unknown request.
+        """
+        return self._tables[request_id][start:]
+
     def free(self, request_id: Hashable) -> None:
         """Return all of the request's blocks (finished or preempted).
 

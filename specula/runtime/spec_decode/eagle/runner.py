@@ -2,7 +2,7 @@
 
 The head (:class:`~specula.runtime.models.llama_eagle3.Eagle3LlamaForCausalLM`, Li et
 al., arXiv 2503.01840) owns its weights; this runner applies them with the same kernels
-and sublayers as the target's :class:`~specula.runtime.gpu.model_runner.GPUModelRunner`.
+and sublayers as the target's :class:`~specula.runtime.worker.model_runner.ModelRunner`.
 The draft's cache has as many blocks as the target's and is indexed by the *target's*
 block tables and slot mappings (one block manager for both, as vLLM allocates draft
 layers in the target's KV-cache groups): a draft forward over the slots of a
@@ -17,17 +17,15 @@ from collections.abc import Sequence
 
 import torch
 
-from specula.runtime.gpu.block_manager import cdiv
-from specula.runtime.gpu.model_runner import GPUModelRunner
-from specula.runtime.gpu.paged_kv import PagedAttentionMetadata, PagedKVCache
 from specula.runtime.kernels.layernorm import fused_add_rms_norm, rms_norm
-from specula.runtime.kernels.rotary import build_cos_sin_cache
 from specula.runtime.models.config import ModelConfig
 from specula.runtime.models.layers import RotaryEmbedding
 from specula.runtime.models.llama_eagle3 import Eagle3Config, Eagle3LlamaForCausalLM
+from specula.runtime.worker.model_runner import ModelRunner
+from specula.runtime.worker.paged_kv import PagedAttentionMetadata, PagedKVCache
 
 
-class GPUEagle3Runner(GPUModelRunner):
+class Eagle3Runner(ModelRunner):
     """Runs an :class:`Eagle3LlamaForCausalLM` over a :class:`PagedKVCache` of its
     layers with the Triton kernels.
 
@@ -50,33 +48,12 @@ class GPUEagle3Runner(GPUModelRunner):
         max_model_len: int,
         attn_num_splits: int | None = None,
     ) -> None:
-        # GPUModelRunner.__init__ checks for a target class; the attributes its
-        # sublayers read are set here for the head instead.
         if model.missing_target_weights:
             raise ValueError(f"bind the target's {sorted(model.missing_target_weights)} first")
-        config = model.config
-        spec = kv_cache.spec
-        if (spec.num_layers, spec.num_kv_heads, spec.head_dim) != (
-            len(model.layers),
-            config.num_key_value_heads,
-            config.head_dim,
-        ):
-            raise ValueError(f"KV cache {spec} does not match the draft head")
         self.model = model
-        self.config = config
-        self.kv_cache = kv_cache
-        self.device = model.fc.weight.device
-        self.dtype = model.fc.weight.dtype
-        if spec.dtype != self.dtype:
-            raise ValueError(f"KV cache dtype {spec.dtype} != draft dtype {self.dtype}")
-        self.block_size = spec.block_size
-        self.max_model_len = max_model_len
-        self.max_blocks_per_req = cdiv(max_model_len, spec.block_size)
-        self.attn_num_splits = attn_num_splits
-        self.has_qk_norm = config.model_type == "qwen3"
-        self.scale = config.head_dim**-0.5
-        self.cos_sin_cache = build_cos_sin_cache(
-            model.rotary.inv_freq.to(self.device), max_model_len
+        self.setup_paged(
+            model.config, kv_cache, len(model.layers), model.rotary.inv_freq, model.fc.weight,
+            max_model_len, attn_num_splits,
         )
 
     @torch.no_grad()

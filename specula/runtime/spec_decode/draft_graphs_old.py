@@ -11,9 +11,9 @@ After a verification forward of ``k + 1`` tokens per request the draft runs
   ``k - 1`` slots.
 
 Prefill graphs (:class:`DraftPrefillGraphManager`) are keyed by the target's
-verification :class:`~specula.runtime.gpu.cudagraph.BatchExecutionDescriptor`. With
+verification :class:`~specula.runtime.worker.cudagraph.BatchExecutionDescriptor`. With
 ``reuse_target_state`` they read the target graph's
-:class:`~specula.runtime.gpu.cudagraph.CapturedAttentionState` (slot mapping, block
+:class:`~specula.runtime.worker.cudagraph.CapturedAttentionState` (slot mapping, block
 table, sequence lengths, positions, input ids) and its auxiliary-state output buffer
 directly, so after the target's replay nothing is built or copied (vLLM Model Runner V2,
 PR #40410); without it they own their metadata buffers, which are rebuilt on the host
@@ -29,10 +29,10 @@ from collections.abc import Sequence
 
 import torch
 
-from specula.runtime.gpu.cudagraph import BatchExecutionDescriptor, CUDAGraphManager
-from specula.runtime.gpu.eagle3_runner import GPUEagle3Runner
-from specula.runtime.gpu.paged_kv import PagedAttentionMetadata, build_attention_metadata
 from specula.runtime.kernels.draft_inputs import prepare_draft_inputs
+from specula.runtime.spec_decode.eagle.runner import Eagle3Runner
+from specula.runtime.worker.cudagraph import BatchExecutionDescriptor, CUDAGraphManager
+from specula.runtime.worker.paged_kv import PagedAttentionMetadata, build_attention_metadata
 
 
 class DraftBuffers:
@@ -46,7 +46,7 @@ class DraftBuffers:
     """
 
     def __init__(
-        self, draft: GPUEagle3Runner, max_num_reqs: int, max_num_speculative_tokens: int
+        self, draft: Eagle3Runner, max_num_reqs: int, max_num_speculative_tokens: int
     ) -> None:
         r, k = max_num_reqs, max_num_speculative_tokens
         device, hidden = draft.device, draft.config.hidden_size
@@ -78,7 +78,7 @@ class DraftBuffers:
 
 
 def draft_prefill(
-    draft: GPUEagle3Runner,
+    draft: Eagle3Runner,
     buffers: DraftBuffers,
     metadata: PagedAttentionMetadata,
     input_ids: torch.Tensor,
@@ -162,7 +162,7 @@ def set_decode_metadata(
 
 
 def draft_decode(
-    draft: GPUEagle3Runner, buffers: DraftBuffers, num_reqs: int, num_steps: int
+    draft: Eagle3Runner, buffers: DraftBuffers, num_reqs: int, num_steps: int
 ) -> None:
     """``num_steps`` one-token draft steps on the metadata of :func:`set_decode_metadata`:
     step ``i`` reads ``draft_token_ids[:, i]`` and ``draft_hidden``, writes
@@ -216,7 +216,7 @@ class DraftPrefillGraphManager:
 
     def __init__(
         self,
-        draft: GPUEagle3Runner,
+        draft: Eagle3Runner,
         buffers: DraftBuffers,
         target_graphs: CUDAGraphManager,
         reuse_target_state: bool = True,
@@ -321,7 +321,7 @@ class DraftDecodeGraphManager:
 
     def __init__(
         self,
-        draft: GPUEagle3Runner,
+        draft: Eagle3Runner,
         buffers: DraftBuffers,
         capture_sizes: Sequence[int],
         num_steps: Sequence[int],

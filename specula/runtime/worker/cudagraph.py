@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from specula.runtime.gpu.model_runner import GPUModelRunner
-from specula.runtime.gpu.paged_kv import PagedAttentionMetadata
+from specula.runtime.worker.model_runner import ModelRunner
+from specula.runtime.worker.paged_kv import PagedAttentionMetadata
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,31 @@ class CapturedAttentionState:
     """[num_tokens] int64."""
     positions: torch.Tensor
     """[num_tokens] int64."""
+    hidden_states: torch.Tensor | None = None
+    """[num_tokens, hidden_size] the graph's output buffer (set once captured)."""
+    aux_hidden_states: torch.Tensor | None = None
+    """[num_tokens, len(aux_layer_ids) * hidden_size] its auxiliary output, if any."""
+
+
+def capture_graph(fn, pool: tuple | None) -> torch.cuda.CUDAGraph:
+    """Capture ``fn()`` into a graph in memory pool ``pool`` after one warm-up call on a
+    side stream, as ``torch.cuda.graph``'s documentation asks (the warm-up compiles the
+    Triton kernels of the launch shape and lets cuBLAS pick its algorithms)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        fn()
+    return graph
+
+
+def padded_size(capture_sizes: Sequence[int], num_reqs: int) -> int | None:
+    """The smallest of the ascending ``capture_sizes`` that holds ``num_reqs`` requests,
+    or ``None`` (too many: run eagerly)."""
+    return next((r for r in capture_sizes if r >= num_reqs), None)
 
 
 def cudagraph_capture_sizes(max_num_reqs: int) -> list[int]:
@@ -78,8 +103,8 @@ class CUDAGraphManager:
         capture_sizes: request counts to capture; default
             :func:`cudagraph_capture_sizes` of ``max_num_reqs``.
         aux_layer_ids: residual streams the graphs also return (EAGLE-3's auxiliary
-            hidden states, see :meth:`GPUModelRunner.forward`); read them with
-            :meth:`run_with_aux`.
+            hidden states, see :meth:`ModelRunner.forward`); read them with
+            :meth:`run`.
 
     Raises:
         ValueError: a capture size outside ``[1, max_num_reqs]`` or a query length < 1.
@@ -87,7 +112,7 @@ class CUDAGraphManager:
 
     def __init__(
         self,
-        runner: GPUModelRunner,
+        runner: ModelRunner,
         max_num_reqs: int,
         uniform_query_lens: Sequence[int] = (1,),
         capture_sizes: Sequence[int] | None = None,
@@ -117,11 +142,9 @@ class CUDAGraphManager:
         }
         self.pool: tuple | None = None
         self.graphs: dict[BatchExecutionDescriptor, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[BatchExecutionDescriptor, torch.Tensor] = {}
-        self.aux_outputs: dict[BatchExecutionDescriptor, torch.Tensor] = {}
-        """[num_tokens, len(aux_layer_ids) * hidden_size] per descriptor, when
-        ``aux_layer_ids`` is set."""
         self.states: dict[BatchExecutionDescriptor, CapturedAttentionState] = {}
+        self.num_replays = 0
+        """Graph replays since capture (a counter)."""
 
     def descriptors(self) -> list[BatchExecutionDescriptor]:
         """Every descriptor to capture, largest first."""
@@ -165,27 +188,18 @@ class CUDAGraphManager:
         self.seq_lens.zero_()
         for d in self.descriptors():
             state = self._state(d)
-            # Warm-up on a side stream, as torch.cuda.graph's documentation asks:
-            # compiles the Triton kernels of this launch shape and lets cuBLAS pick its
-            # algorithms before capture.
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                self.runner.forward(
+            outputs: list = []
+
+            def forward(state=state, outputs=outputs) -> None:
+                outputs[:] = self.runner.forward(
                     state.input_ids, state.positions, state.metadata, self.aux_layer_ids
                 )
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                hidden, aux = self.runner.forward(
-                    state.input_ids, state.positions, state.metadata, self.aux_layer_ids
-                )
+
+            graph = capture_graph(forward, self.pool)
             if self.pool is None:
                 self.pool = graph.pool()
             self.graphs[d] = graph
-            self.outputs[d] = hidden
-            if aux is not None:
-                self.aux_outputs[d] = aux
+            state.hidden_states, state.aux_hidden_states = outputs
             self.states[d] = state
         torch.cuda.synchronize()
         return dict(self.states)
@@ -196,11 +210,11 @@ class CUDAGraphManager:
         """The captured descriptor a batch pads to, or ``None`` (run eagerly)."""
         if uniform_query_len not in self.uniform_query_lens:
             return None
-        for r in self.capture_sizes:
-            if r >= num_reqs:
-                d = BatchExecutionDescriptor(r * uniform_query_len, r, uniform_query_len)
-                return d if d in self.graphs else None
-        return None
+        r = padded_size(self.capture_sizes, num_reqs)
+        if r is None:
+            return None
+        d = BatchExecutionDescriptor(r * uniform_query_len, r, uniform_query_len)
+        return d if d in self.graphs else None
 
     @torch.no_grad()
     def run(
@@ -208,7 +222,7 @@ class CUDAGraphManager:
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         metadata: PagedAttentionMetadata,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor | None, BatchExecutionDescriptor | None]:
         """The forward of a batch: graph replay when a captured size fits, else eager.
 
         Args:
@@ -216,26 +230,18 @@ class CUDAGraphManager:
             metadata: the batch's metadata (``block_table`` ``max_blocks_per_req`` wide).
 
         Returns:
-            [num_tokens, hidden_size] final hidden states. After a replay this is a view
-            of the graph's output buffer: valid until the next replay of any graph.
+            ``(hidden [num_tokens, hidden_size], aux [num_tokens, len(aux_layer_ids) *
+            hidden_size] or None, the descriptor replayed or None)``. After a replay the
+            tensors are views of the graph's output buffers, valid until the next replay
+            of any graph, and the descriptor's :attr:`states` entry holds the batch
+            (padded), for draft graphs that reuse it.
         """
-        return self.run_with_aux(input_ids, positions, metadata)[0]
-
-    @torch.no_grad()
-    def run_with_aux(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        metadata: PagedAttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """:meth:`run`, also returning the auxiliary hidden states ``[num_tokens,
-        len(aux_layer_ids) * hidden_size]`` (``None`` without ``aux_layer_ids``); after
-        a replay both are views of the graph's output buffers."""
         d = None
-        if not metadata.prefill:
+        if not metadata.prefill and metadata.split is None:
             d = self.descriptor_for(metadata.num_reqs, metadata.uniform_query_len)
         if d is None:
-            return self.runner.forward(input_ids, positions, metadata, self.aux_layer_ids)
+            hidden, aux = self.runner.forward(input_ids, positions, metadata, self.aux_layer_ids)
+            return hidden, aux, None
         n, r = metadata.num_tokens, metadata.num_reqs
         assert metadata.block_table.shape[1] == self.block_table.shape[1]
         self.input_ids[:n].copy_(input_ids)
@@ -246,6 +252,9 @@ class CUDAGraphManager:
         if d.num_reqs > r:
             self.slot_mapping[n : d.num_tokens].fill_(-1)
             self.seq_lens[r : d.num_reqs].zero_()
+            self.positions[n : d.num_tokens].zero_()
         self.graphs[d].replay()
-        aux = self.aux_outputs.get(d)
-        return self.outputs[d][:n], None if aux is None else aux[:n]
+        self.num_replays += 1
+        state = self.states[d]
+        aux = state.aux_hidden_states
+        return state.hidden_states[:n], None if aux is None else aux[:n], d

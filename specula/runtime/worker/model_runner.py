@@ -17,7 +17,7 @@ verification (``k + 1`` per request, causal among themselves). A prefill (every
 request's context empty) attends over the prompt itself with
 ``scaled_dot_product_attention`` and writes its keys and values to the cache for later
 steps. Nothing here copies device data to the host, so a decode or verification forward
-can be captured in a CUDA graph (:mod:`specula.runtime.gpu.cudagraph`).
+can be captured in a CUDA graph (:mod:`specula.runtime.worker.cudagraph`).
 """
 
 from __future__ import annotations
@@ -27,15 +27,16 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from specula.runtime.gpu.block_manager import cdiv
-from specula.runtime.gpu.paged_kv import PagedAttentionMetadata, PagedKVCache
+from specula.runtime.engine.block_manager import cdiv
 from specula.runtime.kernels.activation import silu_and_mul
 from specula.runtime.kernels.layernorm import fused_add_rms_norm, rms_norm
 from specula.runtime.kernels.paged_attention import paged_attention
 from specula.runtime.kernels.rotary import build_cos_sin_cache
 from specula.runtime.kernels.rotary_cache import rotary_embedding_and_cache
+from specula.runtime.models.config import ModelConfig
 from specula.runtime.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
 from specula.runtime.models.qwen3 import Qwen3ForCausalLM
+from specula.runtime.worker.paged_kv import PagedAttentionMetadata, PagedKVCache
 
 SUPPORTED_MODELS = (LlamaForCausalLM, Qwen3ForCausalLM)
 
@@ -155,12 +156,12 @@ def attend(
     )
 
 
-class GPUModelRunner:
+class ModelRunner:
     """Runs a :class:`LlamaForCausalLM` or :class:`Qwen3ForCausalLM` over a
-    :class:`PagedKVCache` with the Triton kernels.
+    :class:`PagedKVCache` with the kernels (their torch references off CUDA).
 
     Args:
-        model: the target, on its device, in eval mode, in the cache's dtype.
+        model: the model, on its device, in eval mode, in the cache's dtype.
         kv_cache: one key/value cache pair per decoder layer.
         max_model_len: longest context (tokens) a request may reach; fixes the
             block-table width ``max_blocks_per_req`` and the rotary table length.
@@ -180,35 +181,57 @@ class GPUModelRunner:
     ) -> None:
         if type(model) not in SUPPORTED_MODELS:
             raise ValueError(
-                f"{type(model).__name__} is not supported by the paged GPU runner; "
+                f"{type(model).__name__} is not supported by the paged runner; "
                 f"supported: {', '.join(c.__name__ for c in SUPPORTED_MODELS)}"
             )
-        config = model.config
-        spec = kv_cache.spec
-        if (spec.num_layers, spec.num_kv_heads, spec.head_dim) != (
-            config.num_hidden_layers,
-            config.num_key_value_heads,
-            config.head_dim,
-        ):
-            raise ValueError(f"KV cache {spec} does not match the model config")
         self.model = model
+        self.setup_paged(
+            model.config,
+            kv_cache,
+            len(model.model.layers),
+            model.rotary.inv_freq,
+            model.model.embed_tokens.weight,
+            max_model_len,
+            attn_num_splits,
+        )
+
+    def setup_paged(
+        self,
+        config: ModelConfig,
+        kv_cache: PagedKVCache,
+        num_layers: int,
+        inv_freq: torch.Tensor,
+        weight: torch.Tensor,
+        max_model_len: int,
+        attn_num_splits: int | None,
+    ) -> None:
+        """Set what the sublayers read: ``config`` (heads, head size, ``model_type``),
+        the cache (checked against ``num_layers`` layers of the config's KV shape and
+        ``weight``'s dtype), the rotary table of ``inv_freq``, device and dtype of
+        ``weight``. Draft runners built on these sublayers call it too.
+
+        Raises:
+            ValueError: a cache that does not match.
+        """
+        spec = kv_cache.spec
+        expected = ((config.num_key_value_heads, config.head_dim),) * num_layers
+        if spec.layer_shapes != expected:
+            raise ValueError(f"KV cache {spec} does not match {num_layers} layers of the model")
         self.config = config
         self.kv_cache = kv_cache
-        self.device = model.model.embed_tokens.weight.device
-        self.dtype = model.model.embed_tokens.weight.dtype
+        self.device = weight.device
+        self.dtype = weight.dtype
         if spec.dtype != self.dtype:
             raise ValueError(f"KV cache dtype {spec.dtype} != model dtype {self.dtype}")
         self.block_size = spec.block_size
         self.max_model_len = max_model_len
         self.max_blocks_per_req = cdiv(max_model_len, spec.block_size)
         self.attn_num_splits = attn_num_splits
-        self.has_qk_norm = isinstance(model, Qwen3ForCausalLM)
+        self.has_qk_norm = config.model_type == "qwen3"
         self.scale = config.head_dim**-0.5
         # float32 table: the kernel computes in float32 and rounds once, closer to the
         # float32 reference than a table in the activation dtype.
-        self.cos_sin_cache = build_cos_sin_cache(
-            model.rotary.inv_freq.to(self.device), max_model_len
-        )
+        self.cos_sin_cache = build_cos_sin_cache(inv_freq.to(self.device), max_model_len)
 
     # -- sublayers -------------------------------------------------------------------
 
@@ -263,7 +286,7 @@ class GPUModelRunner:
         Args:
             input_ids: [num_tokens] int64 token ids, request-major.
             positions: [num_tokens] int64 rotary positions (< ``max_model_len``).
-            metadata: from :func:`~specula.runtime.gpu.paged_kv.build_attention_metadata`,
+            metadata: from :func:`~specula.runtime.worker.paged_kv.build_attention_metadata`,
                 whose ``block_table`` is ``max_blocks_per_req`` wide.
             aux_layer_ids: residual streams to return, Hugging Face
                 ``output_hidden_states`` ids as in

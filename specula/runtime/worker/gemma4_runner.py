@@ -1,11 +1,11 @@
 """The paged forward of a Gemma4 text target on the GPU kernels.
 
 :class:`~specula.runtime.models.gemma4.Gemma4ForCausalLM` owns the weights; this module
-runs those same parameters over a :class:`~specula.runtime.gpu.per_layer_kv.
-PerLayerPagedKVCache`, as :class:`~specula.runtime.gpu.model_runner.GPUModelRunner` does
+runs those same parameters over a :class:`~specula.runtime.worker.paged_kv.
+PagedKVCache`, as :class:`~specula.runtime.worker.model_runner.ModelRunner` does
 for Llama and Qwen3, with the same interface (``forward``, ``compute_logits``,
 ``device``, ``dtype``, ``block_size``, ``max_blocks_per_req``, ``kv_cache``), so
-:class:`~specula.runtime.gpu.cudagraph.CUDAGraphManager` captures it unchanged.
+:class:`~specula.runtime.worker.cudagraph.CUDAGraphManager` captures it unchanged.
 
 What differs from the Llama path (see :mod:`specula.runtime.models.gemma4` for the
 model):
@@ -39,10 +39,7 @@ from collections.abc import Sequence
 
 import torch
 
-from specula.runtime.gpu.block_manager import cdiv
-from specula.runtime.gpu.model_runner import GPUModelRunner, attend
-from specula.runtime.gpu.paged_kv import PagedAttentionMetadata
-from specula.runtime.gpu.per_layer_kv import PerLayerPagedKVCache
+from specula.runtime.engine.block_manager import cdiv
 from specula.runtime.kernels.activation import silu_and_mul
 from specula.runtime.kernels.layernorm import fused_add_rms_norm, rms_norm
 from specula.runtime.kernels.rotary import build_cos_sin_cache, rotary_embedding
@@ -56,12 +53,14 @@ from specula.runtime.models.gemma4 import (
 from specula.runtime.models.gemma4_config import SLIDING, Gemma4ModelConfig
 from specula.runtime.models.gemma4_layers import Gemma4RMSNorm
 from specula.runtime.models.layers import RotaryEmbedding
+from specula.runtime.worker.model_runner import ModelRunner, attend
+from specula.runtime.worker.paged_kv import PagedAttentionMetadata, PagedKVCache
 
 
 class Gemma4PagedLayers:
     """Gemma4 decoder layers on the kernels over a paged KV cache: the part of the
-    forward that the target (:class:`GPUGemma4Runner`) and its MTP draft
-    (:class:`~specula.runtime.gpu.gemma4_mtp.GPUGemma4AssistantRunner`) share.
+    forward that the target (:class:`Gemma4Runner`) and its MTP draft
+    (:class:`~specula.runtime.spec_decode.gemma4.runner.Gemma4AssistantRunner`) share.
 
     Args:
         config: the layers' config (the target's, or the assistant's text config).
@@ -84,7 +83,7 @@ class Gemma4PagedLayers:
     def __init__(
         self,
         config: Gemma4ModelConfig,
-        kv_cache: PerLayerPagedKVCache,
+        kv_cache: PagedKVCache,
         kv_sources: Sequence[int],
         windows: Sequence[int | None],
         rotary: dict[str, RotaryEmbedding],
@@ -212,15 +211,15 @@ class Gemma4PagedLayers:
         return hidden * layer.layer_scalar
 
 
-class GPUGemma4Runner(Gemma4PagedLayers):
-    """Runs a :class:`Gemma4ForCausalLM` over a :class:`PerLayerPagedKVCache` with the
-    Triton kernels; the interface of :class:`GPUModelRunner`.
+class Gemma4Runner(Gemma4PagedLayers):
+    """Runs a :class:`Gemma4ForCausalLM` over a :class:`PagedKVCache` with the
+    Triton kernels; the interface of :class:`ModelRunner`.
 
     Args:
         model: the target, on its device, in eval mode, in the cache's dtype.
         kv_cache: one key/value pair per non-shared layer, shaped as
             ``model.config.kv_cache_shapes()`` (see
-            :meth:`PerLayerKVCacheSpec.from_model_config`); KV-shared layers read their
+            :meth:`KVCacheSpec.from_model_config`); KV-shared layers read their
             producer's pair.
         max_model_len: longest context (tokens) a request may reach; fixes the
             block-table width ``max_blocks_per_req`` and the rotary table length.
@@ -235,7 +234,7 @@ class GPUGemma4Runner(Gemma4PagedLayers):
     def __init__(
         self,
         model: Gemma4ForCausalLM,
-        kv_cache: PerLayerPagedKVCache,
+        kv_cache: PagedKVCache,
         max_model_len: int,
         attn_num_splits: int | None = None,
     ) -> None:
@@ -283,7 +282,7 @@ class GPUGemma4Runner(Gemma4PagedLayers):
         Args:
             input_ids: [num_tokens] int64 token ids, request-major.
             positions: [num_tokens] int64 rotary positions (< ``max_model_len``).
-            metadata: from :func:`~specula.runtime.gpu.paged_kv.build_attention_metadata`
+            metadata: from :func:`~specula.runtime.worker.paged_kv.build_attention_metadata`
                 (one for every layer: all share the block tables), whose
                 ``block_table`` is ``max_blocks_per_req`` wide.
             aux_layer_ids: residual streams to return, counted as in
@@ -296,7 +295,7 @@ class GPUGemma4Runner(Gemma4PagedLayers):
 
         Raises:
             AssertionError: shapes or dtypes that do not match the above.
-            ValueError: a batch :func:`~specula.runtime.gpu.model_runner.attend` refuses.
+            ValueError: a batch :func:`~specula.runtime.worker.model_runner.attend` refuses.
         """
         assert input_ids.ndim == 1 and input_ids.shape == positions.shape
         assert input_ids.shape[0] == metadata.num_tokens
@@ -331,4 +330,4 @@ class GPUGemma4Runner(Gemma4PagedLayers):
         soft-capped as :meth:`Gemma4ForCausalLM.compute_logits`."""
         return self.model.compute_logits(hidden)
 
-    last_token_indices = staticmethod(GPUModelRunner.last_token_indices)
+    last_token_indices = staticmethod(ModelRunner.last_token_indices)

@@ -13,38 +13,57 @@ from dataclasses import dataclass
 
 import torch
 
-from specula.runtime.gpu.block_manager import BlockManager, cdiv
+from specula.runtime.engine.block_manager import BlockManager, cdiv
 from specula.runtime.models.config import ModelConfig
 
 
 @dataclass(frozen=True)
 class KVCacheSpec:
-    """Shape of the paged KV cache of one model."""
+    """Shape of the paged KV cache of one model: one key/value pair per layer that owns
+    storage, each ``[num_blocks, block_size, num_kv_heads_i, head_dim_i]``. Layers may
+    differ (Gemma4's sliding and full layers have their own heads and head size, and its
+    KV-shared layers own none); all share ``num_blocks`` and ``block_size``, so one block
+    table and slot mapping describe a forward for every layer (vLLM's hybrid KV-cache
+    groups, reduced to one group with per-layer tensor shapes)."""
 
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
+    layer_shapes: tuple[tuple[int, int], ...]
+    """``(num_kv_heads, head_dim)`` of each storage-owning layer, in layer order."""
     block_size: int
     """Token slots per block; 16 as vLLM's default."""
     dtype: torch.dtype
 
     @classmethod
+    def uniform(
+        cls, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype
+    ) -> KVCacheSpec:
+        """``num_layers`` layers of one shape."""
+        return cls(((num_kv_heads, head_dim),) * num_layers, block_size, dtype)
+
+    @classmethod
     def from_model_config(
         cls, config: ModelConfig, dtype: torch.dtype, block_size: int = 16
     ) -> KVCacheSpec:
-        return cls(
-            config.num_hidden_layers,
-            config.num_key_value_heads,
-            config.head_dim,
-            block_size,
+        """The cache a target needs: ``config.kv_cache_shapes()`` when the config has
+        per-layer shapes (Gemma4), else one shape for every layer."""
+        shapes = getattr(config, "kv_cache_shapes", None)
+        if shapes is not None:
+            return cls(tuple(shapes()), block_size, dtype)
+        return cls.uniform(
+            config.num_hidden_layers, config.num_key_value_heads, config.head_dim, block_size,
             dtype,
         )
+
+    @property
+    def num_layers(self) -> int:
+        """Layers that own storage."""
+        return len(self.layer_shapes)
 
     @property
     def bytes_per_block(self) -> int:
         """Bytes of one block over all layers, keys and values."""
         itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * itemsize
+        per_token = sum(heads * head_dim for heads, head_dim in self.layer_shapes)
+        return 2 * self.block_size * per_token * itemsize
 
 
 def num_blocks_from_free_memory(
@@ -71,7 +90,7 @@ def num_blocks_from_free_memory(
 
 
 class PagedKVCache:
-    """Per-layer key and value caches ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+    """The key and value caches of a :class:`KVCacheSpec`, zero-filled.
 
     Args:
         spec: the cache shape.
@@ -87,34 +106,11 @@ class PagedKVCache:
             raise ValueError(f"num_blocks={num_blocks} must be > 0")
         self.spec = spec
         self.num_blocks = num_blocks
-        shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        shapes = [(num_blocks, spec.block_size, h, d) for h, d in spec.layer_shapes]
         # Zero-filled, not empty: a padded verification row may read a stale slot whose
         # softmax weight is 0, and 0 * NaN from uninitialised memory would still be NaN.
-        self.key_caches = [
-            torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)
-        ]
-        self.value_caches = [
-            torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)
-        ]
-
-    @classmethod
-    def from_free_memory(
-        cls,
-        spec: KVCacheSpec,
-        device: torch.device,
-        memory_fraction: float = 0.9,
-        reserve_bytes: int = 1 << 30,
-    ) -> PagedKVCache:
-        """Size the cache to ``memory_fraction`` of the device's free memory minus
-        ``reserve_bytes`` (left for activations and CUDA-graph pools).
-
-        Raises:
-            ValueError: not a CUDA device, or no block fits.
-        """
-        num_blocks = num_blocks_from_free_memory(
-            spec.bytes_per_block, device, memory_fraction, reserve_bytes
-        )
-        return cls(spec, num_blocks, device)
+        self.key_caches = [torch.zeros(s, dtype=spec.dtype, device=device) for s in shapes]
+        self.value_caches = [torch.zeros(s, dtype=spec.dtype, device=device) for s in shapes]
 
     def block_manager(self, watermark: float = 0.01) -> BlockManager:
         """A :class:`BlockManager` over this cache's blocks."""
@@ -174,6 +170,76 @@ def _to_device(values: Sequence[int], dtype: torch.dtype, device: torch.device) 
     pin = device.type == "cuda"
     host = torch.tensor(values, dtype=dtype, pin_memory=pin)
     return host.to(device, non_blocking=pin)
+
+
+def device_metadata(
+    block_table: torch.Tensor,
+    starts: torch.Tensor,
+    query_lens: Sequence[int],
+    block_size: int,
+) -> tuple[PagedAttentionMetadata, torch.Tensor]:
+    """The metadata of a batch whose block tables and context lengths are on the device
+    (the engine's persistent state): slot mapping, positions and sequence lengths are
+    computed there, only the query lengths come from the host.
+
+    Requests are decode or verification requests of one query length (context in the
+    cache, ``starts > 0``) followed by prefills (``starts == 0``); the host says how many
+    of each through ``query_lens`` and the prefill rows' ``starts``.
+
+    Args:
+        block_table: [num_reqs, max_blocks_per_req] int32, covering every position.
+        starts: [num_reqs] int64, each request's first query position (its cached
+            context length).
+        query_lens: per request, its query tokens (host).
+        block_size: tokens per block.
+
+    Returns:
+        ``(metadata, positions [num_tokens] int64)``.
+    """
+    device = block_table.device
+    num_reqs = len(query_lens)
+    uniform = query_lens[0] if all(q == query_lens[0] for q in query_lens) else None
+    if uniform is not None:
+        offsets = torch.arange(uniform, device=device)
+        positions = (starts[:, None] + offsets).reshape(-1)
+        token_req = torch.arange(num_reqs, device=device).repeat_interleave(uniform)
+        query_start_loc = torch.arange(num_reqs + 1, device=device, dtype=torch.int32) * uniform
+    else:
+        token_req = _to_device(
+            [i for i, q in enumerate(query_lens) for _ in range(q)], torch.int64, device
+        )
+        offsets = _to_device([j for q in query_lens for j in range(q)], torch.int64, device)
+        positions = starts[token_req] + offsets
+        cumulative = [0]
+        for q in query_lens:
+            cumulative.append(cumulative[-1] + q)
+        query_start_loc = _to_device(cumulative, torch.int32, device)
+    blocks = block_table[token_req, positions // block_size].long()
+    lens = _to_device(list(query_lens), torch.int64, device) if uniform is None else uniform
+    metadata = PagedAttentionMetadata(
+        slot_mapping=blocks * block_size + positions % block_size,
+        block_table=block_table,
+        seq_lens=(starts + lens).to(torch.int32),
+        query_start_loc=query_start_loc,
+        num_reqs=num_reqs,
+        num_tokens=sum(query_lens),
+        uniform_query_len=uniform,
+        prefill=False,
+        query_lens_cpu=tuple(query_lens),
+    )
+    return metadata, positions
+
+
+def mark_prefills(metadata: PagedAttentionMetadata, num_decode: int) -> PagedAttentionMetadata:
+    """Say which requests of ``metadata`` prefill: all after the first ``num_decode``
+    (a pure prefill batch, or a mixed one split for attention)."""
+    if num_decode == 0:
+        metadata.prefill = True
+    elif num_decode < metadata.num_reqs:
+        metadata.split = _split_mixed(
+            metadata, [False] * num_decode + [True] * (metadata.num_reqs - num_decode)
+        )
+    return metadata
 
 
 def build_attention_metadata(

@@ -1,0 +1,208 @@
+"""Per-request state kept on the device between steps, updated in place (vLLM Model
+Runner V2's persistent input batch, ``vllm/v1/worker/gpu/input_batch.py`` and
+``block_table.py``).
+
+A running request owns one *row* of every tensor from admission until it finishes or
+is preempted. A step names its requests by their rows (``idx_mapping``, batch order ->
+row) and gathers what it needs on the device: the last sampled token and the drafts to
+verify, the context length, the block table, the sampling settings. The host writes
+only what changed since the last step (new block-table entries, a new request's
+settings and tokens), batched into a few copies by :meth:`InputBatch.flush`; the device
+updates the rest itself after sampling (:meth:`InputBatch.commit`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from specula.runtime.engine.request import Request
+from specula.runtime.engine.sampler import SamplingMetadata, flags_of
+
+
+def to_device(values: Sequence[int] | Sequence[float], dtype: torch.dtype, device) -> torch.Tensor:
+    """A host list on ``device`` through a pinned staging tensor (asynchronous on CUDA;
+    PyTorch's caching host allocator keeps the staging tensor alive until the copy ran)."""
+    pin = torch.device(device).type == "cuda"
+    return torch.tensor(values, dtype=dtype, pin_memory=pin).to(device, non_blocking=pin)
+
+
+class InputBatch:
+    """Device state of up to ``max_num_reqs`` running requests.
+
+    Args:
+        max_num_reqs: rows (the engine's ``max_num_seqs``).
+        max_blocks_per_req: block-table width.
+        max_num_speculative_tokens: draft columns (at least 1).
+        vocab_size: columns of :attr:`draft_probs` when ``keep_draft_probs``.
+        device: where the tensors live.
+        token_capacity: columns of :attr:`token_ids` (every token of a request, for
+            speculators that read the history); ``None`` keeps no history.
+        keep_draft_probs: keep the distributions probabilistic drafts were sampled from.
+    """
+
+    def __init__(
+        self,
+        max_num_reqs: int,
+        max_blocks_per_req: int,
+        max_num_speculative_tokens: int,
+        vocab_size: int,
+        device: torch.device,
+        token_capacity: int | None = None,
+        keep_draft_probs: bool = False,
+    ) -> None:
+        r, k = max_num_reqs, max(max_num_speculative_tokens, 1)
+        self.device = device
+        i64 = {"dtype": torch.int64, "device": device}
+        self.block_table = torch.zeros(r, max_blocks_per_req, dtype=torch.int32, device=device)
+        """[max_num_reqs, max_blocks_per_req] int32 block ids (target and drafts share)."""
+        self.num_computed_tokens = torch.zeros(r, **i64)
+        """[max_num_reqs] tokens whose KV is committed: the position of the last token."""
+        self.last_token_ids = torch.zeros(r, **i64)
+        """[max_num_reqs] the last sampled token (input of the next forward)."""
+        self.draft_token_ids = torch.zeros(r, k, **i64)
+        """[max_num_reqs, k_max] the drafts the next verification checks."""
+        self.num_draft_tokens = torch.zeros(r, **i64)
+        """[max_num_reqs] how many leading drafts are real (n-gram drafts may be short)."""
+        self.draft_probs = (
+            torch.zeros(r, k, vocab_size, dtype=torch.float32, device=device)
+            if keep_draft_probs
+            else None
+        )
+        """[max_num_reqs, k_max, vocab_size] float32 distributions of sampled drafts."""
+        self.temperature = torch.zeros(r, dtype=torch.float32, device=device)
+        self.top_p = torch.ones(r, dtype=torch.float32, device=device)
+        self.top_k = torch.zeros(r, **i64)
+        self.seeds = torch.zeros(r, **i64)
+        self.token_ids = None if token_capacity is None else torch.zeros(r, token_capacity, **i64)
+        """[max_num_reqs, token_capacity] prompt and output tokens, when kept."""
+        self.num_tokens = torch.zeros(r, **i64)
+        """[max_num_reqs] valid columns of :attr:`token_ids`."""
+        self._free_rows = list(range(r - 1, -1, -1))
+        self._num_blocks = [0] * r
+        self._requests: list[Request | None] = [None] * r
+        self._bt_updates: tuple[list[int], list[int], list[int]] = ([], [], [])
+        self._new_rows: list[Request] = []
+
+    # -- host-side changes, applied by flush() ------------------------------------------
+
+    def add(self, request: Request) -> int:
+        """Give ``request`` a free row (its settings are written at the next flush).
+
+        Raises:
+            IndexError: no free row (the scheduler admits at most ``max_num_reqs``).
+        """
+        row = self._free_rows.pop()
+        request.row = row
+        self._requests[row] = request
+        self._num_blocks[row] = 0
+        self._new_rows.append(request)
+        return row
+
+    def remove(self, request: Request) -> None:
+        """Free ``request``'s row."""
+        if request.row >= 0 and self._requests[request.row] is request:
+            self._requests[request.row] = None
+            self._free_rows.append(request.row)
+        if request in self._new_rows:
+            self._new_rows.remove(request)
+        request.row = -1
+
+    def set_blocks(self, request: Request, first_new: int, blocks: Sequence[int]) -> None:
+        """Record that table entries ``first_new..`` of ``request`` are now ``blocks``
+        (only entries past the ones already written are copied)."""
+        row = request.row
+        start = self._num_blocks[row]
+        if first_new < start:
+            blocks = blocks[start - first_new :]
+            first_new = start
+        rows, cols, values = self._bt_updates
+        for i, block in enumerate(blocks):
+            rows.append(row)
+            cols.append(first_new + i)
+            values.append(block)
+        self._num_blocks[row] = first_new + len(blocks)
+
+    def num_blocks_written(self, request: Request) -> int:
+        """Leading entries of ``request``'s block-table row that hold its blocks."""
+        return self._num_blocks[request.row]
+
+    def truncate_blocks(self, request: Request, num_blocks: int) -> None:
+        """The request now holds ``num_blocks`` blocks; later entries are stale."""
+        self._num_blocks[request.row] = min(self._num_blocks[request.row], num_blocks)
+
+    def flush(self) -> None:
+        """Copy the recorded block-table entries and the new requests' settings and
+        tokens to the device (a few batched copies)."""
+        rows, cols, values = self._bt_updates
+        if rows:
+            dev = self.device
+            r = to_device(rows, torch.int64, dev)
+            c = to_device(cols, torch.int64, dev)
+            self.block_table[r, c] = to_device(values, torch.int32, dev)
+            self._bt_updates = ([], [], [])
+        new, self._new_rows = self._new_rows, []
+        if not new:
+            return
+        dev = self.device
+        rows_t = to_device([q.row for q in new], torch.int64, dev)
+        self.temperature[rows_t] = to_device([q.params.temperature for q in new], torch.float32, dev)
+        self.top_p[rows_t] = to_device([q.params.top_p for q in new], torch.float32, dev)
+        self.top_k[rows_t] = to_device([max(q.params.top_k, 0) for q in new], torch.int64, dev)
+        self.seeds[rows_t] = to_device([q.seed for q in new], torch.int64, dev)
+        self.num_draft_tokens[rows_t] = 0
+        self.num_computed_tokens[rows_t] = 0
+        if self.token_ids is not None:
+            flat_rows = [q.row for q in new for _ in q.token_ids]
+            flat_cols = [i for q in new for i in range(len(q.token_ids))]
+            tokens = [t for q in new for t in q.token_ids]
+            self.token_ids[to_device(flat_rows, torch.int64, dev), to_device(flat_cols, torch.int64, dev)] = (
+                to_device(tokens, torch.int64, dev)
+            )
+            self.num_tokens[rows_t] = to_device([len(q.token_ids) for q in new], torch.int64, dev)
+
+    # -- device-side views and updates --------------------------------------------------
+
+    def sampling(self, idx: torch.Tensor, requests: Sequence[Request]) -> SamplingMetadata:
+        """The sampling settings of the requests at rows ``idx [num_reqs]``."""
+        return SamplingMetadata(
+            self.temperature[idx], self.top_p[idx], self.top_k[idx], self.seeds[idx],
+            **flags_of([r.params for r in requests]),
+        )
+
+    def commit(
+        self,
+        idx: torch.Tensor,
+        num_computed_tokens: torch.Tensor,
+        next_token_ids: torch.Tensor,
+        output_token_ids: torch.Tensor | None = None,
+        num_output_tokens: torch.Tensor | None = None,
+    ) -> None:
+        """After sampling: rows ``idx`` now have ``num_computed_tokens`` committed tokens
+        and ``next_token_ids`` as their last token; with a token history, append each
+        row's first ``num_output_tokens[i]`` of ``output_token_ids[i]`` to it.
+
+        Args:
+            idx: [num_reqs] int64 rows.
+            num_computed_tokens, next_token_ids: [num_reqs] int64.
+            output_token_ids: [num_reqs, n] int64.
+            num_output_tokens: [num_reqs] int64 in ``[1, n]``.
+        """
+        self.num_computed_tokens[idx] = num_computed_tokens
+        self.last_token_ids[idx] = next_token_ids
+        if self.token_ids is None or output_token_ids is None:
+            return
+        assert num_output_tokens is not None
+        n = output_token_ids.shape[1]
+        start = self.num_tokens[idx]  # [num_reqs]
+        cols = start[:, None] + torch.arange(n, device=idx.device)  # [num_reqs, n]
+        valid = torch.arange(n, device=idx.device)[None, :] < num_output_tokens[:, None]
+        cols = torch.where(valid, cols, self.token_ids.shape[1] - 1).clamp_(
+            max=self.token_ids.shape[1] - 1
+        )
+        rows = idx[:, None].expand(-1, n)
+        # Invalid columns write the last column, which nothing reads before it is valid.
+        current = self.token_ids[rows, cols]
+        self.token_ids[rows, cols] = torch.where(valid, output_token_ids, current)
+        self.num_tokens[idx] = start + num_output_tokens

@@ -1,0 +1,90 @@
+"""The DFlash draft's forwards on the kernels, over its own paged KV cache with the
+target's block tables: the context keys and values of committed positions, and one block
+forward per request (Chen, Liang, Liu, arXiv 2602.06036)."""
+
+from __future__ import annotations
+
+import torch
+
+from specula.runtime.kernels.layernorm import fused_add_rms_norm, rms_norm
+from specula.runtime.kernels.reshape_and_cache import reshape_and_cache
+from specula.runtime.kernels.rotary import rotary_embedding
+from specula.runtime.models.dflash import DFlashDraftModel
+from specula.runtime.worker.model_runner import ModelRunner
+from specula.runtime.worker.paged_kv import PagedAttentionMetadata, PagedKVCache
+
+
+class DFlashRunner(ModelRunner):
+    """Runs a :class:`DFlashDraftModel` (Qwen3 decoder layers: per-head query/key norms)
+    with the sublayers of :class:`ModelRunner`.
+
+    Raises:
+        ValueError: a cache that does not match the draft's layers.
+    """
+
+    def __init__(self, model: DFlashDraftModel, kv_cache: PagedKVCache, max_model_len: int) -> None:
+        self.model = model
+        self.setup_paged(
+            model.config, kv_cache, len(model.layers), model.rotary.inv_freq, model.fc.weight,
+            max_model_len, None,
+        )
+        self.has_qk_norm = True  # the layers are Qwen3's whatever the config's model_type
+
+    @torch.no_grad()
+    def store_context(
+        self, aux_hidden_states: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> None:
+        """Write every layer's context keys and values of the target's rows:
+        ``hidden_norm(fc(aux))``, then ``k_proj``, ``k_norm`` and the rotary embedding
+        for keys, ``v_proj`` for values (vLLM's ``precompute_and_store_context_kv``).
+
+        Args:
+            aux_hidden_states: [num_tokens, num_aux * H] the target's auxiliary states.
+            positions: [num_tokens] int64.
+            slot_mapping: [num_tokens] int64 cache slots (-1: skip).
+        """
+        features = self.model.context_features(aux_hidden_states.to(self.dtype))  # [n, H]
+        n = features.shape[0]
+        for i, layer in enumerate(self.model.layers):
+            attn = layer.self_attn
+            qkv = attn.qkv_proj
+            q_size = qkv.output_sizes[0]
+            bias = None if qkv.bias is None else qkv.bias[q_size:]
+            kv = torch.nn.functional.linear(features, qkv.weight[q_size:], bias)
+            k, v = kv.split(qkv.output_sizes[1:], dim=-1)
+            heads, head_dim = attn.num_kv_heads, attn.head_dim
+            k = rms_norm(k.reshape(-1, head_dim), attn.k_norm.weight, attn.k_norm.eps)
+            k = k.view(n, heads, head_dim)
+            rotary_embedding(positions, k, None, self.cos_sin_cache)
+            key_cache, value_cache = self.kv_cache.layer(i)
+            reshape_and_cache(k, v.view(n, heads, head_dim), key_cache, value_cache, slot_mapping)
+
+    @torch.no_grad()
+    def forward(  # type: ignore[override]
+        self, inputs_embeds: torch.Tensor, positions: torch.Tensor, metadata: PagedAttentionMetadata
+    ) -> torch.Tensor:
+        """The draft layers over block rows (each row its own one-query request seeing
+        the whole context and block: non-causal within the block).
+
+        Args:
+            inputs_embeds: [num_tokens, H] the target's embeddings of the block tokens.
+            positions: [num_tokens] int64.
+            metadata: one query row per block token.
+
+        Returns:
+            [num_tokens, H] final normed hidden states.
+        """
+        residual = inputs_embeds
+        hidden = None
+        for i, layer in enumerate(self.model.layers):
+            ln = layer.input_layernorm
+            if hidden is None:
+                hidden = rms_norm(residual, ln.weight, ln.eps)
+            else:
+                hidden, residual = fused_add_rms_norm(hidden, residual, ln.weight, ln.eps)
+            hidden = self._attention(layer.self_attn, hidden, positions, i, metadata)
+            ln = layer.post_attention_layernorm
+            hidden, residual = fused_add_rms_norm(hidden, residual, ln.weight, ln.eps)
+            hidden = self._mlp(layer.mlp, hidden)
+        norm = self.model.norm
+        return fused_add_rms_norm(hidden, residual, norm.weight, norm.eps)[0]

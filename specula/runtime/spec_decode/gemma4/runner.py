@@ -1,0 +1,97 @@
+"""The Gemma4 MTP draft (``gemma4_assistant``) on the kernels, reading the target's paged
+KV cache.
+
+The assistant (:class:`~specula.runtime.models.gemma4_assistant.
+Gemma4AssistantForCausalLM`) has no KV of its own: each of its layers is query-only and
+attends to the target's cache entry of the target's last non-shared layer of the same
+type, through the target's block tables. A draft row at rotary position ``p`` sees the
+committed target positions ``0 .. p - 1`` (sliding layers: the last ``sliding_window +
+1`` of them, the assistant's inclusive window); KV the target wrote for rejected drafts
+(positions ``>= p``) is never read.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specula.runtime.kernels.layernorm import rms_norm
+from specula.runtime.models.gemma4_assistant import (
+    Gemma4AssistantForCausalLM,
+    check_gemma4_target,
+)
+from specula.runtime.models.gemma4_config import SLIDING
+from specula.runtime.worker.gemma4_runner import Gemma4PagedLayers, Gemma4Runner
+from specula.runtime.worker.paged_kv import PagedAttentionMetadata
+
+
+class Gemma4AssistantRunner(Gemma4PagedLayers):
+    """Runs a :class:`Gemma4AssistantForCausalLM` on the kernels over the cache of a
+    :class:`Gemma4Runner`.
+
+    Args:
+        model: the assistant, on the target's device, in its dtype, eval mode.
+        target: the target runner; its token embedding, KV cache, block-table width and
+            rotary length are used.
+        attn_num_splits: as for the target runner.
+
+    Raises:
+        ValueError: an assistant that does not fit the target (see
+            :func:`~specula.runtime.models.gemma4_assistant.check_gemma4_target`), or
+            another dtype.
+    """
+
+    def __init__(
+        self,
+        model: Gemma4AssistantForCausalLM,
+        target: Gemma4Runner,
+        attn_num_splits: int | None = None,
+    ) -> None:
+        check_gemma4_target(model.config, target.config)
+        text = model.config.text
+        producers = target.config.kv_producer_layers()
+        weight = model.pre_projection.weight
+        super().__init__(
+            text,
+            target.kv_cache,
+            # Non-shared target layers are a prefix: cache entry == layer index.
+            [producers[t] for t in text.layer_types],
+            [model.sliding_window if t == SLIDING else None for t in text.layer_types],
+            model.rotary.by_type,
+            target.max_model_len,
+            attn_num_splits,
+            weight.device,
+            weight.dtype,
+        )
+        self.model = model
+        self.target = target
+
+    @torch.no_grad()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: PagedAttentionMetadata,
+        backbone: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One draft step, :meth:`Gemma4AssistantForCausalLM.forward` on the kernels.
+
+        Args:
+            input_ids: [num_reqs] int64 token of each row.
+            positions: [num_reqs] int64 rotary positions.
+            metadata: one query row per request whose ``seq_lens`` are the positions
+                (each row sees the target's cache before its position) and whose slot
+                mapping writes nothing.
+            backbone: [num_reqs, backbone_hidden_size] the target's final hidden state
+                (first step) or the previous step's ``post_projection`` output.
+
+        Returns:
+            ``(hidden [num_reqs, hidden_size] after the final norm, next backbone
+            [num_reqs, backbone_hidden_size])``.
+        """
+        embeds = self.target.model.model.embed(input_ids)  # [num_reqs, backbone]
+        x = self.model.pre_projection(torch.cat([embeds, backbone.to(embeds.dtype)], dim=-1))
+        for i, layer in enumerate(self.model.model.layers):
+            x = self._layer(layer, x, None, positions, i, metadata, {})
+        norm = self.model.model.norm
+        hidden = rms_norm(x, norm.weight, norm.eps)
+        return hidden, self.model.post_projection(hidden)
