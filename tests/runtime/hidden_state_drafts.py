@@ -16,7 +16,7 @@ import torch
 
 from specula.api.runtime_config import RuntimeConfig, SpeculatorRuntimeConfig
 from specula.runtime.engine.llm_engine import LLMEngine
-from specula.runtime.spec_decode.base import DraftProposal, SpeculatorInput
+from specula.runtime.spec_decode.base import DraftOutput, ProposeInputs
 
 VOCAB_SIZE = 320
 HIDDEN_SIZE = 64
@@ -97,20 +97,36 @@ def random_prompts(seed: int) -> list[list[int]]:
     return [torch.randint(1, VOCAB_SIZE, (n,), generator=gen).tolist() for n in PROMPT_LENS]
 
 
-def record_proposals(engine: LLMEngine) -> list[tuple[list[list[int]], DraftProposal]]:
-    """Make ``engine``'s speculator log every ``propose`` call (its requests' verified
-    tokens and the proposal) into the returned list; drafting itself is unchanged."""
+def record_proposals(engine: LLMEngine) -> list[tuple[list[int], list[int]]]:
+    """Make ``engine`` log every draft its speculator proposes as ``(verified tokens,
+    drafts)`` of one request (the tokens being the request's prompt and output once the
+    step that proposed them ended); drafting itself is unchanged. Requests that finished
+    in that step are left out (their drafts are never verified)."""
     speculator = engine.speculator
     assert speculator is not None
-    log: list[tuple[list[list[int]], DraftProposal]] = []
-    propose = speculator.propose
+    log: list[tuple[list[int], list[int]]] = []
+    pending: list[tuple[list, list[list[int]]]] = []
+    propose, step = speculator.propose, engine.step
 
-    def recording(inputs: SpeculatorInput, k: int) -> DraftProposal:
-        proposal = propose(inputs, k)
-        log.append(([list(t) for t in inputs.token_ids], proposal))
-        return proposal
+    def recording(inputs: ProposeInputs) -> DraftOutput | None:
+        out = propose(inputs)
+        if out is not None:
+            rows = inputs.idx_mapping.tolist()
+            requests = [engine.input_batch._requests[r] for r in rows]
+            pending.append((requests, out.draft_token_ids.tolist()))
+        return out
+
+    def stepping():
+        outputs = step()
+        for requests, drafts in pending:
+            for request, d in zip(requests, drafts, strict=True):
+                if not request.finished:
+                    log.append((list(request.token_ids), d))
+        pending.clear()
+        return outputs
 
     speculator.propose = recording  # type: ignore[method-assign]
+    engine.step = stepping  # type: ignore[method-assign]
     return log
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from model_checks import ATOL, CPU, check_runner_against_hf, cpu_runner, hf_logits
+from model_checks import ATOL, CPU, check_runner_against_hf, cpu_runner, hf_logits, paged_prefill
 
 from specula.runtime.models.registry import load_model
 
@@ -14,7 +14,7 @@ pytestmark = pytest.mark.runtime
 
 
 def _check_against_hf(runner, hf, vocab: int) -> None:
-    check_runner_against_hf(runner, hf, vocab, lens=(7, 12), slots=(2, 0), rollback_request=0)
+    check_runner_against_hf(runner, hf, vocab, lens=(7, 12))
 
 
 @pytest.mark.parametrize(
@@ -63,7 +63,7 @@ def test_llama_variants_match_transformers(tmp_path, tiny_tokenizer):
     _check_against_hf(runner, hf, config.vocab_size)
 
     tokens = torch.randint(0, 320, (40,), generator=torch.Generator().manual_seed(1)).tolist()
-    logits = runner.compute_logits(runner.forward([3], torch.tensor(tokens), [40], [0]))
+    logits = runner.compute_logits(paged_prefill(runner, torch.tensor(tokens))[0])
     torch.testing.assert_close(logits, hf_logits(hf, tokens), atol=ATOL, rtol=0)
 
 

@@ -25,12 +25,13 @@ from hidden_state_drafts import (
     save_bigram_target,
     save_speculators,
 )
+from model_checks import BLOCK_SIZE, CPU, paged_prefill
 
-from specula.runtime.engine.kv_cache import KVCache
 from specula.runtime.engine.llm_engine import SamplingParams
-from specula.runtime.models.attention import build_attention_metadata
 from specula.runtime.models.config import ModelConfig
 from specula.runtime.models.llama_eagle3 import load_eagle3_draft
+from specula.runtime.spec_decode.eagle.runner import Eagle3Runner
+from specula.runtime.worker.paged_kv import KVCacheSpec, PagedKVCache
 
 pytestmark = pytest.mark.runtime
 
@@ -122,11 +123,14 @@ def test_draft_logits_match_speculators(
     aux = torch.randn(n, len(AUX_IDS) * HIDDEN_SIZE, generator=gen)
     (expected,) = _speculators_logits(ref, aux, input_ids, ttt_steps=1)
 
-    kv = KVCache(ours.config, 1, 64, torch.float32, torch.device("cpu"))
-    metadata = build_attention_metadata([0], [n], [0], torch.device("cpu"))
+    c = ours.config
+    spec = KVCacheSpec.uniform(
+        len(ours.layers), c.num_key_value_heads, c.head_dim, BLOCK_SIZE, torch.float32
+    )
+    runner = Eagle3Runner(ours, PagedKVCache(spec, 16, CPU), 64)
     with torch.no_grad():
         fused = ours.combine_hidden_states(aux)
-        normed, _ = ours(input_ids, torch.arange(n), kv.layers, metadata, fused)
+        normed, _ = paged_prefill(runner, input_ids, fused)
         got = ours.compute_draft_vocab_logits(normed)
         full = ours.compute_logits(normed)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
@@ -155,16 +159,15 @@ def test_every_proposal_follows_speculators_multi_step_forward(
     engine.generate(prompts, SamplingParams(max_tokens=10, ignore_eos=True))
     assert len(log) >= 4
     d2t_ids = ref.d2t + torch.arange(ref.d2t.shape[0])
-    for token_ids, proposal in log:
-        for tokens, drafts in zip(token_ids, proposal.draft_token_ids.tolist(), strict=True):
-            n = len(tokens)
-            aux = _target_aux(target_hf, tokens[:-1])  # [n - 1, 3H]
-            # Row j reads token j+1; the drafts extend the sequence for later TTT steps.
-            input_ids = torch.tensor(tokens[1:] + drafts[:-1])
-            aux = torch.cat([aux, aux.new_zeros(k - 1, aux.shape[1])])
-            steps = _speculators_logits(ref, aux, input_ids, ttt_steps=k)
-            expected = [d2t_ids[logits[n - 2].argmax()].item() for logits in steps]
-            assert drafts == expected, f"context of {n} tokens"
+    for tokens, drafts in log:
+        n = len(tokens)
+        aux = _target_aux(target_hf, tokens[:-1])  # [n - 1, 3H]
+        # Row j reads token j+1; the drafts extend the sequence for later TTT steps.
+        input_ids = torch.tensor(tokens[1:] + drafts[:-1])
+        aux = torch.cat([aux, aux.new_zeros(k - 1, aux.shape[1])])
+        steps = _speculators_logits(ref, aux, input_ids, ttt_steps=k)
+        expected = [d2t_ids[logits[n - 2].argmax()].item() for logits in steps]
+        assert drafts == expected, f"context of {n} tokens"
 
 
 def test_greedy_equals_hf_generate_for_k_1_to_8(

@@ -22,12 +22,13 @@ from hidden_state_drafts import (
     record_proposals,
     save_bigram_target,
 )
+from model_checks import BLOCK_SIZE, CPU, paged_prefill
 
-from specula.runtime.engine.kv_cache import KVCache
 from specula.runtime.engine.llm_engine import SamplingParams
-from specula.runtime.models.attention import build_attention_metadata
 from specula.runtime.models.config import ModelConfig
 from specula.runtime.models.mtp import load_mtp_draft, share_target_weights
+from specula.runtime.spec_decode.mtp.runner import MTPRunner
+from specula.runtime.worker.paged_kv import KVCacheSpec, PagedKVCache
 
 pytestmark = pytest.mark.runtime
 
@@ -113,11 +114,11 @@ def test_draft_logits_match_speculators(target, target_hf, tmp_path):
         expected, _, _ = ref(input_ids=input_ids[None], hidden_states=hidden[None])
     # speculators' step 0: row j reads hidden j and token j + 1.
     rows = expected[0].shape[1]
-    kv = KVCache(ours.config, 1, 64, torch.float32, torch.device("cpu"))
-    metadata = build_attention_metadata([0], [rows], [0], torch.device("cpu"))
+    c = ours.config
+    spec = KVCacheSpec.uniform(1, c.num_key_value_heads, c.head_dim, BLOCK_SIZE, torch.float32)
+    runner = MTPRunner(ours, PagedKVCache(spec, 16, CPU), 64)
     with torch.no_grad():
-        out = ours(input_ids[1 : rows + 1], torch.arange(rows), kv.layers, metadata, hidden[:rows])
-        got = ours.compute_logits(out)
+        got = ours.compute_logits(paged_prefill(runner, input_ids[1 : rows + 1], hidden[:rows]))
     torch.testing.assert_close(got, expected[0][0], atol=1e-5, rtol=1e-5)
 
 
@@ -162,11 +163,10 @@ def test_every_proposal_follows_speculators_layer_step_by_step(target, target_hf
     prompts = [[5, 9, 14], [3, 8, 21, 30, 7, 2, 40], [11, 4, 60, 61, 62]]
     engine.generate(prompts, SamplingParams(max_tokens=10, ignore_eos=True))
     assert len(log) >= 3
-    for token_ids, proposal in log:
-        for tokens, drafts in zip(token_ids, proposal.draft_token_ids.tolist(), strict=True):
-            with torch.no_grad():
-                hidden = target_hf.model(torch.tensor([tokens[:-1]])).last_hidden_state[0]
-            assert drafts == _speculators_chain(ref, hidden, tokens, drafts), len(tokens)
+    for tokens, drafts in log:
+        with torch.no_grad():
+            hidden = target_hf.model(torch.tensor([tokens[:-1]])).last_hidden_state[0]
+        assert drafts == _speculators_chain(ref, hidden, tokens, drafts), len(tokens)
 
 
 def test_greedy_equals_hf_generate_for_k_1_to_8(

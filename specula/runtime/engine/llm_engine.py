@@ -192,7 +192,7 @@ class LLMEngine:
                 device=self.device,
             )
         spec = self.speculator
-        self.aux_layer_ids: tuple[int, ...] = (
+        self.aux_hidden_state_layers: tuple[int, ...] = (
             model.check_aux_hidden_state_layers(spec.aux_hidden_state_layers) if spec else ()
         )
         self.num_lookahead_tokens = spec.num_lookahead_tokens(max_k) if spec else 0
@@ -248,7 +248,7 @@ class LLMEngine:
                 self.runner,
                 max_num_seqs,
                 [1] + [k + 1 for k in range(1, max_k + 1)],
-                aux_layer_ids=self.aux_layer_ids,
+                aux_layer_ids=self.aux_hidden_state_layers,
             )
             states = self.graphs.capture()
             if spec is not None:
@@ -519,7 +519,7 @@ class LLMEngine:
         if self.graphs is not None:
             hidden, aux, descriptor = self.graphs.run(input_ids, positions, metadata)
         else:
-            hidden, aux = self.runner.forward(input_ids, positions, metadata, self.aux_layer_ids)
+            hidden, aux = self.runner.forward(input_ids, positions, metadata, self.aux_hidden_state_layers)
             descriptor = None
 
         # -- sampling and verification --------------------------------------------------
