@@ -1,8 +1,9 @@
 """DFlash block drafting (method ``dflash``).
 
 - Reference: a ``speculators`` ``DFlashDraftModel`` with random weights, saved in the
-  ``speculators`` format, gives the same block logits as our loader and network on the
-  same target states (full and reduced draft vocabulary).
+  ``speculators`` format: every block the engine drafts (after prefills, acceptances
+  and rejections) equals that model's block on ``transformers``' target states (full
+  and reduced draft vocabulary).
 - Greedy speculative output equals ``transformers``' greedy ``generate`` of the target
   for k = 1..8; sampled output keeps the target's distribution (chi-square at ALPHA).
 - Checkpoints that do not fit the target fail at load, naming the field and both values.
@@ -19,12 +20,6 @@ import torch
 
 from specula.api.runtime_config import RuntimeConfig, SpeculatorRuntimeConfig
 from specula.runtime.engine.llm_engine import LLMEngine, SamplingParams
-from specula.runtime.engine.model_runner import ModelRunner
-from specula.runtime.engine.sampler import SamplingMetadata
-from specula.runtime.models.config import ModelConfig
-from specula.runtime.models.registry import load_model
-from specula.runtime.spec_decode.base import SpeculatorInput, TargetHiddenStates
-from specula.runtime.spec_decode.dflash import DFlashSpeculator
 
 pytestmark = pytest.mark.runtime
 
@@ -226,79 +221,35 @@ def _reference_block_logits(
 
 
 @pytest.mark.parametrize("checkpoint", ["llama_dflash", "llama_dflash_reduced_vocab"])
-def test_block_logits_match_speculators(checkpoint, request, tiny_llama_target, hf_model):
-    draft_dir = request.getfixturevalue(checkpoint)
-    target_config = ModelConfig.from_pretrained(tiny_llama_target)
-    spec = DFlashSpeculator(draft_dir, target_config, 8, 4, 64, torch.float32, CPU)
-    assert spec.aux_hidden_state_layers == LLAMA_AUX_LAYERS
-    runner = ModelRunner(load_model(tiny_llama_target, torch.float32, CPU), 4, 64, CPU)
-    spec.bind_target(runner)
-    gen = torch.Generator().manual_seed(7)
-    seqs = [torch.randint(0, VOCAB_SIZE, (n,), generator=gen).tolist() for n in (6, 15, 2)]
-    slots = [2, 0, 3]  # not consecutive: the gathered-slot attention path
-    spec.add_requests(slots)
-    # The context arrives in two target forwards, as prefill and decode would give it.
-    for lo, hi in ((0, 3), (3, None)):
-        chunks = [s[:-1][lo:hi] for s in seqs]
-        keep = [i for i, c in enumerate(chunks) if c]
-        lens = [len(chunks[i]) for i in keep]
-        starts = [lo] * len(keep)
-        hidden, aux = runner.forward_with_aux(
-            [slots[i] for i in keep], torch.tensor([t for i in keep for t in chunks[i]]),
-            lens, starts, spec.aux_hidden_state_layers,
-        )
-        spec.observe_target(
-            TargetHiddenStates([slots[i] for i in keep], starts, lens, hidden, aux)
-        )
-    with torch.no_grad():
-        ours = spec.compute_logits(spec.block_hidden_states(slots, seqs))
-    assert ours.shape == (3, BLOCK_SIZE, VOCAB_SIZE)
+def test_every_block_follows_speculators(checkpoint, request, tiny_llama_target, hf_model):
+    from hidden_state_drafts import record_proposals
 
+    draft_dir = request.getfixturevalue(checkpoint)
+    engine = _engine(tiny_llama_target, draft_dir, k=8, max_num_seqs=4)
+    spec = engine.speculator
+    assert spec.aux_hidden_state_layers == LLAMA_AUX_LAYERS
+    log = record_proposals(engine)
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, VOCAB_SIZE, (n,), generator=gen).tolist() for n in (6, 15, 2)]
+    engine.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True))
+    assert len(log) >= 6
     hf = hf_model(tiny_llama_target)
-    first = spec.config.first_draft_slot
-    greedy = SamplingMetadata.from_params([SamplingParams()] * 3, [None] * 3, CPU)
-    proposal = spec.propose(SpeculatorInput(slots, seqs, greedy), 8)
     reference = _speculators_reference(draft_dir)
-    for i, seq in enumerate(seqs):
+    first = spec.config.first_draft_slot
+    for seq, drafts in log:
         ref = _reference_block_logits(reference, hf, seq, LLAMA_AUX_LAYERS)
         if reference.d2t is None:
-            torch.testing.assert_close(ours[i], ref, atol=2e-5, rtol=1e-5)
             ref_ids = ref.argmax(-1)
         else:
-            target_ids = torch.arange(DRAFT_VOCAB_SIZE) + reference.d2t
-            torch.testing.assert_close(ours[i][:, target_ids], ref, atol=2e-5, rtol=1e-5)
-            outside = torch.ones(VOCAB_SIZE, dtype=torch.bool)
-            outside[target_ids] = False
-            assert torch.all(ours[i][:, outside] == float("-inf"))
-            ref_ids = target_ids[ref.argmax(-1)]
-        assert proposal.draft_token_ids[i].tolist() == ref_ids[first : first + 8].tolist()
-    assert proposal.draft_probs is None
-
-
-def test_block_needs_the_whole_context(llama_dflash, tiny_llama_target):
-    spec = DFlashSpeculator(
-        llama_dflash, ModelConfig.from_pretrained(tiny_llama_target), 4, 2, 64,
-        torch.float32, CPU,
-    )
-    runner = ModelRunner(load_model(tiny_llama_target, torch.float32, CPU), 2, 64, CPU)
-    spec.bind_target(runner)
-    spec.add_requests([0])
-    hidden, aux = runner.forward_with_aux(
-        [0], torch.tensor([4, 5, 6]), [3], [0], spec.aux_hidden_state_layers
-    )
-    spec.observe_target(TargetHiddenStates([0], [0], [3], hidden, aux))
-    greedy = SamplingMetadata.from_params([SamplingParams()], [None], CPU)
-    with pytest.raises(RuntimeError, match="covers 3 positions; the block needs the 5"):
-        spec.propose(SpeculatorInput([0], [[4, 5, 6, 7, 8, 9]], greedy), 2)
-    with pytest.raises(RuntimeError, match="start at position 5, but its context ends at 3"):
-        spec.observe_target(TargetHiddenStates([0], [5], [1], hidden[:1], aux[:1]))
-    assert spec.propose(SpeculatorInput([0], [[4, 5, 6, 7]], greedy), 2).draft_token_ids.shape == (
-        1, 2,
-    )
-    # A new request in the slot starts from an empty context.
-    spec.add_requests([0])
-    with pytest.raises(RuntimeError, match="covers 0 positions"):
-        spec.propose(SpeculatorInput([0], [[4, 5, 6, 7]], greedy), 2)
+            ref_ids = (torch.arange(DRAFT_VOCAB_SIZE) + reference.d2t)[ref.argmax(-1)]
+        assert drafts == ref_ids[first : first + 8].tolist(), f"context of {len(seq)}"
+    if reference.d2t is not None:
+        # Over the target vocabulary, ids outside the draft vocabulary get -inf.
+        logits = spec.compute_logits(torch.randn(3, 64, generator=gen))
+        outside = torch.ones(VOCAB_SIZE, dtype=torch.bool)
+        outside[torch.arange(DRAFT_VOCAB_SIZE) + reference.d2t] = False
+        assert torch.isneginf(logits[:, outside]).all()
+        assert torch.isfinite(logits[:, ~outside]).all()
 
 
 # ---- end to end ---------------------------------------------------------------------

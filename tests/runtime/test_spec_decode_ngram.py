@@ -11,10 +11,8 @@ import torch
 
 from specula.api.runtime_config import RuntimeConfig, SpeculatorRuntimeConfig
 from specula.runtime.engine.llm_engine import LLMEngine, SamplingParams
-from specula.runtime.engine.sampler import SamplingMetadata
 from specula.runtime.server.cli import build_runtime_config
-from specula.runtime.spec_decode.base import SpeculatorInput
-from specula.runtime.spec_decode.ngram import NgramSpeculator, find_ngram_draft
+from specula.runtime.spec_decode.ngram import NgramSpeculator, ngram_lookup
 from specula.runtime.spec_decode.ngram.speculator import PAD_TOKEN_ID
 
 pytestmark = pytest.mark.runtime
@@ -26,6 +24,14 @@ BASE_LENS = (3, 6, 9, 14)
 
 
 # ---- the lookup ---------------------------------------------------------------------
+
+
+def find_ngram_draft(seq: list[int], lookup_min: int, lookup_max: int, k: int) -> list[int]:
+    """:func:`ngram_lookup` of one sequence, in a row wider than it (the engine's token
+    history has room for more tokens)."""
+    tokens = torch.tensor([seq + [PAD_TOKEN_ID] * 5])
+    drafts, num = ngram_lookup(tokens, torch.tensor([len(seq)]), lookup_min, lookup_max, k)
+    return drafts[0, : int(num[0])].tolist()
 
 
 def test_longest_ngram_is_preferred():
@@ -57,26 +63,18 @@ def test_draft_is_truncated_at_sequence_end():
     assert find_ngram_draft([3, 9, 9, 9], 1, 1, k=5) == [9]
 
 
-def test_speculator_pads_and_reports_draft_lengths():
-    spec = NgramSpeculator(4, vocab_size=16, prompt_lookup_min=1, prompt_lookup_max=3,
-                           device=torch.device("cpu"))
+def test_batched_lookup_pads_and_reports_draft_lengths():
     seqs = [[1, 2, 3, 1, 2], [1, 2, 3], [6, 7, 6, 7, 6, 7, 6, 7, 6]]
-    greedy = SamplingMetadata.from_params([SamplingParams()] * 3, [None] * 3, torch.device("cpu"))
-    proposal = spec.propose(SpeculatorInput([0, 1, 2], seqs, greedy), 4)
+    tokens = torch.zeros(3, 12, dtype=torch.long)
+    for i, seq in enumerate(seqs):
+        tokens[i, : len(seq)] = torch.tensor(seq)
+    drafts, num = ngram_lookup(tokens, torch.tensor([len(s) for s in seqs]), 1, 3, 4)
     # Row 2: the most recent earlier (6, 7, 6) starts two tokens before the suffix, so
     # only two tokens follow it.
-    assert proposal.num_draft_tokens == [3, 0, 2]
-    assert proposal.draft_token_ids.tolist() == [
+    assert num.tolist() == [3, 0, 2]
+    assert drafts.tolist() == [
         [3, 1, 2, PAD_TOKEN_ID], [PAD_TOKEN_ID] * 4, [7, 6, PAD_TOKEN_ID, PAD_TOKEN_ID]
     ]
-    assert proposal.draft_probs is None
-    sampled = SamplingMetadata.from_params(
-        [SamplingParams(temperature=1.0)] * 3, [None] * 3, torch.device("cpu")
-    )
-    probs = spec.propose(SpeculatorInput([0, 1, 2], seqs, sampled), 2).draft_probs
-    assert probs is not None and probs.shape == (3, 2, 16)
-    assert torch.equal(probs.argmax(-1), torch.tensor([[3, 1], [0, 0], [7, 6]]))
-    assert torch.equal(probs.sum(-1), torch.ones(3, 2))
     with pytest.raises(ValueError, match="prompt_lookup_min"):
         NgramSpeculator(4, 16, prompt_lookup_min=3, prompt_lookup_max=2,
                         device=torch.device("cpu"))
