@@ -1,5 +1,5 @@
-"""The GPU engine (paged KV, continuous batching, EAGLE-3 on the Triton kernels) run on
-the CPU: its kernels in Triton's interpreter (the ``interpreted`` worker), eagerly.
+"""The engine's paging and batching on the CPU (the kernels' torch references, the code
+path ``make demo`` runs): a KV pool small enough to preempt, a block size of 4.
 
 Against Hugging Face ``transformers`` greedy ``generate`` on the same checkpoint:
 greedy output is the target's token for token, with drafts accepted and rejected, with
@@ -40,27 +40,25 @@ def run_gpu_engine(
     method: str = "eagle3",
     device: str = "cpu",
 ) -> dict:
-    """Serve ``prompts`` with a float32 :class:`GPULLMEngine` on ``device`` (the CPU: in
-    the interpreted worker); returns outputs, counters and each step's (decode, prefill)
-    request counts."""
+    """Serve ``prompts`` with a float32 :class:`LLMEngine` on ``device``; returns outputs,
+    counters and each step's (decode, prefill) request counts."""
     from transformers import AutoTokenizer
 
     from specula.api.runtime_config import SpeculatorRuntimeConfig
     from specula.runtime.engine.sampling_params import SamplingParams
-    from specula.runtime.gpu.engine import GPULLMEngine
+    from specula.runtime.engine.llm_engine import LLMEngine
 
     spec = None
     if draft is not None:
         spec = SpeculatorRuntimeConfig(
             method=method, model=f"file://{draft}", num_speculative_tokens=K
         )
-    engine = GPULLMEngine(
+    engine = LLMEngine(
         target,
         AutoTokenizer.from_pretrained(str(target)),
         model_uri=f"file://{target}",
         served_model_name="t",
         speculator_config=spec,
-        draft_dir=draft,
         dtype="float32",
         max_model_len=MAX_MODEL_LEN,
         max_num_seqs=max_num_seqs,
@@ -71,8 +69,8 @@ def run_gpu_engine(
     steps: list[tuple[int, int]] = []
     schedule = engine.scheduler.schedule
 
-    def recording():
-        out = schedule()
+    def recording(*args):
+        out = schedule(*args)
         steps.append((len(out.decode), len(out.prefill)))
         return out
 
@@ -113,7 +111,7 @@ def draft(tmp_path_factory, target_hf) -> Path:
 PROMPT_LENS = (3, 9, 17, 5)
 MAX_TOKENS_PER_PROMPT = (6, 12, 8, 10)
 """Different lengths, so that requests finish at different steps and waiting ones are
-admitted while others still decode (the interpreter is slow: few, short requests)."""
+admitted while others still decode (few, short requests)."""
 
 
 def _prompts(seed: int) -> list[list[int]]:
@@ -132,13 +130,12 @@ def _expected(hf_greedy, target_hf, prompts, max_tokens) -> list[list[int]]:
 
 
 def test_eagle3_greedy_matches_transformers_with_mixed_batches_and_preemption(
-    interpreted, target, target_hf, draft, hf_greedy
+    target, target_hf, draft, hf_greedy
 ):
     prompts = _prompts(seed=11)
     # 14 blocks of 4 tokens: not all requests (and their 4-slot lookahead) fit at once,
     # so admission waits for blocks and running requests get preempted.
-    got = interpreted(
-        run_gpu_engine,
+    got = run_gpu_engine(
         target,
         draft,
         prompts,
@@ -154,11 +151,10 @@ def test_eagle3_greedy_matches_transformers_with_mixed_batches_and_preemption(
     assert got["free_blocks_after"] == got["num_blocks"]
 
 
-def test_target_only_greedy_matches_transformers(interpreted, target, target_hf, hf_greedy):
+def test_target_only_greedy_matches_transformers(target, target_hf, hf_greedy):
     prompts = _prompts(seed=12)[:3]
     max_tokens = MAX_TOKENS_PER_PROMPT[:3]
-    got = interpreted(
-        run_gpu_engine, target, None, prompts, _greedy(max_tokens),
+    got = run_gpu_engine( target, None, prompts, _greedy(max_tokens),
         max_num_seqs=2, num_gpu_blocks=32,
     )
     assert got["outputs"] == _expected(hf_greedy, target_hf, prompts, max_tokens)
@@ -167,7 +163,7 @@ def test_target_only_greedy_matches_transformers(interpreted, target, target_hf,
     assert got["free_blocks_after"] == got["num_blocks"]
 
 
-def test_sampling_paths(interpreted, target, target_hf, draft, hf_greedy):
+def test_sampling_paths(target, target_hf, draft, hf_greedy):
     prompts = _prompts(seed=13)[:2]
     n = 6
     # top-k 1 at temperature 0.8: the kernel's random path, with a one-hot target
@@ -176,8 +172,7 @@ def test_sampling_paths(interpreted, target, target_hf, draft, hf_greedy):
     # Two requests with one seed in one batch: the same tokens.
     seeded = {"max_tokens": n, "temperature": 1.0, "top_p": 0.9, "ignore_eos": True}
     params = top1 * 2 + [dict(seeded, seed=7), dict(seeded, seed=7)]
-    got = interpreted(
-        run_gpu_engine,
+    got = run_gpu_engine(
         target,
         draft,
         prompts + [prompts[1], prompts[1]],
@@ -194,7 +189,7 @@ def test_sampling_paths(interpreted, target, target_hf, draft, hf_greedy):
 
 @pytest.mark.parametrize("with_assistant", [False, True], ids=["target-only", "gemma4_mtp"])
 def test_gemma4_greedy_matches_transformers(
-    interpreted, tiny_tokenizer, tmp_path, hf_greedy, with_assistant
+    tiny_tokenizer, tmp_path, hf_greedy, with_assistant
 ):
     """A Gemma4 target with sliding-window and KV-shared layers (the window shorter than
     the contexts), alone or with its MTP assistant reading its KV, with a request
@@ -216,8 +211,7 @@ def test_gemma4_greedy_matches_transformers(
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     prompts = _prompts(seed=14)[:3]
     max_tokens = (4, 7, 5)
-    got = interpreted(
-        run_gpu_engine, path, assistant, prompts, _greedy(max_tokens),
+    got = run_gpu_engine( path, assistant, prompts, _greedy(max_tokens),
         max_num_seqs=2, num_gpu_blocks=32, method="gemma4_mtp",
     )
     assert got["outputs"] == _expected(hf_greedy, hf, prompts, max_tokens)
