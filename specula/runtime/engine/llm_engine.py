@@ -24,9 +24,12 @@ Model Runner V2):
    conditions.
 
 ``k`` is either one configured value or, with a per-batch-size schedule
-(:mod:`specula.runtime.engine.spec_schedule`), looked up from the step's number of
-requests when the drafts are proposed; either changes between steps, without recapture
-(graphs exist for every ``k`` up to the maximum).
+(:mod:`specula.runtime.engine.spec_schedule`), looked up by batch size: drafts are
+proposed for the k of the step's batch, and the next step verifies the first
+``k(surviving requests)`` of them. So when the batch shrinks to a size whose k is
+larger, the first step at that size verifies the smaller k (one step late). Either
+changes between steps, without recapture (graphs exist for every ``k`` up to the
+maximum).
 
 The engine is single-threaded and not thread-safe: call it from one thread.
 """
@@ -179,6 +182,11 @@ class LLMEngine:
         self._pending: list[RequestOutput] = []
         self._generate_counter = 0
 
+        if getattr(self.model_config, "enable_moe_block", False):
+            raise ValueError(
+                "enable_moe_block is true: the mixture-of-experts Gemma4 is not served "
+                "(its expert dispatch reads expert ids on the host); serve a dense Gemma4"
+            )
         self.dtype = resolve_dtype(dtype, self.model_config, self.device)
         model = load_model(target_dir, self.dtype, self.device, self.model_config)
         self.speculator: BaseSpeculator | None = None
@@ -537,7 +545,7 @@ class LLMEngine:
             logits = self.runner.compute_logits(hidden[: nd * q])  # [nd * q, V]
             if k > 0:
                 out[:nd], num_accepted[:nd] = self._verify(logits, idx_d, k, s_d, keys[:nd])
-                num_verified[:nd] = ib.num_draft_tokens[idx_d]
+                num_verified[:nd] = ib.num_draft_tokens[idx_d].clamp(max=k)
                 num_accepted[:nd] = torch.minimum(num_accepted[:nd], num_verified[:nd])
             else:
                 out[:nd, 0] = sample(logits, s_d, keys[:nd], STREAM_TARGET)[0]
@@ -606,7 +614,6 @@ class LLMEngine:
                 )
                 if draft.draft_probs is not None and ib.draft_probs is not None:
                     ib.draft_probs[idx, :k_next] = draft.draft_probs
-        self._draft_k = k_next
 
         # -- the host: tokens, counters, stop conditions ---------------------------------
         if ready is not None:
@@ -622,6 +629,10 @@ class LLMEngine:
             else:
                 request.num_computed_tokens = len(request.token_ids)
                 self._emit(request, tokens[:1], emitted)
+        # The drafts were proposed before the host knew which requests finish; the next
+        # step verifies no more of them than its own batch size asks for.
+        survivors = sum(not r.finished for r in batch)
+        self._draft_k = min(k_next, self.num_speculative_tokens_for(survivors)) if survivors else 0
 
     def _verify(
         self,

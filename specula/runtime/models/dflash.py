@@ -9,11 +9,11 @@ concatenated, projected by ``fc`` and normed by ``hidden_norm``, then by each la
 ``k_proj``/``v_proj``, ``k_norm`` and the rotary embedding) followed by the block's own
 keys and values. Attention is non-causal within the block.
 
-Each layer is a Qwen3 decoder layer (per-head query/key RMSNorm), so the block forward
-reuses :class:`~specula.runtime.models.qwen3.Qwen3DecoderLayer` and the cached attention:
-context keys and values live in a slot KV cache (written once per committed position, as
-vLLM's ``precompute_and_store_context_kv`` does), and the block's keys and values are
-written right after them, where the next committed positions overwrite them later.
+Each layer is a Qwen3 decoder layer (per-head query/key RMSNorm). The forwards over the
+paged cache are :class:`~specula.runtime.spec_decode.dflash.runner.DFlashRunner`'s:
+context keys and values are written once per committed position (as vLLM's
+``precompute_and_store_context_kv`` does), and the block's keys and values right after
+them, where the next committed positions overwrite them later.
 """
 
 from __future__ import annotations
@@ -24,11 +24,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specula.runtime.models.attention import AttentionGroup, AttentionMetadata
 from specula.runtime.models.config import ModelConfig
-from specula.runtime.models.layers import RMSNorm, RotaryEmbedding, apply_rotary, build_empty
-from specula.runtime.models.llama import KVCaches, LlamaForCausalLM
-from specula.runtime.models.qwen3 import Qwen3Attention, Qwen3DecoderLayer
+from specula.runtime.models.layers import RMSNorm, RotaryEmbedding, build_empty
+from specula.runtime.models.llama import LlamaForCausalLM
+from specula.runtime.models.qwen3 import Qwen3DecoderLayer
 
 SKIPPED_TENSORS = frozenset(
     {"embed_tokens.weight", "verifier_lm_head.weight", "verifier_norm.weight", "t2d"}
@@ -84,49 +83,6 @@ class DFlashDraftModel(nn.Module):
         ``[num_tokens, hidden_size]`` context features (``hidden_norm(fc(.))``)."""
         return self.hidden_norm(self.fc(aux_hidden_states))
 
-    def store_context_kv(
-        self,
-        features: torch.Tensor,
-        slot_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: KVCaches,
-    ) -> None:
-        """Write every layer's context keys and values for ``features``
-        (``[num_tokens, hidden_size]``) at cache ``positions`` of ``slot_ids`` (both
-        ``[num_tokens]`` int64); the rotary embedding uses the same positions."""
-        assert features.ndim == 2 and features.shape[0] == slot_ids.shape[0] == positions.shape[0]
-        cos, sin = self.rotary.cos_sin(positions, features.dtype)
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            k, v = _context_kv(layer.self_attn, features, cos, sin)
-            k_cache[slot_ids, :, positions] = k
-            v_cache[slot_ids, :, positions] = v
-
-    def forward(
-        self,
-        inputs_embeds: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: KVCaches,
-        metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        """Run the draft layers over flattened blocks.
-
-        Args:
-            inputs_embeds: [num_tokens, hidden_size] target embeddings of the block tokens.
-            positions: [num_tokens] rotary positions.
-            kv_caches: per layer ``(k_cache, v_cache)`` holding the context; the blocks'
-                keys and values are written at ``metadata.cache_positions``.
-            metadata: from :func:`build_block_attention_metadata`.
-
-        Returns:
-            [num_tokens, hidden_size] final (normed) hidden states.
-        """
-        assert inputs_embeds.ndim == 2 and inputs_embeds.shape[0] == positions.shape[0]
-        cos, sin = self.rotary.cos_sin(positions, inputs_embeds.dtype)
-        hidden = inputs_embeds
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(hidden, cos, sin, kv_cache, metadata)
-        return self.norm(hidden)
-
     def compute_logits(
         self, hidden: torch.Tensor, target_lm_head_weight: torch.Tensor
     ) -> torch.Tensor:
@@ -145,60 +101,6 @@ class DFlashDraftModel(nn.Module):
         target_ids = torch.arange(self.d2t.shape[0], device=self.d2t.device) + self.d2t
         logits[:, target_ids] = draft_logits
         return logits
-
-
-def _context_kv(
-    attn: Qwen3Attention, features: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Context keys (k_proj, k_norm, rotary) and values (v_proj), each
-    ``[num_tokens, num_kv_heads, head_dim]``; the fused projection's query rows are
-    skipped because context positions are never queries."""
-    qkv = attn.qkv_proj
-    q_size = qkv.output_sizes[0]
-    bias = None if qkv.bias is None else qkv.bias[q_size:]
-    k, v = F.linear(features, qkv.weight[q_size:], bias).split(qkv.output_sizes[1:], dim=-1)
-    n = features.shape[0]
-    k = attn.k_norm(k.view(n, attn.num_kv_heads, attn.head_dim))
-    return apply_rotary(k, cos, sin), v.view(n, attn.num_kv_heads, attn.head_dim)
-
-
-def build_block_attention_metadata(
-    slot_ids: list[int],
-    context_lens: list[int],
-    block_size: int,
-    device: torch.device,
-) -> AttentionMetadata:
-    """Attention metadata for one block per request: request ``i``'s ``block_size``
-    tokens go to cache positions ``context_lens[i] .. context_lens[i] + block_size - 1``
-    of slot ``slot_ids[i]``, and each of them attends to the whole context
-    ``[0, context_lens[i])`` and to the whole block (non-causal), as in DFlash's
-    training mask. Tokens are flattened request by request."""
-    num_reqs = len(slot_ids)
-    assert len(context_lens) == num_reqs and block_size >= 1
-    ctx = torch.tensor(context_lens, dtype=torch.long)
-    offsets = torch.arange(block_size)
-    seq_lens = ctx + block_size  # [num_reqs]
-    max_seq_len = int(seq_lens.max())
-    visible = torch.arange(max_seq_len)[None, :] < seq_lens[:, None]  # [num_reqs, max_seq_len]
-    mask = visible[:, None, None, :].expand(num_reqs, 1, block_size, max_seq_len)
-    slots = torch.tensor(slot_ids, dtype=torch.long)
-    consecutive = slot_ids == list(range(slot_ids[0], slot_ids[0] + num_reqs))
-    group = AttentionGroup(
-        slot_ids=slots.to(device),
-        token_indices=torch.arange(num_reqs * block_size, device=device),
-        pad_rows=torch.arange(num_reqs).repeat_interleave(block_size).to(device),
-        pad_cols=offsets.repeat(num_reqs).to(device),
-        mask=mask.to(device),
-        max_query_len=block_size,
-        max_seq_len=max_seq_len,
-        first_slot=slot_ids[0] if consecutive else None,
-    )
-    return AttentionMetadata(
-        token_slot_ids=slots.repeat_interleave(block_size).to(device),
-        cache_positions=(ctx[:, None] + offsets).flatten().to(device),
-        groups=[group],
-        num_tokens=num_reqs * block_size,
-    )
 
 
 def load_dflash_draft(

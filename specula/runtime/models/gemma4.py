@@ -1,4 +1,5 @@
-"""Gemma4 text decoder over a flattened batch with a slot KV cache.
+"""Gemma4 text decoder: the modules that hold the weights (the paged forward is
+:class:`~specula.runtime.worker.gemma4_runner.Gemma4Runner`'s).
 
 Parameter names follow Hugging Face ``Gemma4ForCausalLM`` so checkpoints load by name
 (``Gemma4ForConditionalGeneration`` checkpoints too: their text model). Only
@@ -18,34 +19,22 @@ report, arXiv 2503.19786, for the shared parts):
   residual stream after each MLP;
 - ``num_kv_shared_layers``: the last layers compute no keys or values and attend to the
   cache of the last earlier non-shared layer of their type, which the KV cache does
-  not allocate for them (:meth:`Gemma4ModelConfig.kv_cache_shapes`);
-- optionally (26B-A4B) a routed mixture of experts beside each dense MLP.
+  not allocate for them (:meth:`Gemma4ModelConfig.kv_cache_shapes`).
+
+The mixture-of-experts variant (26B-A4B, ``enable_moe_block``) is not served: the
+engine refuses it at load.
 """
 
 from __future__ import annotations
-
-from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specula.runtime.models.attention import (
-    AttentionMetadata,
-    attend_cached,
-    cached_attention,
-    with_sliding_window,
-)
 from specula.runtime.models.gemma4_config import SLIDING, Gemma4ModelConfig
-from specula.runtime.models.gemma4_layers import (
-    Gemma4Experts,
-    Gemma4RMSNorm,
-    Gemma4Rotary,
-    Gemma4Router,
-    activation,
-)
-from specula.runtime.models.layers import MergedLinear, apply_rotary
-from specula.runtime.models.llama import KVCaches, LlamaForCausalLM
+from specula.runtime.models.gemma4_layers import Gemma4RMSNorm, Gemma4Rotary, activation
+from specula.runtime.models.layers import MergedLinear
+from specula.runtime.models.llama import LlamaForCausalLM
 
 
 def _rounded(value: float, dtype: torch.dtype) -> float:
@@ -78,29 +67,6 @@ class Gemma4Attention(nn.Module):
             self.v_norm = Gemma4RMSNorm(self.head_dim, eps, with_scale=False)
         self.o_proj = nn.Linear(q_size, hidden, bias=bias)
 
-    def forward(
-        self,
-        hidden: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
-        metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        # hidden: [num_tokens, hidden_size]; cos, sin: [num_tokens, head_dim]
-        n = hidden.shape[0]
-        q = self.q_norm(self.q_proj(hidden).view(n, self.num_heads, self.head_dim))
-        q = apply_rotary(q, cos, sin)
-        # q, k and v are normed, so the softmax scale is 1 (no head_dim ** -0.5).
-        if self.kv_shared:
-            out = attend_cached(q, kv_cache[0], kv_cache[1], metadata, 1.0)
-        else:
-            k = self.k_proj(hidden).view(n, self.num_kv_heads, self.head_dim)
-            v = k if self.v_proj is None else self.v_proj(hidden).view(k.shape)
-            k = apply_rotary(self.k_norm(k), cos, sin)
-            v = self.v_norm(v)
-            out = cached_attention(q, k, v, kv_cache[0], kv_cache[1], metadata, 1.0)
-        return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
-
 
 class Gemma4MLP(nn.Module):
     def __init__(self, config: Gemma4ModelConfig, intermediate_size: int) -> None:
@@ -116,8 +82,8 @@ class Gemma4MLP(nn.Module):
 
 
 class Gemma4DecoderLayer(nn.Module):
-    """Sandwich-normed attention and MLP (plus experts), then the layer's per-layer
-    input, then the learned ``layer_scalar``."""
+    """Sandwich-normed attention and MLP, then the layer's per-layer input, then the
+    learned ``layer_scalar``."""
 
     def __init__(self, config: Gemma4ModelConfig, layer_idx: int, kv_shared: bool) -> None:
         super().__init__()
@@ -131,43 +97,12 @@ class Gemma4DecoderLayer(nn.Module):
         self.post_feedforward_layernorm = Gemma4RMSNorm(hidden, eps)
         # A parameter (not a buffer) so that it loads from the checkpoint by name.
         self.layer_scalar = nn.Parameter(torch.ones(1), requires_grad=False)
-        self.enable_moe_block = config.enable_moe_block
-        if self.enable_moe_block:
-            self.router = Gemma4Router(config)
-            self.experts = Gemma4Experts(config)
-            self.post_feedforward_layernorm_1 = Gemma4RMSNorm(hidden, eps)
-            self.pre_feedforward_layernorm_2 = Gemma4RMSNorm(hidden, eps)
-            self.post_feedforward_layernorm_2 = Gemma4RMSNorm(hidden, eps)
         ple = config.hidden_size_per_layer_input
         if ple:
             self.act = activation(config.hidden_act)
             self.per_layer_input_gate = nn.Linear(hidden, ple, bias=False)
             self.per_layer_projection = nn.Linear(ple, hidden, bias=False)
             self.post_per_layer_input_norm = Gemma4RMSNorm(hidden, eps)
-
-    def forward(
-        self,
-        hidden: torch.Tensor,
-        per_layer_input: torch.Tensor | None,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
-        metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        # hidden: [num_tokens, hidden_size]; per_layer_input: [num_tokens, ple] | None
-        attn = self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, metadata)
-        hidden = hidden + self.post_attention_layernorm(attn)
-        out = self.mlp(self.pre_feedforward_layernorm(hidden))
-        if self.enable_moe_block:
-            # The router and experts read the residual stream before the MLP.
-            weights, experts = self.router(hidden)
-            routed = self.experts(self.pre_feedforward_layernorm_2(hidden), weights, experts)
-            out = self.post_feedforward_layernorm_1(out) + self.post_feedforward_layernorm_2(routed)
-        hidden = hidden + self.post_feedforward_layernorm(out)
-        if per_layer_input is not None:
-            gate = self.act(self.per_layer_input_gate(hidden)) * per_layer_input
-            hidden = hidden + self.post_per_layer_input_norm(self.per_layer_projection(gate))
-        return hidden * self.layer_scalar
 
 
 class Gemma4TextModel(nn.Module):
@@ -210,9 +145,9 @@ class Gemma4TextModel(nn.Module):
 
 
 class Gemma4ForCausalLM(LlamaForCausalLM):
-    """Gemma4 causal LM with the :class:`LlamaForCausalLM` interface (``forward``,
-    ``forward_with_aux``, ``compute_logits``); ``kv_caches`` holds one entry per
-    non-shared layer, in layer order."""
+    """Gemma4 causal LM with the :class:`LlamaForCausalLM` interface
+    (``check_aux_hidden_state_layers``, ``compute_logits``); aux ids count Gemma4 decoder
+    layers the same way (``0``: the scaled embedding output)."""
 
     model_cls = Gemma4TextModel
     packed_modules_mapping = {"gate_up_proj": ["gate_proj", "up_proj"]}
@@ -221,8 +156,6 @@ class Gemma4ForCausalLM(LlamaForCausalLM):
         super().__init__(config, device)
         self.config: Gemma4ModelConfig = config
         self.rotary = Gemma4Rotary(config, device)
-        self.kv_sources = config.kv_source_layers()
-        """Per layer, the index in ``kv_caches`` it reads (and writes when not shared)."""
         self.multimodal_checkpoint = config.architecture == "Gemma4ForConditionalGeneration"
 
     def checkpoint_name(self, name: str) -> str | None:
@@ -234,45 +167,6 @@ class Gemma4ForCausalLM(LlamaForCausalLM):
             return name
         prefix = "model.language_model."
         return "model." + name[len(prefix) :] if name.startswith(prefix) else None
-
-    def forward_with_aux(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: KVCaches,
-        metadata: AttentionMetadata,
-        aux_layer_ids: Sequence[int],
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """See :meth:`LlamaForCausalLM.forward_with_aux`; aux ids count Gemma4 decoder
-        layers the same way (``0``: the scaled embedding output)."""
-        assert input_ids.ndim == 1 and input_ids.shape == positions.shape
-        config = self.config
-        assert len(kv_caches) == config.first_kv_shared_layer
-        hidden = self.model.embed(input_ids)  # [num_tokens, hidden_size]
-        per_layer = None
-        if config.hidden_size_per_layer_input:
-            per_layer = self.model.per_layer_inputs(input_ids, hidden)  # [n, layers, ple]
-        rope = self.rotary.cos_sin(positions, hidden.dtype)
-        layer_metadata = {t: metadata for t in rope}
-        if SLIDING in layer_metadata:
-            layer_metadata[SLIDING] = with_sliding_window(metadata, config.sliding_window)
-        captured: dict[int, torch.Tensor] = {}
-        for i, layer in enumerate(self.model.layers):
-            if i in aux_layer_ids:
-                captured[i] = hidden
-            layer_type = config.layer_types[i]
-            cos, sin = rope[layer_type]
-            hidden = layer(
-                hidden,
-                None if per_layer is None else per_layer[:, i],
-                cos,
-                sin,
-                kv_caches[self.kv_sources[i]],
-                layer_metadata[layer_type],
-            )
-        captured[len(self.model.layers)] = hidden
-        aux = torch.cat([captured[i] for i in aux_layer_ids], dim=-1) if aux_layer_ids else None
-        return self.model.norm(hidden), aux
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_positions, hidden_size] -> [num_positions, vocab_size] float32 logits,

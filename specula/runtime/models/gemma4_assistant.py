@@ -22,7 +22,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specula.runtime.models.attention import AttentionMetadata
 from specula.runtime.models.gemma4 import Gemma4DecoderLayer
 from specula.runtime.models.gemma4_config import Gemma4ModelConfig
 from specula.runtime.models.gemma4_layers import Gemma4RMSNorm, Gemma4Rotary
@@ -195,36 +194,6 @@ class Gemma4AssistantForCausalLM(nn.Module):
     @property
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-
-    def forward(
-        self,
-        inputs_embeds: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: dict[str, tuple[torch.Tensor, torch.Tensor]],
-        metadata: dict[str, AttentionMetadata],
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One draft step.
-
-        Args:
-            inputs_embeds: [num_rows, 2 * backbone_hidden_size], the target's scaled
-                embedding of each row's token concatenated with its backbone state.
-            positions: [num_rows] rotary positions.
-            kv_caches: per layer type, the target cache ``(k, v)`` it attends to, each
-                ``[num_slots, num_kv_heads, capacity, head_dim]``.
-            metadata: per layer type, which cached positions each row sees.
-
-        Returns:
-            ``(hidden [num_rows, hidden_size], backbone [num_rows, backbone_hidden_size])``:
-            the final normed state (for :meth:`compute_logits`) and its
-            ``post_projection`` (the next step's backbone state).
-        """
-        hidden = self.pre_projection(inputs_embeds)
-        rope = self.rotary.cos_sin(positions, hidden.dtype)
-        for layer, layer_type in zip(self.model.layers, self.config.text.layer_types, strict=True):
-            cos, sin = rope[layer_type]
-            hidden = layer(hidden, None, cos, sin, kv_caches[layer_type], metadata[layer_type])
-        hidden = self.model.norm(hidden)
-        return hidden, self.post_projection(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_rows, hidden_size] -> [num_rows, vocab_size] float32 draft logits."""

@@ -99,21 +99,6 @@ class RotaryEmbedding:
             raise ValueError(f"rope_type {rope_type!r} is not supported")
         self.inv_freq = inv_freq  # [head_dim // 2], float32
 
-    def cos_sin(
-        self, positions: torch.Tensor, dtype: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Return ``cos, sin`` of shape ``[num_tokens, head_dim]`` for ``positions [num_tokens]``."""
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [num_tokens, head_dim // 2]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x [num_tokens, num_heads, head_dim]`` by ``cos, sin [num_tokens, head_dim]``."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
-
 
 def build_empty(factory: Callable[[], nn.Module], dtype: torch.dtype, device: torch.device):
     """Build ``factory()`` on the meta device, cast its floating-point tensors to ``dtype``

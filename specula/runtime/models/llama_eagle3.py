@@ -21,10 +21,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from specula.runtime.models.attention import AttentionMetadata
 from specula.runtime.models.config import ModelConfig
 from specula.runtime.models.layers import MergedLinear, RMSNorm, RotaryEmbedding, build_empty
-from specula.runtime.models.llama import KVCaches, LlamaDecoderLayer
+from specula.runtime.models.llama import LlamaDecoderLayer
 from specula.runtime.models.qwen3 import Qwen3Attention, Qwen3DecoderLayer
 from specula.runtime.models.speculators_format import (
     iter_checkpoint_tensors,
@@ -62,22 +61,6 @@ class Eagle3DecoderLayer(LlamaDecoderLayer):
         )
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.norm_before_residual = norm_before_residual
-
-    def forward(
-        self,
-        embeds: torch.Tensor,
-        hidden: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
-        metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        # embeds, hidden: [num_tokens, H]
-        normed_hidden = self.hidden_norm(hidden)
-        residual = normed_hidden if self.norm_before_residual else hidden
-        attn_in = torch.cat([self.input_layernorm(embeds), normed_hidden], dim=-1)  # [n, 2H]
-        hidden = residual + self.self_attn(attn_in, cos, sin, kv_cache, metadata)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
 class Qwen3Eagle3DecoderLayer(Eagle3DecoderLayer):
@@ -148,39 +131,6 @@ class Eagle3LlamaForCausalLM(nn.Module):
                 [norm(c) for norm, c in zip(self.fc_norm, chunks, strict=True)], dim=-1
             )
         return self.fc(aux_hidden_states)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: KVCaches,
-        metadata: AttentionMetadata,
-        hidden_states: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One draft forward over a flattened batch.
-
-        Args:
-            input_ids: [num_tokens] the token after each conditioning row's position.
-            positions: [num_tokens] rotary positions.
-            kv_caches: one ``(k_cache, v_cache)`` per draft layer.
-            metadata: attention metadata of the draft's cache.
-            hidden_states: [num_tokens, H] fused target states
-                (:meth:`combine_hidden_states`) or the draft's own previous output.
-
-        Returns:
-            ``(normed [num_tokens, H] for :meth:`compute_logits`, [num_tokens, H] the
-            state the next draft step reads: pre-norm, or normed with ``norm_output``)``.
-        """
-        assert not self.missing_target_weights, "bind the target's weights first"
-        assert hidden_states.shape == (*input_ids.shape, self.config.hidden_size)
-        embeds = self.embed_tokens(input_ids)  # [num_tokens, H]
-        cos, sin = self.rotary.cos_sin(positions, embeds.dtype)
-        first, *rest = self.layers
-        hidden = first(embeds, hidden_states, cos, sin, kv_caches[0], metadata)
-        for layer, kv_cache in zip(rest, kv_caches[1:], strict=True):
-            hidden = layer(hidden, cos, sin, kv_cache, metadata)
-        normed = self.norm(hidden)
-        return normed, normed if self.eagle.norm_output else hidden
 
     def compute_draft_vocab_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_positions, H] -> [num_positions, draft_vocab_size] float32."""

@@ -21,10 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specula.runtime.models.attention import AttentionMetadata
 from specula.runtime.models.config import ModelConfig
 from specula.runtime.models.layers import RMSNorm, RotaryEmbedding, build_empty
-from specula.runtime.models.llama import KVCaches, LlamaDecoderLayer
+from specula.runtime.models.llama import LlamaDecoderLayer
 from specula.runtime.models.qwen3 import Qwen3DecoderLayer
 from specula.runtime.models.speculators_format import (
     iter_checkpoint_tensors,
@@ -62,19 +61,6 @@ class MTPLayer(nn.Module):
         self.block = _BLOCKS[config.model_type](config)
         self.final_layernorm = RMSNorm(h, config.rms_norm_eps)
 
-    def forward(
-        self,
-        embeds: torch.Tensor,
-        hidden: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
-        metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        # embeds, hidden: [num_tokens, H]
-        x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1))
-        return self.final_layernorm(self.block(x, cos, sin, kv_cache, metadata))
-
 
 class MTPForCausalLM(nn.Module):
     """One MTP layer over the target's embeddings and LM head.
@@ -99,33 +85,6 @@ class MTPForCausalLM(nn.Module):
         )
         self.missing_target_weights: set[str] = set()
         """Parameters the checkpoint lacked, to be shared from the target."""
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: KVCaches,
-        metadata: AttentionMetadata,
-        hidden_states: torch.Tensor,
-    ) -> torch.Tensor:
-        """One draft forward over a flattened batch.
-
-        Args:
-            input_ids: [num_tokens] the token after each conditioning row's position.
-            positions: [num_tokens] rotary positions.
-            kv_caches: ``(k_cache, v_cache)`` of the MTP layer.
-            metadata: attention metadata of the draft's cache.
-            hidden_states: [num_tokens, H] the target's final (normed) hidden states, or
-                this head's previous output.
-
-        Returns:
-            [num_tokens, H] normed states, for :meth:`compute_logits` and the next step.
-        """
-        assert not self.missing_target_weights, "bind the target's embeddings and head first"
-        assert hidden_states.shape == (*input_ids.shape, self.config.hidden_size)
-        embeds = self.embed_tokens(input_ids)  # [num_tokens, H]
-        cos, sin = self.rotary.cos_sin(positions, embeds.dtype)
-        return self.mtp_layers[0](embeds, hidden_states, cos, sin, kv_caches[0], metadata)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_positions, H] -> [num_positions, vocab_size] float32."""

@@ -3,8 +3,6 @@ before the rotary embedding; HF ``Qwen3ForCausalLM`` parameter names."""
 
 from __future__ import annotations
 
-import torch
-
 from specula.runtime.models.config import ModelConfig
 from specula.runtime.models.layers import RMSNorm
 from specula.runtime.models.llama import (
@@ -20,10 +18,6 @@ class Qwen3Attention(LlamaAttention):
         super().__init__(config)
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
-
-    def qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # q: [num_tokens, num_heads, head_dim], k: [num_tokens, num_kv_heads, head_dim]
-        return self.q_norm(q), self.k_norm(k)
 
 
 class Qwen3DecoderLayer(LlamaDecoderLayer):

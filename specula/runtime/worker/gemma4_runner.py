@@ -243,8 +243,8 @@ class Gemma4Runner(Gemma4PagedLayers):
         config = model.config
         if config.enable_moe_block:
             raise ValueError(
-                "the mixture-of-experts Gemma4 is not supported by the paged GPU runner "
-                "(its expert dispatch reads expert ids on the host)"
+                "enable_moe_block is true: the mixture-of-experts Gemma4 is not served "
+                "(its expert dispatch reads expert ids on the host); serve a dense Gemma4"
             )
         spec = kv_cache.spec
         if tuple(getattr(spec, "layer_shapes", ())) != tuple(config.kv_cache_shapes()):
