@@ -106,3 +106,16 @@ def test_invalid_arguments():
         m.allocate("a", 1)
     with pytest.raises(ValueError):
         m.append_slots("a", -1)
+
+
+def test_resize_grows_and_shrinks_and_reports_the_first_new_block():
+    m = BlockManager(num_blocks=6, block_size=4, watermark=0.0)
+    m.allocate("a", 5)  # 2 blocks
+    assert m.resize("a", 13) == 2  # blocks 3 and 4 taken
+    assert m.num_blocks_held("a") == 4 and m.num_tokens("a") == 13
+    assert m.blocks_from("a", 2) == m.block_table("a")[2:]
+    assert m.resize("a", 6) == 2  # shrinks to 2 blocks: none taken
+    assert m.num_blocks_held("a") == 2 and m.num_free_blocks == 4
+    with pytest.raises(NoFreeBlocksError):
+        m.resize("a", 40)
+    assert m.num_blocks_held("a") == 2 and m.num_tokens("a") == 6  # unchanged
