@@ -36,10 +36,28 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import nn
 
-from specula.runtime.models.layers import RMSNorm, RotaryEmbedding, apply_rotary
+from specula.runtime.models.layers import RMSNorm, RotaryEmbedding
 
 #: ``speculators`` release whose checkpoint format the saved heads follow.
 SPECULATORS_FORMAT_VERSION = "0.9.0"
+
+
+def _cos_sin(
+    rotary: RotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos, sin [num_tokens, head_dim]`` of ``positions [num_tokens]`` (training only:
+    the runtime's kernels read a cos/sin table instead)."""
+    freqs = positions.float()[:, None] * rotary.inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x [num_tokens, num_heads, head_dim]`` ("rotate half", RoFormer arXiv
+    2104.09864) by ``cos, sin [num_tokens, head_dim]``."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
 @dataclass(frozen=True)
@@ -292,7 +310,7 @@ class DraftHead(nn.Module):
         outs: list[torch.Tensor] = []
         for s in range(num_steps):
             ids = F.pad(input_ids[:, s:], (0, s))  # [B, T]
-            cos, sin = self.rotary.cos_sin((positions + s).flatten(), hidden.dtype)
+            cos, sin = _cos_sin(self.rotary, (positions + s).flatten(), hidden.dtype)
             x, residual = self.layer.attention_input(hidden, self.embed_tokens(ids))
             q, k, v = self.layer.self_attn.project(x, cos, sin)
             keys.append(k)
