@@ -44,9 +44,9 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(call with_control_plane,-m "not gpu" tests)
 
-## test-gpu: the CUDA tests (kernels against their references); run on a GPU machine
+## test-gpu: the CUDA tests (kernels, runners, every method through the engine in CUDA graphs); run on a GPU machine
 test-gpu: $(STAMP)
-	$(BIN)/python -m pytest $(PYTEST_ARGS) -m gpu tests/gpu
+	$(BIN)/python -m pytest $(PYTEST_ARGS) -m gpu tests
 
 test-unit: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS) tests/unit

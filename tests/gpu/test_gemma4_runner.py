@@ -22,9 +22,10 @@ run eagerly on the same cache state; final and auxiliary hidden states within 3e
 (cuBLAS and the attention split count may differ between a padded and an unpadded
 shape).
 
-MTP draft: a random 2-layer assistant (centroid-masked logits) proposing k = 1, 2, 4
-greedy tokens for 1, 3 (padded to the captured 4) and 8 requests over the target's
-cache, by graph replay and eagerly on the same launch shape: equal tokens.
+MTP draft: the ``gemma4_mtp`` speculator over a random 2-layer assistant (centroid-masked
+logits) proposing k = 1, 2, 4 greedy tokens for 1, 3 (padded to the captured 4) and 8
+requests over the target's cache, by its draft decode graphs and by its eager loop on
+the same launch shape: equal tokens.
 
 Kernel: decode and verification queries with head sizes 256 and 512 (up to 64 query
 rows per program), contexts shorter and far longer than a 512-token window, default and
@@ -36,17 +37,15 @@ window.
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
 import triton
 from paged_schedule import run_schedule
 
-from specula.runtime.worker.cudagraph import CUDAGraphManager
-from specula.runtime.spec_decode.gemma4.runner import Gemma4DraftGraphManager, Gemma4AssistantRunner
-from specula.runtime.worker.gemma4_runner import Gemma4Runner
-from specula.runtime.worker.paged_kv import metadata_from_block_manager
-from specula.runtime.worker.paged_kv import KVCacheSpec, PagedKVCache
+from specula.runtime.engine.sampler import SamplingMetadata
+from specula.runtime.engine.sampling_params import SamplingParams
 from specula.runtime.kernels.paged_attention import paged_attention, paged_attention_reference
 from specula.runtime.models.gemma4_assistant import (
     Gemma4AssistantConfig,
@@ -54,6 +53,15 @@ from specula.runtime.models.gemma4_assistant import (
 )
 from specula.runtime.models.gemma4_config import FULL, SLIDING
 from specula.runtime.models.registry import load_model
+from specula.runtime.spec_decode.base import ProposeInputs
+from specula.runtime.spec_decode.gemma4 import Gemma4MTPSpeculator
+from specula.runtime.worker.cudagraph import CUDAGraphManager, padded_size
+from specula.runtime.worker.gemma4_runner import Gemma4Runner
+from specula.runtime.worker.paged_kv import (
+    KVCacheSpec,
+    PagedKVCache,
+    metadata_from_block_manager,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -192,7 +200,8 @@ def test_cudagraph_replay_matches_eager(checkpoint, num_reqs, q_len):
         assert descriptor is not None and descriptor.num_reqs >= num_reqs
         eager, eager_aux = runner.forward(inp, pos, md, AUX_LAYER_IDS)
         eager, eager_aux = eager.clone(), eager_aux.clone()
-        replayed, aux = graphs.run_with_aux(inp, pos, md)
+        replayed, aux, replayed_descriptor = graphs.run(inp, pos, md)
+        assert replayed_descriptor == descriptor
         replayed, aux = replayed.clone(), aux.clone()
         assert replayed.shape == eager.shape == (num_reqs * q_len, hidden_size)
         assert aux.shape == eager_aux.shape == (num_reqs * q_len, 3 * hidden_size)
@@ -284,12 +293,54 @@ def _assistant(runner: Gemma4Runner) -> Gemma4AssistantForCausalLM:
     return model.to(DEVICE, runner.dtype).eval()
 
 
+class _InMemoryMTP(Gemma4MTPSpeculator):
+    """The ``gemma4_mtp`` speculator over an assistant built in memory (no checkpoint)."""
+
+    def __init__(self, assistant: Gemma4AssistantForCausalLM, runner: Gemma4Runner, k: int):
+        self._assistant = assistant
+        super().__init__(
+            draft_dir=Path("in-memory"), target_config=runner.config,
+            num_speculative_tokens=k, max_num_seqs=8, dtype=runner.dtype, device=DEVICE,
+        )
+
+    def load_draft_model(self) -> Gemma4AssistantForCausalLM:
+        return self._assistant
+
+
+def _propose_inputs(r, k, input_ids, positions, metadata, hidden, tokens, next_positions):
+    """A proposal for the first ``r`` requests of a prefill forward: no drafts verified,
+    each request's sampled token ``tokens[i]`` at ``next_positions[i]``."""
+    return ProposeInputs(
+        num_reqs=r,
+        num_decode=0,
+        idx_mapping=torch.arange(r, device=DEVICE),
+        input_batch=None,  # type: ignore[arg-type]  # token history: unused by this method
+        input_ids=input_ids,
+        positions=positions,
+        metadata=metadata,
+        descriptor=None,
+        hidden_states=hidden,
+        aux_hidden_states=None,
+        cu_num_draft_tokens=torch.zeros(r, dtype=torch.int32, device=DEVICE),
+        num_accepted=torch.zeros(r, dtype=torch.int64, device=DEVICE),
+        next_token_ids=tokens[:r],
+        next_positions=next_positions[:r],
+        sampling=SamplingMetadata.from_params([SamplingParams()] * r, range(r), DEVICE),
+        draw_keys=torch.zeros(r, dtype=torch.int64, device=DEVICE),
+        num_speculative_tokens=k,
+    )
+
+
 def test_mtp_draft_graphs_match_eager(checkpoint):
+    """The speculator's draft decode graphs (one per padded request count and k) give
+    the drafts of its eager loop on the same padded launch shape."""
     runner, manager = _runner(checkpoint, torch.bfloat16, num_blocks=128)
-    draft = Gemma4AssistantRunner(_assistant(runner), runner)
-    graphs = Gemma4DraftGraphManager(draft, max_num_reqs=8, max_num_speculative_tokens=4)
-    graphs.capture()
-    assert sorted(graphs.graphs) == [(r, k) for r in (1, 2, 4, 8) for k in (1, 2, 3, 4)]
+    spec = _InMemoryMTP(_assistant(runner), runner, k=4)
+    spec.bind_target(runner)
+    spec.init_cudagraph_manager()
+    spec.capture({})  # draft rows read the target's cache: no prefill graphs
+    assert not spec.prefill_graphs
+    assert sorted(spec.decode_graphs) == [(r, k) for r in (1, 2, 4, 8) for k in (1, 2, 3, 4)]
     ids = list(range(8))
     gen = torch.Generator().manual_seed(0)
     prompt_lens = torch.randint(WINDOW // 2, 3 * WINDOW, (8,), generator=gen).tolist()
@@ -300,16 +351,16 @@ def test_mtp_draft_graphs_match_eager(checkpoint):
     hidden, _ = runner.forward(inp, pos, md)
     last = runner.last_token_indices(md)
     tokens = runner.compute_logits(hidden[last]).argmax(-1)  # [8]
-    backbone = hidden[last]
-    positions = torch.tensor(prompt_lens, device=DEVICE)
+    next_positions = torch.tensor(prompt_lens, device=DEVICE)
     for r, k in [(1, 1), (3, 4), (8, 4), (8, 2)]:
-        padded = graphs.padded_num_reqs(r)
-        # Eager on the padded launch shape: a padding row sits at position 0.
-        pad_positions = torch.cat([positions[:r], positions.new_zeros(padded - r)])
-        eager = draft.propose(
-            tokens[:padded], backbone[:padded], pad_positions, md.block_table[:padded], k
-        )[:r]
-        replayed = graphs.propose(tokens[:r], backbone[:r], positions[:r], md.block_table[:r], k)
+        inputs = _propose_inputs(r, k, inp, pos, md, hidden, tokens, next_positions)
+        replays = spec.num_decode_replays
+        replayed = spec.propose(inputs).draft_token_ids.clone()
+        assert spec.num_decode_replays == replays + 1, (r, k)
+        # Eager on the padded launch shape, from the buffers the proposal loaded (padding
+        # rows at position -1: they attend to nothing).
+        spec._decode(padded_size(spec.capture_sizes, r), k)
+        eager = spec.draft_token_ids[:r, :k]
         assert replayed.shape == (r, k)
         assert torch.equal(replayed, eager), (r, k)
         assert ((replayed >= 0) & (replayed < VOCAB)).all()

@@ -48,7 +48,6 @@ from specula.runtime.kernels.rotary import (
     rotary_embedding_reference,
 )
 from specula.runtime.models.layers import RotaryEmbedding
-from specula.runtime.spec_decode import rejection_sampler as torch_sampler
 
 pytestmark = [
     pytest.mark.gpu,
@@ -202,8 +201,9 @@ def test_rejection_sample_matches_reference(with_draft_probs):
     assert torch.equal(greedy_out, ref_greedy)
 
 
-def test_rejection_sample_agrees_with_torch_sampler():
-    """Same seeded draws as the engine's torch sampler, at a Llama-3 vocabulary."""
+def test_rejection_sample_agrees_with_reference_at_a_llama3_vocabulary():
+    """The kernel and its torch reference on the engine's counter-based draws (one
+    request's uniforms and noise from its seed), at a Llama-3 vocabulary."""
     num_reqs, k = 16, 4
     gen = torch.Generator(DEVICE).manual_seed(3)
     target_logits = torch.randn(num_reqs, k + 1, VOCAB, generator=gen, device=DEVICE) * 3
@@ -211,27 +211,25 @@ def test_rejection_sample_agrees_with_torch_sampler():
                    device=DEVICE)).softmax(-1)
     drafts = torch.multinomial(draft_probs.view(-1, VOCAB), 1, generator=gen).view(num_reqs, k)
     params = [SamplingParams(temperature=[0.0, 1.0, 0.7, 1.2][i % 4], seed=i) for i in range(16)]
-
-    def generators():
-        return [torch.Generator(DEVICE).manual_seed(p.seed) for p in params]
-
-    sampling = SamplingMetadata.from_params(params, generators(), torch.device(DEVICE))
-    expected = torch_sampler.rejection_sample(drafts, draft_probs, target_logits, sampling)
-    gens = generators()
-    uniform = random_uniform((k,), gens, torch.device(DEVICE))
-    noise = random_exponential((VOCAB,), gens, torch.device(DEVICE))
-    out, num_accepted = rejection_sample(
+    sampling = SamplingMetadata.from_params(params, [p.seed for p in params], torch.device(DEVICE))
+    keys = torch.arange(num_reqs, device=DEVICE) + 100
+    args = (
         drafts.flatten(),
         torch.arange(1, num_reqs + 1, dtype=torch.int32, device=DEVICE) * k,
         target_logits.argmax(-1).flatten(),
         k,
+    )
+    kwargs = dict(
         is_greedy=sampling.is_greedy,
         draft_probs=draft_probs.flatten(0, 1),
         target_probs=compute_probs(target_logits, sampling).flatten(0, 1),
-        uniform_samples=uniform.flatten(),
-        exponential_noise=noise,
+        uniform_samples=random_uniform(sampling.seeds, keys, 1, k).flatten(),
+        exponential_noise=random_exponential(sampling.seeds, keys, 0, VOCAB),
     )
+    out, num_accepted = rejection_sample(*args, **kwargs)
+    expected = rejection_sample_reference(*args, **kwargs)
     assert torch.equal(out, expected[0]) and torch.equal(num_accepted, expected[1])
+    assert 0 < int(num_accepted.sum()) < num_reqs * k
 
 
 def test_prepare_draft_inputs_matches_reference():

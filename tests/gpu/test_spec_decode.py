@@ -23,14 +23,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from specula.runtime.gpu.spec_decode import GPUEagle3SpecDecoder
 from transformers import LlamaConfig
 
+from specula.runtime.models.config import ModelConfig
+from specula.runtime.models.llama import LlamaForCausalLM
 from specula.runtime.spec_decode.eagle.runner import Eagle3Runner, random_eagle3_head
 from specula.runtime.worker.model_runner import ModelRunner
 from specula.runtime.worker.paged_kv import KVCacheSpec, PagedKVCache, metadata_from_block_manager
-from specula.runtime.gpu.spec_decode import GPUEagle3SpecDecoder
-from specula.runtime.models.config import ModelConfig
-from specula.runtime.models.llama import LlamaForCausalLM
 
 pytestmark = [
     pytest.mark.gpu,

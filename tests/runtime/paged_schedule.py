@@ -1,6 +1,7 @@
-"""The step schedule the paged-runner tests drive, shared by the CPU (interpreted) and
-GPU tiers: a varlen prefill of two requests, greedy decode steps, a mixed step (both
-decode while a third request prefills) and a (k + 1)-token verification step."""
+"""The step schedule the paged-runner tests drive, shared by the CPU tier (the kernels'
+torch references, ``test_models_gemma4``) and the GPU tier: a varlen prefill of two
+requests, greedy decode steps, a mixed step (both decode while a third request
+prefills) and a (k + 1)-token verification step."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ def run_schedule(
     warm_tokens: int,
     device: torch.device,
 ) -> tuple[list[list[int]], list[dict]]:
-    """Run the schedule on ``runner`` (a paged GPU runner) with ``manager``'s blocks.
+    """Run the schedule on ``runner`` (a paged runner) with ``manager``'s blocks.
 
     A request of ``warm_tokens`` comes and goes first, so the others get non-contiguous
     blocks. Returns each request's tokens and, per request, ``{position: logits}`` for

@@ -298,6 +298,19 @@ def test_plain_decode_steps_feed_the_context_and_k_changes_between_steps(
     assert engine.spec_decoding_stats.num_accepted_tokens > 0
 
 
+@pytest.mark.gpu
+def test_greedy_on_gpu_in_cuda_graphs(tiny_qwen3_target, qwen3_dflash, hf_model, hf_greedy):
+    from gpu_checks import check_greedy_on_gpu, gpu_engine
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    hf = hf_model(tiny_qwen3_target)
+    prompts = _prompts()
+    expected = [hf_greedy(hf, p, MAX_TOKENS) for p in prompts]
+    engine = gpu_engine(tiny_qwen3_target, "dflash", qwen3_dflash, k=8)
+    check_greedy_on_gpu(engine, prompts, expected, ks=(0, 3, 8), max_tokens=MAX_TOKENS)
+
+
 def test_sampled_dflash_keeps_target_distribution(
     tiny_qwen3_target, qwen3_dflash, hf_model, sampled_pvalue
 ):

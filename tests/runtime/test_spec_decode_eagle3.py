@@ -180,6 +180,18 @@ def test_greedy_equals_hf_generate_for_k_1_to_8(
     greedy_rounds(engine, prompts, expected, params, ks=range(1, 9))
 
 
+@pytest.mark.gpu
+def test_greedy_on_gpu_in_cuda_graphs(target, target_hf, bigram_draft, hf_greedy):
+    from gpu_checks import check_greedy_on_gpu, gpu_engine
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    prompts = random_prompts(seed=11)
+    expected = [hf_greedy(target_hf, p, MAX_TOKENS) for p in prompts]
+    engine = gpu_engine(target, "eagle3", bigram_draft, k=8)
+    check_greedy_on_gpu(engine, prompts, expected, ks=(0, 1, 4, 8), max_tokens=MAX_TOKENS)
+
+
 def test_sampling_keeps_target_distribution(target, target_hf, bigram_draft, sampled_pvalue):
     torch.manual_seed(0)
     engine = make_engine(target, "eagle3", bigram_draft, k=3, max_num_seqs=256)

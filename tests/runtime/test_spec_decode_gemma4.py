@@ -1,10 +1,17 @@
 """Gemma4 MTP (method ``gemma4_mtp``): a ``gemma4_assistant`` draft reading the
-target's KV cache. Draft logits equal ``transformers``' ``Gemma4AssistantForCausalLM``
-on the same weights and target state (dense and centroid-masked logits, after prefill
-and after a verification round); greedy output equals ``transformers``' assisted
-generation and the target's greedy output for k = 1..8; sampled output keeps the
-target's distribution (chi-square at significance level ALPHA); a Gemma4 draft on a
-non-Gemma4 target fails at load."""
+target's paged KV cache, run by the engine on the CPU (the kernels' torch references).
+
+- Every proposal the engine makes (after prefills, after accepted and after rejected
+  drafts, with a request prefilled while others verify) equals ``transformers``'
+  ``Gemma4AssistantForCausalLM`` on the same weights and the request's verified tokens:
+  draft logits of every step within ATOL, drafts equal to their greedy chain; dense and
+  centroid-masked logits, a prompt longer than the sliding window.
+- Greedy output equals ``transformers``' assisted generation and the target's greedy
+  output for k = 1..8; sampled output keeps the target's distribution (chi-square at
+  significance level ALPHA).
+- A Gemma4 draft on a non-Gemma4 target, a non-assistant checkpoint and a backbone of
+  the wrong size fail at load, naming the field.
+"""
 
 from __future__ import annotations
 
@@ -17,21 +24,16 @@ from gemma4_checkpoints import (
     tiny_gemma4,
     tiny_gemma4_assistant,
 )
+from hidden_state_drafts import record_proposals
 
 from specula.api.runtime_config import RuntimeConfig, SpeculatorRuntimeConfig
 from specula.runtime.engine.llm_engine import LLMEngine, SamplingParams
-from specula.runtime.engine.model_runner import ModelRunner
-from specula.runtime.engine.sampler import SamplingMetadata
-from specula.runtime.models.config import ModelConfig
-from specula.runtime.models.registry import load_model
-from specula.runtime.spec_decode.base import SpeculatorInput, TargetHiddenStates
 from specula.runtime.spec_decode.gemma4 import Gemma4MTPSpeculator
 
 pytestmark = pytest.mark.runtime
 
 ATOL = 1e-4
 ALPHA = 0.001
-CPU = torch.device("cpu")
 
 
 @pytest.fixture(scope="module")
@@ -71,18 +73,6 @@ def _engine(target, draft, k: int, max_num_seqs: int = 8) -> LLMEngine:
     ))
 
 
-class RecordingGemma4Speculator(Gemma4MTPSpeculator):
-    """Keeps every draft step's logits ``[num_reqs, vocab]``."""
-
-    def __init__(self, **kw) -> None:
-        super().__init__(**kw)
-        self.logits: list[torch.Tensor] = []
-
-    def compute_draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        self.logits.append(super().compute_draft_logits(hidden))
-        return self.logits[-1]
-
-
 def _hf_draft_logits(hf_target, hf_assistant, tokens: list[int], k: int) -> list[torch.Tensor]:
     """``transformers``' draft logits for the ``k`` tokens after ``tokens``, as its
     ``SinglePositionMultiTokenCandidateGenerator`` computes them: the target's shared KV
@@ -107,61 +97,84 @@ def _hf_draft_logits(hf_target, hf_assistant, tokens: list[int], k: int) -> list
 
 
 @pytest.mark.parametrize("draft", ["assistant_dir", "ordered_assistant_dir"])
-def test_draft_logits_match_transformers(draft, request, hf_target, target_dir):
+def test_every_proposal_follows_transformers(draft, request, hf_target, target_dir):
+    """Each proposal the engine makes (after a prefill, after accepted and after rejected
+    drafts, whose KV the target's cache still holds past the draft rows' context) has,
+    at every draft step, ``transformers``' draft logits on the request's verified tokens
+    and their greedy chain as its drafts."""
     draft_dir = request.getfixturevalue(draft)
     hf_assistant = load_hf_assistant(draft_dir)
-    runner = ModelRunner(load_model(target_dir, torch.float32, CPU), 4, 128, CPU)
     k = 4
-    spec = RecordingGemma4Speculator(
-        draft_dir=draft_dir, target_config=ModelConfig.from_pretrained(target_dir),
-        num_speculative_tokens=k, max_num_seqs=4, max_model_len=120, dtype=torch.float32,
-        device=CPU,
-    )
-    spec.bind_target(runner)
-    greedy = SamplingMetadata.from_params([SamplingParams()] * 2, [None] * 2, CPU)
+    # Two slots for three prompts: the last one is prefilled while the others verify.
+    engine = _engine(target_dir, draft_dir, k, max_num_seqs=2)
+    spec = engine.speculator
+    assert isinstance(spec, Gemma4MTPSpeculator)
+    log = record_proposals(engine)
+
+    # Every draft step's logits, per request, in proposal order: [k, vocab] each.
+    step_logits: list[torch.Tensor] = []
+    by_request: dict[str, list[torch.Tensor]] = {}
+    compute, propose = spec.compute_draft_logits, spec.propose
+
+    def computing(hidden: torch.Tensor) -> torch.Tensor:
+        step_logits.append(compute(hidden).clone())
+        return step_logits[-1]
+
+    mixed_steps = 0  # proposals after a forward that verified and prefilled
+
+    def proposing(inputs):
+        nonlocal mixed_steps
+        step_logits.clear()
+        out = propose(inputs)
+        assert out is not None and len(step_logits) == k
+        rows = inputs.idx_mapping.tolist()
+        names = [engine.input_batch._requests[row].request_id for row in rows]
+        fresh = [n not in by_request for n in names]
+        mixed_steps += any(fresh) and not all(fresh)
+        for i, request_id in enumerate(names):
+            by_request.setdefault(request_id, []).append(torch.stack([s[i] for s in step_logits]))
+        return out
+
+    spec.compute_draft_logits = computing  # type: ignore[method-assign]
+    spec.propose = proposing  # type: ignore[method-assign]
+
     gen = torch.Generator().manual_seed(0)
     vocab = hf_target.config.vocab_size
     # One prompt longer than the sliding window (plus the draft's one extra position).
-    lens = [4, 2 * SLIDING_WINDOW + 5]
-    prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lens]
-    slots = [2, 0]
+    prompts = [torch.randint(1, vocab, (n,), generator=gen).tolist()
+               for n in (4, 2 * SLIDING_WINDOW + 5, 7)]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    ids = [f"r{i}" for i in range(len(prompts))]
+    for request_id, prompt in zip(ids, prompts, strict=True):
+        engine.add_request(request_id, prompt, params)
+    while engine.has_unfinished_requests():
+        engine.step()
+    stats = engine.spec_decoding_stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert mixed_steps == 1
 
-    hidden = runner.forward(slots, torch.tensor(prompts[0] + prompts[1]), lens, [0, 0])
-    first = runner.compute_logits(hidden[[lens[0] - 1, sum(lens) - 1]]).argmax(-1).tolist()
-    spec.add_requests(slots)
-    spec.observe_target(TargetHiddenStates(slots, [0, 0], lens, hidden, None))
-    seqs = [p + [t] for p, t in zip(prompts, first, strict=True)]
+    def owner(seq: list[int]) -> str:
+        (request_id,) = [i for i, p in zip(ids, prompts, strict=True) if seq[: len(p)] == p]
+        return request_id
 
-    for round_ in range(2):
-        spec.logits.clear()
-        proposal = spec.propose(SpeculatorInput(slots, seqs, greedy), k)
-        drafts = proposal.draft_token_ids.tolist()
-        assert len(spec.logits) == k
-        for i, seq in enumerate(seqs):
-            with torch.no_grad():
-                expected = _hf_draft_logits(hf_target, hf_assistant, seq, k)
-            for step in range(k):
-                torch.testing.assert_close(
-                    spec.logits[step][i], expected[step], atol=ATOL, rtol=0,
-                    msg=lambda m, i=i, s=step, r=round_: f"round {r} request {i} step {s}: {m}",
-                )
-                assert drafts[i][step] == expected[step].argmax().item()
-        if round_ == 1:
-            break
-        # Verify as the engine does: the target scores the last token and the drafts;
-        # request 0 keeps one draft token, request 1 none (then its recovered token).
-        starts = [len(s) - 1 for s in seqs]
-        verify = [[s[-1], *d] for s, d in zip(seqs, drafts, strict=True)]
-        hidden = runner.forward(slots, torch.tensor(verify).flatten(), [k + 1] * 2, starts)
-        target_next = runner.compute_logits(hidden).argmax(-1).view(2, k + 1).tolist()
-        accepted = [1, 0]
-        spec.rollback(slots, [len(s) + a for s, a in zip(seqs, accepted, strict=True)])
-        rows = torch.cat([hidden[i * (k + 1) : i * (k + 1) + a + 1] for i, a in enumerate(accepted)])
-        spec.observe_target(TargetHiddenStates(slots, starts, [a + 1 for a in accepted], rows, None))
-        seqs = [
-            s + d[:a] + [nxt[a]]
-            for s, d, a, nxt in zip(seqs, drafts, accepted, target_next, strict=True)
-        ]
+    seen = {i: 0 for i in ids}
+    after_prefill = 0
+    for seq, drafts in log:
+        request_id = owner(seq)
+        ours = by_request[request_id][seen[request_id]]
+        seen[request_id] += 1
+        after_prefill += len(seq) == len(prompts[ids.index(request_id)]) + 1
+        with torch.no_grad():
+            expected = _hf_draft_logits(hf_target, hf_assistant, seq, k)
+        msg = f"request {request_id}, {len(seq)} verified tokens"
+        assert drafts == [e.argmax().item() for e in expected], msg
+        torch.testing.assert_close(
+            ours, torch.stack(expected), atol=ATOL, rtol=0, msg=lambda m, msg=msg: f"{msg}: {m}"
+        )
+    # Every proposal but each request's last (made in the step it finished) was checked.
+    assert seen == {i: len(by_request[i]) - 1 for i in ids}
+    assert after_prefill == len(prompts)
+    assert len(log) >= 2 * len(prompts)
 
 
 def _hf_assisted(hf_target, hf_assistant, prompt: list[int], k: int, n: int) -> list[int]:

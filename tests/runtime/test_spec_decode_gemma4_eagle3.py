@@ -107,3 +107,17 @@ def test_sampling_keeps_target_distribution(
     # A prompt whose likely continuations are in the draft vocabulary.
     pvalue = sampled_pvalue(engine, target_hf, _prompts()[1], num_samples=1200, **SAMPLING)
     assert pvalue > 0.001
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("with_head", [True, False], ids=["eagle3", "target-only"])
+def test_greedy_on_gpu_in_cuda_graphs(target, head, expected, with_head):
+    from gpu_checks import check_greedy_on_gpu, gpu_engine
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    engine = gpu_engine(target, "eagle3" if with_head else None, head if with_head else None, k=8)
+    check_greedy_on_gpu(
+        engine, _prompts(), expected, ks=(0, 3, 8) if with_head else (0,), max_tokens=MAX_TOKENS,
+        replayed=("num_prefill_replays", "num_decode_replays") if with_head else (),
+    )

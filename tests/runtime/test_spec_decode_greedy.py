@@ -45,6 +45,26 @@ def test_greedy_speculative_equals_hf_generate(
     greedy_rounds(engine, prompts, expected, SamplingParams(max_tokens=MAX_TOKENS), ks)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("with_draft", [True, False], ids=["draft_model", "target-only"])
+def test_greedy_on_gpu_in_cuda_graphs(family, with_draft, request, hf_model):
+    from gpu_checks import check_greedy_on_gpu, gpu_engine
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    target = request.getfixturevalue(f"tiny_{family}_target")
+    draft = request.getfixturevalue(f"tiny_{family}_draft") if with_draft else None
+    hf = hf_model(target)
+    prompts = _prompts(hf.config.vocab_size, seed=11)
+    expected = [_hf_greedy(hf, p) for p in prompts]
+    engine = gpu_engine(target, "draft_model" if with_draft else None, draft, k=8)
+    check_greedy_on_gpu(
+        engine, prompts, expected, ks=(0, 1, 4, 8) if with_draft else (0,),
+        max_tokens=MAX_TOKENS, replayed=("num_prefill_replays", "num_decode_replays") if with_draft else (),
+    )
+
+
 def test_without_speculator_equals_hf_generate(tiny_llama_target, hf_model, make_engine):
     hf = hf_model(tiny_llama_target)
     prompts = _prompts(hf.config.vocab_size, seed=12)

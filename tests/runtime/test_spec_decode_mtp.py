@@ -198,6 +198,18 @@ def test_k_changes_between_steps(target, target_hf, bigram_draft, hf_greedy):
     assert engine.spec_decoding_stats.num_accepted_tokens > 0
 
 
+@pytest.mark.gpu
+def test_greedy_on_gpu_in_cuda_graphs(target, target_hf, bigram_draft, hf_greedy):
+    from gpu_checks import check_greedy_on_gpu, gpu_engine
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    prompts = random_prompts(seed=11)
+    expected = [hf_greedy(target_hf, p, MAX_TOKENS) for p in prompts]
+    engine = gpu_engine(target, "mtp", bigram_draft, k=8)
+    check_greedy_on_gpu(engine, prompts, expected, ks=(0, 1, 4, 8), max_tokens=MAX_TOKENS)
+
+
 def test_sampling_keeps_target_distribution(target, target_hf, bigram_draft, sampled_pvalue):
     torch.manual_seed(0)
     engine = make_engine(target, "mtp", bigram_draft, k=3, max_num_seqs=256)

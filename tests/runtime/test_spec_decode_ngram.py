@@ -140,6 +140,25 @@ def test_greedy_ngram_equals_hf_generate(tiny_llama_target, hf_model, greedy_rou
         assert r.num_generation_tokens == sum(len(g) for g in r.outputs), f"k={r.k}"
 
 
+@pytest.mark.gpu
+def test_greedy_ngram_on_gpu(tiny_llama_target, hf_model):
+    from gpu_checks import check_greedy_on_gpu, gpu_engine
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    hf = hf_model(tiny_llama_target)
+    gen = torch.Generator().manual_seed(21)
+    prompts = [
+        _repetitive_prompt(hf, torch.randint(1, hf.config.vocab_size, (n,), generator=gen).tolist())
+        for n in BASE_LENS
+    ]
+    expected = [_hf_greedy(hf, p, MAX_TOKENS) for p in prompts]
+    engine = gpu_engine(tiny_llama_target, "ngram", None, k=8)
+    check_greedy_on_gpu(
+        engine, prompts, expected, ks=(0, 2, 8), max_tokens=MAX_TOKENS, replayed=()
+    )
+
+
 def test_requests_without_a_match_draft_nothing(tiny_llama_target, hf_model):
     """A prompt of distinct tokens and a 4-gram minimum: rounds where no request finds a
     match decode plainly and count no draft; output stays the target's greedy output."""

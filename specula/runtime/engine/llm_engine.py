@@ -182,11 +182,6 @@ class LLMEngine:
         self._pending: list[RequestOutput] = []
         self._generate_counter = 0
 
-        if getattr(self.model_config, "enable_moe_block", False):
-            raise ValueError(
-                "enable_moe_block is true: the mixture-of-experts Gemma4 is not served "
-                "(its expert dispatch reads expert ids on the host); serve a dense Gemma4"
-            )
         self.dtype = resolve_dtype(dtype, self.model_config, self.device)
         model = load_model(target_dir, self.dtype, self.device, self.model_config)
         self.speculator: BaseSpeculator | None = None

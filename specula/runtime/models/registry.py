@@ -22,6 +22,19 @@ MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
 """``architectures[0]`` of ``config.json`` -> model class."""
 
 
+def check_servable(config: ModelConfig) -> None:
+    """Refuse, before any weight is read, a model the paged runners do not serve.
+
+    Raises:
+        ValueError: the mixture-of-experts Gemma4 (``enable_moe_block``).
+    """
+    if getattr(config, "enable_moe_block", False):
+        raise ValueError(
+            "enable_moe_block is true: the mixture-of-experts Gemma4 is not served "
+            "(its expert dispatch reads expert ids on the host); serve a dense Gemma4"
+        )
+
+
 def load_model(
     checkpoint_dir: str | Path,
     dtype: torch.dtype,
@@ -31,12 +44,13 @@ def load_model(
     """Build the model named by the checkpoint's config and load its ``*.safetensors``.
 
     Raises:
-        ValueError: unsupported architecture, or a checkpoint tensor with the wrong shape
-            or a parameter the checkpoint lacks.
+        ValueError: unsupported architecture (or one :func:`check_servable` refuses), or
+            a checkpoint tensor with the wrong shape or a parameter the checkpoint lacks.
         FileNotFoundError: no ``config.json`` or no ``*.safetensors`` file.
     """
     path = Path(checkpoint_dir)
     config = config or ModelConfig.from_pretrained(path)
+    check_servable(config)
     model_cls = MODEL_REGISTRY.get(config.architecture)
     if model_cls is None:
         raise ValueError(

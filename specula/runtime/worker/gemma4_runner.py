@@ -52,6 +52,7 @@ from specula.runtime.models.gemma4 import (
 )
 from specula.runtime.models.gemma4_config import SLIDING, Gemma4ModelConfig
 from specula.runtime.models.gemma4_layers import Gemma4RMSNorm
+from specula.runtime.models.registry import check_servable
 from specula.runtime.models.layers import RotaryEmbedding
 from specula.runtime.worker.model_runner import ModelRunner, attend
 from specula.runtime.worker.paged_kv import PagedAttentionMetadata, PagedKVCache
@@ -241,11 +242,7 @@ class Gemma4Runner(Gemma4PagedLayers):
         if not isinstance(model, Gemma4ForCausalLM):
             raise ValueError(f"{type(model).__name__} is not a Gemma4ForCausalLM")
         config = model.config
-        if config.enable_moe_block:
-            raise ValueError(
-                "enable_moe_block is true: the mixture-of-experts Gemma4 is not served "
-                "(its expert dispatch reads expert ids on the host); serve a dense Gemma4"
-            )
+        check_servable(config)
         spec = kv_cache.spec
         if tuple(getattr(spec, "layer_shapes", ())) != tuple(config.kv_cache_shapes()):
             raise ValueError(
@@ -286,7 +283,7 @@ class Gemma4Runner(Gemma4PagedLayers):
                 (one for every layer: all share the block tables), whose
                 ``block_table`` is ``max_blocks_per_req`` wide.
             aux_layer_ids: residual streams to return, counted as in
-                :meth:`Gemma4ForCausalLM.forward_with_aux` (``i``: the input of decoder
+                :meth:`LlamaForCausalLM.check_aux_hidden_state_layers` (``i``: the input of decoder
                 layer ``i``; ``num_hidden_layers``: the last layer's output).
 
         Returns:

@@ -290,7 +290,7 @@ class ModelRunner:
                 whose ``block_table`` is ``max_blocks_per_req`` wide.
             aux_layer_ids: residual streams to return, Hugging Face
                 ``output_hidden_states`` ids as in
-                :meth:`LlamaForCausalLM.forward_with_aux` (EAGLE-3, arXiv 2503.01840).
+                :meth:`LlamaForCausalLM.check_aux_hidden_state_layers` (EAGLE-3, arXiv 2503.01840).
 
         Returns:
             ``(hidden [num_tokens, hidden_size] after the final norm, aux [num_tokens,

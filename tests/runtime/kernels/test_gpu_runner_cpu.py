@@ -15,9 +15,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from specula.runtime.models.registry import load_model
 from specula.runtime.worker.model_runner import ModelRunner
 from specula.runtime.worker.paged_kv import KVCacheSpec, PagedKVCache, metadata_from_block_manager
-from specula.runtime.models.registry import load_model
 
 pytestmark = pytest.mark.runtime
 

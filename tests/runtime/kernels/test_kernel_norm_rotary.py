@@ -22,7 +22,7 @@ from specula.runtime.kernels.rotary import (
     rotary_embedding,
     rotary_embedding_reference,
 )
-from specula.runtime.models.layers import RMSNorm, RotaryEmbedding, apply_rotary
+from specula.runtime.models.layers import RMSNorm, RotaryEmbedding
 
 pytestmark = pytest.mark.runtime
 
@@ -132,9 +132,16 @@ def test_rotary_matches_reference(interpreted, dtype, rotary_dim, with_key):
     interpreted(check_rotary, dtype, rotary_dim, with_key)
 
 
-def test_rotary_reference_is_the_model_layer():
-    """Full rotary: the reference equals ``apply_rotary`` with the layer's cos/sin
-    (Llama 3.1 frequency scaling included)."""
+def test_rotary_reference_is_transformers_rotary():
+    """Full rotary: the reference on the layer's table equals ``transformers``' Llama
+    rotary (``LlamaRotaryEmbedding`` and ``apply_rotary_pos_emb``), Llama 3.1 frequency
+    scaling included."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import (
+        LlamaRotaryEmbedding,
+        apply_rotary_pos_emb,
+    )
+
     torch.manual_seed(3)
     scaling = {
         "rope_type": "llama3",
@@ -146,8 +153,15 @@ def test_rotary_reference_is_the_model_layer():
     rope = RotaryEmbedding(32, 500000.0, scaling, torch.device("cpu"))
     positions = torch.tensor([0, 1, 7, 100, 511])
     query = torch.randn(5, 3, 32)
-    cos, sin = rope.cos_sin(positions, torch.float32)
     ref_q, _ = rotary_embedding_reference(
         positions, query, None, build_cos_sin_cache(rope.inv_freq, 512)
     )
-    torch.testing.assert_close(ref_q, apply_rotary(query, cos, sin), atol=1e-6, rtol=1e-6)
+    config = LlamaConfig(
+        hidden_size=96, num_attention_heads=3, head_dim=32, rope_theta=500000.0,
+        rope_scaling=scaling, max_position_embeddings=512,
+    )
+    hf = LlamaRotaryEmbedding(config)
+    cos, sin = hf(query, positions[None])
+    q = query.transpose(0, 1)[None]  # [1, heads, tokens, head_dim]
+    hf_q, _ = apply_rotary_pos_emb(q, q, cos, sin)
+    torch.testing.assert_close(ref_q, hf_q[0].transpose(0, 1), atol=1e-5, rtol=1e-5)

@@ -1,6 +1,6 @@
 """Paged attention and ``reshape_and_cache`` in Triton's interpreter vs their torch
 references; the reference itself is checked against the model code's
-``cached_attention`` (the CPU engine path) on the same keys and values.
+``scaled_dot_product_attention`` with an explicit mask on the same keys and values.
 
 Tolerances (max abs error, unit-variance inputs): float32 1e-5 (both sides accumulate in
 float32); float16 3e-3 (the kernel rounds the softmax weights to float16 before the
@@ -24,11 +24,6 @@ from specula.runtime.kernels.paged_attention import (
 from specula.runtime.kernels.reshape_and_cache import (
     reshape_and_cache,
     reshape_and_cache_reference,
-)
-from specula.runtime.models.attention import (
-    build_attention_metadata,
-    cached_attention,
-    with_sliding_window,
 )
 
 pytestmark = pytest.mark.runtime
@@ -199,10 +194,10 @@ def test_reshape_and_cache_skips_padding(interpreted, dtype):
 
 
 @pytest.mark.parametrize("q_len, window", [(1, None), (4, None), (1, 3), (4, 6)])
-def test_reference_agrees_with_model_attention(q_len, window):
-    """The reference and the CPU engine's ``cached_attention`` (slot cache, SDPA with an
-    explicit mask; with a window, the mask of ``with_sliding_window`` that the CPU Gemma4
-    model uses) give the same result on the same keys and values."""
+def test_reference_agrees_with_sdpa(q_len, window):
+    """The reference equals ``scaled_dot_product_attention`` on each request's gathered
+    keys and values with an explicit mask: causal among the query tokens, and with a
+    window, Hugging Face's ``sliding_window_overlay`` (``kv_idx > q_idx - W``)."""
     seq_lens, num_heads, num_kv_heads, head_dim, block_size = [5, 13, 4], 4, 2, 16, 4
     query, key_cache, value_cache, block_table, lens = _paged_case(
         seq_lens, num_heads, num_kv_heads, head_dim, block_size, torch.float32,
@@ -212,28 +207,21 @@ def test_reference_agrees_with_model_attention(q_len, window):
     ref = paged_attention_reference(
         query, key_cache, value_cache, block_table, lens, scale, q_len, window
     )
-
-    capacity = max(seq_lens)
-    slot_k = torch.zeros(len(seq_lens), num_kv_heads, capacity, head_dim)
-    slot_v = torch.zeros_like(slot_k)
-    new_k, new_v = [], []
     for req, n in enumerate(seq_lens):
-        keys = gather_kv(key_cache, block_table, req, n)  # [n, num_kv_heads, head_dim]
-        values = gather_kv(value_cache, block_table, req, n)
-        slot_k[req, :, :n] = keys.transpose(0, 1)
-        slot_v[req, :, :n] = values.transpose(0, 1)
-        new_k.append(keys[n - q_len :])
-        new_v.append(values[n - q_len :])
-    metadata = build_attention_metadata(
-        list(range(len(seq_lens))), [q_len] * len(seq_lens), [n - q_len for n in seq_lens],
-        torch.device("cpu"),
-    )
-    if window is not None:
-        metadata = with_sliding_window(metadata, window)
-    out = cached_attention(
-        query, torch.cat(new_k), torch.cat(new_v), slot_k, slot_v, metadata, scale
-    )
-    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+        keys = gather_kv(key_cache, block_table, req, n).transpose(0, 1)  # [kv_heads, n, d]
+        values = gather_kv(value_cache, block_table, req, n).transpose(0, 1)
+        q = query[req * q_len : (req + 1) * q_len].transpose(0, 1)  # [heads, q_len, d]
+        q_pos = torch.arange(n - q_len, n)[:, None]
+        kv_pos = torch.arange(n)[None, :]
+        mask = kv_pos <= q_pos
+        if window is not None:
+            mask &= kv_pos > q_pos - window
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True
+        )
+        torch.testing.assert_close(
+            ref[req * q_len : (req + 1) * q_len], out.transpose(0, 1), atol=1e-5, rtol=1e-5
+        )
 
 
 def test_default_num_splits():

@@ -1,12 +1,16 @@
-"""Rejection sampling and draft-input preparation in Triton's interpreter.
+"""Rejection sampling and draft-input preparation in Triton's interpreter, against their
+torch references (``rejection_sample_reference``, ``prepare_draft_inputs_reference``:
+what the engine runs on a CPU).
 
-Rejection sampling is checked three ways: hand-built greedy cases with known answers;
-exact agreement with its torch reference on random inputs (variable draft lengths,
-greedy and random requests mixed, with and without draft probabilities, a vocabulary
-spanning several kernel chunks); and exact agreement with the CPU engine's sampler
-(``specula.runtime.spec_decode.rejection_sampler``) when both draw from the same seeded
-generators, which also makes the result a function of the seeds alone. Token ids are
-compared exactly: both sides do the same float32 operations.
+Rejection sampling is checked three ways: hand-built cases with known answers (greedy,
+and recovered tokens at the edges of the vocabulary scan); exact agreement with its
+torch reference on random inputs (variable draft lengths, greedy and random requests
+mixed, with and without draft probabilities, a vocabulary spanning several kernel
+chunks); and exact agreement with the reference on the inputs the engine builds
+(processed target probabilities of mixed sampling settings, and the counter-based
+uniforms and noise of ``specula.runtime.engine.sampler`` drawn from per-request seeds
+and keys), which also makes the result a function of the seeds and keys alone. Token
+ids are compared exactly: both sides do the same float32 operations.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ import pytest
 import torch
 
 from specula.runtime.engine.sampler import (
+    STREAM_ACCEPT,
+    STREAM_TARGET,
     SamplingMetadata,
     compute_probs,
     random_exponential,
@@ -30,15 +36,10 @@ from specula.runtime.kernels.rejection_sampler import (
     rejection_sample,
     rejection_sample_reference,
 )
-from specula.runtime.spec_decode import rejection_sampler as cpu_sampler
 
 pytestmark = pytest.mark.runtime
 
 P = PLACEHOLDER_TOKEN_ID
-
-
-def test_placeholder_is_the_cpu_samplers():
-    assert PLACEHOLDER_TOKEN_ID == cpu_sampler.PLACEHOLDER_TOKEN_ID
 
 
 def _cu(num_draft: list[int]) -> torch.Tensor:
@@ -158,7 +159,7 @@ def test_recovered_token_edge_cases(interpreted):
     interpreted(check_recovered_token_edge_cases)
 
 
-def _cpu_inputs(seed: int):
+def _engine_inputs(seed: int):
     num_reqs, k, vocab = 6, 3, 40
     gen = torch.Generator().manual_seed(seed)
     target_logits = torch.randn(num_reqs, k + 1, vocab, generator=gen) * 2
@@ -176,28 +177,21 @@ def _cpu_inputs(seed: int):
     return drafts, draft_probs, target_logits, params
 
 
-def _generators(params: list[SamplingParams]) -> list[torch.Generator]:
-    # Every row gets its own generator (greedy ones too) so that no draw touches the
-    # global generator and both samplers see the same numbers.
-    return [torch.Generator().manual_seed(1000 if p.seed is None else p.seed) for p in params]
-
-
-def check_agrees_with_cpu_sampler(seed: int) -> None:
-    drafts, draft_probs, target_logits, params = _cpu_inputs(seed)
+def check_engine_draws_match_reference(seed: int) -> None:
+    """The verification ``LLMEngine._verify`` launches: processed target probabilities,
+    per-request counter-based uniforms and noise from seeds and keys (drawn twice, each
+    time from scratch); the kernel equals the reference every time."""
+    drafts, draft_probs, target_logits, params = _engine_inputs(seed)
     num_reqs, k, vocab = draft_probs.shape
-    cpu = torch.device("cpu")
-    sampling = SamplingMetadata.from_params(params, _generators(params), cpu)
-    expected = cpu_sampler.rejection_sample(drafts, draft_probs, target_logits, sampling)
+    seeds = [1000 + seed if p.seed is None else p.seed for p in params]
+    sampling = SamplingMetadata.from_params(params, seeds, torch.device("cpu"))
+    keys = torch.arange(num_reqs, dtype=torch.int64) * 3 + 17  # per-request positions
 
     results = []
-    for _ in range(2):
-        # The CPU sampler draws, per row, k uniforms then one exponential vector.
-        gens = _generators(params)
-        uniform = random_uniform((k,), gens, cpu)  # [num_reqs, k]
-        noise = random_exponential((vocab,), gens, cpu)  # [num_reqs, vocab]
+    for fn in (rejection_sample, rejection_sample_reference, rejection_sample):
         target_probs = compute_probs(target_logits, sampling)  # [num_reqs, k + 1, vocab]
         results.append(
-            rejection_sample(
+            fn(
                 drafts.flatten(),
                 torch.arange(1, num_reqs + 1, dtype=torch.int32) * k,
                 target_logits.argmax(-1).flatten(),
@@ -205,18 +199,27 @@ def check_agrees_with_cpu_sampler(seed: int) -> None:
                 is_greedy=sampling.is_greedy,
                 draft_probs=draft_probs.flatten(0, 1),
                 target_probs=target_probs.flatten(0, 1),
-                uniform_samples=uniform.flatten(),
-                exponential_noise=noise,
+                uniform_samples=random_uniform(sampling.seeds, keys, STREAM_ACCEPT, k).flatten(),
+                exponential_noise=random_exponential(sampling.seeds, keys, STREAM_TARGET, vocab),
             )
         )
+    expected = results[1]
     for out, num_accepted in results:
         torch.testing.assert_close(out, expected[0], rtol=0, atol=0)
         torch.testing.assert_close(num_accepted, expected[1], rtol=0, atol=0)
+    # The greedy request (1) follows the argmax rule.
+    argmax = target_logits[1].argmax(-1)
+    n = int((drafts[1] == argmax[:k]).long().cumprod(0).sum())
+    assert int(expected[1][1]) == n and int(expected[0][1, n]) == int(argmax[n])
+    # Informative: random requests that reject their first draft and some that accept.
+    sampled = [a for a, g in zip(expected[1].tolist(), sampling.is_greedy.tolist(), strict=True)
+               if not g]
+    assert 0 in sampled and max(sampled) > 0
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-def test_agrees_with_cpu_sampler(interpreted, seed):
-    interpreted(check_agrees_with_cpu_sampler, seed)
+def test_engine_draws_match_reference(interpreted, seed):
+    interpreted(check_engine_draws_match_reference, seed)
 
 
 def check_prepare_draft_inputs() -> None:

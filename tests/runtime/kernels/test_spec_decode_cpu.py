@@ -28,7 +28,6 @@ def _case_module():
 
 def greedy_spec_decode_on_cpu() -> tuple[list, list, int, int]:
     import torch
-
     from specula.runtime.gpu.spec_decode import GPUEagle3SpecDecoder
 
     case = _case_module()
