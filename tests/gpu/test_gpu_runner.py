@@ -169,7 +169,9 @@ def test_cudagraph_replay_matches_eager(checkpoint, num_reqs, q_len):
             assert descriptor.num_tokens == descriptor.num_reqs * q_len
         eager, _ = runner.forward(inp, pos, md)
         eager = eager.clone()
-        replayed = graphs.run(inp, pos, md).clone()
+        replayed, _, ran = graphs.run(inp, pos, md)
+        assert ran == descriptor
+        replayed = replayed.clone()
         assert replayed.shape == eager.shape == (num_reqs * q_len, runner.config.hidden_size)
         assert torch.isfinite(replayed).all()
         torch.testing.assert_close(replayed, eager, atol=3e-2, rtol=3e-2, msg=f"step {step}")

@@ -33,9 +33,9 @@ def paged_prefill(runner, input_ids: torch.Tensor, *extra: torch.Tensor):
     manager = BlockManager(runner.kv_cache.num_blocks, runner.block_size, 0.0)
     manager.allocate("seq", n)
     metadata, positions = metadata_from_block_manager(
-        manager, ["seq"], [n], runner.max_blocks_per_req, CPU
+        manager, ["seq"], [n], runner.max_blocks_per_req, runner.device
     )
-    return runner.forward(input_ids, positions, metadata, *extra)
+    return runner.forward(input_ids.to(runner.device), positions, metadata, *extra)
 
 
 def hf_logits(hf, tokens: list[int]) -> torch.Tensor:
@@ -60,11 +60,12 @@ def check_runner_against_hf(runner, hf, vocab: int, lens: tuple[int, int]) -> No
     manager.allocate(1, lens[1])
 
     def forward(ids: list[int], query_lens: list[int], tokens: list[int]) -> torch.Tensor:
+        device = runner.device
         metadata, positions = metadata_from_block_manager(
-            manager, ids, query_lens, runner.max_blocks_per_req, CPU
+            manager, ids, query_lens, runner.max_blocks_per_req, device
         )
-        hidden, _ = runner.forward(torch.tensor(tokens), positions, metadata)
-        return runner.compute_logits(hidden)
+        hidden, _ = runner.forward(torch.tensor(tokens, device=device), positions, metadata)
+        return runner.compute_logits(hidden).cpu()
 
     logits = forward([0, 1], list(lens), prompts[0] + prompts[1])
     torch.testing.assert_close(logits[: lens[0]], hf_logits(hf, prompts[0]), atol=ATOL, rtol=0)

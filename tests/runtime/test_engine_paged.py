@@ -45,8 +45,8 @@ def run_gpu_engine(
     from transformers import AutoTokenizer
 
     from specula.api.runtime_config import SpeculatorRuntimeConfig
-    from specula.runtime.engine.sampling_params import SamplingParams
     from specula.runtime.engine.llm_engine import LLMEngine
+    from specula.runtime.engine.sampling_params import SamplingParams
 
     spec = None
     if draft is not None:

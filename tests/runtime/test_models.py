@@ -1,14 +1,25 @@
 """Our Llama/Qwen3 forward equals ``transformers``' on the same checkpoint (float32),
 for batched prefill of different lengths, incremental decoding with the KV cache, mixed
-query lengths, and overwriting rolled-back positions."""
+query lengths, and overwriting rolled-back positions; with an explicit split-K setting
+(``attn_num_splits``) too, which reaches every paged-attention call."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from model_checks import ATOL, CPU, check_runner_against_hf, cpu_runner, hf_logits, paged_prefill
+from model_checks import (
+    ATOL,
+    BLOCK_SIZE,
+    CPU,
+    check_runner_against_hf,
+    cpu_runner,
+    hf_logits,
+    paged_prefill,
+)
 
 from specula.runtime.models.registry import load_model
+from specula.runtime.worker import model_runner
+from specula.runtime.worker.paged_kv import KVCacheSpec, PagedKVCache
 
 pytestmark = pytest.mark.runtime
 
@@ -24,6 +35,30 @@ def test_logits_match_transformers(checkpoint, request, hf_model):
     path = request.getfixturevalue(checkpoint)
     hf = hf_model(path)
     _check_against_hf(cpu_runner(path), hf, hf.config.vocab_size)
+
+
+def test_explicit_attn_num_splits_reaches_paged_attention(monkeypatch, tiny_qwen3_target, hf_model):
+    """A runner built with ``attn_num_splits=3`` hands 3 to every paged-attention call
+    (decode and verification rows) and still matches ``transformers``. On the CPU the
+    attention is the kernel's reference, which has no splits; the split-K kernel itself
+    is checked against that reference in ``kernels/test_kernel_paged_attention.py``."""
+    calls: list[int | None] = []
+    paged_attention = model_runner.paged_attention
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("num_splits"))
+        return paged_attention(*args, **kwargs)
+
+    monkeypatch.setattr(model_runner, "paged_attention", spy)
+    model = load_model(tiny_qwen3_target, torch.float32, CPU)
+    spec = KVCacheSpec.from_model_config(model.config, torch.float32, BLOCK_SIZE)
+    runner = model_runner.ModelRunner(
+        model, PagedKVCache(spec, 64, CPU), max_model_len=64, attn_num_splits=3
+    )
+    hf = hf_model(tiny_qwen3_target)
+    _check_against_hf(runner, hf, hf.config.vocab_size)
+    # Decode steps, the verification and the overwrite after it, in every layer.
+    assert len(calls) >= 3 * model.config.num_hidden_layers and set(calls) == {3}
 
 
 def test_llama_variants_match_transformers(tmp_path, tiny_tokenizer):

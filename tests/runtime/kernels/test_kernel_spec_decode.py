@@ -212,8 +212,8 @@ def check_engine_draws_match_reference(seed: int) -> None:
     n = int((drafts[1] == argmax[:k]).long().cumprod(0).sum())
     assert int(expected[1][1]) == n and int(expected[0][1, n]) == int(argmax[n])
     # Informative: random requests that reject their first draft and some that accept.
-    sampled = [a for a, g in zip(expected[1].tolist(), sampling.is_greedy.tolist(), strict=True)
-               if not g]
+    greedy = sampling.is_greedy.tolist()
+    sampled = [a for a, g in zip(expected[1].tolist(), greedy, strict=True) if not g]
     assert 0 in sampled and max(sampled) > 0
 
 
