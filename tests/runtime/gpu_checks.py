@@ -45,13 +45,15 @@ def check_greedy_on_gpu(
     ks,
     max_tokens: int,
     replayed: tuple[str, ...] = ("num_prefill_replays", "num_decode_replays"),
+    ignore_eos: bool = True,
 ) -> None:
     """Greedy output equals ``expected`` for every k in ``ks`` (drafts accepted and
     rejected when k > 0), and the target's graphs and the speculator's graphs named by
-    its replay counters ``replayed`` were replayed (counted, not flagged)."""
+    its replay counters ``replayed`` were replayed (counted, not flagged). Without
+    ``ignore_eos``, requests stop at eos as ``expected`` (``generate``'s default) did."""
     from specula.runtime.engine.sampling_params import SamplingParams
 
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos)
     stats = engine.spec_decoding_stats
     for k in ks:
         if engine.speculator is not None:

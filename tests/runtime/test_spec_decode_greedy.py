@@ -61,7 +61,8 @@ def test_greedy_on_gpu_in_cuda_graphs(family, with_draft, request, hf_model):
     engine = gpu_engine(target, "draft_model" if with_draft else None, draft, k=8)
     check_greedy_on_gpu(
         engine, prompts, expected, ks=(0, 1, 4, 8) if with_draft else (0,),
-        max_tokens=MAX_TOKENS, replayed=("num_prefill_replays", "num_decode_replays") if with_draft else (),
+        max_tokens=MAX_TOKENS, ignore_eos=False,
+        replayed=("num_prefill_replays", "num_decode_replays") if with_draft else (),
     )
 
 

@@ -155,7 +155,8 @@ def test_greedy_ngram_on_gpu(tiny_llama_target, hf_model):
     expected = [_hf_greedy(hf, p, MAX_TOKENS) for p in prompts]
     engine = gpu_engine(tiny_llama_target, "ngram", None, k=8)
     check_greedy_on_gpu(
-        engine, prompts, expected, ks=(0, 2, 8), max_tokens=MAX_TOKENS, replayed=()
+        engine, prompts, expected, ks=(0, 2, 8), max_tokens=MAX_TOKENS, replayed=(),
+        ignore_eos=False,
     )
 
 
