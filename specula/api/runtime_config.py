@@ -125,3 +125,6 @@ class RuntimeConfig(BaseModel):
     may take (vLLM's option of the same name)."""
     enforce_eager: bool = False
     """Run the GPU engine without CUDA graphs (vLLM's option of the same name)."""
+    load_format: Literal["auto", "dummy"] = "auto"
+    """``auto`` reads the checkpoints' weights; ``dummy`` initialises random weights
+    from their configs alone, for benchmarks (vLLM's option of the same name)."""

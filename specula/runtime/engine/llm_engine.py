@@ -65,6 +65,7 @@ from specula.runtime.engine.spec_schedule import (
 from specula.runtime.kernels.rejection_sampler import rejection_sample
 from specula.runtime.loader import resolve_model_uri
 from specula.runtime.models.config import ModelConfig, resolve_dtype
+from specula.runtime.models.layers import LOAD_FORMATS
 from specula.runtime.models.registry import load_model
 from specula.runtime.spec_decode.base import BaseSpeculator, ProposeInputs
 from specula.runtime.spec_decode.metrics import SpecDecodingStats
@@ -116,6 +117,16 @@ class LLMEngine:
             ``max(max_model_len, 2048)``.
         enforce_eager: no CUDA graphs (vLLM's flag of the same name).
         tensor_parallel_size: 1 (the only degree this engine runs).
+        load_format: ``auto`` (checkpoint weights) or ``dummy`` (random weights from the
+            configs, for benchmarks; vLLM's option of the same name).
+        synthetic_acceptance_rate: benchmarks only: instead of verifying, accept each
+            draft token with this probability given that the ones before it were
+            accepted (vLLM's ``rejection_sample_method="synthetic"``); the token after
+            the accepted drafts is the target's argmax. Outputs are then not the
+            target's: it measures speed at a chosen acceptance.
+        cudagraph_capture_sizes: request counts to capture graphs for (vLLM's option of
+            the same name); default 1, 2, 4, 8, then multiples of 8 up to
+            ``max_num_seqs``.
 
     Raises:
         ValueError: ``max_model_len`` above the target's limit; an architecture no
@@ -144,7 +155,12 @@ class LLMEngine:
         max_num_batched_tokens: int | None = None,
         enforce_eager: bool = False,
         tensor_parallel_size: int = 1,
+        load_format: str = "auto",
+        synthetic_acceptance_rate: float | None = None,
+        cudagraph_capture_sizes: list[int] | None = None,
     ) -> None:
+        if load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format {load_format!r} is not one of {LOAD_FORMATS}")
         if tensor_parallel_size != 1:
             raise ValueError(
                 f"tensor_parallel_size {tensor_parallel_size} is not supported: this runtime "
@@ -183,7 +199,8 @@ class LLMEngine:
         self._generate_counter = 0
 
         self.dtype = resolve_dtype(dtype, self.model_config, self.device)
-        model = load_model(target_dir, self.dtype, self.device, self.model_config)
+        self.synthetic_acceptance_rate = synthetic_acceptance_rate
+        model = load_model(target_dir, self.dtype, self.device, self.model_config, load_format)
         self.speculator: BaseSpeculator | None = None
         if speculator_config is not None:
             self.speculator = create_speculator(
@@ -193,6 +210,7 @@ class LLMEngine:
                 max_num_seqs=max_num_seqs,
                 dtype=self.dtype,
                 device=self.device,
+                load_format=load_format,
             )
         spec = self.speculator
         self.aux_hidden_state_layers: tuple[int, ...] = (
@@ -251,6 +269,7 @@ class LLMEngine:
                 self.runner,
                 max_num_seqs,
                 [1] + [k + 1 for k in range(1, max_k + 1)],
+                capture_sizes=cudagraph_capture_sizes,
                 aux_layer_ids=self.aux_hidden_state_layers,
             )
             states = self.graphs.capture()
@@ -287,6 +306,7 @@ class LLMEngine:
             gpu_memory_utilization=config.gpu_memory_utilization,
             enforce_eager=config.enforce_eager,
             tensor_parallel_size=config.tensor_parallel_size,
+            load_format=config.load_format,
         )
 
     # ---- requests -------------------------------------------------------------------
@@ -644,6 +664,8 @@ class LLMEngine:
         drafts = ib.draft_token_ids[idx, :k].reshape(-1)  # [r * k]
         cu = self.cu_num_draft_tokens[k][:r]
         argmax = logits.argmax(dim=-1)
+        if self.synthetic_acceptance_rate is not None:
+            return self._synthetic_verify(drafts.view(r, k), argmax.view(r, k + 1), sampling, keys)
         if sampling.all_greedy:
             return rejection_sample(drafts, cu, argmax, k)
         vocab = logits.shape[-1]
@@ -662,6 +684,24 @@ class LLMEngine:
             uniform_samples=random_uniform(sampling.seeds, keys, STREAM_ACCEPT, k).view(-1),
             exponential_noise=random_exponential(sampling.seeds, keys, STREAM_TARGET, vocab),
         )
+
+
+    def _synthetic_verify(
+        self, drafts: torch.Tensor, argmax: torch.Tensor, sampling, keys: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Synthetic acceptance (benchmarks): ``drafts [r, k]``, the target's ``argmax
+        [r, k + 1]`` -> ``(output [r, k + 1], num_accepted [r])`` as the rejection
+        sampler returns them."""
+        r, k = drafts.shape
+        u = random_uniform(sampling.seeds, keys, STREAM_ACCEPT, k)  # [r, k]
+        accepted = (u < self.synthetic_acceptance_rate).long().cumprod(dim=1).sum(dim=1)
+        cols = torch.arange(k + 1, device=drafts.device)[None, :]
+        bonus = argmax.gather(1, accepted[:, None])
+        padded = torch.cat([drafts, drafts[:, :1]], dim=1)
+        output = torch.where(
+            cols < accepted[:, None], padded, torch.where(cols == accepted[:, None], bonus, -1)
+        )
+        return output, accepted
 
 
 def create_engine(config: RuntimeConfig) -> LLMEngine:

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specula.runtime.models.config import ModelConfig
-from specula.runtime.models.layers import RMSNorm, RotaryEmbedding, build_empty
+from specula.runtime.models.layers import RMSNorm, RotaryEmbedding, build_empty, init_dummy_weights
 from specula.runtime.models.llama import LlamaForCausalLM
 from specula.runtime.models.qwen3 import Qwen3DecoderLayer
 
@@ -111,6 +111,7 @@ def load_dflash_draft(
     target_vocab_size: int,
     dtype: torch.dtype,
     device: torch.device,
+    load_format: str = "auto",
 ) -> DFlashDraftModel:
     """Build a :class:`DFlashDraftModel` and load a ``speculators`` checkpoint into it.
 
@@ -127,13 +128,19 @@ def load_dflash_draft(
     """
     from safetensors import safe_open
 
-    files = sorted(Path(checkpoint_dir).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors files in {str(checkpoint_dir)!r}")
     # Casting touches floating-point tensors only: d2t stays int64.
     model = build_empty(
         lambda: DFlashDraftModel(config, num_aux_layers, draft_vocab_size, device), dtype, device
     )
+    if load_format == "dummy":
+        init_dummy_weights(model)
+        if model.d2t is not None:
+            ids = torch.randperm(target_vocab_size)[:draft_vocab_size].sort().values
+            model.d2t.copy_(ids - torch.arange(draft_vocab_size))
+        return model.eval()
+    files = sorted(Path(checkpoint_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {str(checkpoint_dir)!r}")
     expected = model.state_dict()
     shard_map = {
         sub: (fused, i)

@@ -25,7 +25,7 @@ from torch import nn
 from specula.runtime.models.gemma4 import Gemma4DecoderLayer
 from specula.runtime.models.gemma4_config import Gemma4ModelConfig
 from specula.runtime.models.gemma4_layers import Gemma4RMSNorm, Gemma4Rotary
-from specula.runtime.models.layers import build_empty
+from specula.runtime.models.layers import build_empty, init_dummy_weights
 
 ASSISTANT_MODEL_TYPE = "gemma4_assistant"
 
@@ -210,7 +210,7 @@ class Gemma4AssistantForCausalLM(nn.Module):
 
 
 def load_gemma4_assistant(
-    checkpoint_dir: Path, dtype: torch.dtype, device: torch.device
+    checkpoint_dir: Path, dtype: torch.dtype, device: torch.device, load_format: str = "auto"
 ) -> Gemma4AssistantForCausalLM:
     """Build the assistant of ``checkpoint_dir`` and load its ``*.safetensors``.
 
@@ -222,5 +222,11 @@ def load_gemma4_assistant(
 
     config = Gemma4AssistantConfig.from_pretrained(checkpoint_dir)
     model = build_empty(lambda: Gemma4AssistantForCausalLM(config, device=device), dtype, device)
-    load_safetensors(model, Path(checkpoint_dir))
+    if load_format == "dummy":
+        init_dummy_weights(model, skip=("masked_embedding.token_ordering",))
+        if model.masked_embedding is not None:
+            ordering = torch.randperm(config.vocab_size).to(model.masked_embedding.token_ordering)
+            model.masked_embedding.token_ordering.copy_(ordering)
+    else:
+        load_safetensors(model, Path(checkpoint_dir))
     return model.eval()

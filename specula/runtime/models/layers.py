@@ -100,6 +100,27 @@ class RotaryEmbedding:
         self.inv_freq = inv_freq  # [head_dim // 2], float32
 
 
+LOAD_FORMATS = ("auto", "dummy")
+"""``auto``: read the checkpoint's ``*.safetensors``; ``dummy``: random weights from the
+config alone, for benchmarks (vLLM's ``load_format`` of the same names)."""
+
+
+@torch.no_grad()
+def init_dummy_weights(model: nn.Module, skip: tuple[str, ...] = (), std: float = 0.02) -> None:
+    """Random weights for ``load_format: dummy``: matrices ``N(0, std)``, norm weights
+    and scalars 1, biases 0; parameters named in ``skip`` are left alone."""
+    gen = torch.Generator(next(model.parameters()).device).manual_seed(0)
+    for name, p in model.named_parameters():
+        if name in skip:
+            continue
+        if p.ndim >= 2:
+            p.normal_(0.0, std, generator=gen)
+        elif name.endswith("bias"):
+            p.zero_()
+        else:
+            p.fill_(1.0)
+
+
 def build_empty(factory: Callable[[], nn.Module], dtype: torch.dtype, device: torch.device):
     """Build ``factory()`` on the meta device, cast its floating-point tensors to ``dtype``
     and allocate uninitialised storage on ``device``: no time goes into random

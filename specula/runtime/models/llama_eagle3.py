@@ -22,7 +22,13 @@ import torch
 from torch import nn
 
 from specula.runtime.models.config import ModelConfig
-from specula.runtime.models.layers import MergedLinear, RMSNorm, RotaryEmbedding, build_empty
+from specula.runtime.models.layers import (
+    MergedLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    build_empty,
+    init_dummy_weights,
+)
 from specula.runtime.models.llama import LlamaDecoderLayer
 from specula.runtime.models.qwen3 import Qwen3Attention, Qwen3DecoderLayer
 from specula.runtime.models.speculators_format import (
@@ -175,7 +181,11 @@ def default_aux_hidden_state_layer_ids(num_hidden_layers: int) -> tuple[int, ...
 
 
 def load_eagle3_draft(
-    checkpoint_dir: Path, target: ModelConfig, dtype: torch.dtype, device: torch.device
+    checkpoint_dir: Path,
+    target: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    load_format: str = "auto",
 ) -> Eagle3LlamaForCausalLM:
     """Build the EAGLE-3 head of a ``speculators`` ``eagle3`` checkpoint for ``target``.
 
@@ -230,6 +240,14 @@ def load_eagle3_draft(
     # Not weights: rebuild what to_empty left uninitialised.
     model.rotary = RotaryEmbedding(layer.head_dim, layer.rope_theta, layer.rope_scaling, device)
     model.draft_to_target = torch.arange(eagle.draft_vocab_size, device=device)
+    if load_format == "dummy":
+        shared = ("embed_tokens.weight", "lm_head.weight")
+        init_dummy_weights(model, skip=shared)
+        if eagle.draft_vocab_size != layer.vocab_size:
+            ids = torch.randperm(layer.vocab_size)[: eagle.draft_vocab_size].sort().values
+            model.set_draft_to_target(ids - torch.arange(eagle.draft_vocab_size))
+        model.missing_target_weights = set(shared)
+        return model.eval()
     unloaded = {name for name, _ in model.named_parameters()}
     d2t = None
     for name, tensor in iter_checkpoint_tensors(checkpoint_dir):

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specula.runtime.models.config import ModelConfig
-from specula.runtime.models.layers import RMSNorm, RotaryEmbedding, build_empty
+from specula.runtime.models.layers import RMSNorm, RotaryEmbedding, build_empty, init_dummy_weights
 from specula.runtime.models.llama import LlamaDecoderLayer
 from specula.runtime.models.qwen3 import Qwen3DecoderLayer
 from specula.runtime.models.speculators_format import (
@@ -105,7 +105,11 @@ def _model_name(checkpoint_name: str) -> str:
 
 
 def load_mtp_draft(
-    checkpoint_dir: Path, target: ModelConfig, dtype: torch.dtype, device: torch.device
+    checkpoint_dir: Path,
+    target: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    load_format: str = "auto",
 ) -> MTPForCausalLM:
     """Build the MTP head of a ``speculators`` ``mtp`` checkpoint for ``target``.
 
@@ -132,6 +136,10 @@ def load_mtp_draft(
     model = build_empty(lambda: MTPForCausalLM(layer, device), dtype, device)
     # Not a weight: rebuild what to_empty left uninitialised.
     model.rotary = RotaryEmbedding(layer.head_dim, layer.rope_theta, layer.rope_scaling, device)
+    if load_format == "dummy":
+        init_dummy_weights(model, skip=SHARED_WITH_TARGET)
+        model.missing_target_weights = set(SHARED_WITH_TARGET)
+        return model.eval()
     unloaded = {name for name, _ in model.named_parameters()}
     for name, tensor in iter_checkpoint_tensors(checkpoint_dir):
         if name in ("d2t", "t2d") or name.startswith("verifier_"):

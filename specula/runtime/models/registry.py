@@ -9,7 +9,7 @@ from torch import nn
 
 from specula.runtime.models.config import ModelConfig
 from specula.runtime.models.gemma4 import Gemma4ForCausalLM
-from specula.runtime.models.layers import MergedLinear, build_empty
+from specula.runtime.models.layers import MergedLinear, build_empty, init_dummy_weights
 from specula.runtime.models.llama import LlamaForCausalLM
 from specula.runtime.models.qwen3 import Qwen3ForCausalLM
 
@@ -40,8 +40,11 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     config: ModelConfig | None = None,
+    load_format: str = "auto",
 ) -> LlamaForCausalLM:
-    """Build the model named by the checkpoint's config and load its ``*.safetensors``.
+    """Build the model named by the checkpoint's config and load its ``*.safetensors``
+    (``load_format: dummy``: random weights, see
+    :func:`~specula.runtime.models.layers.init_dummy_weights`).
 
     Raises:
         ValueError: unsupported architecture (or one :func:`check_servable` refuses), or
@@ -58,7 +61,10 @@ def load_model(
             f"supported: {', '.join(sorted(MODEL_REGISTRY))}"
         )
     model = build_empty(lambda: model_cls(config, device=device), dtype, device)
-    load_safetensors(model, path)
+    if load_format == "dummy":
+        init_dummy_weights(model)
+    else:
+        load_safetensors(model, path)
     return model.eval()
 
 

@@ -158,7 +158,8 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
         self, captured_attention_states: dict[BatchExecutionDescriptor, CapturedAttentionState]
     ) -> None:
         """Prefill graphs on the target's captured states (largest first), then the
-        decode graphs, all in one memory pool."""
+        decode graphs for the same request counts, all in one memory pool."""
+        self.capture_sizes = sorted({d.num_reqs for d in captured_attention_states})
         self.start_positions.fill_(-1)
         if not self.reads_target_kv:
             for d, state in captured_attention_states.items():

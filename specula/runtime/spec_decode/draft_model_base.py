@@ -34,6 +34,8 @@ class DraftModelSpeculator(BaseSpeculator):
         max_num_seqs: most requests per step.
         dtype, device: of the draft.
         draft_sample_method: one of :data:`DRAFT_SAMPLE_METHODS`.
+        load_format: ``auto`` (the checkpoint's weights) or ``dummy`` (random weights
+            from its config, for benchmarks).
 
     Raises (at construction):
         ValueError: the draft does not fit the target (see :meth:`check_draft_model`), or
@@ -49,6 +51,7 @@ class DraftModelSpeculator(BaseSpeculator):
         dtype: torch.dtype,
         device: torch.device,
         draft_sample_method: str = "greedy",
+        load_format: str = "auto",
     ) -> None:
         if draft_sample_method not in DRAFT_SAMPLE_METHODS:
             raise ValueError(
@@ -62,6 +65,7 @@ class DraftModelSpeculator(BaseSpeculator):
         self.device = device
         self.vocab_size = target_config.vocab_size
         self.keeps_draft_probs = draft_sample_method == "probabilistic"
+        self.load_format = load_format
         self.model = self.load_draft_model()
         self.check_draft_model(self.model)
         self.runner: Any = None

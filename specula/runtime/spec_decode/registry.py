@@ -33,6 +33,7 @@ class SpeculatorContext:
     max_num_seqs: int
     dtype: torch.dtype
     device: torch.device
+    load_format: str = "auto"
 
     def draft_dir(self) -> Path:
         """The resolved draft checkpoint.
@@ -69,6 +70,7 @@ def _draft_kwargs(ctx: SpeculatorContext) -> dict:
         "dtype": ctx.dtype,
         "device": ctx.device,
         "draft_sample_method": ctx.config.draft_sample_method,
+        "load_format": ctx.load_format,
     }
 
 
@@ -126,6 +128,7 @@ def create_speculator(
     max_num_seqs: int,
     dtype: torch.dtype,
     device: torch.device,
+    load_format: str = "auto",
 ) -> BaseSpeculator:
     """Build the speculator ``config`` describes.
 
@@ -141,5 +144,7 @@ def create_speculator(
             f"speculator method {config.method!r} is not implemented; "
             f"supported: {', '.join(supported_methods())}"
         )
-    ctx = SpeculatorContext(config, target_config, Path(target_dir), max_num_seqs, dtype, device)
+    ctx = SpeculatorContext(
+        config, target_config, Path(target_dir), max_num_seqs, dtype, device, load_format
+    )
     return factory(ctx)

@@ -52,8 +52,8 @@ from specula.runtime.models.gemma4 import (
 )
 from specula.runtime.models.gemma4_config import SLIDING, Gemma4ModelConfig
 from specula.runtime.models.gemma4_layers import Gemma4RMSNorm
-from specula.runtime.models.registry import check_servable
 from specula.runtime.models.layers import RotaryEmbedding
+from specula.runtime.models.registry import check_servable
 from specula.runtime.worker.model_runner import ModelRunner, attend
 from specula.runtime.worker.paged_kv import PagedAttentionMetadata, PagedKVCache
 

@@ -70,6 +70,7 @@ class DFlashSpeculator(DraftModelSpeculator):
             target_vocab_size=self.target_config.vocab_size,
             dtype=self.dtype,
             device=self.device,
+            load_format=self.load_format,
         )
 
     def bind_target(self, target_runner) -> None:
@@ -117,6 +118,7 @@ class DFlashSpeculator(DraftModelSpeculator):
     def capture(
         self, captured_attention_states: dict[BatchExecutionDescriptor, CapturedAttentionState]
     ) -> None:
+        self.capture_sizes = sorted({d.num_reqs for d in captured_attention_states})
         self.start_positions.fill_(-1)
         for d, state in captured_attention_states.items():
             graph = capture_graph(

@@ -16,7 +16,7 @@ class PlainDraftModelSpeculator(AutoRegressiveSpeculator):
     target's block tables; everything else is the generic loop."""
 
     def load_draft_model(self) -> nn.Module:
-        return load_model(self.draft_dir, self.dtype, self.device)
+        return load_model(self.draft_dir, self.dtype, self.device, load_format=self.load_format)
 
     def kv_cache_spec(self, block_size: int) -> KVCacheSpec:
         return KVCacheSpec.from_model_config(self.model.config, self.dtype, block_size)

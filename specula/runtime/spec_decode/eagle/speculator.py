@@ -31,7 +31,9 @@ class EagleSpeculator(AutoRegressiveSpeculator):
     model: Eagle3LlamaForCausalLM
 
     def load_draft_model(self) -> Eagle3LlamaForCausalLM:
-        model = load_eagle3_draft(self.draft_dir, self.target_config, self.dtype, self.device)
+        model = load_eagle3_draft(
+            self.draft_dir, self.target_config, self.dtype, self.device, self.load_format
+        )
         self.aux_hidden_state_layers = model.eagle.aux_hidden_state_layer_ids
         return model
 

@@ -41,7 +41,7 @@ class Gemma4MTPSpeculator(AutoRegressiveSpeculator):
     model: Gemma4AssistantForCausalLM
 
     def load_draft_model(self) -> Gemma4AssistantForCausalLM:
-        return load_gemma4_assistant(self.draft_dir, self.dtype, self.device)
+        return load_gemma4_assistant(self.draft_dir, self.dtype, self.device, self.load_format)
 
     def check_draft_model(self, model: Gemma4AssistantForCausalLM) -> None:
         check_gemma4_target(model.config, self.target_config)

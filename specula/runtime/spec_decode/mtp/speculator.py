@@ -24,7 +24,9 @@ class MTPSpeculator(AutoRegressiveSpeculator):
     model: MTPForCausalLM
 
     def load_draft_model(self) -> MTPForCausalLM:
-        return load_mtp_draft(self.draft_dir, self.target_config, self.dtype, self.device)
+        return load_mtp_draft(
+            self.draft_dir, self.target_config, self.dtype, self.device, self.load_format
+        )
 
     def bind_target(self, target_runner) -> None:
         target = target_runner.model

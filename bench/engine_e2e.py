@@ -1,0 +1,333 @@
+"""End-to-end engine benchmarks on one GPU: the engine as ``specula serve`` runs it, with
+requests in and tokens out, for target-only decoding and every speculator method.
+
+Workload (the one the vLLM side measures too, ``bench/peer_vllm.py``): a
+Llama-3.1-8B-shaped target in bfloat16 with random weights (``load_format: dummy``),
+``max_model_len`` 2048, ``batch`` requests of 128 random prompt tokens each, 256 greedy
+tokens each (``ignore_eos``). One warm-up run of the same batch, then a timed run.
+Decode tokens/s = the decode tokens of all requests (each one's tokens after its
+first) / (the last request's last token time - the first request's first token time),
+timestamps taken on the host when :meth:`LLMEngine.step` returns them.
+
+Speculative rows use *synthetic acceptance* (vLLM's ``rejection_sample_method=
+"synthetic"``): each draft token is accepted with probability 0.8 given that the ones
+before it were (the engine's ``synthetic_acceptance_rate``), so random weights give a
+known mean acceptance length. Methods and their drafts (all random weights):
+
+- ``eagle3``: a 1-layer head, draft vocabulary 32000 (vLLM's and ``speculators``'
+  default), aux layers ``(2, 16, 29)``, k = 4;
+- ``mtp``: one MTP layer with the target's full-vocabulary head, k = 4;
+- ``draft_model``: a Llama-3.2-1B-shaped draft, k = 4;
+- ``dflash``: 5 Qwen3-style layers, block 8, k = 7;
+- ``ngram``: no draft network and *real* verification on a copy-heavy workload (the
+  prompt is a random 64-token span, the target's own 128-token greedy continuation of
+  it, and the span again, so the output repeats text the lookup finds), k = 4.
+
+``engine_vs_runner`` divides the engine's decode tokens/s by the target runner's alone
+(its CUDA graph replayed back to back at the batch size: batch / step time).
+
+Run on the GPU machine::
+
+    PYTHONPATH=. python3 bench/engine_e2e.py [--phases target,methods] [--output FILE]
+
+Merges into ``bench/results/engine.json`` under ``e2e`` (with command, GPU, versions,
+date) and prints a table. ``--dry-run`` runs tiny shapes on the CPU to check plumbing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import gc
+import json
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+DEFAULT_OUTPUT = HERE / "results" / "engine.json"
+
+LLAMA_8B = dict(
+    architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256,
+    hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+    num_key_value_heads=8, max_position_embeddings=131072, rms_norm_eps=1e-5,
+    rope_theta=500000.0, tie_word_embeddings=False, torch_dtype="bfloat16",
+    rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                  "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    bos_token_id=128000, eos_token_id=128001,
+)
+LLAMA_1B = dict(
+    LLAMA_8B, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+    num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True,
+)
+TINY = dict(
+    LLAMA_8B, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+)
+TINY_DRAFT = dict(TINY, num_hidden_layers=1)
+
+
+def write_checkpoints(root: Path, target: dict, draft: dict) -> dict[str, Path]:
+    """Config-only checkpoint directories (``load_format: dummy``) for the target and
+    every method's draft."""
+    dirs = {}
+
+    def save(name: str, config: dict) -> None:
+        (root / name).mkdir(parents=True, exist_ok=True)
+        (root / name / "config.json").write_text(json.dumps(config))
+        dirs[name] = root / name
+
+    save("target", target)
+    save("draft_model", draft)
+    layer = {k: v for k, v in target.items() if k not in ("architectures", "torch_dtype")}
+    layer["num_hidden_layers"] = 1
+    n = target["num_hidden_layers"]
+    save("eagle3", {
+        "speculators_model_type": "eagle3", "transformer_layer_config": layer,
+        "draft_vocab_size": min(32000, target["vocab_size"]),
+        "eagle_aux_hidden_state_layer_ids": [2, n // 2, n - 3],
+    })
+    save("mtp", {"speculators_model_type": "mtp", "transformer_layer_config": layer})
+    qwen3 = dict(layer, model_type="qwen3", num_hidden_layers=5 if n > 4 else 1,
+                 head_dim=target["hidden_size"] // target["num_attention_heads"])
+    save("dflash", {
+        "speculators_model_type": "dflash", "transformer_layer_config": qwen3,
+        "block_size": 8, "mask_token_id": target["vocab_size"] - 1,
+        "aux_hidden_state_layer_ids": [1, n // 2, n - 1],
+    })
+    return dirs
+
+
+def make_engine(
+    dirs, method: str | None, k: int, batches: tuple[int, ...], device: str, synthetic
+):
+    from specula.api.runtime_config import SpeculatorRuntimeConfig
+    from specula.runtime.engine.llm_engine import LLMEngine
+
+    max_num_seqs = max(batches)
+    # Graphs for the batch sizes measured only: capture time, not speed, depends on it.
+    capture_sizes = list(batches) if device == "cuda" else None
+    spec = None
+    if method is not None:
+        model = None if method == "ngram" else f"file://{dirs[method]}"
+        spec = SpeculatorRuntimeConfig(method=method, model=model, num_speculative_tokens=k)
+    return LLMEngine(
+        dirs["target"],
+        None,
+        model_uri="file://target",
+        served_model_name="bench",
+        speculator_config=spec,
+        dtype="bfloat16" if device == "cuda" else "float32",
+        max_model_len=2048,
+        max_num_seqs=max_num_seqs,
+        device=device,
+        load_format="dummy",
+        synthetic_acceptance_rate=synthetic if method not in (None, "ngram") else None,
+        cudagraph_capture_sizes=capture_sizes,
+    )
+
+
+def timed_run(engine, prompts: list[list[int]], max_tokens: int) -> dict:
+    """Serve ``prompts`` to ``max_tokens`` each; decode tokens/s as the module says."""
+    from specula.runtime.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    first: dict[str, float] = {}
+    last: dict[str, float] = {}
+    count: dict[str, int] = {}
+    stats = engine.spec_decoding_stats
+    drafts_before, accepted_before = stats.num_drafts, stats.num_accepted_tokens
+    tag = f"t{time.perf_counter_ns()}"
+    for i, p in enumerate(prompts):
+        engine.add_request(f"{tag}-{i}", p, params)
+    steps = 0
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        now = time.perf_counter()
+        steps += 1
+        for out in outputs:
+            if out.new_token_ids:
+                first.setdefault(out.request_id, now)
+                last[out.request_id] = now
+                count[out.request_id] = count.get(out.request_id, 0) + len(out.new_token_ids)
+    elapsed = time.perf_counter() - start
+    decode_tokens = sum(n - 1 for n in count.values())
+    window = max(last.values()) - min(first.values())
+    drafts = stats.num_drafts - drafts_before
+    accepted = stats.num_accepted_tokens - accepted_before
+    return {
+        "decode_tokens_per_s": round(decode_tokens / window, 1),
+        "end_to_end_s": round(elapsed, 3),
+        "steps": steps,
+        "mean_acceptance_length": round(1 + accepted / drafts, 3) if drafts else None,
+    }
+
+
+def runner_tokens_per_s(engine, batch: int, reps: int = 50) -> float:
+    """The target's decode graph at ``batch`` replayed back to back: batch / step time."""
+    import torch
+
+    graphs = engine.graphs
+    d = graphs.descriptor_for(batch, 1)
+    graph = graphs.graphs[d]
+    for _ in range(5):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return batch / (start.elapsed_time(end) / 1e3 / reps)
+
+
+def random_prompts(batch: int, vocab: int, length: int, seed: int) -> list[list[int]]:
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(1, vocab, (batch, length), generator=gen).tolist()
+
+
+def free(engine) -> None:
+    import torch
+
+    del engine
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def run(args) -> dict:
+    device = "cpu" if args.dry_run else "cuda"
+    target = TINY if args.dry_run else LLAMA_8B
+    vocab = target["vocab_size"]
+    max_tokens = 16 if args.dry_run else 256
+    batches = (1, 2) if args.dry_run else (1, 8, 32, 128)
+    root = Path(tempfile.mkdtemp())
+    dirs = write_checkpoints(root, target, TINY_DRAFT if args.dry_run else LLAMA_1B)
+    out: dict = {}
+    if "target" in args.phases:
+        engine = make_engine(dirs, None, 0, batches, device, None)
+        rows = {}
+        for b in batches:
+            prompts = random_prompts(b, vocab, 128, seed=b)
+            timed_run(engine, prompts, max_tokens)  # warm-up
+            rows[f"bs{b}"] = timed_run(engine, prompts, max_tokens)
+            if device == "cuda":
+                rows[f"bs{b}"]["runner_tokens_per_s"] = round(runner_tokens_per_s(engine, b), 1)
+            print(f"target-only bs{b}: {rows[f'bs{b}']}", flush=True)
+        out["target_only"] = rows
+        free(engine)
+    if "methods" in args.phases:
+        methods = {"eagle3": 4, "mtp": 4, "draft_model": 4, "dflash": 7, "ngram": 4}
+        rows = {}
+        for method, k in methods.items():
+            if args.methods and method not in args.methods:
+                continue
+            bs = (1, 32) if not args.dry_run else (1, 2)
+            engine = make_engine(dirs, method, k, bs, device, 0.8)
+            rows[method] = {"num_speculative_tokens": k}
+            for b in bs:
+                if method == "ngram":
+                    prompts = copy_heavy_prompts(engine, b, vocab, max_tokens)
+                else:
+                    prompts = random_prompts(b, vocab, 128, seed=b)
+                timed_run(engine, prompts, max_tokens)
+                rows[method][f"bs{b}"] = timed_run(engine, prompts, max_tokens)
+                print(f"{method} bs{b}: {rows[method][f'bs{b}']}", flush=True)
+            free(engine)
+        out["methods"] = rows
+    return out
+
+
+def copy_heavy_prompts(engine, batch: int, vocab: int, max_tokens: int) -> list[list[int]]:
+    """A random 64-token span, the target's greedy continuation of it (128 tokens,
+    with speculation off), and the span again, per request."""
+    from specula.runtime.engine.sampling_params import SamplingParams
+
+    spans = random_prompts(batch, vocab, 64, seed=1000 + batch)
+    k = engine.num_speculative_tokens
+    engine.set_num_speculative_tokens(0)
+    continuations = engine.generate(spans, SamplingParams(max_tokens=128, ignore_eos=True))
+    engine.set_num_speculative_tokens(k)
+    return [s + c + s for s, c in zip(spans, continuations, strict=True)]
+
+
+def summarize(results: dict, peer: dict | None) -> dict:
+    """The keys the issue asks for: ``speedup_by_method`` (batch 1 and 32 against
+    target-only), ``engine_vs_runner``, ``vs_vllm`` (when the peer's figures exist)."""
+    target = results.get("target_only", {})
+    summary: dict = {}
+    if target and "methods" in results:
+        summary["speedup_by_method"] = {
+            m: round(r["bs1"]["decode_tokens_per_s"] / target["bs1"]["decode_tokens_per_s"], 3)
+            for m, r in results["methods"].items()
+        }
+        summary["speedup_by_method_bs32"] = {
+            m: round(r["bs32"]["decode_tokens_per_s"] / target["bs32"]["decode_tokens_per_s"], 3)
+            for m, r in results["methods"].items() if "bs32" in r and "bs32" in target
+        }
+    if target and all("runner_tokens_per_s" in target.get(b, {}) for b in ("bs1", "bs32")):
+        summary["engine_vs_runner"] = {
+            b: round(target[b]["decode_tokens_per_s"] / target[b]["runner_tokens_per_s"], 3)
+            for b in ("bs1", "bs32")
+        }
+    if peer:
+        ratios = {}
+        for b in ("bs1", "bs8", "bs32", "bs128"):
+            if b in target and b in peer.get("target_only", {}):
+                ratios[b] = round(
+                    target[b]["decode_tokens_per_s"]
+                    / peer["target_only"][b]["decode_tokens_per_s"], 3
+                )
+        ours = results.get("methods", {}).get("eagle3", {})
+        for b in ("bs1", "bs32"):
+            if b in ours and b in peer.get("eagle3", {}):
+                ratios[f"eagle3_{b}"] = round(
+                    ours[b]["decode_tokens_per_s"] / peer["eagle3"][b]["decode_tokens_per_s"], 3
+                )
+        summary["vs_vllm"] = ratios
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--phases", default="target,methods")
+    parser.add_argument("--methods", default="", help="comma-separated subset")
+    parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT)
+    parser.add_argument("--peer", type=Path, default=None, help="peer_vllm.py's JSON")
+    parser.add_argument("--dry-run", action="store_true")
+    args = parser.parse_args(argv)
+    args.phases = args.phases.split(",")
+    args.methods = [m for m in args.methods.split(",") if m]
+    import torch
+
+    results = run(args)
+    peer = json.loads(args.peer.read_text()) if args.peer and args.peer.is_file() else None
+    record = {
+        "command": "PYTHONPATH=. python3 bench/engine_e2e.py " + " ".join(argv or sys.argv[1:]),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.node(),
+        "versions": {"torch": torch.__version__, "python": platform.python_version()},
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        **results,
+        **summarize(results, peer),
+    }
+    if peer:
+        record["vllm"] = peer
+    print(json.dumps(summarize(results, peer), indent=1))
+    if args.dry_run:
+        return 0
+    data = json.loads(args.output.read_text()) if args.output.is_file() else {}
+    data.setdefault("e2e", {}).update(record)
+    args.output.write_text(json.dumps(data, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
