@@ -194,10 +194,10 @@ def random_prompts(batch: int, vocab: int, length: int, seed: int) -> list[list[
     return torch.randint(1, vocab, (batch, length), generator=gen).tolist()
 
 
-def free(engine) -> None:
+def release_memory() -> None:
+    """Return the memory of engines no longer referenced (call after ``del engine``)."""
     import torch
 
-    del engine
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -223,7 +223,8 @@ def run(args) -> dict:
                 rows[f"bs{b}"]["runner_tokens_per_s"] = round(runner_tokens_per_s(engine, b), 1)
             print(f"target-only bs{b}: {rows[f'bs{b}']}", flush=True)
         out["target_only"] = rows
-        free(engine)
+        del engine
+        release_memory()
     if "methods" in args.phases:
         methods = {"eagle3": 4, "mtp": 4, "draft_model": 4, "dflash": 7, "ngram": 4}
         rows = {}
@@ -241,7 +242,8 @@ def run(args) -> dict:
                 timed_run(engine, prompts, max_tokens)
                 rows[method][f"bs{b}"] = timed_run(engine, prompts, max_tokens)
                 print(f"{method} bs{b}: {rows[method][f'bs{b}']}", flush=True)
-            free(engine)
+            del engine
+            release_memory()
         out["methods"] = rows
     return out
 

@@ -159,7 +159,10 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
     ) -> None:
         """Prefill graphs on the target's captured states (largest first), then the
         decode graphs for the same request counts, all in one memory pool."""
-        self.capture_sizes = sorted({d.num_reqs for d in captured_attention_states})
+        # The target's request counts (none captured: the default ladder).
+        self.capture_sizes = (
+            sorted({d.num_reqs for d in captured_attention_states}) or self.capture_sizes
+        )
         self.start_positions.fill_(-1)
         if not self.reads_target_kv:
             for d, state in captured_attention_states.items():

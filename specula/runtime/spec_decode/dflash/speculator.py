@@ -118,7 +118,10 @@ class DFlashSpeculator(DraftModelSpeculator):
     def capture(
         self, captured_attention_states: dict[BatchExecutionDescriptor, CapturedAttentionState]
     ) -> None:
-        self.capture_sizes = sorted({d.num_reqs for d in captured_attention_states})
+        # The target's request counts (none captured: the default ladder).
+        self.capture_sizes = (
+            sorted({d.num_reqs for d in captured_attention_states}) or self.capture_sizes
+        )
         self.start_positions.fill_(-1)
         for d, state in captured_attention_states.items():
             graph = capture_graph(
