@@ -39,6 +39,7 @@ def run_gpu_engine(
     num_gpu_blocks: int,
     method: str = "eagle3",
     device: str = "cpu",
+    async_scheduling: bool | None = None,
 ) -> dict:
     """Serve ``prompts`` with a float32 :class:`LLMEngine` on ``device``; returns outputs,
     counters and each step's (decode, prefill) request counts."""
@@ -65,6 +66,7 @@ def run_gpu_engine(
         device=device,
         block_size=BLOCK_SIZE,
         num_gpu_blocks=num_gpu_blocks,
+        async_scheduling=async_scheduling,
     )
     steps: list[tuple[int, int]] = []
     schedule = engine.scheduler.schedule
@@ -129,8 +131,9 @@ def _expected(hf_greedy, target_hf, prompts, max_tokens) -> list[list[int]]:
     return [hf_greedy(target_hf, p, n) for p, n in zip(prompts, max_tokens, strict=True)]
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_eagle3_greedy_matches_transformers_with_mixed_batches_and_preemption(
-    target, target_hf, draft, hf_greedy
+    target, target_hf, draft, hf_greedy, async_scheduling
 ):
     prompts = _prompts(seed=11)
     # 14 blocks of 4 tokens: not all requests (and their 4-slot lookahead) fit at once,
@@ -142,6 +145,7 @@ def test_eagle3_greedy_matches_transformers_with_mixed_batches_and_preemption(
         _greedy(MAX_TOKENS_PER_PROMPT),
         max_num_seqs=3,
         num_gpu_blocks=14,
+        async_scheduling=async_scheduling,
     )
     assert got["outputs"] == _expected(hf_greedy, target_hf, prompts, MAX_TOKENS_PER_PROMPT)
     assert any(d and p for d, p in got["steps"]), f"no mixed step in {got['steps']}"
@@ -151,11 +155,12 @@ def test_eagle3_greedy_matches_transformers_with_mixed_batches_and_preemption(
     assert got["free_blocks_after"] == got["num_blocks"]
 
 
-def test_target_only_greedy_matches_transformers(target, target_hf, hf_greedy):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_target_only_greedy_matches_transformers(target, target_hf, hf_greedy, async_scheduling):
     prompts = _prompts(seed=12)[:3]
     max_tokens = MAX_TOKENS_PER_PROMPT[:3]
     got = run_gpu_engine( target, None, prompts, _greedy(max_tokens),
-        max_num_seqs=2, num_gpu_blocks=32,
+        max_num_seqs=2, num_gpu_blocks=32, async_scheduling=async_scheduling,
     )
     assert got["outputs"] == _expected(hf_greedy, target_hf, prompts, max_tokens)
     assert any(d and p for d, p in got["steps"]), f"no mixed step in {got['steps']}"

@@ -196,14 +196,17 @@ class BlockManager:
             KeyError: unknown request. ValueError: ``num_tokens`` < 0.
             NoFreeBlocksError: not enough free blocks; nothing is changed then.
         """
-        held = self._num_tokens[request_id]
-        first_new = len(self._tables[request_id])
-        if num_tokens >= held:
-            self.append_slots(request_id, num_tokens - held)
-        else:
-            self.truncate(request_id, num_tokens)
-            first_new = len(self._tables[request_id])
-        return first_new
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens={num_tokens} must be >= 0")
+        table = self._tables[request_id]
+        have, need = len(table), self.num_blocks_needed(num_tokens)
+        if need > have:
+            table.extend(self._take(need - have))
+        elif need < have:
+            self._free.extend(reversed(table[need:]))
+            del table[need:]
+        self._num_tokens[request_id] = num_tokens
+        return have if need > have else len(table)
 
     def num_blocks_held(self, request_id: Hashable) -> int:
         """Blocks in the request's table.

@@ -23,6 +23,13 @@ Model Runner V2):
    the proposal, so the host's stop checks overlap the drafting) and applies stop
    conditions.
 
+With asynchronous scheduling (the default on CUDA; vLLM's ``async_scheduling``), step 5
+of one step runs after steps 1-4 of the next are queued: the next step's inputs come
+from the device state, which the device updated itself, so the host's scheduling, input
+preparation and stop checks overlap the device's work, and the device never waits for
+the host. A request that finished is then part of one more step, whose tokens are
+dropped.
+
 ``k`` is either one configured value or, with a per-batch-size schedule
 (:mod:`specula.runtime.engine.spec_schedule`), looked up by batch size: drafts are
 proposed for the k of the step's batch, and the next step verifies the first
@@ -38,6 +45,7 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -127,6 +135,11 @@ class LLMEngine:
         cudagraph_capture_sizes: request counts to capture graphs for (vLLM's option of
             the same name); default 1, 2, 4, 8, then multiples of 8 up to
             ``max_num_seqs``.
+        async_scheduling: launch each step before reading the previous one's tokens, so
+            the host's scheduling and stop checks overlap the device's work (vLLM's
+            option of the same name); :meth:`step` then returns the outputs of the step
+            before the one it launched. Default: on for CUDA, off on a CPU (where the
+            host does the device's work too).
 
     Raises:
         ValueError: ``max_model_len`` above the target's limit; an architecture no
@@ -158,6 +171,7 @@ class LLMEngine:
         load_format: str = "auto",
         synthetic_acceptance_rate: float | None = None,
         cudagraph_capture_sizes: list[int] | None = None,
+        async_scheduling: bool | None = None,
     ) -> None:
         if load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format {load_format!r} is not one of {LOAD_FORMATS}")
@@ -282,6 +296,12 @@ class LLMEngine:
         """``k`` -> [max_num_seqs] int32 inclusive cumulative counts of ``k`` drafts each."""
         self._draft_k = 0
         """The k of the drafts the running requests hold (0: they decode one token)."""
+        self.async_scheduling = (
+            self.device.type == "cuda" if async_scheduling is None else async_scheduling
+        )
+        self._in_flight: _Launched | None = None
+        """The step launched by the last :meth:`step` whose tokens the host has not read
+        yet (asynchronous scheduling only)."""
         self._idx: tuple[tuple[int, ...], torch.Tensor] = ((), torch.zeros(0))
 
     @classmethod
@@ -351,7 +371,12 @@ class LLMEngine:
             self._pending.append(RequestOutput(request_id, [], True, "abort"))
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.scheduler.waiting or self.scheduler.running or self._pending)
+        return bool(
+            self.scheduler.waiting
+            or self.scheduler.running
+            or self._pending
+            or self._in_flight is not None
+        )
 
     def scheduler_stats(self) -> dict[str, int]:
         bm = self.scheduler.block_manager
@@ -449,7 +474,19 @@ class LLMEngine:
         """Run one scheduler step; returns one output per request that produced tokens,
         finished, or was aborted since the last step."""
         emitted: dict[Request, list[int]] = {}
-        self._run_step(emitted)
+        launched = self._launch()
+        if self.async_scheduling:
+            finished, self._in_flight = self._in_flight, launched
+        else:
+            finished = launched
+        if finished is not None:
+            self._finish(finished, emitted)
+        in_flight = self._in_flight
+        if in_flight is not None and all(r.finished or r.row < 0 for r in in_flight.batch):
+            # Every request of the step in flight has finished since it was launched:
+            # drain it now (it emits nothing) so that nothing is left pending.
+            self._finish(in_flight, emitted)
+            self._in_flight = None
         outputs, self._pending = self._pending, []
         for request, tokens in emitted.items():
             self.generation_tokens_total += len(tokens)
@@ -505,10 +542,16 @@ class LLMEngine:
                 ib.truncate_blocks(request, held)
         ib.flush()
 
-    def _run_step(self, emitted: dict[Request, list[int]]) -> None:
+    def _launch(self) -> _Launched | None:
+        """Schedule a step and queue all its device work (forward, sampling, the state
+        update, the drafting, the copy of its tokens to the host); ``None`` when there is
+        nothing to run. With a step in flight (asynchronous scheduling) the running
+        requests' committed lengths are known one step late, so their KV slots are
+        reserved for that step's query tokens too."""
         k = self._draft_k
         q = k + 1
-        sched = self.scheduler.schedule(q, self.num_lookahead_tokens)
+        in_flight = self._in_flight.num_query_tokens if self._in_flight is not None else 0
+        sched = self.scheduler.schedule(q + in_flight, self.num_lookahead_tokens)
         ib = self.input_batch
         for request in sched.preempted:
             ib.remove(request)
@@ -516,7 +559,7 @@ class LLMEngine:
         self.last_step_num_reqs = len(decode)
         self.last_step_num_speculative_tokens = k if decode else 0
         if not decode and not prefill:
-            return
+            return None
         for request in prefill:
             ib.add(request)
         batch = decode + prefill
@@ -577,6 +620,8 @@ class LLMEngine:
         else:
             committed = starts + num_accepted + 1
         ib.commit(idx, committed, next_tokens, out, num_accepted + 1)
+        for request in prefill:  # exact: a prefill commits its whole prompt
+            request.num_computed_tokens = len(request.token_ids)
         # The step's only device-to-host copy, queued before the drafting so that the
         # host's stop checks overlap it.
         host = torch.cat([num_accepted[:, None], num_verified[:, None], out], dim=1)
@@ -630,24 +675,34 @@ class LLMEngine:
                 if draft.draft_probs is not None and ib.draft_probs is not None:
                     ib.draft_probs[idx, :k_next] = draft.draft_probs
 
-        # -- the host: tokens, counters, stop conditions ---------------------------------
-        if ready is not None:
-            ready.synchronize()
-        rows = host.tolist()
-        for i, request in enumerate(batch):
+        self._draft_k = k_next
+        return _Launched(batch, nd, k, q, k_next, host, ready)
+
+    def _finish(self, step: _Launched, emitted: dict[Request, list[int]]) -> None:
+        """Wait for ``step``'s tokens and accepted counts (its one device-to-host copy),
+        then count, commit and emit them, applying stop conditions. Requests that
+        finished, were aborted or were preempted since the step was launched are
+        skipped: their tokens of that step are dropped."""
+        if step.ready is not None:
+            step.ready.synchronize()
+        rows = step.host.tolist()
+        for i, request in enumerate(step.batch):
+            if request.finished or request.row < 0:
+                continue
             accepted, verified, *tokens = rows[i]
-            if i < nd:
-                if k > 0 and verified > 0:
+            if i < step.num_decode:
+                if step.k > 0 and verified > 0:
                     self.spec_decoding_stats.observe_draft(verified, accepted)
                 request.num_computed_tokens += accepted + 1
                 self._emit(request, tokens[: accepted + 1], emitted)
             else:
-                request.num_computed_tokens = len(request.token_ids)
                 self._emit(request, tokens[:1], emitted)
-        # The drafts were proposed before the host knew which requests finish; the next
-        # step verifies no more of them than its own batch size asks for.
-        survivors = sum(not r.finished for r in batch)
-        self._draft_k = min(k_next, self.num_speculative_tokens_for(survivors)) if survivors else 0
+        if not self.async_scheduling:
+            # The drafts were proposed before the host knew which requests finish; the
+            # next step verifies no more of them than its own batch size asks for.
+            survivors = sum(not r.finished for r in step.batch)
+            k = self.num_speculative_tokens_for(survivors) if survivors else 0
+            self._draft_k = min(step.num_speculative_tokens, k)
 
     def _verify(
         self,
@@ -702,6 +757,24 @@ class LLMEngine:
             cols < accepted[:, None], padded, torch.where(cols == accepted[:, None], bonus, -1)
         )
         return output, accepted
+
+
+@dataclass
+class _Launched:
+    """A step whose device work is queued and whose tokens the host has yet to read."""
+
+    batch: list[Request]
+    num_decode: int
+    k: int
+    """Drafts each running request verified."""
+    num_query_tokens: int
+    """``k + 1``: the most tokens each running request can commit."""
+    num_speculative_tokens: int
+    """k of the drafts this step proposed."""
+    host: torch.Tensor
+    """[num_reqs, 2 + width] int64 on the host: accepted, verified, tokens."""
+    ready: torch.cuda.Event | None
+    """Recorded after the copy (CUDA); ``None``: ``host`` is ready."""
 
 
 def create_engine(config: RuntimeConfig) -> LLMEngine:

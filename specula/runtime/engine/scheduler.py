@@ -120,18 +120,19 @@ class PagedScheduler:
         out = SchedulerOutput()
         step = num_decode_tokens + num_lookahead_tokens
 
-        def growth(request: Request) -> int:
-            need = bm.num_blocks_needed(request.num_computed_tokens + step)
-            return need - bm.num_blocks_held(request.request_id)
-
-        needed = sum(growth(r) for r in self.running)
+        growth = {
+            r: bm.num_blocks_needed(r.num_computed_tokens + step)
+            - bm.num_blocks_held(r.request_id)
+            for r in self.running
+        }
+        needed = sum(growth.values())
         while self.running and needed > bm.num_free_blocks:
             victim = self.running[-1]
-            needed -= growth(victim)
+            needed -= growth.pop(victim)
             self._preempt(victim)
             out.preempted.append(victim)
         # Shrinking first returns the blocks the growing ones take.
-        for request in sorted(self.running, key=growth):
+        for request in sorted(self.running, key=growth.__getitem__):
             bm.resize(request.request_id, request.num_computed_tokens + step)
         out.decode = list(self.running)
         if out.preempted:
