@@ -54,7 +54,8 @@ DEFAULT_OUTPUT = HERE / "results" / "engine.json"
 LLAMA_8B = dict(
     architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256,
     hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-    num_key_value_heads=8, max_position_embeddings=131072, rms_norm_eps=1e-5,
+    num_key_value_heads=8, head_dim=128, hidden_act="silu", attention_bias=False,
+    mlp_bias=False, max_position_embeddings=131072, rms_norm_eps=1e-5,
     rope_theta=500000.0, tie_word_embeddings=False, torch_dtype="bfloat16",
     rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                   "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
