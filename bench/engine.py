@@ -1,8 +1,7 @@
 """Engine benchmarks on the GPU path; phase ``decode`` is benchmark 1, target-only decode
-(below); phase ``spec`` is benchmarks 2 and 4 (EAGLE-3 speculative decoding with
-synthetic acceptance, attention-state reuse and CUDA-graph ablations,
-``bench/engine_spec.py``); phase ``hf`` is benchmark 3 (Hugging Face ``transformers``
-on the same GPU and shape, ``bench/engine_hf.py``), run last, after our model is freed.
+(below); phase ``hf`` is benchmark 3 (Hugging Face ``transformers`` on the same GPU and
+shape against our engine, ``bench/engine_hf.py``), run last, after our model is freed.
+Speculative decoding end to end, every method, is ``bench/engine_e2e.py``.
 
 A Llama-3.1-8B-shaped ``LlamaForCausalLM`` (our model class) with random bfloat16
 weights, built on the GPU (meta device, ``to_empty``, normal initialisation: decode
@@ -13,7 +12,8 @@ metadata built on the host from the block manager and its input the previous ste
 argmax on the device (no host synchronisation inside the timed loop). Timed with CUDA
 events over ``--steps`` decode steps after ``--warmup`` steps, at batch 1, 8, 32 and 128,
 with CUDA graphs (:class:`specula.runtime.worker.cudagraph.CUDAGraphManager`, default
-capture sizes) and eagerly (the CUDA-graphs-vs-eager ablation).
+capture sizes, its ``run`` replaying the graph a batch pads to) and eagerly (the
+CUDA-graphs-vs-eager ablation).
 
 ``roofline_fraction_bs1`` = (weight bytes / measured device copy bandwidth) / measured
 batch-1 step time; a step reads every weight once, and the copy bandwidth counts bytes
@@ -26,12 +26,11 @@ Run on the GPU machine (all phases; ``--phases decode`` alone takes about a minu
     PYTHONPATH=. python3 bench/engine.py
 
 Merges its figures into ``bench/results/engine.json`` after each phase (keys
-``target_decode`` and ``roofline_fraction_bs1``; ``spec_decode``,
-``speedup_vs_nospec``, ``attn_state_reuse``, ``spec_cudagraph_vs_eager``; ``vs_hf``;
-other keys are kept) with the command, GPU, software versions and date.
+``target_decode`` and ``roofline_fraction_bs1``; ``vs_hf``; other keys are kept) with the
+command, GPU, software versions and date.
 ``--dry-run`` runs every phase on a tiny model on the CPU with the Triton kernels in the
-interpreter (eager only: the CUDA-graph ablations are skipped) to check the plumbing,
-and writes nothing.
+interpreter (eager only: CUDA graphs, the GEMM-only graph and the roofline are skipped)
+to check the plumbing, and writes nothing.
 """
 
 from __future__ import annotations
@@ -54,7 +53,7 @@ TINY = dict(
     vocab_size=320,
     hidden_size=64,
     intermediate_size=128,
-    # 4 layers: EAGLE-3's default auxiliary layers (2, L // 2, L - 3) must exist.
+    # 4 layers: the EAGLE-3 head of the hf phase reads layers (2, L // 2, L - 3).
     num_hidden_layers=4,
     num_attention_heads=4,
     num_key_value_heads=2,
@@ -78,19 +77,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dry-run", action="store_true")
     p.add_argument(
         "--phases",
-        default="decode,spec,hf",
-        help="comma-separated: decode (benchmark 1), spec (2 and 4), hf (3)",
+        default="decode,hf",
+        help="comma-separated: decode (benchmark 1), hf (3)",
     )
-    g = p.add_argument_group("spec phase (bench/engine_spec.py)")
-    g.add_argument("--spec-ks", default="1,2,3,4,5,6,7,8")
-    g.add_argument("--spec-rates", default="0.6,0.8")
-    g.add_argument("--spec-batch-sizes", default="1,32")
-    g.add_argument("--spec-steps", type=int, default=64, help="timed speculative steps")
-    g.add_argument("--spec-warmup", type=int, default=8)
-    g.add_argument("--draft-vocab-size", type=int, default=32000)
-    g.add_argument("--ablation-k", type=int, default=4)
-    g.add_argument("--ablation-reps", type=int, default=200)
-    g.add_argument("--eager-steps", type=int, default=16, help="timed eager spec steps")
     g = p.add_argument_group("hf phase (bench/engine_hf.py)")
     g.add_argument("--hf-new-tokens", type=int, default=256)
     g.add_argument("--hf-assisted-new-tokens", type=int, default=128)
@@ -193,7 +182,7 @@ def decode_run(runner, manager, forward, batch_size: int, args, device) -> dict:
         metadata, positions = metadata_from_block_manager(
             manager, ids, [1] * batch_size, runner.max_blocks_per_req, device
         )
-        hidden = forward(next_ids, positions, metadata)
+        hidden = forward(next_ids, positions, metadata)  # [batch_size, hidden_size]
         return runner.compute_logits(hidden).argmax(-1)  # [batch_size]
 
     for _ in range(args.warmup):
@@ -289,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
 
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     phases = set(args.phases.split(","))
-    if not phases <= {"decode", "spec", "hf"}:
+    if not phases <= {"decode", "hf"}:
         raise SystemExit(f"unknown phases in {args.phases!r}")
     if args.dry_run:
         torch.set_num_threads(1)
@@ -297,11 +286,9 @@ def main(argv: list[str] | None = None) -> int:
         batch_sizes = [b for b in batch_sizes if b <= 2] or [1]
         args.prompt_len, args.steps, args.warmup = 8, 3, 1
         args.block_size, args.max_model_len = 4, 48
-        args.spec_ks, args.spec_batch_sizes, args.spec_steps, args.spec_warmup = "1,2", "1,2", 2, 1
-        args.draft_vocab_size, args.ablation_k = 256, 2
         args.hf_new_tokens, args.hf_assisted_new_tokens, args.hf_assistant_layers = 4, 16, 2
-        # k within the dry run's spec grid, and tolerance 0 so that the re-measurement of
-        # ours at HF's measured agreement runs too.
+        # Tolerance 0, so that ours is measured at HF's measured agreement (the path a
+        # real run takes when the agreement is off).
         args.hf_assisted_k, args.hf_acceptance_tolerance = 2, 0.0
         args.hf_assisted_prompts, args.hf_calibration_rollouts = 2, 2
     else:
@@ -342,14 +329,6 @@ def main(argv: list[str] | None = None) -> int:
     if context > args.max_model_len:
         raise SystemExit(f"prompt + steps = {context} tokens > --max-model-len")
     num_blocks = max_bs * blocks_per_req + 8
-    if "spec" in phases:
-        # A speculative step appends k + 1 slots before truncating to the accepted ones.
-        max_k = max(int(k) for k in args.spec_ks.split(","))
-        spec_context = args.prompt_len + (args.spec_warmup + args.spec_steps + 6) * (max_k + 1)
-        if spec_context > args.max_model_len:
-            raise SystemExit(f"spec phase may reach {spec_context} tokens > --max-model-len")
-        spec_bs = max(int(b) for b in args.spec_batch_sizes.split(","))
-        num_blocks = max(num_blocks, spec_bs * (-(-args.max_model_len // args.block_size)) + 8)
     cache = PagedKVCache(spec, num_blocks, device)
     runner = ModelRunner(model, cache, args.max_model_len, attn_num_splits=args.attn_num_splits)
     manager = cache.block_manager(watermark=0.0)
@@ -368,8 +347,12 @@ def main(argv: list[str] | None = None) -> int:
         section["cudagraph_capture_s"] = round(time.perf_counter() - t0, 1)
         section["cudagraph_capture_sizes"] = graphs.capture_sizes
         section["tokens_per_s"], section["step_ms"] = {}, {}
+
+        def replay(input_ids, positions, metadata):
+            return graphs.run(input_ids, positions, metadata)[0]  # (hidden, aux, descriptor)
+
         for bs in batch_sizes:
-            res = decode_run(runner, manager, graphs.run, bs, args, device)
+            res = decode_run(runner, manager, replay, bs, args, device)
             section["tokens_per_s"][f"bs{bs}"] = round(res["tokens_per_s"], 1)
             section["step_ms"][f"bs{bs}"] = round(res["step_ms"], 3)
             print(
@@ -423,39 +406,13 @@ def main(argv: list[str] | None = None) -> int:
         results["roofline_fraction_bs1"] = section.get("roofline_fraction_bs1")
         save()
 
-    baseline = None
-    if "spec" in phases:
-        from bench.engine_spec import run_spec_phase, spec_markdown_table
-
-        if device.type == "cuda":
-            if graphs is None:
-                spec_sizes = [int(b) for b in args.spec_batch_sizes.split(",")]
-                graphs = CUDAGraphManager(runner, max(spec_sizes), capture_sizes=spec_sizes)
-                graphs.capture()
-            baseline = graphs.run
-        else:
-            baseline = eager
-        spec_out = run_spec_phase(model, runner, cache, baseline, args, device)
-        spec_out["spec_decode"].update(
-            command=section["command"],
-            date=section["date"],
-            gpu=section["gpu"],
-            software=section["software"],
-            model=section["model"],
-            dtype=section["dtype"],
-        )
-        print(json.dumps(spec_out, indent=2), flush=True)
-        print(spec_markdown_table(spec_out), flush=True)
-        results.update(spec_out)
-        save()
-
     if "hf" in phases:
         import gc
 
         from bench.engine_hf import engine_spec_point, run_hf_phase, vs_hf_section
 
         # Every reference to our model goes, so that its memory is free for theirs.
-        del graphs, runner, cache, manager, model, eager, baseline
+        del graphs, runner, cache, manager, model, eager
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()

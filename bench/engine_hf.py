@@ -15,7 +15,7 @@ Figures (``tokens_per_s``; every variant on the same target):
 - ``eager_dynamic_bs1``: plain ``generate``, dynamic cache, ``--hf-assisted-new-tokens``.
 - ``assisted_k{K}_constant_bs1``: assisted generation with ``num_assistant_tokens = K``
   (``--hf-assisted-k``), ``num_assistant_tokens_schedule = "constant"`` and no
-  confidence stop, as the engine's ``a{a}_k{K}_bs1``; ``assisted_default_bs1``: the
+  confidence stop, as our engine's point (k = K); ``assisted_default_bs1``: the
   installed ``transformers``' default drafting settings; ``assisted_heuristic_bs1``:
   the ``"heuristic"`` schedule (+2 after a fully accepted draft, -1 otherwise, kept
   across calls, so the warm-up calls adapt it). Each: warm-up calls on the first
@@ -36,14 +36,15 @@ Figures (``tokens_per_s``; every variant on the same target):
   is not wrapped by hand, which would break its cache handling.
 
 The comparison (:func:`vs_hf_section`, ``engine.json`` key ``vs_hf``):
-``generate_bs1`` = our target-only batch-1 tokens/s / ``static_compile_bs1``;
-``assisted_bs1`` = our speculative batch-1 tokens/s at synthetic acceptance
-``a = --hf-acceptance`` and ``k = --hf-assisted-k`` (``spec_decode`` key
-``a{a}_k{k}_bs1``) / ``assisted_bs1``. Rule: if the greedy agreement measured on the
-fastest variant's outputs differs from ``a`` by more than ``--hf-acceptance-tolerance``
-(default 0.03), ours is measured again at the measured agreement, rounded to 0.01
-(:func:`engine_spec_point`, recorded as ``ours_spec_at_measured_acceptance``), and that
-figure is the numerator; ``assisted_acceptance`` and ``vs_hf_notes`` record which.
+``generate_bs1`` = our target-only batch-1 tokens/s (phase ``decode``) /
+``static_compile_bs1``; ``assisted_bs1`` = our engine's speculative batch-1 tokens/s
+(:func:`engine_spec_point`: :class:`~specula.runtime.engine.llm_engine.LLMEngine` with a
+random EAGLE-3 head, synthetic acceptance, ``k = --hf-assisted-k``, recorded as
+``ours_spec``) / ``assisted_bs1``. Ours runs at synthetic acceptance
+``a = --hf-acceptance``, unless the greedy agreement measured on the fastest variant's
+outputs differs from ``a`` by more than ``--hf-acceptance-tolerance`` (default 0.03):
+then at the measured agreement, rounded to 0.01; ``assisted_acceptance`` and
+``vs_hf_notes`` record which.
 
 Assisted generation: Leviathan et al., arXiv 2211.17192; ``transformers``
 ``AssistedCandidateGenerator``.
@@ -305,46 +306,85 @@ def run_hf_phase(shape: dict, dtype, device, args) -> dict:
 
 
 def engine_spec_point(shape: dict, dtype, device, args, rate: float, k: int) -> dict:
-    """Our engine's speculative decoding at batch 1 with synthetic acceptance ``rate`` and
-    ``k`` draft tokens, measured as the spec phase measures ``a{rate}_k{k}_bs1``
-    (``bench/engine_spec.py``, same ``--spec-steps``), on a freshly built target (the
-    spec phase's is freed before this phase). Returns the key, tokens/s, speedup over
-    plain decode in the same run and mean tokens emitted per step."""
-    import copy
+    """Our engine's speculative decoding at batch 1, end to end as ``bench/engine_e2e.py``
+    measures it: an :class:`~specula.runtime.engine.llm_engine.LLMEngine` on ``shape``
+    with random weights (``load_format: dummy``) and a random 1-layer EAGLE-3 head
+    (``engine_e2e``'s: draft vocabulary ``min(32000, vocab)``, aux layers ``(2, L // 2,
+    L - 3)``), synthetic acceptance ``rate`` and ``k`` draft tokens, greedy, with the hf
+    phase's lengths (prompts of ``--prompt-len`` random tokens, ``--hf-assisted-new-tokens``
+    new ones, ``ignore_eos``): one warm-up request, then ``--hf-assisted-prompts`` timed
+    ones, one at a time.
+    ``tokens_per_s`` counts every new token over the requests' whole time, prefill
+    included, as HF's figures do; ``decode_tokens_per_s`` leaves out each request's first
+    token and the time before it (``engine_e2e``'s measure). The same engine with
+    speculation off (k = 0) gives ``nospec_tokens_per_s`` and ``speedup_vs_nospec``."""
+    import tempfile
+    from pathlib import Path
 
-    from bench.engine import build_random_model
-    from bench.engine_spec import run_spec_phase
-    from specula.runtime.worker.cudagraph import CUDAGraphManager
-    from specula.runtime.worker.model_runner import ModelRunner
-    from specula.runtime.worker.paged_kv import KVCacheSpec, PagedKVCache
+    from bench.engine_e2e import random_prompts as e2e_prompts
+    from bench.engine_e2e import release_memory, timed_run, write_checkpoints
+    from specula.api.runtime_config import SpeculatorRuntimeConfig
+    from specula.runtime.engine.llm_engine import LLMEngine
 
-    point = copy.copy(args)
-    point.spec_ks, point.spec_rates, point.spec_batch_sizes = str(k), str(rate), "1"
-    # The spec phase's ablations run too; this point needs none of them.
-    point.ablation_k, point.ablation_reps, point.eager_steps = k, 1, 1
-    model = build_random_model(shape, dtype, device)
-    cache_spec = KVCacheSpec.from_model_config(model.config, dtype, args.block_size)
-    cache = PagedKVCache(cache_spec, -(-args.max_model_len // args.block_size) + 8, device)
-    runner = ModelRunner(model, cache, args.max_model_len, attn_num_splits=args.attn_num_splits)
-    if device.type == "cuda":
-        graphs = CUDAGraphManager(runner, 1, capture_sizes=[1])
-        graphs.capture()
-        baseline = graphs.run
-    else:
+    dtype_name = str(dtype).removeprefix("torch.")
+    target = dict(
+        shape, architectures=["LlamaForCausalLM"], model_type="llama", torch_dtype=dtype_name
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        dirs = write_checkpoints(Path(tmp), target, target)
+        engine = LLMEngine(
+            dirs["target"],
+            None,
+            model_uri="file://target",
+            served_model_name="bench",
+            speculator_config=SpeculatorRuntimeConfig(
+                method="eagle3", model=f"file://{dirs['eagle3']}", num_speculative_tokens=k
+            ),
+            dtype=dtype_name,
+            max_model_len=args.max_model_len,
+            max_num_seqs=1,
+            device=str(device),
+            block_size=args.block_size,
+            load_format="dummy",
+            synthetic_acceptance_rate=float(rate),
+            cudagraph_capture_sizes=[1] if device.type == "cuda" else None,
+        )
+    new = args.hf_assisted_new_tokens
+    prompts = e2e_prompts(args.hf_assisted_prompts + 1, shape["vocab_size"], args.prompt_len, 0)
 
-        def baseline(input_ids, positions, metadata):
-            return runner.forward(input_ids, positions, metadata)[0]
+    def measure(engine) -> dict:
+        timed_run(engine, prompts[:1], new)  # warm-up
+        runs = [timed_run(engine, [p], new) for p in prompts[1:]]
+        seconds = sum(r["end_to_end_s"] for r in runs)
+        accepted = [r["mean_acceptance_length"] for r in runs if r["mean_acceptance_length"]]
+        return {
+            "tokens_per_s": round(len(runs) * new / seconds, 1),
+            "decode_tokens_per_s": round(
+                sum(r["decode_tokens_per_s"] for r in runs) / len(runs), 1
+            ),
+            "mean_acceptance_length": (
+                round(sum(accepted) / len(accepted), 3) if accepted else None
+            ),
+        }
 
-    out = run_spec_phase(model, runner, cache, baseline, point, device)
-    key = f"a{float(rate)}_k{k}_bs1"
-    section = out["spec_decode"]
+    spec = measure(engine)
+    engine.set_num_speculative_tokens(0)
+    nospec = measure(engine)
+    del engine
+    release_memory()
     return {
-        "key": key,
-        "tokens_per_s": section["tokens_per_s"][key],
-        "speedup_vs_nospec": out["speedup_vs_nospec"][key],
-        "mean_emitted_per_step": section["mean_emitted_per_step"][key],
-        "nospec_tokens_per_s": section["nospec_tokens_per_s"]["bs1"],
-        "timed_steps": args.spec_steps,
+        "key": f"a{float(rate)}_k{k}_bs1",
+        "method": "eagle3",
+        "synthetic_acceptance": float(rate),
+        "num_speculative_tokens": k,
+        "tokens_per_s": spec["tokens_per_s"],
+        "decode_tokens_per_s": spec["decode_tokens_per_s"],
+        "mean_acceptance_length": spec["mean_acceptance_length"],
+        "nospec_tokens_per_s": nospec["tokens_per_s"],
+        "nospec_decode_tokens_per_s": nospec["decode_tokens_per_s"],
+        "speedup_vs_nospec": round(spec["tokens_per_s"] / nospec["tokens_per_s"], 3),
+        "new_tokens": new,
+        "timed_requests": args.hf_assisted_prompts,
     }
 
 
@@ -352,29 +392,29 @@ def vs_hf_section(results: dict, hf: dict, args, spec_point) -> dict:
     """The ``vs_hf`` section: our speed over theirs (module docstring of
     ``bench/engine.py`` for the phases).
 
-    - ``generate_bs1``: our target-only batch-1 decode over their static + compiled
-      ``generate``.
-    - ``assisted_bs1``: our speculative decoding at batch 1, synthetic acceptance
-      ``--hf-acceptance`` and ``k = --hf-assisted-k`` (``spec_decode`` key
-      ``a{a}_k{k}_bs1``), over the fastest of their assisted variants, whose pair was
-      calibrated to the same acceptance. If the greedy agreement measured on that
-      variant's output differs from ``a`` by more than ``--hf-acceptance-tolerance``,
-      ``spec_point(rate, k)`` measures ours at the measured agreement (rounded to 0.01)
-      and that figure is the numerator (``ours_spec_at_measured_acceptance``).
+    - ``generate_bs1``: our target-only batch-1 decode (``results["target_decode"]``)
+      over their static + compiled ``generate``.
+    - ``assisted_bs1``: our engine's speculative decoding at batch 1 and ``k =
+      --hf-assisted-k``, ``spec_point(rate, k)`` (recorded as ``ours_spec``), over the
+      fastest of their assisted variants, whose pair was calibrated to the greedy
+      agreement ``--hf-acceptance``. ``rate`` is that agreement, unless the agreement
+      measured on the fastest variant's output differs from it by more than
+      ``--hf-acceptance-tolerance``: then the measured one, rounded to 0.01.
     """
     ours_bs1 = results.get("target_decode", {}).get("tokens_per_s", {}).get("bs1")
     rate, k, tol = args.hf_acceptance, args.hf_assisted_k, args.hf_acceptance_tolerance
-    key = f"a{float(rate)}_k{k}_bs1"
-    ours_spec = results.get("spec_decode", {}).get("tokens_per_s", {}).get(key)
     theirs = hf["tokens_per_s"]
     static, assisted = theirs.get("static_compile_bs1"), theirs.get("assisted_bs1")
     best = hf["assisted"][hf["assisted_best"]]
     measured = best["agreement"]
+    rate_used = rate if abs(measured - rate) <= tol else round(measured, 2)
+    point = spec_point(rate_used, k)
+    numerator = point["tokens_per_s"]
     vs: dict = {
         "generate_bs1": round(ours_bs1 / static, 3) if ours_bs1 and static else None,
-        "assisted_bs1": None,
+        "assisted_bs1": round(numerator / assisted, 3) if numerator and assisted else None,
         "ours_target_only_bs1_tokens_per_s": ours_bs1,
-        f"ours_spec_{key}_tokens_per_s": ours_spec,
+        "ours_spec": point,
         "assisted_acceptance": {
             "target": rate,
             "hf_variant": hf["assisted_best"],
@@ -382,29 +422,18 @@ def vs_hf_section(results: dict, hf: dict, args, spec_point) -> dict:
             "hf_greedy_agreement_stderr": best["agreement_stderr"],
             "hf_conditional_acceptance": best["conditional_acceptance"],
             "tolerance": tol,
+            "ours_rate_used": point["key"],
         },
     }
-    numerator = ours_spec
-    if abs(measured - rate) > tol:
-        point = spec_point(round(measured, 2), k)
-        vs["ours_spec_at_measured_acceptance"] = point
-        numerator = point["tokens_per_s"]
-    vs["assisted_acceptance"]["ours_rate_used"] = (
-        vs["ours_spec_at_measured_acceptance"]["key"]
-        if "ours_spec_at_measured_acceptance" in vs
-        else key
-    )
-    if numerator and assisted:
-        vs["assisted_bs1"] = round(numerator / assisted, 3)
     vs["vs_hf_notes"] = (
-        f"assisted_bs1 = our speculative tokens/s (EAGLE-3-shaped head, synthetic acceptance, "
-        f"k={k}, batch 1) / the fastest HF assisted variant ({hf['assisted_best']}); HF's "
-        f"random target/assistant pair is calibrated to greedy agreement {rate} (target = "
-        "assistant + a perturbation of size eps, hf.pair). Ours runs at synthetic acceptance "
-        f"{rate} unless the agreement measured on HF's timed output differs from it by more "
-        f"than {tol}; then ours is re-measured at the measured agreement "
-        "(ours_spec_at_measured_acceptance) and that is the numerator. generate_bs1 = our "
-        "target-only bs1 / HF static cache + compile."
+        f"assisted_bs1 = our engine's speculative tokens/s (LLMEngine, random EAGLE-3 head, "
+        f"synthetic acceptance, k={k}, batch 1, prefill included, ours_spec) / the fastest "
+        f"HF assisted variant ({hf['assisted_best']}); HF's random target/assistant pair is "
+        f"calibrated to greedy agreement {rate} (target = assistant + a perturbation of size "
+        f"eps, hf.pair). Ours runs at synthetic acceptance {rate} unless the agreement "
+        f"measured on HF's timed output differs from it by more than {tol}; then at the "
+        "measured agreement (assisted_acceptance.ours_rate_used). generate_bs1 = our "
+        "target-only bs1 (the decode phase's target runner) / HF static cache + compile."
     )
     vs["hf"] = hf
     return vs

@@ -1,9 +1,10 @@
 """KV-cache memory that Gemma4's ``num_kv_shared_layers`` saves, for Gemma 4 E2B.
 
-The figures come from the runtime's own accounting
-(:func:`specula.runtime.engine.kv_cache.kv_cache_bytes_per_token`, which sums the
-``kv_cache_shapes()`` of the layers that own KV storage) applied to Gemma 4 E2B's text
-config, once as published and once with sharing turned off. No weights are needed.
+The figures come from the runtime's own accounting (the paged KV cache's
+:class:`specula.runtime.worker.paged_kv.KVCacheSpec`, built from the
+``kv_cache_shapes()`` of the layers that own KV storage: bytes per token =
+``bytes_per_block / block_size``) applied to Gemma 4 E2B's text config, once as
+published and once with sharing turned off. No weights are needed.
 
 Usage::
 
@@ -22,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from specula.runtime.engine.kv_cache import kv_cache_bytes_per_token
 from specula.runtime.models.config import ModelConfig
+from specula.runtime.worker.paged_kv import KVCacheSpec
 
 GEMMA4_E2B_TEXT = dict(
     vocab_size=262144,
@@ -47,8 +48,18 @@ GEMMA4_E2B_TEXT = dict(
 """``text_config`` of google/gemma-4-E2B's ``config.json`` (the fields that shape the
 model; rope parameters are ``transformers``' Gemma4 defaults, as published)."""
 
+BLOCK_SIZE = 16
+"""KV tokens per block (the engine's default); bytes per token do not depend on it."""
+
 CONTEXTS = (4096, 32768, 131072)
 """Context lengths (tokens per sequence) to report whole-sequence KV sizes for."""
+
+
+def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
+    """KV-cache bytes one token takes over every layer that owns storage, keys and
+    values, as the engine's paged cache allocates them."""
+    spec = KVCacheSpec.from_model_config(config, dtype, block_size=BLOCK_SIZE)
+    return spec.bytes_per_block // BLOCK_SIZE  # exact: a block is BLOCK_SIZE tokens
 
 
 def kv_report() -> dict:
@@ -57,8 +68,8 @@ def kv_report() -> dict:
 
     config = ModelConfig.from_hf_config(Gemma4TextConfig(**GEMMA4_E2B_TEXT))
     unshared = dataclasses.replace(config, num_kv_shared_layers=0)
-    shared_bytes = kv_cache_bytes_per_token(config, torch.bfloat16)
-    unshared_bytes = kv_cache_bytes_per_token(unshared, torch.bfloat16)
+    shared_bytes = kv_bytes_per_token(config, torch.bfloat16)
+    unshared_bytes = kv_bytes_per_token(unshared, torch.bfloat16)
     producers = config.kv_producer_layers()
     return {
         "model": "google/gemma-4-E2B (text_config)",

@@ -7,9 +7,12 @@ the same operation, timed with ``triton.testing.do_bench`` (median, CUDA events)
 - paged attention: torch gathers each request's blocks through the block table and runs
   ``scaled_dot_product_attention`` with the causal-offset mask;
 - cache write, RMSNorm, rotary: the module's torch reference;
-- rejection sampling: the engine's torch sampler
-  (``specula.runtime.spec_decode.rejection_sampler``) against the processed
-  probabilities, argmax and random draws plus the kernel (the same work);
+- rejection sampling: the kernel's torch reference
+  (``specula.runtime.kernels.rejection_sampler.rejection_sample_reference``, one request
+  at a time on the host), each side doing the engine's verification work: the argmax of
+  the raw logits and, for random requests, the processed probabilities and the seeded
+  draws (``random_uniform``, ``random_exponential`` of the engine's sampler), so both
+  sides see the same draws and must agree exactly;
 - draft inputs: the module's reference, a host loop (what an implementation with
   ``.tolist()`` costs, synchronisation included).
 
@@ -95,7 +98,14 @@ def _cases(device: str, tiny: bool) -> list[dict]:
     import torch
     import triton
 
-    from specula.runtime.engine.sampler import SamplingMetadata, compute_probs
+    from specula.runtime.engine.sampler import (
+        STREAM_ACCEPT,
+        STREAM_TARGET,
+        SamplingMetadata,
+        compute_probs,
+        random_exponential,
+        random_uniform,
+    )
     from specula.runtime.engine.sampling_params import SamplingParams
     from specula.runtime.kernels import draft_inputs, layernorm, paged_attention, rotary
     from specula.runtime.kernels import rejection_sampler as rs
@@ -104,7 +114,6 @@ def _cases(device: str, tiny: bool) -> list[dict]:
         reshape_and_cache_reference,
     )
     from specula.runtime.models.layers import RotaryEmbedding
-    from specula.runtime.spec_decode import rejection_sampler as torch_sampler
 
     s = _shapes(tiny)
     dtype = torch.float16 if tiny else torch.bfloat16  # the interpreter's bf16 dot is wrong
@@ -212,49 +221,37 @@ def _cases(device: str, tiny: bool) -> list[dict]:
                        device=device)).softmax(-1)
         drafts = torch.multinomial(draft_probs.view(-1, vocab), 1, generator=gen).view(num_reqs, k)
         cu = torch.arange(1, num_reqs + 1, dtype=torch.int32, device=device) * k
+        # Draw keys as the engine's: the position of each request's first emittable token
+        # (after a 128-token prompt); seeds are the request indices.
+        keys = torch.full((num_reqs,), 128, dtype=torch.int64, device=device)
         for greedy in (True, False):
             params = [SamplingParams(temperature=0.0 if greedy else 1.0)] * num_reqs
-            sampling = SamplingMetadata.from_params(params, [None] * num_reqs, device)
+            sampling = SamplingMetadata.from_params(params, list(range(num_reqs)), device)
 
-            def kernel(logits=logits, draft_probs=draft_probs, drafts=drafts, cu=cu,
-                       sampling=sampling, greedy=greedy):
+            def verify_drafts(sampler, logits=logits, draft_probs=draft_probs, drafts=drafts,
+                              cu=cu, keys=keys, sampling=sampling):
+                # What LLMEngine._verify does around the sampler, ``sampler`` at the end.
                 argmax = logits.argmax(-1).flatten()
-                if greedy:
-                    return rs.rejection_sample(drafts.flatten(), cu, argmax, k)
-                probs = compute_probs(logits, sampling).flatten(0, 1)
-                return rs.rejection_sample(
+                if sampling.all_greedy:
+                    return sampler(drafts.flatten(), cu, argmax, k)
+                return sampler(
                     drafts.flatten(), cu, argmax, k, is_greedy=sampling.is_greedy,
-                    draft_probs=draft_probs.flatten(0, 1), target_probs=probs,
-                    uniform_samples=torch.rand(drafts.numel(), device=device),
-                    exponential_noise=torch.empty(logits.shape[0], vocab,
-                                                  device=device).exponential_(),
-                )
-
-            baseline = lambda a=(drafts, draft_probs, logits, sampling): (  # noqa: E731
-                torch_sampler.rejection_sample(*a)
-            )
-            if greedy:
-                verify = exact(kernel, baseline)
-            else:
-                # The same draws on both sides: the kernel against its reference.
-                fixed = dict(
-                    is_greedy=sampling.is_greedy,
                     draft_probs=draft_probs.flatten(0, 1),
                     target_probs=compute_probs(logits, sampling).flatten(0, 1),
-                    uniform_samples=torch.rand(drafts.numel(), generator=gen, device=device),
-                    exponential_noise=torch.empty(num_reqs, vocab, device=device).exponential_(
-                        generator=gen
+                    uniform_samples=random_uniform(
+                        sampling.seeds, keys, STREAM_ACCEPT, k
+                    ).view(-1),
+                    exponential_noise=random_exponential(
+                        sampling.seeds, keys, STREAM_TARGET, vocab
                     ),
                 )
-                inputs = (drafts.flatten(), cu, logits.argmax(-1).flatten(), k)
-                verify = exact(
-                    lambda i=inputs, f=fixed: rs.rejection_sample(*i, **f),
-                    lambda i=inputs, f=fixed: rs.rejection_sample_reference(*i, **f),
-                )
+
+            kernel = lambda v=verify_drafts: v(rs.rejection_sample)  # noqa: E731
+            baseline = lambda v=verify_drafts: v(rs.rejection_sample_reference)  # noqa: E731
             cases.append(dict(
                 kernel="rejection_sample_" + ("greedy" if greedy else "random"),
                 params=dict(batch=num_reqs, k=k, vocab=vocab),
-                triton=kernel, torch=baseline, bytes=0, verify=verify,
+                triton=kernel, torch=baseline, bytes=0, verify=exact(kernel, baseline),
             ))
 
         lens = torch.full((num_reqs,), k + 1, device=device)
