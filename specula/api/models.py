@@ -189,6 +189,12 @@ class SpeculatorSpec(ApiModel):
     prompt_lookup_max: int | None = Field(default=None, ge=1, le=16)
     """Method ``ngram`` only (other methods ignore it): the longest n-gram that prompt
     lookup tries first; default ``max(4, promptLookupMin)``."""
+    draft_sample_method: Literal["greedy", "probabilistic"] = "greedy"
+    """How a draft network picks its tokens (vLLM's ``draft_sample_method``): ``greedy``
+    takes its argmax; ``probabilistic`` samples each sampled request's drafts under the
+    request's own temperature, top-k and top-p (higher acceptance at temperature > 0, at
+    the cost of keeping the draft distributions). Output stays the target's either way.
+    n-gram drafts are always deterministic."""
     n_predict: int | None = Field(default=None, ge=1, le=MAX_SPECULATIVE_TOKENS)
     """Methods ``mtp``/``gemma4_mtp`` only: MTP layers in the checkpoint (vLLM's
     ``n_predict``, Hugging Face ``num_nextn_predict_layers``).  A k above it must be a

@@ -42,6 +42,7 @@ def render_runtime_config(name: str, spec: SpeculativeModelSpec) -> RuntimeConfi
             draft_tensor_parallel_size=speculator.draft_tensor_parallel_size,
             prompt_lookup_min=speculator.prompt_lookup_min,
             prompt_lookup_max=speculator.prompt_lookup_max,
+            draft_sample_method=speculator.draft_sample_method,
         ),
         port=RUNTIME_PORT,
         metrics_port=METRICS_PORT,

@@ -65,6 +65,7 @@ RENDERED_FIELDS: frozenset[str] = frozenset({
     "prompt_lookup_min",
     "prompt_lookup_max",
     "num_speculative_tokens_per_batch_size",
+    "draft_sample_method",
 })
 """``SpeculativeConfig`` fields the operator sets; any other key is a rendering bug."""
 
@@ -141,6 +142,8 @@ def render_speculative_config(
         config["prompt_lookup_min"], config["prompt_lookup_max"] = lookup
     else:
         config["draft_tensor_parallel_size"] = speculator.draft_tensor_parallel_size
+        if speculator.draft_sample_method != "greedy":  # vLLM's default is greedy too
+            config["draft_sample_method"] = speculator.draft_sample_method
     if schedule:
         config["num_speculative_tokens_per_batch_size"] = [list(r) for r in schedule]
     problems = speculative_config_problems(

@@ -79,6 +79,7 @@ def test_snake_case_construction():
         "method": "ngram",
         "numSpeculativeTokens": 4,
         "draftTensorParallelSize": 1,
+        "draftSampleMethod": "greedy",
     }
 
 

@@ -82,6 +82,21 @@ def test_args_carry_the_spec():
     }
 
 
+def test_probabilistic_drafting_reaches_both_engines():
+    from specula.api.render import render_runtime_config
+
+    spec = make_spec(
+        speculator={"method": "eagle3", "model": {"uri": "hf://org/head"},
+                    "draftSampleMethod": "probabilistic"},
+    )
+    config = json.loads(flag(render_vllm_args("m", spec), "--speculative-config"))
+    assert config["draft_sample_method"] == "probabilistic"
+    assert render_runtime_config("m", spec).speculator.draft_sample_method == "probabilistic"
+    with pytest.raises(ValueError, match="draftSampleMethod"):
+        make_spec(speculator={"method": "eagle3", "model": {"uri": "hf://org/head"},
+                              "draftSampleMethod": "random"})
+
+
 def test_default_max_num_seqs_is_explicit_and_optional_flags_absent():
     args = render_vllm_args("m", make_spec())
     assert flag(args, "--max-num-seqs") == "256"
