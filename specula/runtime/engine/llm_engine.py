@@ -55,22 +55,16 @@ from specula.runtime.engine.block_manager import BlockManager, cdiv
 from specula.runtime.engine.input_batch import InputBatch, to_device
 from specula.runtime.engine.request import Request, RequestOutput
 from specula.runtime.engine.sampler import (
-    STREAM_ACCEPT,
     STREAM_TARGET,
-    compute_probs,
-    random_exponential,
-    random_uniform,
     sample,
 )
 from specula.runtime.engine.sampling_params import SamplingParams
 from specula.runtime.engine.scheduler import PagedScheduler
 from specula.runtime.engine.spec_schedule import (
-    SCHEDULE_PARAM,
-    BatchSizeSchedule,
     SpeculativeConfigError,
-    check_k,
 )
-from specula.runtime.kernels.rejection_sampler import rejection_sample
+from specula.runtime.engine.speculative_settings import SpeculativeSettings
+from specula.runtime.engine.verification import verify
 from specula.runtime.loader import resolve_model_uri
 from specula.runtime.models.config import ModelConfig, resolve_dtype
 from specula.runtime.models.layers import LOAD_FORMATS
@@ -103,7 +97,7 @@ __all__ = [
 ]
 
 
-class LLMEngine:
+class LLMEngine(SpeculativeSettings):
     """Serves a target checkpoint, with or without a speculator.
 
     Args:
@@ -194,14 +188,8 @@ class LLMEngine:
         self.max_num_seqs = max_num_seqs
         self.vocab_size = self.model_config.vocab_size
         self.eos_token_ids = _eos_token_ids(self.model_config, target_dir, tokenizer)
-        self.speculator_config = speculator_config
-        max_k = speculator_config.max_k if speculator_config is not None else 0
-        self.max_num_speculative_tokens = max_k
-        self.num_speculative_tokens: int | None = (
-            speculator_config.num_speculative_tokens if speculator_config is not None else 0
-        )
-        """The configured k, or ``None`` while a per-batch-size schedule is in force."""
-        self.speculative_schedule: BatchSizeSchedule | None = None
+        self.init_speculative_settings(speculator_config)
+        max_k = self.max_num_speculative_tokens
         self.last_step_num_reqs = 0
         """Requests in the last step that decoded or verified (0 when none did)."""
         self.last_step_num_speculative_tokens = 0
@@ -388,85 +376,6 @@ class LLMEngine:
             "num_gpu_blocks": bm.num_blocks,
         }
 
-    # ---- speculation settings -------------------------------------------------------
-
-    def get_speculative_config(self) -> dict[str, Any]:
-        """The configured speculation, as ``GET /v1/speculative_config`` returns it.
-
-        ``num_speculative_tokens`` is the configured single k, ``None`` while a
-        per-batch-size schedule is in force; ``num_speculative_tokens_per_batch_size``
-        is that schedule as ``[[start, end, k], ...]``, else ``None``. The k a step
-        actually used is :attr:`last_step_num_speculative_tokens`.
-        """
-        spec = self.speculator_config
-        schedule = self.speculative_schedule
-        return {
-            "method": spec.method if spec else None,
-            "num_speculative_tokens": self.num_speculative_tokens,
-            "num_speculative_tokens_per_batch_size": schedule.as_lists() if schedule else None,
-            "max_num_speculative_tokens": self.max_num_speculative_tokens,
-            "model": spec.model if spec else None,
-        }
-
-    def set_speculative_config(
-        self,
-        num_speculative_tokens: int | None = None,
-        num_speculative_tokens_per_batch_size: list[tuple[int, int, int]] | None = None,
-    ) -> None:
-        """Set one k, or a per-batch-size schedule ``[[start, end, k], ...]`` (rules in
-        :mod:`specula.runtime.engine.spec_schedule`), from the next proposal on. Give
-        exactly one. k = 0 turns speculation off without unloading the draft. Nothing
-        changes when the setting is refused.
-
-        Raises:
-            SpeculativeConfigError (a ``ValueError``): no speculator, neither or both
-                arguments, a k outside ``[0, max_num_speculative_tokens]``, or an invalid
-                schedule (the message names the offending range).
-        """
-        if (num_speculative_tokens is None) == (num_speculative_tokens_per_batch_size is None):
-            raise SpeculativeConfigError(
-                "give exactly one of num_speculative_tokens and "
-                "num_speculative_tokens_per_batch_size",
-                param="num_speculative_tokens",
-                code="invalid_value",
-            )
-        param = "num_speculative_tokens" if num_speculative_tokens is not None else SCHEDULE_PARAM
-        if self.speculator_config is None:
-            raise SpeculativeConfigError(
-                "no speculator is configured; num_speculative_tokens is fixed at 0",
-                param=param,
-                code="no_speculator",
-            )
-        if num_speculative_tokens_per_batch_size is not None:
-            self.speculative_schedule = BatchSizeSchedule.parse(
-                num_speculative_tokens_per_batch_size, self.max_num_speculative_tokens
-            )
-            self.num_speculative_tokens = None
-            return
-        assert num_speculative_tokens is not None
-        check_k(num_speculative_tokens, self.max_num_speculative_tokens)
-        self.num_speculative_tokens = num_speculative_tokens
-        self.speculative_schedule = None
-
-    def set_num_speculative_tokens(self, k: int) -> None:
-        """Draft ``k`` tokens per step from the next proposal on (clearing any
-        per-batch-size schedule); ``0`` turns speculation off without unloading the draft.
-
-        Raises:
-            SpeculativeConfigError (a ``ValueError``): ``k`` outside
-                ``[0, max_num_speculative_tokens]`` or no speculator.
-        """
-        self.set_speculative_config(num_speculative_tokens=k)
-
-    def num_speculative_tokens_for(self, num_reqs: int) -> int:
-        """The k a proposal for ``num_reqs`` (>= 1) requests drafts."""
-        if self.speculator_config is None:
-            return 0
-        if self.speculative_schedule is not None:
-            return self.speculative_schedule.k_for(num_reqs)
-        assert self.num_speculative_tokens is not None
-        return self.num_speculative_tokens
-
     # ---- stepping -------------------------------------------------------------------
 
     @torch.inference_mode()
@@ -602,7 +511,9 @@ class LLMEngine:
             s_d = sampling.select(slice(0, nd))
             logits = self.runner.compute_logits(hidden[: nd * q])  # [nd * q, V]
             if k > 0:
-                out[:nd], num_accepted[:nd] = self._verify(logits, idx_d, k, s_d, keys[:nd])
+                out[:nd], num_accepted[:nd] = verify(
+                    ib, logits, idx_d, k, s_d, keys[:nd], self.synthetic_acceptance_rate
+                )
                 num_verified[:nd] = ib.num_draft_tokens[idx_d].clamp(max=k)
                 num_accepted[:nd] = torch.minimum(num_accepted[:nd], num_verified[:nd])
             else:
@@ -703,60 +614,6 @@ class LLMEngine:
             survivors = sum(not r.finished for r in step.batch)
             k = self.num_speculative_tokens_for(survivors) if survivors else 0
             self._draft_k = min(step.num_speculative_tokens, k)
-
-    def _verify(
-        self,
-        logits: torch.Tensor,
-        idx: torch.Tensor,
-        k: int,
-        sampling,
-        keys: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rejection sampling of ``logits [num_reqs * (k + 1), V]`` against the drafts of
-        rows ``idx``: ``(output [num_reqs, k + 1] int64, num_accepted [num_reqs] int64)``."""
-        r = idx.shape[0]
-        ib = self.input_batch
-        drafts = ib.draft_token_ids[idx, :k].reshape(-1)  # [r * k]
-        cu = self.cu_num_draft_tokens[k][:r]
-        argmax = logits.argmax(dim=-1)
-        if self.synthetic_acceptance_rate is not None:
-            return self._synthetic_verify(drafts.view(r, k), argmax.view(r, k + 1), sampling, keys)
-        if sampling.all_greedy:
-            return rejection_sample(drafts, cu, argmax, k)
-        vocab = logits.shape[-1]
-        probs = compute_probs(logits.view(r, k + 1, vocab), sampling).view(-1, vocab)
-        draft_probs = None
-        if ib.draft_probs is not None:
-            draft_probs = ib.draft_probs[idx, :k].reshape(-1, vocab)
-        return rejection_sample(
-            drafts,
-            cu,
-            argmax,
-            k,
-            is_greedy=sampling.is_greedy,
-            draft_probs=draft_probs,
-            target_probs=probs,
-            uniform_samples=random_uniform(sampling.seeds, keys, STREAM_ACCEPT, k).view(-1),
-            exponential_noise=random_exponential(sampling.seeds, keys, STREAM_TARGET, vocab),
-        )
-
-
-    def _synthetic_verify(
-        self, drafts: torch.Tensor, argmax: torch.Tensor, sampling, keys: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Synthetic acceptance (benchmarks): ``drafts [r, k]``, the target's ``argmax
-        [r, k + 1]`` -> ``(output [r, k + 1], num_accepted [r])`` as the rejection
-        sampler returns them."""
-        r, k = drafts.shape
-        u = random_uniform(sampling.seeds, keys, STREAM_ACCEPT, k)  # [r, k]
-        accepted = (u < self.synthetic_acceptance_rate).long().cumprod(dim=1).sum(dim=1)
-        cols = torch.arange(k + 1, device=drafts.device)[None, :]
-        bonus = argmax.gather(1, accepted[:, None])
-        padded = torch.cat([drafts, drafts[:, :1]], dim=1)
-        output = torch.where(
-            cols < accepted[:, None], padded, torch.where(cols == accepted[:, None], bonus, -1)
-        )
-        return output, accepted
 
 
 @dataclass

@@ -1,0 +1,95 @@
+"""Verification of a step's drafts on the device: the rejection sampler (Leviathan et
+al., arXiv 2211.17192; the kernel of :mod:`specula.runtime.kernels.rejection_sampler`)
+on the target's logits, or, for benchmarks, synthetic acceptance (vLLM's
+``rejection_sample_method="synthetic"``)."""
+
+from __future__ import annotations
+
+import torch
+
+from specula.runtime.engine.input_batch import InputBatch
+from specula.runtime.engine.sampler import (
+    STREAM_ACCEPT,
+    STREAM_TARGET,
+    SamplingMetadata,
+    compute_probs,
+    random_exponential,
+    random_uniform,
+)
+from specula.runtime.kernels.rejection_sampler import PLACEHOLDER_TOKEN_ID, rejection_sample
+
+
+def verify(
+    input_batch: InputBatch,
+    logits: torch.Tensor,
+    idx: torch.Tensor,
+    k: int,
+    sampling: SamplingMetadata,
+    keys: torch.Tensor,
+    synthetic_acceptance_rate: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Verify the ``k`` drafts of the requests at rows ``idx`` of ``input_batch``.
+
+    Args:
+        logits: [num_reqs * (k + 1), vocab_size] float32, the target's at each request's
+            last token and drafts.
+        idx: [num_reqs] int64 rows.
+        sampling: the requests' settings (greedy ones match the argmax exactly).
+        keys: [num_reqs] int64 draw keys of the step.
+        synthetic_acceptance_rate: accept each draft with this probability given the
+            ones before it, instead of verifying (benchmarks).
+
+    Returns:
+        ``(output [num_reqs, k + 1] int64, num_accepted [num_reqs] int64)``: row ``i``
+        holds its accepted drafts, the recovered or bonus token, then
+        ``PLACEHOLDER_TOKEN_ID``.
+    """
+    r = idx.shape[0]
+    drafts = input_batch.draft_token_ids[idx, :k].reshape(-1)  # [r * k]
+    cu = torch.arange(1, r + 1, dtype=torch.int32, device=logits.device) * k
+    argmax = logits.argmax(dim=-1)
+    if synthetic_acceptance_rate is not None:
+        return _synthetic(
+            drafts.view(r, k), argmax.view(r, k + 1), sampling, keys, synthetic_acceptance_rate
+        )
+    if sampling.all_greedy:
+        return rejection_sample(drafts, cu, argmax, k)
+    vocab = logits.shape[-1]
+    probs = compute_probs(logits.view(r, k + 1, vocab), sampling).view(-1, vocab)
+    draft_probs = None
+    if input_batch.draft_probs is not None:
+        draft_probs = input_batch.draft_probs[idx, :k].reshape(-1, vocab)
+    return rejection_sample(
+        drafts,
+        cu,
+        argmax,
+        k,
+        is_greedy=sampling.is_greedy,
+        draft_probs=draft_probs,
+        target_probs=probs,
+        uniform_samples=random_uniform(sampling.seeds, keys, STREAM_ACCEPT, k).view(-1),
+        exponential_noise=random_exponential(sampling.seeds, keys, STREAM_TARGET, vocab),
+    )
+
+
+def _synthetic(
+    drafts: torch.Tensor,
+    argmax: torch.Tensor,
+    sampling: SamplingMetadata,
+    keys: torch.Tensor,
+    rate: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``drafts [r, k]``, the target's ``argmax [r, k + 1]`` -> what :func:`verify`
+    returns, with acceptance drawn at ``rate`` per position (conditional)."""
+    r, k = drafts.shape
+    u = random_uniform(sampling.seeds, keys, STREAM_ACCEPT, k)  # [r, k]
+    accepted = (u < rate).long().cumprod(dim=1).sum(dim=1)
+    cols = torch.arange(k + 1, device=drafts.device)[None, :]
+    bonus = argmax.gather(1, accepted[:, None])
+    padded = torch.cat([drafts, drafts[:, :1]], dim=1)
+    output = torch.where(
+        cols < accepted[:, None],
+        padded,
+        torch.where(cols == accepted[:, None], bonus, PLACEHOLDER_TOKEN_ID),
+    )
+    return output, accepted
