@@ -440,29 +440,33 @@ def paged_attention_reference(
     q_len: int = 1,
     sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """Torch reference of :func:`paged_attention` (same arguments and result): gathers each
-    request's keys and values through the block table and computes the masked softmax in
-    float32, one request at a time."""
-    num_heads = query.shape[1]
-    group_size = num_heads // key_cache.shape[2]
-    out = torch.zeros_like(query)
-    for req, seq_len in enumerate(seq_lens.tolist()):
-        if seq_len == 0:
-            continue
-        keys = gather_kv(key_cache, block_table, req, seq_len).float()
-        values = gather_kv(value_cache, block_table, req, seq_len).float()
-        keys = keys.repeat_interleave(group_size, dim=1)  # [seq_len, num_heads, head_dim]
-        values = values.repeat_interleave(group_size, dim=1)
-        q = query[req * q_len : (req + 1) * q_len].float()  # [q_len, num_heads, head_dim]
-        scores = torch.einsum("qhd,khd->hqk", q, keys) * scale
-        key_pos = torch.arange(seq_len, device=query.device)
-        query_pos = seq_len - q_len + torch.arange(q_len, device=query.device)
-        masked = key_pos[None, :] > query_pos[:, None]  # [q_len, seq_len]
-        if sliding_window is not None:
-            masked |= key_pos[None, :] <= query_pos[:, None] - sliding_window
-        scores = scores.masked_fill(masked[None], -math.inf)
-        probs = scores.softmax(dim=-1)
-        out[req * q_len : (req + 1) * q_len] = torch.einsum("hqk,khd->qhd", probs, values).to(
-            query.dtype
-        )
-    return out
+    """Torch reference of :func:`paged_attention` (same arguments and result): gathers
+    every request's keys and values through its block table (padded to the longest
+    context) and computes the masked softmax in float32, all requests at once."""
+    num_reqs = block_table.shape[0]
+    num_tokens, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    max_len = int(seq_lens.max()) if num_reqs else 0
+    if max_len == 0:
+        return torch.zeros_like(query)
+    blocks = block_table[:, : triton.cdiv(max_len, block_size)].long()  # [R, nb]
+
+    def gather(cache: torch.Tensor) -> torch.Tensor:
+        # [R, nb, block_size, kv_heads, d] -> [R, max_len, heads, d] float32
+        kv = cache[blocks].flatten(1, 2)[:, :max_len].float()
+        return kv.repeat_interleave(num_heads // num_kv_heads, dim=2)
+
+    keys, values = gather(key_cache), gather(value_cache)
+    q = query.view(num_reqs, q_len, num_heads, head_dim).float()
+    scores = torch.einsum("rqhd,rkhd->rhqk", q, keys) * scale
+    key_pos = torch.arange(max_len, device=query.device)
+    lens = seq_lens.long()
+    query_pos = lens[:, None] - q_len + torch.arange(q_len, device=query.device)  # [R, q]
+    masked = key_pos[None, None, :] > query_pos[:, :, None]  # [R, q, max_len]
+    if sliding_window is not None:
+        masked |= key_pos[None, None, :] <= query_pos[:, :, None] - sliding_window
+    scores = scores.masked_fill(masked[:, None], -math.inf)
+    # A padding request (length 0) sees no key: zeros, as the kernel writes.
+    probs = torch.where((lens > 0)[:, None, None, None], scores.softmax(dim=-1), 0.0)
+    out = torch.einsum("rhqk,rkhd->rqhd", probs, values).reshape(num_tokens, num_heads, head_dim)
+    return out.to(query.dtype)
