@@ -96,3 +96,27 @@ def test_k_changes_between_steps(tiny_llama_target, tiny_llama_draft, hf_model, 
             got[out.request_id] += out.new_token_ids
     assert [got["r0"], got["r1"]] == expected
     assert 0 < engine.spec_decoding_stats.num_drafts
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_every_proposal_is_the_drafts_greedy_continuation(
+    family, request, hf_model, make_engine, hf_greedy
+):
+    """Each draft the engine proposes (k = 4, over prefills, acceptances, rejections and
+    a mixed batch) is the draft model's own greedy continuation of the request's verified
+    tokens: the draft's KV cache stays exact although its prefill runs only for prompts
+    (verified drafts keep the KV they were drafted with)."""
+    from hidden_state_drafts import record_proposals
+
+    target = request.getfixturevalue(f"tiny_{family}_target")
+    draft = request.getfixturevalue(f"tiny_{family}_draft")
+    draft_hf = hf_model(draft)
+    engine = make_engine(target, draft, k=4, max_num_seqs=3)
+    log = record_proposals(engine)
+    prompts = _prompts(draft_hf.config.vocab_size, seed=14)
+    engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
+    assert len(log) >= 10
+    stats = engine.spec_decoding_stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    for tokens, drafts in log:
+        assert drafts == hf_greedy(draft_hf, tokens, 4), f"context of {len(tokens)}"
