@@ -1,12 +1,17 @@
 # Two images from one file:
 #   docker build --target operator -t ghcr.io/specula-dev/specula-operator:0.1.0 .
 #   docker build --target runtime  -t ghcr.io/specula-dev/specula-runtime:0.1.0 .
+# Two build arguments pick the bases: PYTHON_IMAGE (the operator's: any Debian-family
+# image with python3 and python3-venv) and RUNTIME_BASE_IMAGE (the runtime's: CUDA by
+# default; any Debian or Ubuntu image gives the CPU variant, with the same steps):
+#   docker build --target runtime --build-arg RUNTIME_BASE_IMAGE=debian:bookworm \
+#     -t ghcr.io/specula-dev/specula-runtime:0.1.0-cpu .
 # Each is built in a stage that installs Specula with hack/install.sh (the script
 # `make setup` runs) into a virtual environment at /opt/specula; the final stage copies
 # only that environment, so no build tools, pip cache or sources reach the image.
 
 ARG PYTHON_IMAGE=python:3.12.8-slim-bookworm
-ARG CUDA_IMAGE=nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04
+ARG RUNTIME_BASE_IMAGE=nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04
 
 # ---- operator: kopf, the Kubernetes client and pydantic; no torch ------------------
 FROM ${PYTHON_IMAGE} AS operator-build
@@ -30,12 +35,13 @@ ENTRYPOINT ["specula"]
 CMD ["operator"]
 
 # ---- runtime: CUDA, PyTorch and the serving stack --------------------------------
-FROM ${CUDA_IMAGE} AS runtime-base
+FROM ${RUNTIME_BASE_IMAGE} AS runtime-base
 ARG DEBIAN_FRONTEND=noninteractive
-# gcc, libc6-dev and python3.12-dev: Triton compiles each kernel's small C launcher at
+# gcc, libc6-dev and python3-dev: Triton compiles each kernel's small C launcher at
 # first use (against Python.h) and finds no prebuilt one in a fresh container.
+# python3 is 3.12 on the CUDA image's Ubuntu 24.04, 3.11 on Debian 12.
 RUN apt-get update \
- && apt-get install -y --no-install-recommends python3.12 python3.12-venv python3.12-dev \
+ && apt-get install -y --no-install-recommends python3 python3-venv python3-dev \
     gcc libc6-dev ca-certificates \
  && rm -rf /var/lib/apt/lists/*
 # Ubuntu 24.04 ships a user "ubuntu" with uid 1000; the operator runs runtime pods as
@@ -49,7 +55,7 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY hack/install.sh hack/install.sh
 COPY specula specula
-RUN PYTHON=python3.12 PIP_NO_CACHE_DIR=1 bash hack/install.sh /opt/specula '.[runtime]'
+RUN PYTHON=python3 PIP_NO_CACHE_DIR=1 bash hack/install.sh /opt/specula '.[runtime]'
 
 FROM runtime-base AS runtime
 COPY --from=runtime-build /opt/specula /opt/specula

@@ -21,6 +21,8 @@ BINARIES=(etcd kube-apiserver kube-controller-manager kubectl)
 
 have_all() {
   for b in "${BINARIES[@]}"; do [[ -x "$BIN/$b" ]] || return 1; done
+  # Binaries of an older script lack the version stamp; rebuild them.
+  grep -q ' stamped$' "$OUT/VERSION" 2>/dev/null
 }
 
 if have_all; then
@@ -65,10 +67,17 @@ go get "k8s.io/kubernetes@$K8S_VERSION" >&2
 # etcd at the version kubernetes itself depends on.
 ETCD_VERSION="$(go list -m -f '{{.Version}}' go.etcd.io/etcd/server/v3)"
 go get "go.etcd.io/etcd/server/v3@$ETCD_VERSION" >&2
-go build -trimpath -ldflags "-s -w" -o "$BIN/kube-apiserver" k8s.io/kubernetes/cmd/kube-apiserver >&2
-go build -trimpath -ldflags "-s -w" -o "$BIN/kube-controller-manager" k8s.io/kubernetes/cmd/kube-controller-manager >&2
-go build -trimpath -ldflags "-s -w" -o "$BIN/kubectl" k8s.io/kubernetes/cmd/kubectl >&2
+# The version a release build stamps in (without it binaries report v0.0.0-master, which
+# `kubectl version` cannot parse).
+major="${K8S_VERSION#v}"; major="${major%%.*}"
+minor="${K8S_VERSION#v*.}"; minor="${minor%%.*}"
+pkg=k8s.io/component-base/version
+kflags="-s -w -X $pkg.gitVersion=$K8S_VERSION -X $pkg.gitMajor=$major -X $pkg.gitMinor=$minor"
+kflags="$kflags -X $pkg.gitTreeState=clean"
+for b in kube-apiserver kube-controller-manager kubectl; do
+  go build -trimpath -ldflags "$kflags" -o "$BIN/$b" "k8s.io/kubernetes/cmd/$b" >&2
+done
 go build -trimpath -ldflags "-s -w" -o "$BIN/etcd" go.etcd.io/etcd/server/v3 >&2
-echo "$K8S_VERSION etcd=$ETCD_VERSION" > "$OUT/VERSION"
+echo "$K8S_VERSION etcd=$ETCD_VERSION stamped" > "$OUT/VERSION"
 have_all
 echo "$BIN"

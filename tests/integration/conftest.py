@@ -15,8 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from .helm_cli import Helm, HelmError, find_helm
-from .kube_control_plane import (
+from specula.devcluster.control_plane import (
     REPO_ROOT,
     ControlPlane,
     ControlPlaneError,
@@ -24,6 +23,8 @@ from .kube_control_plane import (
     free_port,
     wait_for,
 )
+
+from .helm_cli import Helm, HelmError, find_helm
 from .operator_process import OperatorProcess
 from .sm_objects import GROUP, PLURAL
 from .stand_in_pod import StandInPod

@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from .kube_control_plane import REPO_ROOT
+from specula.devcluster.control_plane import REPO_ROOT
 
 CHART = REPO_ROOT / "charts" / "specula"
 CI_VALUES = CHART / "ci"

@@ -15,7 +15,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .kube_control_plane import (
+from specula.devcluster.control_plane import (
     REPO_ROOT,
     ControlPlaneError,
     free_port,

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import httpx
 
-from .kube_control_plane import REPO_ROOT, spawn, stop_process, tail_file, wait_for
+from specula.devcluster.control_plane import REPO_ROOT, spawn, stop_process, tail_file, wait_for
 
 _RUNTIME_CONFTEST = REPO_ROOT / "tests" / "runtime" / "conftest.py"
 

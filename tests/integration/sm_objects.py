@@ -8,7 +8,7 @@ from typing import Any
 
 from kubernetes.client.rest import ApiException
 
-from .kube_control_plane import wait_for
+from specula.devcluster.control_plane import wait_for
 
 GROUP = "specula.dev"
 VERSION = "v1alpha1"

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import httpx
 
-from .kube_control_plane import spawn, stop_process, tail_file, wait_for
+from specula.devcluster.control_plane import spawn, stop_process, tail_file, wait_for
+
 from .runtime_server import ServerNamespace
 
 _SCRIPT = Path(__file__).with_name("metrics_server.py")

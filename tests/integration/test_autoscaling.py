@@ -22,7 +22,8 @@ import pytest
 from kubernetes.client.rest import ApiException
 from prometheus_client.parser import text_string_to_metric_families
 
-from .kube_control_plane import REPO_ROOT, ControlPlane, wait_for
+from specula.devcluster.control_plane import REPO_ROOT, ControlPlane, wait_for
+
 from .sm_objects import (
     GROUP,
     PLURAL,

@@ -16,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import specula
 from specula.cli import build_parser
+from specula.devcluster.control_plane import REPO_ROOT
 from specula.operator.builders import (
     LABEL_INSTANCE,
     METRICS_PORT_NAME,
@@ -40,7 +41,6 @@ from .helm_cli import (
     one,
     rules_table,
 )
-from .kube_control_plane import REPO_ROOT
 
 pytestmark = pytest.mark.integration
 

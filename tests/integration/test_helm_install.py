@@ -26,6 +26,16 @@ import yaml
 from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 
+from specula.devcluster.control_plane import (
+    REPO_ROOT,
+    ControlPlane,
+    ControlPlaneError,
+    find_binaries,
+    free_port,
+    spawn,
+    wait_for,
+)
+
 from .helm_cli import (
     CHART,
     CRD_WATCH,
@@ -35,15 +45,6 @@ from .helm_cli import (
     RELEASE_NAMESPACE,
     Helm,
     rules_table,
-)
-from .kube_control_plane import (
-    REPO_ROOT,
-    ControlPlane,
-    ControlPlaneError,
-    find_binaries,
-    free_port,
-    spawn,
-    wait_for,
 )
 from .operator_process import OperatorProcess
 from .sm_objects import GROUP, PLURAL, VERSION, Children, condition, create_sm, sm_body

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from specula.api.runtime_config import RuntimeConfig
+from specula.devcluster.control_plane import wait_for
 
-from .kube_control_plane import wait_for
 from .sm_objects import (
     DRAFT_URI,
     GROUP,

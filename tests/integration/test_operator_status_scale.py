@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from .kube_control_plane import wait_for
+from specula.devcluster.control_plane import wait_for
+
 from .sm_objects import Children, create_sm, get_sm, sm_body, wait_condition, wait_observed
 
 pytestmark = pytest.mark.integration

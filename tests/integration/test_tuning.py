@@ -17,7 +17,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from .kube_control_plane import wait_for
+from specula.devcluster.control_plane import wait_for
+
 from .runtime_server import RuntimeServer, ServerNamespace, Traffic, build_tiny_checkpoints
 from .sm_objects import (
     condition,

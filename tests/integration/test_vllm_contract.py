@@ -33,9 +33,8 @@ from specula.api.render_vllm import (
     speculative_config_problems,
 )
 from specula.api.runtime_config import SpeculatorMethod
+from specula.devcluster.control_plane import REPO_ROOT
 from specula.tuning import DEFAULT_COST_PARAMS, StepCostModel, optimal_schedule
-
-from .kube_control_plane import REPO_ROOT
 
 pytestmark = pytest.mark.integration
 

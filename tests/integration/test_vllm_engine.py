@@ -16,7 +16,8 @@ import json
 import pytest
 from kubernetes.client.rest import ApiException
 
-from .kube_control_plane import wait_for
+from specula.devcluster.control_plane import wait_for
+
 from .sm_objects import (
     Children,
     condition,

@@ -1,14 +1,23 @@
-"""A throwaway Kubernetes control plane on loopback: etcd, kube-apiserver and
+"""A throwaway Kubernetes control plane: etcd, kube-apiserver and
 kube-controller-manager, each a child process with its own log file.
 
-No kubelet and no scheduler run, so pods never start; the controller manager runs
-only the garbage collector (owner references) and the namespace controller, and
-nothing else writes a Deployment's status but the tests themselves.
+Two shapes:
 
-Authentication is a static bearer token for an ``admin`` user in the
-``system:masters`` group; authorization is RBAC.  The API server makes its own
-self-signed serving certificate (``--cert-dir``); the service-account signing key
-is an RSA key made with the ``cryptography`` package.
+* API-server-only (the integration tier): everything on loopback, no kubelet, no
+  scheduler, so pods never start; the controller manager runs only the garbage
+  collector (owner references) and the namespace controller, and nothing else writes
+  a Deployment's status but the tests themselves.  The API server makes its own
+  self-signed serving certificate (``--cert-dir``).
+* For a real node (``pki`` given, see :mod:`specula.devcluster.cluster`): the API
+  server listens on the node's private bridge address with certificates from
+  :class:`~specula.devcluster.pki.ClusterPKI`, authorizes with ``Node,RBAC`` and the
+  ``NodeRestriction`` admission plugin, presents a client certificate to the kubelet
+  API and checks the kubelet's serving certificate; the controller manager runs its
+  default controllers and publishes the CA in each namespace's ``kube-root-ca.crt``.
+
+Authentication is by static bearer tokens: ``admin`` in ``system:masters`` plus any
+``users`` (the node, the scheduler, kube-proxy).  The service-account signing key is an
+RSA key made with the ``cryptography`` package.
 """
 
 from __future__ import annotations
@@ -31,9 +40,13 @@ from pathlib import Path
 
 import yaml
 
+from specula.devcluster.pki import ClusterPKI
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kubectl")
 SERVICE_CLUSTER_IP_RANGE = "10.96.0.0/24"
+SERVICE_IP = "10.96.0.1"
+"""ClusterIP of the ``kubernetes`` Service: the first address of the range."""
 
 
 class ControlPlaneError(RuntimeError):
@@ -209,10 +222,19 @@ class ControlPlane:
     ``start()`` returns once ``/readyz`` answers ok; ``stop()`` terminates the
     processes in reverse order.  ``timings`` holds seconds from ``start()`` to each
     milestone, for the test report.
+
+    ``address`` is where the API server listens and what it advertises; ``pki``
+    switches to the real-node shape (module docstring); ``users`` maps further user
+    names to ``(token, groups)``; ``controllers`` is kube-controller-manager's
+    ``--controllers`` (default: those of the shape).
     """
 
     bin_dir: Path
     workdir: Path
+    address: str = "127.0.0.1"
+    pki: ClusterPKI | None = None
+    users: dict[str, tuple[str, tuple[str, ...]]] = field(default_factory=dict)
+    controllers: str | None = None
     components: list[Component] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
     token: str = field(default_factory=lambda: secrets.token_hex(16))
@@ -222,7 +244,7 @@ class ControlPlane:
 
     @property
     def server(self) -> str:
-        return f"https://127.0.0.1:{self.apiserver_port}"
+        return f"https://{self.address}:{self.apiserver_port}"
 
     @property
     def kubeconfig(self) -> Path:
@@ -234,6 +256,8 @@ class ControlPlane:
 
     @property
     def ca_file(self) -> Path:
+        if self.pki is not None:
+            return self.pki.ca.cert
         # The API server writes its self-signed serving certificate followed by the
         # CA that signed it; trusting the file trusts that CA.
         return self.workdir / "pki" / "apiserver.crt"
@@ -329,11 +353,30 @@ class ControlPlane:
 
     def _write_token_file(self) -> None:
         path = self.workdir / "tokens.csv"
-        path.write_text(f'{self.token},admin,admin-uid,"system:masters"\n')
+        lines = [f'{self.token},admin,admin-uid,"system:masters"']
+        for user, (token, groups) in self.users.items():
+            lines.append(f'{token},{user},{user}-uid,"{",".join(groups)}"')
+        path.write_text("\n".join(lines) + "\n")
         path.chmod(0o600)
 
+    def kubeconfig_for(self, user: str, path: Path) -> Path:
+        """Write a kubeconfig at ``path`` that authenticates as ``user`` (one of
+        ``users``) with its token; returns ``path``.
+
+        Raises:
+            KeyError: ``user`` is not in ``users``.
+        """
+        token = self.users[user][0]
+        path.write_text(yaml.safe_dump(self._kubeconfig_dict(user, token)))
+        path.chmod(0o600)
+        return path
+
     def _write_kubeconfig(self) -> None:
-        config = {
+        self.kubeconfig.write_text(yaml.safe_dump(self._kubeconfig_dict("admin", self.token)))
+        self.kubeconfig.chmod(0o600)
+
+    def _kubeconfig_dict(self, user: str, token: str) -> dict:
+        return {
             "apiVersion": "v1",
             "kind": "Config",
             "clusters": [
@@ -342,14 +385,12 @@ class ControlPlane:
                     "cluster": {"server": self.server, "certificate-authority": str(self.ca_file)},
                 }
             ],
-            "users": [{"name": "admin", "user": {"token": self.token}}],
+            "users": [{"name": user, "user": {"token": token}}],
             "contexts": [
-                {"name": "admin@specula-it", "context": {"cluster": "specula-it", "user": "admin"}}
+                {"name": f"{user}@specula-it", "context": {"cluster": "specula-it", "user": user}}
             ],
-            "current-context": "admin@specula-it",
+            "current-context": f"{user}@specula-it",
         }
-        self.kubeconfig.write_text(yaml.safe_dump(config))
-        self.kubeconfig.chmod(0o600)
 
     # -- processes ---------------------------------------------------------------
 
@@ -384,27 +425,56 @@ class ControlPlane:
     def _start_apiserver(self) -> None:
         self.apiserver_port = free_port()
         pki = self.workdir / "pki"
-        self._add(
-            "kube-apiserver",
-            [
-                str(self.bin_dir / "kube-apiserver"),
-                f"--etcd-servers=http://127.0.0.1:{self.etcd_port}",
-                "--bind-address=127.0.0.1",
-                "--advertise-address=127.0.0.1",
-                f"--secure-port={self.apiserver_port}",
+        argv = [
+            str(self.bin_dir / "kube-apiserver"),
+            f"--etcd-servers=http://127.0.0.1:{self.etcd_port}",
+            f"--bind-address={self.address}",
+            f"--advertise-address={self.address}",
+            f"--secure-port={self.apiserver_port}",
+            f"--token-auth-file={self.workdir / 'tokens.csv'}",
+            "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
+            f"--service-account-key-file={pki / 'sa.pub'}",
+            f"--service-account-signing-key-file={pki / 'sa.key'}",
+            f"--service-cluster-ip-range={SERVICE_CLUSTER_IP_RANGE}",
+            "--profiling=false",
+            "--v=1",
+        ]
+        if self.pki is None:
+            argv += [
                 f"--cert-dir={pki}",
-                f"--token-auth-file={self.workdir / 'tokens.csv'}",
                 "--authorization-mode=RBAC",
-                "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
-                f"--service-account-key-file={pki / 'sa.pub'}",
-                f"--service-account-signing-key-file={pki / 'sa.key'}",
-                f"--service-cluster-ip-range={SERVICE_CLUSTER_IP_RANGE}",
                 # The "kubernetes" Service cannot point at a loopback address.
                 "--endpoint-reconciler-type=none",
-                "--profiling=false",
-                "--v=1",
-            ],
-        )
+            ]
+        else:
+            serving = self.pki.issue(
+                "apiserver",
+                "kube-apiserver",
+                dns_names=(
+                    "kubernetes", "kubernetes.default", "kubernetes.default.svc",
+                    "kubernetes.default.svc.cluster.local", "localhost",
+                ),
+                ip_addresses=(self.address, "127.0.0.1", SERVICE_IP),
+                server=True,
+            )
+            kubelet_client = self.pki.issue(
+                "apiserver-kubelet-client",
+                "kube-apiserver-kubelet-client",
+                organizations=("system:masters",),
+                client=True,
+            )
+            argv += [
+                f"--tls-cert-file={serving.cert}",
+                f"--tls-private-key-file={serving.key}",
+                f"--client-ca-file={self.pki.ca.cert}",
+                "--authorization-mode=Node,RBAC",
+                "--enable-admission-plugins=NodeRestriction",
+                f"--kubelet-client-certificate={kubelet_client.cert}",
+                f"--kubelet-client-key={kubelet_client.key}",
+                f"--kubelet-certificate-authority={self.pki.ca.cert}",
+                "--kubelet-preferred-address-types=InternalIP",
+            ]
+        self._add("kube-apiserver", argv)
 
     def _start_controller_manager(self) -> None:
         self.controller_manager_port = free_port()
@@ -413,11 +483,8 @@ class ControlPlane:
             [
                 str(self.bin_dir / "kube-controller-manager"),
                 f"--kubeconfig={self.kubeconfig}",
-                # Owner-reference garbage collection and namespace deletion are all the
-                # tests rely on; the Deployment controller stays off so that only the
-                # tests write Deployment status (no kubelet would ever run the pods).
-                "--controllers=garbagecollector,namespace",
-                "--use-service-account-credentials=false",
+                f"--controllers={self._controllers()}",
+                *self._controller_manager_node_flags(),
                 "--leader-elect=false",
                 "--bind-address=127.0.0.1",
                 f"--secure-port={self.controller_manager_port}",
@@ -430,6 +497,29 @@ class ControlPlane:
                 "--v=1",
             ],
         )
+
+    def _controllers(self) -> str:
+        if self.controllers is not None:
+            return self.controllers
+        if self.pki is None:
+            # Owner-reference garbage collection and namespace deletion are all the
+            # tests rely on; the Deployment controller stays off so that only the
+            # tests write Deployment status (no kubelet would ever run the pods).
+            return "garbagecollector,namespace"
+        return "*"
+
+    def _controller_manager_node_flags(self) -> list[str]:
+        if self.pki is None:
+            return ["--use-service-account-credentials=false"]
+        pki = self.workdir / "pki"
+        return [
+            # Each controller acts under its own service account (bootstrap RBAC roles).
+            "--use-service-account-credentials=true",
+            f"--service-account-private-key-file={pki / 'sa.key'}",
+            # Published as the kube-root-ca.crt ConfigMap of every namespace, which the
+            # projected service-account token volume of every pod needs.
+            f"--root-ca-file={self.pki.ca.cert}",
+        ]
 
     # -- probes ------------------------------------------------------------------
 

@@ -1,0 +1,3 @@
+module specula.dev/pause
+
+go 1.22
