@@ -1,4 +1,4 @@
-"""The ``specula`` command: ``operator``, ``serve``, ``demo`` and ``crd``.
+"""The ``specula`` command: ``operator``, ``serve``, ``download``, ``demo`` and ``crd``.
 
 Each subcommand imports its implementation lazily so that, for example,
 ``specula crd`` and ``specula operator`` never import torch.
@@ -62,6 +62,17 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
                         "ngram in turn and print their acceptance side by side")
 
 
+def _add_download(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "download",
+        help="download the hf:// checkpoints of a runtime config into the Hugging Face cache",
+    )
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--config", help="runtime config JSON (as the operator writes it)")
+    source.add_argument("--model", help="one hf://org/name URI")
+    p.add_argument("--revision", default=None, help="branch, tag or commit (with --model)")
+
+
 def _add_crd(sub: argparse._SubParsersAction) -> None:
     sub.add_parser("crd", help="print the SpeculativeModel CRD (YAML) generated from specula.api")
 
@@ -72,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_operator(sub)
     _add_serve(sub)
     _add_demo(sub)
+    _add_download(sub)
     _add_crd(sub)
     return parser
 
@@ -91,6 +103,10 @@ def main(argv: list[str] | None = None) -> int:
         from specula.runtime.server.cli import serve
 
         return serve(args)
+    if args.command == "download":
+        from specula.runtime.download import run_download
+
+        return run_download(args)
     if args.command == "demo":
         from specula.demo.run import run_demo
 

@@ -342,6 +342,41 @@ class Toleration(ApiModel):
     toleration_seconds: int | None = None
 
 
+class SecretKeySelector(ApiModel):
+    """A key of a Secret in the resource's namespace (Kubernetes ``SecretKeySelector``)."""
+
+    name: str = Field(min_length=1, max_length=253)
+    """Secret name."""
+    key: str = Field(default="token", min_length=1, max_length=253)
+    """Key within the Secret."""
+
+
+class ModelCacheSpec(ApiModel):
+    """Where ``hf://`` checkpoints are downloaded before the engine starts: a Hugging
+    Face cache (``HF_HOME``) shared by both engines' layouts."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "!has(self.claimName) || !has(self.sizeLimit)",
+                    "message": "modelCache.sizeLimit applies to the default emptyDir only, "
+                    "not to modelCache.claimName",
+                    "fieldPath": ".sizeLimit",
+                    "reason": "FieldValueForbidden",
+                },
+            ]
+        }
+    )
+
+    claim_name: str | None = Field(default=None, min_length=1, max_length=253)
+    """PersistentVolumeClaim holding the cache, so that replicas and restarts reuse
+    downloads (pods on several nodes need a ``ReadWriteMany`` claim); default: an
+    ``emptyDir`` per pod."""
+    size_limit: Quantity | None = None
+    """Size limit of the default ``emptyDir`` (a quantity such as ``"40Gi"``)."""
+
+
 class EnvVar(ApiModel):
     """An environment variable of the runtime container (Kubernetes ``core/v1`` ``EnvVar``)."""
 
@@ -407,6 +442,19 @@ class SpeculativeModelSpec(ApiModel):
                 },
                 {
                     "rule": (
+                        "(!has(self.modelCache) && !has(self.hfTokenSecret))"
+                        " || self.model.uri.startsWith('hf://')"
+                        " || (has(self.speculator.model)"
+                        " && self.speculator.model.uri.startsWith('hf://'))"
+                    ),
+                    "message": (
+                        "modelCache and hfTokenSecret apply to hf:// checkpoints only: "
+                        "neither model.uri nor speculator.model.uri is an hf:// URI"
+                    ),
+                    "reason": "FieldValueForbidden",
+                },
+                {
+                    "rule": (
                         "!has(self.autoscaling) || !has(self.tuning)"
                         " || self.tuning.mode != 'Off'"
                     ),
@@ -454,6 +502,12 @@ class SpeculativeModelSpec(ApiModel):
     """Extra environment variables of the runtime container (e.g. ``HF_TOKEN``)."""
     service_account_name: str | None = Field(default=None, max_length=253)
     """Service account the pods run as."""
+    model_cache: ModelCacheSpec | None = None
+    """Cache of ``hf://`` checkpoints; default: an ``emptyDir`` per pod.  Only with an
+    ``hf://`` URI."""
+    hf_token_secret: SecretKeySelector | None = None
+    """Secret key holding a Hugging Face Hub token (``HF_TOKEN``) for ``hf://``
+    downloads of private or gated repositories.  Only with an ``hf://`` URI."""
     tuning: TuningSpec = Field(default_factory=TuningSpec)
     """Tuning of k from live acceptance; default: ``Recommend``."""
     autoscaling: AutoscalingSpec | None = None
@@ -492,6 +546,37 @@ class SpeculativeModelSpec(ApiModel):
         if self.tuning.mode == "Auto":
             return max(self.max_speculative_tokens, self.speculator.num_speculative_tokens)
         return self.speculator.num_speculative_tokens
+
+    @property
+    def hf_uris(self) -> list[tuple[str, str | None]]:
+        """``(uri, revision)`` of each ``hf://`` checkpoint (target first), which pods
+        download into :attr:`model_cache` before the engine starts."""
+        found = []
+        if self.model.uri.startswith("hf://"):
+            found.append((self.model.uri, self.model.revision))
+        if self.speculator.model is not None and self.speculator.model.uri.startswith("hf://"):
+            found.append((self.speculator.model.uri, None))
+        return found
+
+    @model_validator(mode="after")
+    def _hub_fields_need_hf_uri(self) -> SpeculativeModelSpec:
+        if (self.model_cache is not None or self.hf_token_secret is not None) and not (
+            self.hf_uris
+        ):
+            raise ValueError(
+                "modelCache and hfTokenSecret apply to hf:// checkpoints only: neither "
+                "model.uri nor speculator.model.uri is an hf:// URI"
+            )
+        if (
+            self.model_cache is not None
+            and self.model_cache.claim_name is not None
+            and self.model_cache.size_limit is not None
+        ):
+            raise ValueError(
+                "modelCache.sizeLimit applies to the default emptyDir only, not to "
+                "modelCache.claimName"
+            )
+        return self
 
     @model_validator(mode="after")
     def _env_names_unique(self) -> SpeculativeModelSpec:

@@ -51,7 +51,7 @@ from specula.devcluster.control_plane import (
     free_port,
     wait_for,
 )
-from specula.devcluster.images import PAUSE_IMAGE, ImageBuilder
+from specula.devcluster.images import PAUSE_IMAGE, ImageBuilder, cache_root
 from specula.devcluster.pki import ClusterPKI
 
 NODE_NAME = "specula-node"
@@ -65,13 +65,6 @@ REQUIRED_TOOLS = ("containerd", "runc", "ctr", "iptables", "iptables-save", "con
 
 class ClusterUnsupported(RuntimeError):
     """This machine cannot run a node (the message says why)."""
-
-
-def cache_root() -> Path:
-    root = os.environ.get("SPECULA_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "specula"
-    )
-    return Path(root)
 
 
 def host_support() -> str | None:
@@ -152,7 +145,7 @@ class LocalCluster:
 
     @property
     def images(self) -> ImageBuilder:
-        return ImageBuilder(self.cache_dir.parent / "images", log=self.log)
+        return ImageBuilder(log=self.log)
 
     # -- lifecycle -----------------------------------------------------------------
 

@@ -40,6 +40,14 @@ HOST_CA_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
 PIP_ENV = ("PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "PIP_TRUSTED_HOST", "PIP_DEFAULT_TIMEOUT")
 
 
+def cache_root() -> Path:
+    """``SPECULA_CACHE_DIR``, else ``$XDG_CACHE_HOME/specula`` (``~/.cache/specula``)."""
+    root = os.environ.get("SPECULA_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "specula"
+    )
+    return Path(root)
+
+
 class ImageError(RuntimeError):
     """An image could not be built, exported or imported; the message has the tail
     of the tool's output."""
@@ -80,7 +88,7 @@ def _pip_conf() -> str:
 class ImageBuilder:
     """buildah with its own storage under ``cache_dir``; ``log`` receives progress lines."""
 
-    cache_dir: Path
+    cache_dir: Path = field(default_factory=lambda: cache_root() / "images")
     log: Callable[[str], None] = print
     timings: dict[str, float] = field(default_factory=dict)
 

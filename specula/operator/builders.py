@@ -57,6 +57,13 @@ VLLM_CACHE_DIR = "/cache"
 compile caches need a writable directory, and the pods run as a non-root user."""
 CONFIG_DIR = "/etc/specula"
 CONFIG_PATH = f"{CONFIG_DIR}/{CONFIG_KEY}"
+MODEL_CACHE_DIR = "/var/cache/specula"
+"""Mount point of the ``hf://`` download cache in ``engine: specula`` pods; ``HF_HOME``
+is its ``huggingface`` directory, as it is under ``VLLM_CACHE_DIR`` in vLLM pods, so
+one claim serves both engines."""
+DOWNLOAD_CONTAINER_NAME = "download"
+"""Init container of ``engine: specula`` pods with ``hf://`` checkpoints: ``specula
+download`` fills the cache before the engine starts (the engine reads it offline)."""
 
 CONTAINER_NAME = "runtime"
 HTTP_PORT_NAME = "http"
@@ -201,6 +208,60 @@ def _probe(period_s: int, failure_threshold: int, timeout_s: int) -> dict[str, A
     }
 
 
+def _security_context() -> dict[str, Any]:
+    return {
+        "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"]},
+        "runAsNonRoot": True,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def _hub_env(spec: SpeculativeModelSpec, cache_dir: str) -> list[dict[str, Any]]:
+    """``HF_HOME`` in the cache volume and, with ``hfTokenSecret``, ``HF_TOKEN``; a
+    variable of the spec's ``env`` of the same name wins."""
+    own = {var.name for var in spec.env}
+    env: list[dict[str, Any]] = []
+    if "HF_HOME" not in own:
+        env.append({"name": "HF_HOME", "value": f"{cache_dir}/huggingface"})
+    if spec.hf_token_secret is not None and "HF_TOKEN" not in own:
+        ref = spec.hf_token_secret
+        env.append({
+            "name": "HF_TOKEN",
+            "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}},
+        })
+    return env
+
+
+def _cache_volume(spec: SpeculativeModelSpec, name: str) -> dict[str, Any]:
+    cache = spec.model_cache
+    if cache is not None and cache.claim_name is not None:
+        return {"name": name, "persistentVolumeClaim": {"claimName": cache.claim_name}}
+    empty: dict[str, Any] = {}
+    if cache is not None and cache.size_limit is not None:
+        empty["sizeLimit"] = _quantity(cache.size_limit)
+    return {"name": name, "emptyDir": empty}
+
+
+def _download_container(spec: SpeculativeModelSpec, image: str) -> dict[str, Any]:
+    """``specula download`` of the runtime config's ``hf://`` checkpoints into the cache;
+    a failure's reason (missing repository, refused token, full disk) becomes its
+    termination message, which the operator copies into ``Degraded``."""
+    return {
+        "name": DOWNLOAD_CONTAINER_NAME,
+        "image": image,
+        "imagePullPolicy": "IfNotPresent",
+        "command": ["specula", "download", "--config", CONFIG_PATH],
+        "env": [*_hub_env(spec, MODEL_CACHE_DIR), *(var.to_k8s() for var in spec.env)],
+        "volumeMounts": [
+            {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
+            {"name": "model-cache", "mountPath": MODEL_CACHE_DIR},
+        ],
+        "securityContext": _security_context(),
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+    }
+
+
 def _container(
     spec: SpeculativeModelSpec,
     image: str,
@@ -227,18 +288,23 @@ def _container(
         "startupProbe": _probe(10, STARTUP_FAILURE_THRESHOLD, 5),
         "readinessProbe": _probe(5, 3, 5),
         "livenessProbe": _probe(15, 4, 10),
-        "securityContext": {
-            "allowPrivilegeEscalation": False,
-            "capabilities": {"drop": ["ALL"]},
-            "runAsNonRoot": True,
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
+        "securityContext": _security_context(),
         "volumeMounts": mounts,
+        # A crash's reason reaches the pod status even when it wrote no termination
+        # message: the last lines of its log.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
     }
     resources = _resources(spec)
     if resources:
         container["resources"] = resources
     env = [var.to_k8s() for var in spec.env]
+    if spec.hf_uris:
+        cache_dir = MODEL_CACHE_DIR if vllm_args is None else VLLM_CACHE_DIR
+        hub = _hub_env(spec, cache_dir)
+        if vllm_args is None and all(var.name != "HF_HUB_OFFLINE" for var in spec.env):
+            # The download container filled the cache; the engine never goes online.
+            hub.append({"name": "HF_HUB_OFFLINE", "value": "1"})
+        env = hub + env
     if vllm_args is not None and all(var.name != "HOME" for var in spec.env):
         # A spec's own HOME wins (env is keyed by name, so it cannot be given twice).
         env.insert(0, {"name": "HOME", "value": VLLM_CACHE_DIR})
@@ -275,12 +341,20 @@ def build_deployment(
     volumes: list[dict[str, Any]] = [
         {"name": "dshm", "emptyDir": {"medium": "Memory"}},
     ]
+    init_containers: list[dict[str, Any]] = []
+    image = spec.image or (vllm_image if vllm else default_image)
     if vllm:
+        # vLLM downloads hf:// checkpoints itself, into HOME's cache (a claim if named).
         mounts.append({"name": "cache", "mountPath": VLLM_CACHE_DIR})
-        volumes.append({"name": "cache", "emptyDir": {}})
+        volumes.append(_cache_volume(spec, "cache"))
     else:
         mounts.insert(0, {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True})
         volumes.insert(0, {"name": "config", "configMap": {"name": owner.name}})
+        if spec.hf_uris:
+            mounts.append({"name": "model-cache", "mountPath": MODEL_CACHE_DIR,
+                           "readOnly": True})
+            volumes.append(_cache_volume(spec, "model-cache"))
+            init_containers.append(_download_container(spec, image))
     for index, claim in enumerate(pvc_claims(spec)):
         # Indexed volume names: claim names may be longer than a volume name allows.
         volume = f"model-pvc-{index}"
@@ -304,13 +378,15 @@ def build_deployment(
         "containers": [
             _container(
                 spec,
-                spec.image or (vllm_image if vllm else default_image),
+                image,
                 mounts,
                 render_vllm_args(owner.name, spec, speculation) if vllm else None,
             )
         ],
         "volumes": volumes,
     }
+    if init_containers:
+        pod_spec["initContainers"] = init_containers
     if spec.service_account_name:
         pod_spec["serviceAccountName"] = spec.service_account_name
     if spec.node_selector:

@@ -3,6 +3,8 @@
 - ``SpeculativeModel`` create / update / resume -> :func:`reconcile.reconcile`.
 - Events of owned Deployments -> :func:`reconcile.refresh_status`, so ``readyReplicas``
   and ``Ready`` follow the pods without waiting for a spec change.
+- Events of runtime pods -> :func:`reconcile.refresh_status_for_pod`, so a failed
+  container (a model download, a crash) shows as ``Degraded`` with its reason.
 - Deletion of an owned ConfigMap, Deployment or Service -> reconcile the owner again.
 - A timer every ``tuning_tick_s`` -> :func:`tuning.tune` (measure, decide, apply k,
   record utilization).
@@ -27,13 +29,19 @@ from pydantic import ValidationError
 
 from specula.api.autoscaling import AutoscalingStatus
 from specula.api.models import GROUP, PLURAL, VERSION
-from specula.operator.builders import LABEL_MANAGED_BY, MANAGED_BY
+from specula.operator.builders import (
+    COMPONENT_RUNTIME,
+    LABEL_COMPONENT,
+    LABEL_MANAGED_BY,
+    MANAGED_BY,
+)
 from specula.operator.http_server import HttpServer, UtilizationRegistry, make_app
 from specula.operator.kube import Kube
 from specula.operator.reconcile import (
     RetryLater,
     reconcile,
     refresh_status,
+    refresh_status_for_pod,
     repair_after_child_deleted,
 )
 from specula.operator.runtime_client import RuntimeClient
@@ -41,6 +49,7 @@ from specula.operator.settings import OperatorSettings
 from specula.operator.tuning import tune
 
 _OWNED = {LABEL_MANAGED_BY: MANAGED_BY}
+_RUNTIME_PODS = {LABEL_MANAGED_BY: MANAGED_BY, LABEL_COMPONENT: COMPONENT_RUNTIME}
 
 
 def _plain(body: Any) -> dict[str, Any]:
@@ -156,6 +165,13 @@ def on_deployment_event(event: dict[str, Any], body: kopf.Body, memo: Any, **_: 
         refresh_status(plain, _kube(memo), memo["settings"])
 
 
+def on_pod_event(event: dict[str, Any], body: kopf.Body, memo: Any, **_: Any) -> None:
+    """A runtime pod changed: refresh its owner's status (a failed container, such as a
+    model download, is reported as ``Degraded``)."""
+    if event.get("type") != "DELETED":
+        refresh_status_for_pod(_plain(body), _kube(memo), memo["settings"])
+
+
 def on_tuning_tick(body: kopf.Body, memo: Any, logger: Any, **_: Any) -> None:
     """Timer: one tuning tick (see :mod:`specula.operator.tuning`)."""
     update = tune(
@@ -203,6 +219,7 @@ def build_registry(settings: OperatorSettings | None = None) -> kopf.OperatorReg
     kopf.on.event("apps", "v1", "deployments", labels=_OWNED, registry=registry)(
         on_deployment_event
     )
+    kopf.on.event("v1", "pods", labels=_RUNTIME_PODS, registry=registry)(on_pod_event)
     for plural in ("configmaps", "services"):
         kopf.on.event("v1", plural, labels=_OWNED, when=_is_deletion, registry=registry)(
             on_child_deleted

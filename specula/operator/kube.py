@@ -188,6 +188,16 @@ class Kube:
             _preload_content=False,
         ))
 
+    def list_pods(self, namespace: str, selector: str) -> list[dict[str, Any]]:
+        """Pods matching label ``selector``.
+
+        Raises:
+            ApiException: the API server refused the request.
+        """
+        return _json(self._core.list_namespaced_pod(
+            namespace, label_selector=selector, _preload_content=False
+        )).get("items") or []
+
     def list_endpoint_slices(self, namespace: str, service: str) -> list[dict[str, Any]]:
         """EndpointSlices of Service ``service`` (label ``kubernetes.io/service-name``).
 

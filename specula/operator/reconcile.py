@@ -24,7 +24,13 @@ from specula.api import capabilities
 from specula.api.models import API_VERSION, KIND, SpeculativeModelSpec, SpeculativeModelStatus
 from specula.api.render_vllm import VllmConfigError
 from specula.operator.autoscaling import PROVIDER_KINDS, SCALED_OBJECT
-from specula.operator.builders import Owner, build_autoscaler, build_children, selector_string
+from specula.operator.builders import (
+    LABEL_INSTANCE,
+    Owner,
+    build_autoscaler,
+    build_children,
+    selector_string,
+)
 from specula.operator.engine import pod_speculation
 from specula.operator.kube import ApiException, Kube
 from specula.operator.settings import OperatorSettings
@@ -38,6 +44,7 @@ from specula.operator.status import (
     Problem,
     compute_status,
     now_rfc3339,
+    pod_failure,
 )
 
 log = logging.getLogger(__name__)
@@ -242,6 +249,11 @@ def reconcile(
                 problem = Problem(REASON_APPLY_FAILED, f"{e.status} {e.reason}: {_api_message(e)}")
         if problem is not None:
             deployment = kube.get_deployment(owner.namespace, owner.name)
+        pod_problem = None
+        if problem is None and spec is not None:
+            pod_problem = _pod_problem(
+                kube, owner.namespace, selector, deployment, spec.desired_replicas
+            )
 
         status = compute_status(
             Observation(
@@ -254,6 +266,7 @@ def reconcile(
                 deployment=deployment,
                 problem=problem,
                 tuning_mode=spec.tuning.mode if spec is not None else None,
+                pod_problem=pod_problem,
             ),
             parse_status(live),
             now(),
@@ -271,6 +284,17 @@ def _api_message(error: ApiException) -> str:
         return json.loads(error.body or "{}").get("message") or ""
     except (ValueError, AttributeError):
         return ""
+
+
+def _pod_problem(
+    kube: Kube, namespace: str, selector: str, deployment: dict[str, Any] | None, desired: int
+) -> Problem | None:
+    """A failed runtime container, looked for only while fewer pods than desired are
+    ready (a serving resource costs no pod list)."""
+    ready = int(((deployment or {}).get("status") or {}).get("readyReplicas") or 0)
+    if deployment is None or ready >= desired:
+        return None
+    return pod_failure(kube.list_pods(namespace, selector))
 
 
 def controller_owner(obj: dict[str, Any]) -> dict[str, Any] | None:
@@ -309,6 +333,25 @@ def repair_after_child_deleted(
     return reconcile(body, kube, settings)
 
 
+def refresh_status_for_pod(
+    pod: dict[str, Any],
+    kube: Kube,
+    settings: OperatorSettings,
+    now: Callable[[], str] = now_rfc3339,
+) -> SpeculativeModelStatus | None:
+    """:func:`refresh_status` after a runtime pod changed (a container failing shows
+    only there): its owner is the resource its ``app.kubernetes.io/instance`` label
+    names, through that resource's Deployment."""
+    meta = pod.get("metadata") or {}
+    name = (meta.get("labels") or {}).get(LABEL_INSTANCE)
+    if not name:
+        return None
+    deployment = kube.get_deployment(meta.get("namespace", ""), name)
+    if deployment is None:
+        return None
+    return refresh_status(deployment, kube, settings, now)
+
+
 def refresh_status(
     deployment: dict[str, Any],
     kube: Kube,
@@ -316,7 +359,9 @@ def refresh_status(
     now: Callable[[], str] = now_rfc3339,
 ) -> SpeculativeModelStatus | None:
     """Recompute the owner's ``replicas``, ``readyReplicas`` and conditions after its
-    Deployment changed; children are not touched.
+    Deployment (or one of its pods) changed; children are not touched.  A failed
+    container of a pod (:func:`~specula.operator.status.pod_failure`) makes it
+    ``Degraded`` while fewer replicas than desired are ready.
 
     The status keeps the ``observedGeneration`` of the last :func:`reconcile`, and
     nothing is written before the first one or while the spec has a problem (those
@@ -340,14 +385,18 @@ def refresh_status(
             if problem is not None or spec is None:
                 return None
             live = kube.get_deployment(namespace, ref["name"])
+            selector = selector_string(ref["name"])
             status = compute_status(
                 Observation(
                     generation=previous.observed_generation,
-                    selector=selector_string(ref["name"]),
+                    selector=selector,
                     desired_replicas=spec.desired_replicas,
                     num_speculative_tokens=spec.speculator.num_speculative_tokens,
                     deployment=live,
                     tuning_mode=spec.tuning.mode,
+                    pod_problem=_pod_problem(
+                        kube, namespace, selector, live, spec.desired_replicas
+                    ),
                 ),
                 previous,
                 now(),

@@ -34,6 +34,11 @@ REASON_ROLLOUT_COMPLETE = "RolloutComplete"
 REASON_AS_EXPECTED = "AsExpected"
 REASON_REPLICA_FAILURE = "ReplicaFailure"
 REASON_PROGRESS_DEADLINE_EXCEEDED = "ProgressDeadlineExceeded"
+REASON_MODEL_DOWNLOAD_FAILED = "ModelDownloadFailed"
+REASON_CONTAINER_FAILED = "ContainerFailed"
+POD_MESSAGE_LIMIT = 1024
+"""Characters of a container's termination message kept in a condition."""
+_DOWNLOAD_CONTAINER = "download"
 
 
 def now_rfc3339() -> str:
@@ -97,6 +102,48 @@ class Observation:
     problem: Problem | None = None
     tuning_mode: str | None = None
     """``spec.tuning.mode``; ``None`` when the spec did not parse."""
+    pod_problem: Problem | None = None
+    """A runtime pod's failed container (:func:`pod_failure`), reported as ``Degraded``
+    while fewer replicas than desired are ready."""
+
+
+def pod_failure(pods: list[dict[str, Any]]) -> Problem | None:
+    """The first failed container among ``pods`` (init containers first): one that
+    exited non-zero, now or in its last run while it waits to restart.
+
+    Reason ``ModelDownloadFailed`` for the ``download`` init container (its message
+    says why: missing repository, refused token, full disk), else ``ContainerFailed``;
+    the message is the pod, container, exit code and the container's termination
+    message (``FallbackToLogsOnError``: its last log lines when it wrote none), cut to
+    :data:`POD_MESSAGE_LIMIT` characters.
+    """
+    for pod in sorted(pods, key=lambda p: (p.get("metadata") or {}).get("name", "")):
+        if (pod.get("metadata") or {}).get("deletionTimestamp"):
+            continue
+        status = pod.get("status") or {}
+        for statuses in (status.get("initContainerStatuses"), status.get("containerStatuses")):
+            for cs in statuses or []:
+                terminated = (cs.get("state") or {}).get("terminated")
+                if not (terminated and terminated.get("exitCode")):
+                    terminated = (cs.get("lastState") or {}).get("terminated")
+                    if not (terminated and terminated.get("exitCode")) or (
+                        cs.get("ready")
+                    ):
+                        continue
+                name = cs.get("name", "")
+                text = (terminated.get("message") or terminated.get("reason") or "").strip()
+                message = (
+                    f"pod {pod['metadata'].get('name')}: container {name} exited "
+                    f"{terminated.get('exitCode')}: {text}"
+                )
+                if len(message) > POD_MESSAGE_LIMIT:
+                    message = message[: POD_MESSAGE_LIMIT - 3] + "..."
+                reason = (
+                    REASON_MODEL_DOWNLOAD_FAILED if name == _DOWNLOAD_CONTAINER
+                    else REASON_CONTAINER_FAILED
+                )
+                return Problem(reason, message)
+    return None
 
 
 def _deployment_counts(deployment: dict[str, Any] | None) -> tuple[int, int]:
@@ -168,6 +215,8 @@ def _desired_conditions(obs: Observation) -> list[Condition]:
         progressing = cond(PROGRESSING, False, REASON_ROLLOUT_COMPLETE, counts)
 
     failure = _deployment_failure(obs.deployment) if obs.deployment is not None else None
+    if failure is None and obs.pod_problem is not None and ready < desired:
+        failure = obs.pod_problem
     if failure is not None:
         degraded = cond(DEGRADED, True, failure.reason, failure.message)
     else:

@@ -238,7 +238,11 @@ def test_scheduling_env_and_service_account():
         {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
     ]
     assert pod["serviceAccountName"] == "llm-runtime"
+    # hf:// checkpoints: the cache's HF_HOME and offline mode come first; the spec's own
+    # HF_TOKEN is kept as written.
     assert container_of(deployment)["env"] == [
+        {"name": "HF_HOME", "value": "/var/cache/specula/huggingface"},
+        {"name": "HF_HUB_OFFLINE", "value": "1"},
         {"name": "LOG_LEVEL", "value": "debug"},
         {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}},
     ]
@@ -249,7 +253,8 @@ def test_optional_pod_fields_omitted_when_unset():
     pod = deployment["spec"]["template"]["spec"]
     for key in ("nodeSelector", "tolerations", "serviceAccountName"):
         assert key not in pod
-    assert "env" not in container_of(deployment)
+    # Only what hf:// checkpoints need (the default spec's URIs are hf://).
+    assert [v["name"] for v in container_of(deployment)["env"]] == ["HF_HOME", "HF_HUB_OFFLINE"]
 
 
 def test_service_ports():

@@ -66,7 +66,12 @@ def test_vllm_pods_run_vllm_serve_with_the_rendered_config():
     assert c["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert c[probe]["httpGet"] == {"path": "/health", "port": "http"}
-    assert c["env"] == [{"name": "HOME", "value": "/cache"}]
+    # HOME for the caches; HF_HOME in the cache volume, the layout engine specula's
+    # download cache uses too, so one claim serves both engines.
+    assert c["env"] == [
+        {"name": "HOME", "value": "/cache"},
+        {"name": "HF_HOME", "value": "/cache/huggingface"},
+    ]
     mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
     assert mounts == {"dshm": "/dev/shm", "cache": "/cache"}
     assert deployment["spec"]["strategy"] == {
@@ -92,7 +97,10 @@ def test_image_override_and_spec_home_win():
     spec = make_spec(image="registry.local/vllm:custom", env=[{"name": "HOME", "value": "/x"}])
     _, deployment, _ = vllm_children(spec, vllm_image="ignored")
     assert container(deployment)["image"] == "registry.local/vllm:custom"
-    assert container(deployment)["env"] == [{"name": "HOME", "value": "/x"}]
+    assert container(deployment)["env"] == [
+        {"name": "HF_HOME", "value": "/cache/huggingface"},
+        {"name": "HOME", "value": "/x"},
+    ]
     _, deployment, _ = vllm_children(make_spec(), vllm_image="mirror/vllm:v1")
     assert container(deployment)["image"] == "mirror/vllm:v1"
 

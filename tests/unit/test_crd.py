@@ -137,7 +137,10 @@ def test_cel_rules(schema):
         "!has(self.nPredict) || self.numSpeculativeTokens <= self.nPredict"
         " || self.numSpeculativeTokens % self.nPredict == 0",
     ]
-    tp_rule, k_rule, mtp_rule, autoscaling_rule = spec["x-kubernetes-validations"]
+    tp_rule, k_rule, mtp_rule, hub_rule, autoscaling_rule = spec["x-kubernetes-validations"]
+    assert "self.model.uri.startsWith('hf://')" in hub_rule["rule"]
+    (cache_rule,) = spec["properties"]["modelCache"]["x-kubernetes-validations"]
+    assert cache_rule["rule"] == "!has(self.claimName) || !has(self.sizeLimit)"
     assert mtp_rule["fieldPath"] == ".tuning.maxSpeculativeTokens"
     assert "<= self.speculator.nPredict" in mtp_rule["rule"]
     assert autoscaling_rule["rule"] == (

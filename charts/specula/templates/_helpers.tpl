@@ -138,6 +138,11 @@ specula/operator (kube.py, kopf's watches and patches) and nothing more.
 - apiGroups: ["discovery.k8s.io"]
   resources: ["endpointslices"]
   verbs: ["list", "watch"]
+# Runtime pods' container states: a failed container (a model download) is reported
+# in the resource's Degraded condition.
+- apiGroups: [""]
+  resources: ["pods"]
+  verbs: ["list", "watch"]
 # Tuning decisions are recorded as Events.
 - apiGroups: [""]
   resources: ["events"]

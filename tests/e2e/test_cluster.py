@@ -1,0 +1,351 @@
+"""The main job on a real node, as a user runs it: ``helm install`` the chart, ``kubectl
+apply`` a SpeculativeModel of the demo target and draft served from a local
+PersistentVolume, and use it through its Service; then tune, scale, roll, lose a pod,
+and uninstall.
+
+The tests run in file order and build on one another (one operator, one resource),
+like the steps of a user's session; each asserts its own step.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from specula.devcluster.cluster import NODE_NAME, LocalCluster
+from specula.devcluster.control_plane import wait_for
+from specula.devcluster.helm import CHART, RELEASE, RELEASE_NAMESPACE, Helm
+from specula.devcluster.images import RUNTIME_CPU_IMAGE
+
+from .kube import apply, describe_pods, finish_client, get, ready_pods, start_client
+
+pytestmark = pytest.mark.e2e
+
+NS = "e2e"
+SM = "demo"
+SELECTOR = f"app.kubernetes.io/instance={SM},app.kubernetes.io/component=runtime"
+CLAIM = "demo-models"
+PROMPT = "def fibonacci(n):\n"
+MAX_TOKENS = 24
+POD_READY_TIMEOUT = 300
+"""Seconds for a runtime pod to start: python and torch import, the model loads."""
+
+
+def sm_object(k: int = 2) -> dict:
+    return {
+        "apiVersion": "specula.dev/v1alpha1",
+        "kind": "SpeculativeModel",
+        "metadata": {"name": SM, "namespace": NS},
+        "spec": {
+            "model": {"uri": f"pvc://{CLAIM}/target", "dtype": "float32"},
+            "speculator": {
+                "method": "draft_model",
+                "model": {"uri": f"pvc://{CLAIM}/draft"},
+                "numSpeculativeTokens": k,
+            },
+            "replicas": 1,
+            "maxNumSeqs": 8,
+            "resources": {"gpu": {"count": 0}, "memory": "2Gi"},
+            "tuning": {
+                "mode": "Auto",
+                "minSpeculativeTokens": 1,
+                "maxSpeculativeTokens": 4,
+                "interval": "3s",
+                "cooldown": "0s",
+                "minGain": 0.01,
+            },
+        },
+    }
+
+
+def volume_objects(path: Path) -> list[dict]:
+    """A local PersistentVolume on the node holding the checkpoints, and its claim."""
+    pv = {
+        "apiVersion": "v1",
+        "kind": "PersistentVolume",
+        "metadata": {"name": f"{NS}-{CLAIM}"},
+        "spec": {
+            "capacity": {"storage": "1Gi"},
+            "accessModes": ["ReadOnlyMany"],
+            "persistentVolumeReclaimPolicy": "Retain",
+            "storageClassName": "",
+            "local": {"path": str(path)},
+            "nodeAffinity": {"required": {"nodeSelectorTerms": [{"matchExpressions": [{
+                "key": "kubernetes.io/hostname", "operator": "In", "values": [NODE_NAME],
+            }]}]}},
+        },
+    }
+    pvc = {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": {"name": CLAIM, "namespace": NS},
+        "spec": {
+            "accessModes": ["ReadOnlyMany"],
+            "storageClassName": "",
+            "volumeName": f"{NS}-{CLAIM}",
+            "resources": {"requests": {"storage": "1Gi"}},
+        },
+    }
+    return [pv, pvc]
+
+
+@pytest.fixture(scope="module")
+def expected_text(demo_checkpoints: Path) -> str:
+    """The target's greedy continuation of :data:`PROMPT`, by Hugging Face
+    ``transformers`` on the same checkpoint."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target = demo_checkpoints / "target"
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    model = AutoModelForCausalLM.from_pretrained(target, torch_dtype=torch.float32).eval()
+    ids = tokenizer(PROMPT, return_tensors="pt").input_ids
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=MAX_TOKENS, do_sample=False)
+    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+
+@pytest.fixture(scope="module")
+def installed(cluster: LocalCluster, helm: Helm) -> Iterator[None]:
+    """The chart installed; uninstalled at the end if a test left it."""
+    helm.run(
+        "install", RELEASE, str(CHART), "--namespace", RELEASE_NAMESPACE, "--create-namespace",
+        "--set", "operator.image.pullPolicy=Never",
+        "--set", f"runtime.image.tag={RUNTIME_CPU_IMAGE.rsplit(':', 1)[1]}",
+        "--set", "operator.settings.tuningTickSeconds=1",
+        "--set", "crds.keep=false",
+        "--wait", "--timeout", "3m",
+        kubeconfig=cluster.kubeconfig, timeout=240,
+    )
+    try:
+        yield
+    finally:
+        helm.run("uninstall", RELEASE, "--namespace", RELEASE_NAMESPACE, "--wait",
+                 kubeconfig=cluster.kubeconfig, check=False, timeout=180)
+
+
+def service_url(cluster: LocalCluster) -> str:
+    svc = get(cluster, "service", SM, "-n", NS)
+    port = next(p["port"] for p in svc["spec"]["ports"] if p["name"] == "http")
+    return f"http://{svc['spec']['clusterIP']}:{port}"
+
+
+def wait_serving(cluster: LocalCluster, replicas: int) -> list[dict]:
+    """Wait until ``replicas`` runtime pods are Ready (their real probes passed) and no
+    other runtime pod exists; returns them."""
+    def settled():
+        pods = get(cluster, "pods", "-n", NS, "-l", SELECTOR)["items"]
+        ready = ready_pods(cluster, NS, SELECTOR)
+        return ready if len(ready) == replicas == len(pods) else None
+
+    return wait_for(settled, timeout=POD_READY_TIMEOUT, interval=1,
+                    message=lambda: f"{replicas} ready runtime pods\n{describe_pods(cluster, NS)}")
+
+
+def sm_status(cluster: LocalCluster) -> dict:
+    return get(cluster, "sm", SM, "-n", NS).get("status") or {}
+
+
+def test_operator_runs_under_its_service_account(cluster: LocalCluster, installed) -> None:
+    pods = ready_pods(cluster, RELEASE_NAMESPACE, "app.kubernetes.io/name=specula")
+    assert len(pods) == 1, describe_pods(cluster, RELEASE_NAMESPACE)
+    spec = pods[0]["spec"]
+    assert spec["serviceAccountName"] == RELEASE
+    assert spec["containers"][0]["image"].endswith(":0.1.0")
+    # The token it runs with is its ServiceAccount's: it may read SpeculativeModels...
+    auth = cluster.kubectl(
+        "auth", "can-i", "list", "speculativemodels.specula.dev", "--all-namespaces",
+        f"--as=system:serviceaccount:{RELEASE_NAMESPACE}:{RELEASE}", check=False,
+    )
+    assert auth.stdout.strip() == "yes"
+    # ...and nothing it was not granted.
+    denied = cluster.kubectl(
+        "auth", "can-i", "delete", "nodes",
+        f"--as=system:serviceaccount:{RELEASE_NAMESPACE}:{RELEASE}", check=False,
+    )
+    assert denied.stdout.strip() == "no"
+
+
+def test_demo_model_from_pvc_passes_its_probes(
+    cluster: LocalCluster, installed, demo_checkpoints: Path
+) -> None:
+    cluster.kubectl("create", "namespace", NS)
+    apply(cluster, *volume_objects(demo_checkpoints))
+    apply(cluster, sm_object())
+    pods = wait_serving(cluster, 1)
+    container = pods[0]["spec"]["containers"][0]
+    assert container["image"] == RUNTIME_CPU_IMAGE
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert container[probe]["httpGet"]["path"] == "/health"
+    assert pods[0]["status"]["containerStatuses"][0]["restartCount"] == 0
+    wait_for(
+        lambda: any(c["type"] == "Ready" and c["status"] == "True"
+                    for c in sm_status(cluster).get("conditions", [])),
+        timeout=60, interval=1, message="SpeculativeModel Ready",
+    )
+
+
+def test_completions_through_service_equal_target_greedy(
+    cluster: LocalCluster, installed, expected_text: str
+) -> None:
+    start_client(cluster, NS, "client-once", service_url(cluster), PROMPT, MAX_TOKENS,
+                 loop=False)
+    lines = finish_client(cluster, NS, "client-once")
+    results = [line for line in lines if "ok" in line]
+    assert results and results[-1]["ok"], lines
+    assert results[-1]["text"] == expected_text
+    assert expected_text, "the target produced no tokens"
+
+
+def _runtime_k(pod: dict) -> int:
+    with urllib.request.urlopen(
+        f"http://{pod['status']['podIP']}:8000/v1/speculative_config", timeout=10
+    ) as response:
+        return json.load(response)["num_speculative_tokens"]
+
+
+def test_tuner_scrapes_pods_and_applies_k(cluster: LocalCluster, installed) -> None:
+    start_client(cluster, NS, "client-load", service_url(cluster), PROMPT, MAX_TOKENS,
+                 loop=True)
+    try:
+        status = wait_for(
+            lambda: (s := sm_status(cluster)).get("speculation", {}).get(
+                "meanAcceptanceLength") is not None and s,
+            timeout=180, interval=1,
+            message=lambda: f"a measured window\n{json.dumps(sm_status(cluster))[:3000]}",
+        )
+        k_now = status["speculation"]["numSpeculativeTokens"]
+        # Moving the bounds past the k in effect makes the tuner move k (reason Bounds)
+        # through the pods' admin API, without rolling them (their bound stays 4).
+        if k_now < 4:
+            bounds, k_spec = {"minSpeculativeTokens": k_now + 1}, max(2, k_now + 1)
+        else:
+            bounds, k_spec = {"maxSpeculativeTokens": k_now - 1}, min(2, k_now - 1)
+        pod_before = ready_pods(cluster, NS, SELECTOR)[0]["metadata"]["name"]
+        cluster.kubectl("patch", "sm", SM, "-n", NS, "--type=merge", "-p", json.dumps(
+            {"spec": {"speculator": {"numSpeculativeTokens": k_spec}, "tuning": bounds}}))
+
+        def applied():
+            history = sm_status(cluster).get("tuningHistory") or []
+            moved = [e for e in history if e["applied"] and e["from"] == k_now]
+            return moved[-1] if moved else None
+
+        entry = wait_for(applied, timeout=120, interval=1,
+                         message=lambda: json.dumps(sm_status(cluster))[:3000])
+        pods = ready_pods(cluster, NS, SELECTOR)
+        assert [p["metadata"]["name"] for p in pods] == [pod_before], "the pods rolled"
+        k_status = sm_status(cluster)["speculation"]["numSpeculativeTokens"]
+        assert entry["to"] != k_now
+        assert _runtime_k(pods[0]) == k_status
+        table = cluster.kubectl("get", "sm", "-n", NS).stdout
+        header, row = table.splitlines()[:2]
+        for column in ("K", "ACCEPT-LEN", "READY"):
+            assert column in header.split()
+        values = dict(zip(header.split(), row.split(), strict=False))
+        assert values["K"] == str(k_status)
+        assert float(values["ACCEPT-LEN"]) >= 1.0
+        assert values["READY"] == "True"
+    finally:
+        lines = finish_client(cluster, NS, "client-load")
+    assert all(line["ok"] for line in lines if "ok" in line), lines
+
+
+def test_scale_adds_a_serving_pod(cluster: LocalCluster, installed, expected_text: str) -> None:
+    cluster.kubectl("scale", f"sm/{SM}", "-n", NS, "--replicas=2")
+    pods = wait_serving(cluster, 2)
+    for pod in pods:
+        body = json.dumps({"model": _model_name(pod), "prompt": PROMPT,
+                           "max_tokens": MAX_TOKENS, "temperature": 0}).encode()
+        request = urllib.request.Request(
+            f"http://{pod['status']['podIP']}:8000/v1/completions", data=body,
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=60) as response:
+            assert json.load(response)["choices"][0]["text"] == expected_text
+
+
+def _model_name(pod: dict) -> str:
+    with urllib.request.urlopen(f"http://{pod['status']['podIP']}:8000/v1/models",
+                                timeout=10) as response:
+        return json.load(response)["data"][0]["id"]
+
+
+def _assert_all_served(lines: list[dict], expected_text: str) -> None:
+    results = [line for line in lines if "ok" in line]
+    failed = [line for line in results if not line["ok"]]
+    assert not failed, f"{len(failed)} of {len(results)} requests failed: {failed[:5]}"
+    assert len(results) >= 3, lines
+    assert {line["text"] for line in results} == {expected_text}
+
+
+def test_spec_change_rolls_pods_without_a_failed_request(
+    cluster: LocalCluster, installed, expected_text: str
+) -> None:
+    before = {p["metadata"]["name"] for p in ready_pods(cluster, NS, SELECTOR)}
+    start_client(cluster, NS, "client-roll", service_url(cluster), PROMPT, MAX_TOKENS,
+                 loop=True)
+    try:
+        cluster.kubectl("patch", "sm", SM, "-n", NS, "--type=merge", "-p", json.dumps(
+            {"spec": {"env": [{"name": "E2E_ROLLOUT", "value": "1"}]}}))
+
+        def rolled():
+            pods = wait_serving(cluster, 2)
+            names = {p["metadata"]["name"] for p in pods}
+            return names.isdisjoint(before) and pods
+
+        pods = wait_for(rolled, timeout=2 * POD_READY_TIMEOUT, interval=2,
+                        message=lambda: describe_pods(cluster, NS))
+        for pod in pods:
+            env = pod["spec"]["containers"][0].get("env", [])
+            assert {"name": "E2E_ROLLOUT", "value": "1"} in env
+    finally:
+        lines = finish_client(cluster, NS, "client-roll")
+    _assert_all_served(lines, expected_text)
+
+
+def test_deleted_pod_is_replaced_and_service_keeps_answering(
+    cluster: LocalCluster, installed, expected_text: str
+) -> None:
+    victim = ready_pods(cluster, NS, SELECTOR)[0]["metadata"]["name"]
+    start_client(cluster, NS, "client-kill", service_url(cluster), PROMPT, MAX_TOKENS,
+                 loop=True)
+    try:
+        cluster.kubectl("delete", "pod", victim, "-n", NS, "--wait=false")
+        pods = wait_for(
+            lambda: (p := wait_serving(cluster, 2))
+            and victim not in {x["metadata"]["name"] for x in p} and p,
+            timeout=POD_READY_TIMEOUT, interval=2, message=lambda: describe_pods(cluster, NS),
+        )
+        assert len(pods) == 2
+    finally:
+        lines = finish_client(cluster, NS, "client-kill")
+    _assert_all_served(lines, expected_text)
+
+
+def test_delete_and_uninstall_leave_nothing(
+    cluster: LocalCluster, helm: Helm, installed
+) -> None:
+    cluster.kubectl("delete", "sm", SM, "-n", NS, "--wait=true", "--timeout=120s")
+    wait_for(
+        lambda: not get(cluster, "deploy,svc,cm,pods", "-n", NS,
+                        "-l", f"app.kubernetes.io/instance={SM}")["items"],
+        timeout=120, interval=1, message=lambda: describe_pods(cluster, NS),
+    )
+    helm.run("uninstall", RELEASE, "--namespace", RELEASE_NAMESPACE, "--wait",
+             kubeconfig=cluster.kubeconfig, timeout=180)
+    left = get(cluster, "all,cm,sa,role,rolebinding", "-A",
+               "-l", f"app.kubernetes.io/instance={RELEASE}")["items"]
+    assert not left, [o["metadata"]["name"] for o in left]
+    cluster_scoped = get(cluster, "clusterrole,clusterrolebinding",
+                         "-l", f"app.kubernetes.io/instance={RELEASE}")["items"]
+    assert not cluster_scoped
+    crds = cluster.kubectl("get", "crd", "-o", "name").stdout
+    assert "speculativemodels.specula.dev" not in crds
+    cluster.kubectl("delete", "namespace", NS, RELEASE_NAMESPACE, "--wait=true",
+                    "--timeout=120s")
+    cluster.kubectl("delete", "pv", f"{NS}-{CLAIM}", "--wait=true", "--timeout=60s")
+    assert not get(cluster, "pods", "-A")["items"]
