@@ -6,9 +6,10 @@
 # default; any Debian or Ubuntu image gives the CPU variant, with the same steps):
 #   docker build --target runtime --build-arg RUNTIME_BASE_IMAGE=debian:bookworm \
 #     -t ghcr.io/specula-dev/specula-runtime:0.1.0-cpu .
-# Each is built in a stage that installs Specula with hack/install.sh (the script
-# `make setup` runs) into a virtual environment at /opt/specula; the final stage copies
-# only that environment, so no build tools, pip cache or sources reach the image.
+# Each installs Specula with hack/install.sh (the script `make setup` runs) into a
+# virtual environment at /opt/specula, with no pip cache.  The operator's is built in a
+# stage of its own and copied, so no build tree reaches that image; the runtime's is
+# built in place, its dependencies in a layer of their own.
 
 ARG PYTHON_IMAGE=python:3.12.8-slim-bookworm
 ARG RUNTIME_BASE_IMAGE=nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04
@@ -35,7 +36,9 @@ ENTRYPOINT ["specula"]
 CMD ["operator"]
 
 # ---- runtime: CUDA, PyTorch and the serving stack --------------------------------
-FROM ${RUNTIME_BASE_IMAGE} AS runtime-base
+# One stage: the runtime needs the compiler at run time anyway (Triton), so a separate
+# build stage would only copy the gigabytes of the environment once more.
+FROM ${RUNTIME_BASE_IMAGE} AS runtime
 ARG DEBIAN_FRONTEND=noninteractive
 # gcc, libc6-dev and python3-dev: Triton compiles each kernel's small C launcher at
 # first use (against Python.h) and finds no prebuilt one in a fresh container.
@@ -49,16 +52,15 @@ RUN apt-get update \
 RUN (userdel --remove ubuntu 2>/dev/null || true) \
  && groupadd --gid 1000 specula \
  && useradd --uid 1000 --gid 1000 --create-home --shell /usr/sbin/nologin specula
-
-FROM runtime-base AS runtime-build
-WORKDIR /src
+WORKDIR /opt/specula-build
 COPY pyproject.toml README.md ./
 COPY hack/install.sh hack/install.sh
+# The dependencies (PyTorch: gigabytes) in a layer keyed on pyproject.toml alone, so a
+# change of Specula's own code rebuilds only the small layer after it.
+RUN PYTHON=python3 PIP_NO_CACHE_DIR=1 bash hack/install.sh --deps-only /opt/specula '.[runtime]'
 COPY specula specula
-RUN PYTHON=python3 PIP_NO_CACHE_DIR=1 bash hack/install.sh /opt/specula '.[runtime]'
-
-FROM runtime-base AS runtime
-COPY --from=runtime-build /opt/specula /opt/specula
+RUN PYTHON=python3 PIP_NO_CACHE_DIR=1 bash hack/install.sh /opt/specula --no-deps '.[runtime]' \
+ && rm -rf /opt/specula-build
 ENV PATH=/opt/specula/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     HF_HOME=/home/specula/.cache/huggingface

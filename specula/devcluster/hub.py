@@ -102,12 +102,10 @@ class HubServer:
     def _handle(self, req: BaseHTTPRequestHandler, head: bool) -> None:
         path = unquote(urlsplit(req.path).path)
         self.requests.append(f"{req.command} {path}")
-        for kind, pattern in self._ROUTES:
-            match = pattern.match(path)
-            if match:
-                break
-        else:
+        found = next(((k, m) for k, p in self._ROUTES if (m := p.match(path))), None)
+        if found is None:
             return self._error(req, 404, "EntryNotFound", "no such endpoint", head)
+        kind, match = found
         repo_id, revision = match.group(1), match.group(2)
         repo = self.repos.get(repo_id)
         if repo is None:

@@ -22,7 +22,8 @@ import sys
 from pathlib import Path
 
 TERMINATION_LOG = Path("/dev/termination-log")
-"""The kubelet's default ``terminationMessagePath``."""
+"""The kubelet's default ``terminationMessagePath``: the kubelet mounts it into each
+container, so it is written only where it exists."""
 
 
 class DownloadError(RuntimeError):
@@ -131,8 +132,9 @@ def run_download(args) -> int:
     except DownloadError as exc:
         message = str(exc)
         print(f"specula download: {message}", file=sys.stderr, flush=True)
-        try:
-            TERMINATION_LOG.write_text(message)
-        except OSError:
-            pass  # not in a container
+        if TERMINATION_LOG.exists():
+            try:
+                TERMINATION_LOG.write_text(message)
+            except OSError:
+                pass  # a read-only or foreign file: stderr has the reason too
         return 1

@@ -165,7 +165,7 @@ def test_python_of_both_images_satisfies_requires_python(stages):
     distro = next(d for d in distro_python if runtime_base.endswith(d))
     assert distro_python[distro] >= minimum
     assert distro_python[DEBIAN_SUITE] >= minimum
-    assert any("python3-venv" in run.split() for run in stages["runtime-base"].all("RUN"))
+    assert any("python3-venv" in run.split() for run in stages["runtime"].all("RUN"))
 
 
 @pytest.mark.parametrize("target", ["operator", "runtime"])
@@ -199,17 +199,27 @@ def test_install_step_is_the_one_make_setup_runs(stages):
     assert re.search(rf"bash {re.escape(INSTALL_SCRIPT)} \$\(VENV\) ", recipe.group(1)), (
         f"make setup no longer installs through {INSTALL_SCRIPT}"
     )
-    for build, final in (("operator-build", "operator"), ("runtime-build", "runtime")):
+    for build in ("operator-build", "runtime"):
         assert any(
             shlex.split(c)[-2:] == [INSTALL_SCRIPT, INSTALL_SCRIPT]
             for c in stages[build].all("COPY")
         ), f"{build} does not copy {INSTALL_SCRIPT}"
-        runs = install_runs(stages[build])
-        assert len(runs) == 1 and runs[0][0] == VENV, runs
-        assert any(
-            c.startswith(f"--from={build} ") and c.split()[1:] == [VENV, VENV]
-            for c in stages[final].all("COPY")
-        ), f"{final} does not take {VENV} from {build}"
+    # The operator: one install in a build stage, the environment copied.
+    runs = install_runs(stages["operator-build"])
+    assert len(runs) == 1 and runs[0][0] == VENV, runs
+    assert any(
+        c.startswith("--from=operator-build ") and c.split()[1:] == [VENV, VENV]
+        for c in stages["operator"].all("COPY")
+    ), f"operator does not take {VENV} from operator-build"
+    # The runtime: the dependencies, then (after the code is copied) the project alone.
+    runs = install_runs(stages["runtime"])
+    assert [r[:2] for r in runs] == [["--deps-only", VENV], [VENV, "--no-deps"]], runs
+    assert runs[0][-1] == runs[1][-1], "the two steps install different extras"
+    order = [kw + " " + args for kw, args in stages["runtime"].instructions]
+    deps = next(i for i, line in enumerate(order) if "--deps-only" in line)
+    code = next(i for i, line in enumerate(order) if line.startswith("COPY specula "))
+    assert deps < code, "the dependency layer must not depend on the code"
+    for final in ("operator", "runtime"):
         assert any(f"PATH={VENV}/bin:" in env for env in stages[final].all("ENV"))
     # No second install procedure next to the script.
     for stage in stages.values():
@@ -218,8 +228,9 @@ def test_install_step_is_the_one_make_setup_runs(stages):
 
 
 def _install_target(stages, build: str) -> tuple[str, set[str]]:
-    (argv,) = install_runs(stages[build])
-    spec = argv[-1]
+    specs = {argv[-1] for argv in install_runs(stages[build])}
+    assert len(specs) == 1, specs
+    (spec,) = specs
     match = re.fullmatch(r"\.(?:\[([\w,-]+)\])?", spec)
     assert match, f"{build} installs {spec!r}, not the project in the context"
     return spec, set((match.group(1) or "").split(",")) - {""}
@@ -244,7 +255,7 @@ def test_operator_image_installs_no_torch(stages):
 
 def test_runtime_image_installs_the_runtime_extra(stages):
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    _, extras = _install_target(stages, "runtime-build")
+    _, extras = _install_target(stages, "runtime")
     assert "runtime" in extras
     installed = _names(project["dependencies"])
     for extra in extras:
