@@ -18,7 +18,7 @@ helm_dir="$$(bash hack/helm.sh)" || { echo "make: helm unavailable" >&2; exit 1;
 SPECULA_CONTROL_PLANE_BIN="$$bin_dir" SPECULA_HELM_BIN="$$helm_dir" $(BIN)/python -m pytest $(PYTEST_ARGS) $(1)
 endef
 
-.PHONY: setup demo test test-gpu test-unit test-runtime test-integration lint crd crd-check control-plane helm clean
+.PHONY: setup demo test test-e2e test-gpu test-unit test-runtime test-integration lint crd crd-check control-plane helm clean
 
 $(STAMP): pyproject.toml hack/install.sh
 	PYTHON=$(PYTHON) bash hack/install.sh $(VENV) -e '.[dev]'
@@ -40,9 +40,15 @@ helm:
 demo: $(STAMP)
 	$(BIN)/specula demo
 
-## test: every tier (unit, runtime, integration); a missing control plane is a failure
+## test: every tier (unit, runtime, integration, and end-to-end on a real node where the
+## machine allows it: Linux and root); a missing control plane is a failure
 test: $(STAMP)
+	@$(BIN)/python -m specula.devcluster prepare --background
 	$(call with_control_plane,-m "not gpu" tests)
+
+## test-e2e: the end-to-end tier alone (a real node; builds its images first)
+test-e2e: $(STAMP)
+	$(call with_control_plane,tests/e2e)
 
 ## test-gpu: the CUDA tests (kernels, runners, every method through the engine in CUDA graphs); run on a GPU machine
 test-gpu: $(STAMP)

@@ -10,63 +10,73 @@ that does not build, an image that does not build) fails the tier.
 from __future__ import annotations
 
 import shutil
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from specula.devcluster.cluster import LocalCluster, find_node_binaries, host_support
-from specula.devcluster.control_plane import ControlPlaneError, find_binaries
+from specula.devcluster.__main__ import prepare
+from specula.devcluster.cluster import LocalCluster, host_support
+from specula.devcluster.control_plane import ControlPlaneError
 from specula.devcluster.helm import Helm, HelmError, find_helm
-from specula.devcluster.images import OPERATOR_IMAGE, RUNTIME_CPU_IMAGE, ImageBuilder
+from specula.devcluster.images import OPERATOR_IMAGE, RUNTIME_CPU_IMAGE
 
 _timings: dict[str, float] = {}
 _prepared: dict[str, object] = {}
+_preparing: threading.Thread | None = None
 
 
-def _here(session: pytest.Session) -> bool:
-    here = Path(__file__).parent
-    return any(Path(item.path).is_relative_to(here) for item in session.items)
+def _here(item_path) -> bool:
+    return Path(item_path).is_relative_to(Path(__file__).parent)
 
 
 def _prepare(log) -> None:
-    """Build or find everything the tier needs before its first test, so that cold
-    builds (minutes) count against no test's timeout.  Errors are kept and reported
-    by the fixtures."""
-    if _prepared:
-        return
+    """Build or find everything the tier needs (``python -m specula.devcluster
+    prepare``); errors are kept for the fixtures to report."""
     reason = host_support()
     if reason:
         _prepared["skip"] = reason
         return
     t0 = time.monotonic()
     try:
-        find_binaries()
-        _prepared["node_bin"] = find_node_binaries()
-        _timings["binaries_s"] = time.monotonic() - t0
+        _timings.update(prepare(log=log))
         _prepared["helm"] = find_helm()
-        builder = ImageBuilder(log=log)
-        builder.ensure_pause()
-        builder.build_operator()
-        builder.build_runtime_cpu()
-        _timings.update(builder.timings)
-        _timings["images_s"] = time.monotonic() - t0 - _timings["binaries_s"]
     except (ControlPlaneError, HelmError, RuntimeError, OSError) as exc:
         _prepared["error"] = str(exc)
+    _timings["prepare_wait_s"] = time.monotonic() - t0
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config, items) -> None:
+    """Run this tier last, so that its builds overlap the other tiers."""
+    items.sort(key=lambda item: _here(item.path))
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    if session.config.option.collectonly or not _here(session):
+    """Start the builds (cold: tens of minutes) in the background before the first
+    test, so they count against no test's timeout and overlap the other tiers."""
+    global _preparing
+    if session.config.option.collectonly or not any(_here(i.path) for i in session.items):
         return
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    lines: list[str] = []
 
     def log(line: str) -> None:
-        if reporter is not None:
-            reporter.write_line(f"e2e: {line}")
+        lines.append(line)
 
-    log("preparing the node binaries and the images (cold: tens of minutes)")
-    _prepare(log)
+    if reporter is not None:
+        reporter.write_line("e2e: preparing binaries and images in the background")
+    _preparing = threading.Thread(target=_prepare, args=(log,), daemon=True)
+    _preparing.start()
+    _prepared["log"] = lines
+
+
+def _wait_prepared() -> None:
+    if _preparing is not None:
+        _preparing.join()
+    elif not _prepared:
+        _prepare(print)
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
@@ -79,7 +89,7 @@ def pytest_terminal_summary(terminalreporter) -> None:
 @pytest.fixture(scope="session")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     """A running node with the operator and CPU runtime images imported."""
-    _prepare(print)
+    _wait_prepared()
     if "skip" in _prepared:
         pytest.skip(f"end-to-end tier needs a local node: {_prepared['skip']}")
     if "error" in _prepared:
