@@ -60,6 +60,12 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--compare", action="store_true",
                    help="instead: serve the target with each of draft_model, eagle3, mtp and "
                         "ngram in turn and print their acceptance side by side")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--runtime-only", action="store_true",
+                       help="serve on this machine only, without the local Kubernetes node "
+                            "(the default where a node cannot run: not Linux, or not root)")
+    where.add_argument("--cluster", action="store_true",
+                       help="require the local Kubernetes node (fail instead of falling back)")
 
 
 def _add_download(sub: argparse._SubParsersAction) -> None:
@@ -108,10 +114,29 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_download(args)
     if args.command == "demo":
-        from specula.demo.run import run_demo
-
-        return run_demo(args)
+        return _demo(args)
     raise AssertionError(args.command)
+
+
+def _demo(args: argparse.Namespace) -> int:
+    """The cluster demo where a local node can run, else the runtime-only demo (saying
+    why); ``--compare`` and ``--runtime-only`` always run on this machine alone."""
+    from specula.demo.run import run_demo
+
+    if args.compare or args.runtime_only:
+        return run_demo(args)
+    from specula.devcluster.cluster import host_support
+
+    reason = host_support()
+    if reason is None:
+        from specula.demo.cluster import run_cluster_demo
+
+        return run_cluster_demo(args)
+    if args.cluster:
+        print(f"specula demo: no local Kubernetes node here: {reason}")
+        return 1
+    print(f"specula demo: running on this machine alone, without Kubernetes: {reason}")
+    return run_demo(args)
 
 
 if __name__ == "__main__":

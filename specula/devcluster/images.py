@@ -228,7 +228,18 @@ class ImageBuilder:
             args += ["--build-arg", f"{key}={value}"]
         self.buildah(*args, str(REPO_ROOT), timeout=3600)
         self.timings[f"build_{target}_s"] = time.monotonic() - t0
+        self.prune()
         return self.image_id(tag) or ""
+
+    def prune(self) -> None:
+        """Remove images no tag reaches any more (earlier builds; a runtime image is
+        gigabytes), keeping the layers the tagged images are built on."""
+        subprocess.run([*self._global, "rm", "--all"], capture_output=True)
+        for _ in range(3):
+            proc = subprocess.run([*self._global, "rmi", "--prune"], capture_output=True,
+                                  text=True)
+            if proc.returncode != 0 or not proc.stdout.strip():
+                break
 
     def build_operator(self) -> str:
         """The ``operator`` target on :data:`BASE_IMAGE`, tagged :data:`OPERATOR_IMAGE`."""
@@ -264,6 +275,9 @@ class ImageBuilder:
         t0 = time.monotonic()
         self.log(f"images: importing {name} into containerd")
         stamp_dir.mkdir(parents=True, exist_ok=True)
+        if present:
+            # Free the earlier build's content before the new one lands.
+            subprocess.run([*ctr, "images", "rm", "--sync", name], capture_output=True)
         with tempfile.TemporaryDirectory(dir=self.cache_dir) as tmp:
             archive = Path(tmp) / "image.tar"
             self.buildah("push", "--quiet", name, f"docker-archive:{archive}:{name}")

@@ -1,7 +1,9 @@
 """The main job on a real node, as a user runs it: ``helm install`` the chart, ``kubectl
 apply`` a SpeculativeModel of the demo target and draft served from a local
 PersistentVolume, and use it through its Service; then tune, scale, roll, lose a pod,
-and uninstall.
+serve ``hf://`` checkpoints downloaded from a Hub (a local stand-in reached through
+``HF_ENDPOINT``, with ``huggingface_hub`` as the client), see download failures in
+``Degraded``, and uninstall.
 
 The tests run in file order and build on one another (one operator, one resource),
 like the steps of a user's session; each asserts its own step.
@@ -10,6 +12,7 @@ like the steps of a user's session; each asserts its own step.
 from __future__ import annotations
 
 import json
+import subprocess
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +22,8 @@ import pytest
 from specula.devcluster.cluster import NODE_NAME, LocalCluster
 from specula.devcluster.control_plane import wait_for
 from specula.devcluster.helm import CHART, RELEASE, RELEASE_NAMESPACE, Helm
+from specula.devcluster.host import NODE_IP
+from specula.devcluster.hub import HubRepo, HubServer
 from specula.devcluster.images import RUNTIME_CPU_IMAGE
 
 from .kube import apply, describe_pods, finish_client, get, ready_pods, start_client
@@ -128,8 +133,8 @@ def installed(cluster: LocalCluster, helm: Helm) -> Iterator[None]:
                  kubeconfig=cluster.kubeconfig, check=False, timeout=180)
 
 
-def service_url(cluster: LocalCluster) -> str:
-    svc = get(cluster, "service", SM, "-n", NS)
+def service_url(cluster: LocalCluster, name: str = SM) -> str:
+    svc = get(cluster, "service", name, "-n", NS)
     port = next(p["port"] for p in svc["spec"]["ports"] if p["name"] == "http")
     return f"http://{svc['spec']['clusterIP']}:{port}"
 
@@ -324,6 +329,127 @@ def test_deleted_pod_is_replaced_and_service_keeps_answering(
     finally:
         lines = finish_client(cluster, NS, "client-kill")
     _assert_all_served(lines, expected_text)
+
+
+HUB_TOKEN = "e2e-hub-token"
+
+
+@pytest.fixture(scope="module")
+def hub(cluster: LocalCluster, demo_checkpoints: Path) -> Iterator[HubServer]:
+    """The Hub stand-in on the node's address: a private target repository whose
+    ``main`` holds no checkpoint (only revision ``e2e`` does) and a public draft."""
+    empty = cluster.workdir / "hub-main"
+    empty.mkdir(exist_ok=True)
+    (empty / "README.md").write_text("the checkpoint is on revision e2e\n")
+    server = HubServer({
+        "specula/demo-target": HubRepo({"main": empty, "e2e": demo_checkpoints / "target"},
+                                       token=HUB_TOKEN),
+        "specula/demo-draft": HubRepo({"main": demo_checkpoints / "draft"}),
+    }, host=NODE_IP).start()
+    yield server
+    server.stop()
+
+
+def hf_sm(name: str, hub: HubServer, target: str = "hf://specula/demo-target",
+          secret: str = "hf-token", cache: dict | None = None) -> dict:
+    body = sm_object()
+    body["metadata"]["name"] = name
+    spec = body["spec"]
+    spec["model"] = {"uri": target, "revision": "e2e", "dtype": "float32"}
+    spec["speculator"]["model"] = {"uri": "hf://specula/demo-draft"}
+    spec["tuning"] = {"mode": "Off"}
+    spec["env"] = [{"name": "HF_ENDPOINT", "value": hub.url}]
+    spec["hfTokenSecret"] = {"name": secret}
+    if cache is not None:
+        spec["modelCache"] = cache
+    return body
+
+
+def _secret(name: str, token: str) -> dict:
+    return {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": name, "namespace": NS},
+            "stringData": {"token": token}}
+
+
+def _cache_volume(name: str, path: Path) -> list[dict]:
+    pv, pvc = volume_objects(path)
+    pv["metadata"]["name"] = f"{NS}-{name}"
+    pv["spec"]["accessModes"] = pvc["spec"]["accessModes"] = ["ReadWriteOnce"]
+    pvc["metadata"]["name"] = name
+    pvc["spec"]["volumeName"] = f"{NS}-{name}"
+    return [pv, pvc]
+
+
+def _file_downloads(hub: HubServer) -> int:
+    return sum(1 for r in hub.requests if r.startswith("GET ") and "/resolve/" in r)
+
+
+def test_hf_checkpoint_downloads_into_a_shared_cache(
+    cluster: LocalCluster, installed, hub: HubServer, expected_text: str
+) -> None:
+    cache_dir = cluster.workdir / "volumes" / "hf-cache"
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    cache_dir.chmod(0o777)
+    apply(cluster, _secret("hf-token", HUB_TOKEN), *_cache_volume("hf-cache", cache_dir),
+          hf_sm("demo-hf", hub, cache={"claimName": "hf-cache"}))
+    selector = "app.kubernetes.io/instance=demo-hf"
+    wait_for(lambda: len(ready_pods(cluster, NS, selector)) == 1, timeout=POD_READY_TIMEOUT,
+             interval=1, message=lambda: describe_pods(cluster, NS))
+    # The revision is honoured (main has no checkpoint) and the token was sent.
+    assert any("/revision/e2e" in r for r in hub.requests)
+    downloads = _file_downloads(hub)
+    assert downloads >= 2
+    start_client(cluster, NS, "client-hf", service_url(cluster, "demo-hf"), PROMPT,
+                 MAX_TOKENS, loop=False)
+    results = [x for x in finish_client(cluster, NS, "client-hf") if "ok" in x]
+    assert results and results[-1] == {"ok": True, "text": expected_text}
+    # A second replica finds the files in the claimed cache: no file is fetched again.
+    cluster.kubectl("scale", "sm/demo-hf", "-n", NS, "--replicas=2")
+    wait_for(lambda: len(ready_pods(cluster, NS, selector)) == 2, timeout=POD_READY_TIMEOUT,
+             interval=1, message=lambda: describe_pods(cluster, NS))
+    assert _file_downloads(hub) == downloads
+    cluster.kubectl("delete", "sm", "demo-hf", "-n", NS, "--wait=true", "--timeout=120s")
+
+
+def test_download_failures_are_reported_in_degraded(
+    cluster: LocalCluster, installed, hub: HubServer
+) -> None:
+    tiny = cluster.workdir / "volumes" / "tiny-cache"
+    tiny.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,mode=0777", "tmpfs", str(tiny)],
+                   check=True)
+    cases = {
+        "hf-missing": (hf_sm("hf-missing", hub, target="hf://specula/no-such-model"),
+                       "repository not found"),
+        "hf-bad-token": (hf_sm("hf-bad-token", hub, secret="hf-wrong"),
+                         "refused access with the token from HF_TOKEN (401)"),
+        "hf-full-disk": (hf_sm("hf-full-disk", hub, cache={"claimName": "tiny-cache"}),
+                         "no space left on device in the model cache"),
+    }
+    try:
+        apply(cluster, _secret("hf-wrong", "not-the-token"),
+              *_cache_volume("tiny-cache", tiny), *(body for body, _ in cases.values()))
+        for name, (_, reason) in cases.items():
+            def degraded(name=name):
+                conditions = (get(cluster, "sm", name, "-n", NS).get("status") or {}).get(
+                    "conditions", [])
+                found = [c for c in conditions if c["type"] == "Degraded"]
+                return found and found[0]["status"] == "True" and found[0]
+
+            condition = wait_for(degraded, timeout=180, interval=1,
+                                 message=lambda name=name: describe_pods(cluster, NS))
+            assert condition["reason"] == "ModelDownloadFailed", condition
+            assert reason in condition["message"], condition
+            ready = next(c for c in get(cluster, "sm", name, "-n", NS)["status"]["conditions"]
+                         if c["type"] == "Ready")
+            assert ready["status"] == "False"
+    finally:
+        cluster.kubectl("delete", "sm", *cases, "-n", NS, "--wait=true", "--timeout=120s",
+                        check=False)
+        cluster.kubectl("delete", "pvc", "tiny-cache", "hf-cache", "-n", NS, "--wait=true",
+                        "--timeout=60s", check=False)
+        cluster.kubectl("delete", "pv", f"{NS}-tiny-cache", f"{NS}-hf-cache", "--wait=true",
+                        "--timeout=60s", check=False)
+        subprocess.run(["umount", str(tiny)], check=False)
 
 
 def test_delete_and_uninstall_leave_nothing(
