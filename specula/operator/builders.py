@@ -81,6 +81,16 @@ STARTUP_FAILURE_THRESHOLD = 360
 """Startup probe attempts at 10 s: up to one hour to download and load a checkpoint
 before the kubelet restarts the pod."""
 
+DRAIN_SECONDS = 10
+"""A deleted pod's ``preStop`` sleep: it keeps serving while its endpoint leaves the
+Service's EndpointSlice and kube-proxy's rules, so that no new connection is sent to
+a server that has stopped listening."""
+
+TERMINATION_GRACE_SECONDS = DRAIN_SECONDS + 110
+"""``terminationGracePeriodSeconds``: the drain, then up to 110 s for the requests
+in flight to finish (the server stops accepting on SIGTERM and completes them)
+before the kubelet kills the container."""
+
 
 @dataclass(frozen=True)
 class Owner:
@@ -290,6 +300,8 @@ def _container(
         "livenessProbe": _probe(15, 4, 10),
         "securityContext": _security_context(),
         "volumeMounts": mounts,
+        # Serve on while the endpoint is withdrawn; SIGTERM (graceful stop) comes after.
+        "lifecycle": {"preStop": {"sleep": {"seconds": DRAIN_SECONDS}}},
         # A crash's reason reaches the pod status even when it wrote no termination
         # message: the last lines of its log.
         "terminationMessagePolicy": "FallbackToLogsOnError",
@@ -327,8 +339,10 @@ def build_deployment(
     ``config_hash`` is :func:`config_hash` of the ConfigMap's data; it goes into the
     pod template so that only a config change rolls the pods.  ``engine: vllm`` pods
     run ``vllm serve`` with the k (or schedule) of ``speculation`` (default: the spec's
-    k) in their arguments, so a new k rolls them; the rollout surges one pod at a time
-    and never takes a serving pod away first (``maxUnavailable: 0``).
+    k) in their arguments, so a new k rolls them.  A rollout surges one pod at a time
+    and never takes a serving pod away first (``maxUnavailable: 0``); a pod being
+    replaced drains (``preStop`` sleep of :data:`DRAIN_SECONDS`) before its server
+    stops accepting and finishes the requests in flight.
 
     Raises:
         VllmConfigError: the vLLM arguments would be refused by vLLM.
@@ -368,6 +382,7 @@ def build_deployment(
     pod_spec: dict[str, Any] = {
         # The runtime never calls the Kubernetes API.
         "automountServiceAccountToken": False,
+        "terminationGracePeriodSeconds": TERMINATION_GRACE_SECONDS,
         "securityContext": {
             "runAsNonRoot": True,
             "runAsUser": RUN_AS_USER,
@@ -405,11 +420,10 @@ def build_deployment(
             "spec": pod_spec,
         },
     }
-    if vllm:
-        deployment_spec["strategy"] = {
-            "type": "RollingUpdate",
-            "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1},
-        }
+    deployment_spec["strategy"] = {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1},
+    }
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",

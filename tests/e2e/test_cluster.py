@@ -463,9 +463,16 @@ def test_delete_and_uninstall_leave_nothing(
     )
     helm.run("uninstall", RELEASE, "--namespace", RELEASE_NAMESPACE, "--wait",
              kubeconfig=cluster.kubeconfig, timeout=180)
-    left = get(cluster, "all,cm,sa,role,rolebinding", "-A",
-               "-l", f"app.kubernetes.io/instance={RELEASE}")["items"]
-    assert not left, [o["metadata"]["name"] for o in left]
+
+    def release_objects() -> list[str]:
+        return [f"{o['kind']}/{o['metadata']['name']}" for o in get(
+            cluster, "all,cm,sa,role,rolebinding", "-A",
+            "-l", f"app.kubernetes.io/instance={RELEASE}")["items"]]
+
+    # The Deployment is gone when uninstall returns; its pod is deleted by the garbage
+    # collector and may still be in its termination grace period.
+    wait_for(lambda: not release_objects(), timeout=90, interval=1,
+             message=lambda: f"left behind: {release_objects()}")
     cluster_scoped = get(cluster, "clusterrole,clusterrolebinding",
                          "-l", f"app.kubernetes.io/instance={RELEASE}")["items"]
     assert not cluster_scoped

@@ -82,11 +82,18 @@ def test_vllm_pods_run_vllm_serve_with_the_rendered_config():
     assert ports == {"http": "http", "metrics": "http"}
 
 
-def test_specula_engine_keeps_its_own_ports_and_default_strategy():
+def test_specula_engine_keeps_its_own_ports_and_rolls_with_a_drain():
     _, deployment, service = build_children(OWNER, make_spec(
         engine="specula", speculator={"method": "draft_model", "model": {"uri": "hf://a/b"}}
     ))
-    assert "strategy" not in deployment["spec"]
+    # A rollout never takes a serving pod away first; a replaced pod keeps serving
+    # while its endpoint is withdrawn, then finishes its requests within the grace.
+    assert deployment["spec"]["strategy"] == {
+        "type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1},
+    }
+    pod = deployment["spec"]["template"]["spec"]
+    assert container(deployment)["lifecycle"] == {"preStop": {"sleep": {"seconds": 10}}}
+    assert pod["terminationGracePeriodSeconds"] == 120
     assert container(deployment)["command"][:2] == ["specula", "serve"]
     assert {p["name"]: p["targetPort"] for p in service["spec"]["ports"]} == {
         "http": "http", "metrics": "metrics",

@@ -39,7 +39,7 @@ def test_leaf_certificates_are_signed_by_the_ca_with_their_names(tmp_path):
         cert = _load(pair.cert)
         assert isinstance(ca.public_key(), ec.EllipticCurvePublicKey)
         cert.verify_directly_issued_by(ca)
-        assert cert.not_valid_after_utc > dt.datetime.now(dt.timezone.utc)
+        assert cert.not_valid_after_utc > dt.datetime.now(dt.UTC)
         assert oct(pair.key.stat().st_mode & 0o777) == "0o600"
     sans = _load(server.cert).extensions.get_extension_for_class(x509.SubjectAlternativeName)
     assert sans.value.get_values_for_type(x509.DNSName) == ["kubernetes.default.svc"]
