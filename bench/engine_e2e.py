@@ -4,7 +4,9 @@ requests in and tokens out, for target-only decoding and every speculator method
 Workload (the one the vLLM side measures too, ``bench/peer_vllm.py``): a
 Llama-3.1-8B-shaped target in bfloat16 with random weights (``load_format: dummy``),
 ``max_model_len`` 2048, ``batch`` requests of 128 random prompt tokens each, 256 greedy
-tokens each (``ignore_eos``). One warm-up run of the same batch, then a timed run.
+tokens each (``ignore_eos``), up to 16384 prompt tokens prefilled per step (vLLM's
+``LLM`` default on this GPU, :data:`VLLM_MAX_NUM_BATCHED_TOKENS`). One warm-up run of the
+same batch, then a timed run.
 Decode tokens/s = the decode tokens of all requests (each one's tokens after its
 first) / (the last request's last token time - the first request's first token time),
 timestamps taken on the host when :meth:`LLMEngine.step` returns them.
@@ -24,7 +26,9 @@ known mean acceptance length. Methods and their drafts (all random weights):
   it, and the span again, so the output repeats text the lookup finds), k = 4.
 
 ``engine_vs_runner`` divides the engine's decode tokens/s by the target runner's alone
-(its CUDA graph replayed back to back at the batch size: batch / step time).
+(its CUDA graph replayed back to back at the batch size: batch / step time);
+``engine_vs_runner_with_logits`` by the graph plus the LM head and argmax, which a
+decode step needs too and which run outside the graph.
 
 Run on the GPU machine::
 
@@ -50,6 +54,11 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 DEFAULT_OUTPUT = HERE / "results" / "engine.json"
+
+VLLM_MAX_NUM_BATCHED_TOKENS = 16384
+"""Prompt tokens prefilled per step, as vLLM 0.26's ``LLM`` class sets it by default on a
+GPU of 70 GiB or more (``EngineArgs._set_default_args``): a whole batch of 128 prompts
+of 128 tokens then prefills in one step on both sides."""
 
 LLAMA_8B = dict(
     architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256,
@@ -104,12 +113,15 @@ def write_checkpoints(root: Path, target: dict, draft: dict) -> dict[str, Path]:
 
 
 def make_engine(
-    dirs, method: str | None, k: int, batches: tuple[int, ...], device: str, synthetic
+    dirs, method: str | None, k: int, batches: tuple[int, ...], device: str, synthetic,
+    max_num_batched_tokens: int | None = None,
 ):
     from specula.api.runtime_config import SpeculatorRuntimeConfig
     from specula.runtime.engine.llm_engine import LLMEngine
 
     max_num_seqs = max(batches)
+    if max_num_batched_tokens is None and device == "cuda":
+        max_num_batched_tokens = VLLM_MAX_NUM_BATCHED_TOKENS
     # Graphs for the batch sizes measured only: capture time, not speed, depends on it.
     capture_sizes = list(batches) if device == "cuda" else None
     spec = None
@@ -129,6 +141,7 @@ def make_engine(
         load_format="dummy",
         synthetic_acceptance_rate=synthetic if method not in (None, "ngram") else None,
         cudagraph_capture_sizes=capture_sizes,
+        max_num_batched_tokens=max_num_batched_tokens,
     )
 
 
@@ -169,20 +182,29 @@ def timed_run(engine, prompts: list[list[int]], max_tokens: int) -> dict:
     }
 
 
-def runner_tokens_per_s(engine, batch: int, reps: int = 50) -> float:
-    """The target's decode graph at ``batch`` replayed back to back: batch / step time."""
+def runner_tokens_per_s(engine, batch: int, reps: int = 50, with_logits: bool = False) -> float:
+    """The target's decode graph at ``batch`` replayed back to back: batch / step time.
+    ``with_logits``: each replay followed by the LM head and the argmax over its rows
+    (the rest of a decode step's unavoidable device work, outside the graph)."""
     import torch
 
     graphs = engine.graphs
     d = graphs.descriptor_for(batch, 1)
     graph = graphs.graphs[d]
-    for _ in range(5):
+    hidden = graphs.states[d].hidden_states[:batch]
+
+    def one() -> None:
         graph.replay()
+        if with_logits:
+            engine.runner.compute_logits(hidden).argmax(dim=-1)
+
+    for _ in range(5):
+        one()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
     start.record()
     for _ in range(reps):
-        graph.replay()
+        one()
     end.record()
     torch.cuda.synchronize()
     return batch / (start.elapsed_time(end) / 1e3 / reps)
@@ -222,6 +244,9 @@ def run(args) -> dict:
             rows[f"bs{b}"] = timed_run(engine, prompts, max_tokens)
             if device == "cuda":
                 rows[f"bs{b}"]["runner_tokens_per_s"] = round(runner_tokens_per_s(engine, b), 1)
+                rows[f"bs{b}"]["runner_with_logits_tokens_per_s"] = round(
+                    runner_tokens_per_s(engine, b, with_logits=True), 1
+                )
             print(f"target-only bs{b}: {rows[f'bs{b}']}", flush=True)
         out["target_only"] = rows
         del engine
@@ -281,6 +306,13 @@ def summarize(results: dict, peer: dict | None) -> dict:
             b: round(target[b]["decode_tokens_per_s"] / target[b]["runner_tokens_per_s"], 3)
             for b in ("bs1", "bs32")
         }
+        if all("runner_with_logits_tokens_per_s" in target[b] for b in ("bs1", "bs32")):
+            summary["engine_vs_runner_with_logits"] = {
+                b: round(
+                    target[b]["decode_tokens_per_s"] / target[b]["runner_with_logits_tokens_per_s"], 3
+                )
+                for b in ("bs1", "bs32")
+            }
     if peer:
         ratios = {}
         for b in ("bs1", "bs8", "bs32", "bs128"):

@@ -1,14 +1,23 @@
-"""Where an engine step's time goes on the GPU: the torch profiler over a few steps of
-``bench/engine_e2e.py``'s workload (8B-shaped target, random weights, synthetic
-acceptance 0.8), printing per batch size the step's wall time, the GPU's busy time in
-it, and the top kernels and host functions.
+"""Where an engine step's time goes on the GPU: a few steps of ``bench/engine_e2e.py``'s
+workload (8B-shaped target, random weights, synthetic acceptance 0.8), printing per
+method and batch size:
 
-    PYTHONPATH=. python3 bench/profile_engine.py [--method eagle3] [--batches 1,32]
+- the step's wall time without any profiler (host clock around ``step()``, synchronised
+  at the end), and the target graph's replay time at that batch, for comparison;
+- the host functions that took the time (``cProfile``, sorted by own time): what the
+  Python side does per step;
+- the GPU's busy time per step and the top kernels (``torch.profiler``): busy well under
+  wall means the device waits for the host.
+
+    PYTHONPATH=. python3 bench/profile_engine.py [--methods none,eagle3] [--batches 1,32]
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
+import pstats
 import sys
 import tempfile
 import time
@@ -16,47 +25,91 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.engine_e2e import LLAMA_1B, LLAMA_8B, make_engine, random_prompts, write_checkpoints
+from bench.engine_e2e import (  # noqa: E402
+    LLAMA_1B,
+    LLAMA_8B,
+    make_engine,
+    random_prompts,
+    release_memory,
+    runner_tokens_per_s,
+    write_checkpoints,
+)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--method", default="eagle3", help="'none' for target-only")
-    parser.add_argument("--k", type=int, default=4)
-    parser.add_argument("--batches", default="1,32")
-    parser.add_argument("--steps", type=int, default=20)
-    args = parser.parse_args(argv)
+def profile_batch(engine, label: str, batch: int, steps: int, torch_profile: bool) -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     from specula.runtime.engine.sampling_params import SamplingParams
 
-    batches = tuple(int(b) for b in args.batches.split(","))
-    dirs = write_checkpoints(Path(tempfile.mkdtemp()), LLAMA_8B, LLAMA_1B)
-    method = None if args.method == "none" else args.method
-    engine = make_engine(dirs, method, args.k, batches, "cuda", 0.8)
-    for b in batches:
-        for i, p in enumerate(random_prompts(b, LLAMA_8B["vocab_size"], 128, seed=b)):
-            engine.add_request(f"b{b}-{i}", p, SamplingParams(max_tokens=1800, ignore_eos=True))
-        for _ in range(10):  # prefill and warm-up
-            engine.step()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    for i, p in enumerate(random_prompts(batch, LLAMA_8B["vocab_size"], 128, seed=batch)):
+        engine.add_request(f"b{batch}-{i}", p, SamplingParams(max_tokens=1800, ignore_eos=True))
+    for _ in range(12):  # prefill and warm-up
+        engine.step()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - start) / steps
+    graph_ms = batch / runner_tokens_per_s(engine, batch) * 1e3
+    print(f"\n=== {label} batch {batch}: {1e3 * wall:.3f} ms/step wall (no profiler); "
+          f"target decode graph alone {graph_ms:.3f} ms", flush=True)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+    prof.disable()
+    buf = io.StringIO()
+    stats = pstats.Stats(prof, stream=buf)
+    stats.sort_stats("tottime").print_stats(28)
+    print(f"--- host functions over {steps} steps (cProfile, by own time)")
+    lines = buf.getvalue().splitlines()
+    start = next((i for i, line in enumerate(lines) if "ncalls" in line), 0)
+    print("\n".join(lines[start:]), flush=True)
+    if torch_profile:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as tprof:
             start = time.perf_counter()
-            for _ in range(args.steps):
+            for _ in range(steps):
                 engine.step()
             torch.cuda.synchronize()
-            wall = time.perf_counter() - start
-        events = prof.key_averages()
-        gpu = sum(e.self_device_time_total for e in events) / 1e3  # ms
-        print(f"\n=== {args.method} batch {b}: {1e3 * wall / args.steps:.2f} ms/step wall, "
-              f"GPU busy {gpu / args.steps:.2f} ms/step ({gpu / (1e3 * wall):.0%})")
-        print(events.table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=60))
-        print(events.table(sort_by="cpu_time_total", row_limit=15, max_name_column_width=60))
-        for i in range(b):
-            engine.abort_request(f"b{b}-{i}")
-        while engine.has_unfinished_requests():
-            engine.step()
+            twall = time.perf_counter() - start
+        events = tprof.key_averages()
+        device = [e for e in tprof.events() if e.device_type.name == "CUDA"]
+        gpu = sum(e.time_range.elapsed_us() for e in device) / 1e3  # ms, kernels and copies
+        print(f"--- torch.profiler: {1e3 * twall / steps:.2f} ms/step wall (profiled), GPU busy "
+              f"{gpu / steps:.3f} ms/step ({gpu / (1e3 * twall):.0%}), "
+              f"{len(device) / steps:.0f} device events/step")
+        print(events.table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=70))
+    for i in range(batch):
+        engine.abort_request(f"b{batch}-{i}")
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--methods", default="none,eagle3", help="'none' for target-only")
+    parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--batches", default="1,32")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--no-torch-profile", action="store_true")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    args = parser.parse_args(argv)
+
+    batches = tuple(int(b) for b in args.batches.split(","))
+    dirs = write_checkpoints(Path(tempfile.mkdtemp()), LLAMA_8B, LLAMA_1B)
+    for name in args.methods.split(","):
+        method = None if name == "none" else name
+        engine = make_engine(
+            dirs, method, args.k, batches, "cuda", 0.8,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+        )
+        for b in batches:
+            profile_batch(engine, name, b, args.steps, not args.no_torch_profile)
+        del engine
+        release_memory()
     return 0
 
 

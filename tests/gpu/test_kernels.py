@@ -329,3 +329,23 @@ def test_verification_step_in_a_cuda_graph():
         torch.testing.assert_close(replayed[0], eager[0], atol=0, rtol=0)
         for got, want in zip(replayed[1:], eager[1:], strict=True):
             assert torch.equal(got, want)
+
+
+def test_random_draws_match_references():
+    from specula.runtime.kernels.random import (
+        MODE_BITS,
+        MODE_EXPONENTIAL,
+        MODE_UNIFORM,
+        random_draws,
+        random_draws_reference,
+    )
+    gen = torch.Generator().manual_seed(5)
+    seeds = torch.cat([torch.randint(0, 2**62, (30,), generator=gen), torch.tensor([-1, -(2**40)])])
+    keys = torch.randint(0, 2**32, (32,), generator=gen)
+    s, k = seeds.to(DEVICE), keys.to(DEVICE)
+    for mode in (MODE_BITS, MODE_UNIFORM, MODE_EXPONENTIAL):
+        for stream, cols in ((0, 5), (2, VOCAB), (3, 128256)):
+            got = random_draws(s, k, stream, cols, mode).cpu()
+            ref = random_draws_reference(seeds, keys, stream, cols, mode)
+            tol = 1e-5 if mode == MODE_EXPONENTIAL else 0.0
+            torch.testing.assert_close(got, ref, rtol=tol, atol=tol)

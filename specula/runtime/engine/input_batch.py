@@ -84,6 +84,9 @@ class InputBatch:
         self._requests: list[Request | None] = [None] * r
         self._bt_updates: tuple[list[int], list[int], list[int]] = ([], [], [])
         self._new_rows: list[Request] = []
+        self.version = 0
+        """Bumped whenever a row is given to a request (cached per-batch views of the
+        settings are then stale)."""
 
     # -- host-side changes, applied by flush() ------------------------------------------
 
@@ -98,6 +101,7 @@ class InputBatch:
         self._requests[row] = request
         self._num_blocks[row] = 0
         self._new_rows.append(request)
+        self.version += 1
         return row
 
     def remove(self, request: Request) -> None:

@@ -56,6 +56,7 @@ from specula.runtime.engine.input_batch import InputBatch, to_device
 from specula.runtime.engine.request import Request, RequestOutput
 from specula.runtime.engine.sampler import (
     STREAM_TARGET,
+    SamplingMetadata,
     sample,
 )
 from specula.runtime.engine.sampling_params import SamplingParams
@@ -291,6 +292,10 @@ class LLMEngine(SpeculativeSettings):
         """The step launched by the last :meth:`step` whose tokens the host has not read
         yet (asynchronous scheduling only)."""
         self._idx: tuple[tuple[int, ...], torch.Tensor] = ((), torch.zeros(0))
+        self._sampling_cache: tuple[tuple[int, ...], int, SamplingMetadata] | None = None
+        self._zeros = torch.zeros(max_num_seqs, dtype=torch.int64, device=self.device)
+        """[max_num_seqs] int64 zeros (accepted and verified counts of rows without
+        drafts); never written."""
 
     @classmethod
     def from_config(cls, config: RuntimeConfig, device: str | torch.device = "cpu") -> LLMEngine:
@@ -440,6 +445,16 @@ class LLMEngine(SpeculativeSettings):
             self._idx = (rows, to_device(rows, torch.int64, self.device))
         return self._idx[1]
 
+    def _sampling(self, idx: torch.Tensor, batch: list[Request]) -> SamplingMetadata:
+        """The sampling settings of ``batch`` (rows ``idx``), reused while neither the
+        rows nor the requests holding them change."""
+        rows, version = self._idx[0], self.input_batch.version
+        cached = self._sampling_cache
+        if cached is None or cached[0] != rows or cached[1] != version:
+            cached = (rows, version, self.input_batch.sampling(idx, batch))
+            self._sampling_cache = cached
+        return cached[2]
+
     def _sync_block_tables(self, batch: list[Request]) -> None:
         bm, ib = self.scheduler.block_manager, self.input_batch
         for request in batch:
@@ -498,32 +513,43 @@ class LLMEngine(SpeculativeSettings):
             descriptor = None
 
         # -- sampling and verification --------------------------------------------------
-        sampling = ib.sampling(idx, batch)
+        sampling = self._sampling(idx, batch)
         # Draw keys: the position of the first token this step can emit.
         keys = starts + 1
         if prefill:
             keys = torch.cat([keys[:nd], to_device(prompt_lens, torch.int64, dev)])
-        width = q if nd else 1
-        out = torch.zeros(num_reqs, width, dtype=torch.int64, device=dev)
-        num_accepted = torch.zeros(num_reqs, dtype=torch.int64, device=dev)
-        num_verified = torch.zeros(num_reqs, dtype=torch.int64, device=dev)
+        parts_out, parts_acc, parts_ver = [], [], []
         if nd:
-            s_d = sampling.select(slice(0, nd))
+            s_d = sampling.select(slice(0, nd)) if prefill else sampling
             logits = self.runner.compute_logits(hidden[: nd * q])  # [nd * q, V]
             if k > 0:
-                out[:nd], num_accepted[:nd] = verify(
+                out_d, acc_d = verify(
                     ib, logits, idx_d, k, s_d, keys[:nd], self.synthetic_acceptance_rate
                 )
-                num_verified[:nd] = ib.num_draft_tokens[idx_d].clamp(max=k)
-                num_accepted[:nd] = torch.minimum(num_accepted[:nd], num_verified[:nd])
+                ver_d = ib.num_draft_tokens[idx_d].clamp(max=k)
+                parts_acc.append(torch.minimum(acc_d, ver_d))
+                parts_ver.append(ver_d)
             else:
-                out[:nd, 0] = sample(logits, s_d, keys[:nd], STREAM_TARGET)[0]
+                out_d = sample(logits, s_d, keys[:nd], STREAM_TARGET)[0][:, None]
+                parts_acc.append(self._zeros[:nd])
+                parts_ver.append(self._zeros[:nd])
+            parts_out.append(out_d)  # [nd, q]
         if prefill:
             last_rows = metadata.query_start_loc[nd + 1 :].long() - 1
             logits = self.runner.compute_logits(hidden[last_rows])
-            s_p = sampling.select(slice(nd, num_reqs))
-            out[nd:, 0] = sample(logits, s_p, keys[nd:], STREAM_TARGET)[0]
-        next_tokens = out.gather(1, num_accepted[:, None])[:, 0]
+            s_p = sampling.select(slice(nd, num_reqs)) if nd else sampling
+            first = sample(logits, s_p, keys[nd:], STREAM_TARGET)[0]  # [num_prefill]
+            if nd and q > 1:  # one width for the batch: pad the prefills' rows
+                first = torch.cat([first[:, None], self._zeros[: len(prefill), None].expand(-1, q - 1)], 1)
+            else:
+                first = first[:, None]
+            parts_out.append(first)
+            parts_acc.append(self._zeros[nd:num_reqs])
+            parts_ver.append(self._zeros[nd:num_reqs])
+        out, num_accepted, num_verified = (
+            (p[0] if len(p) == 1 else torch.cat(p)) for p in (parts_out, parts_acc, parts_ver)
+        )
+        next_tokens = out.gather(1, num_accepted[:, None])[:, 0] if out.shape[1] > 1 else out[:, 0]
         if prefill:
             committed = torch.cat(
                 [starts[:nd] + num_accepted[:nd] + 1, to_device(prompt_lens, torch.int64, dev)]

@@ -1,10 +1,9 @@
 """Batched logits processing (temperature, top-k, top-p), sampling, and the random numbers
 both draw from, all as device tensor operations (no host loop, CUDA-graph safe).
 
-Randomness is counter-based (the idea of Philox, Salmon et al., SC 2011, with a
-32-bit integer hash as the round function): every draw is a pure function of the
-request's seed, a *key* that is unique per request and step, a *stream* id that keeps
-different uses apart, and a column index. A request's output then depends only on its
+Randomness is counter-based (:mod:`specula.runtime.kernels.random`, one kernel per
+draw): every draw is a pure function of the request's seed, a *key* that is unique per
+request and step, a *stream* id that keeps different uses apart, and a column index. A request's output then depends only on its
 own seed, prompt and speculation settings, never on the batch it runs in, and there is
 no ``torch.Generator`` per request to loop over. Keys are the position of the first
 token a step can emit for the request (strictly increasing from step to step, preemption
@@ -23,9 +22,11 @@ from dataclasses import dataclass
 import torch
 
 from specula.runtime.engine.sampling_params import SamplingParams
-
-_M32 = 0xFFFFFFFF
-_GOLDEN = 0x9E3779B1
+from specula.runtime.kernels.random import (
+    MODE_EXPONENTIAL,
+    MODE_UNIFORM,
+    random_draws,
+)
 
 STREAM_TARGET = 0
 """Draws of the target's own samples (prefill, plain decode, recovered and bonus tokens)."""
@@ -35,46 +36,11 @@ STREAM_DRAFT = 2
 """Draws of a probabilistic draft (``+ step`` for its ``step``-th token)."""
 
 
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    # (x * c) mod 2**32 for 0 <= x < 2**32 without int64 overflow: 16-bit halves.
-    lo = (x & 0xFFFF) * c
-    hi = ((x >> 16) * c) & 0xFFFF
-    return (lo + (hi << 16)) & _M32
-
-
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash with full avalanche (``lowbias32``, C. Wellons, 2018), on
-    int64 tensors holding values in ``[0, 2**32)``."""
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = _mul32(x, 0x846CA68B)
-    return x ^ (x >> 16)
-
-
-def random_bits(
-    seeds: torch.Tensor, keys: torch.Tensor, stream: int, num_cols: int
-) -> torch.Tensor:
-    """``[num_reqs, num_cols]`` int64 hashes in ``[0, 2**32)``, a pure function of
-    ``(seeds[i], keys[i], stream, column)``.
-
-    Args:
-        seeds: [num_reqs] int64 (any value; both 32-bit halves are mixed in).
-        keys: [num_reqs] int64 in ``[0, 2**32)``.
-        stream: a small non-negative int separating independent uses.
-    """
-    row = _mix32((seeds & _M32) ^ _mix32(torch.full_like(seeds, stream & _M32)))
-    row = _mix32(row ^ ((seeds >> 32) & _M32))
-    row = _mix32(row ^ (keys & _M32))  # [num_reqs]
-    cols = torch.arange(num_cols, device=seeds.device, dtype=torch.int64)
-    return _mix32(row[:, None] ^ _mul32(cols, _GOLDEN)[None, :])
-
-
 def random_uniform(
     seeds: torch.Tensor, keys: torch.Tensor, stream: int, num_cols: int
 ) -> torch.Tensor:
     """``[num_reqs, num_cols]`` float32 uniforms in ``[0, 1)`` (24-bit resolution)."""
-    return (random_bits(seeds, keys, stream, num_cols) >> 8).float() * (1.0 / (1 << 24))
+    return random_draws(seeds.contiguous(), keys.contiguous(), stream, num_cols, MODE_UNIFORM)
 
 
 def random_exponential(
@@ -82,8 +48,9 @@ def random_exponential(
 ) -> torch.Tensor:
     """``[num_reqs, num_cols]`` float32 ``Exp(1)`` draws, all positive (the uniforms are
     taken at bin centres, so none is 0 or 1)."""
-    bits = random_bits(seeds, keys, stream, num_cols) >> 8
-    return -torch.log((bits.float() + 0.5) * (1.0 / (1 << 24)))
+    return random_draws(
+        seeds.contiguous(), keys.contiguous(), stream, num_cols, MODE_EXPONENTIAL
+    )
 
 
 @dataclass

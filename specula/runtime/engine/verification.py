@@ -46,12 +46,12 @@ def verify(
     """
     r = idx.shape[0]
     drafts = input_batch.draft_token_ids[idx, :k].reshape(-1)  # [r * k]
-    cu = torch.arange(1, r + 1, dtype=torch.int32, device=logits.device) * k
     argmax = logits.argmax(dim=-1)
     if synthetic_acceptance_rate is not None:
         return _synthetic(
             drafts.view(r, k), argmax.view(r, k + 1), sampling, keys, synthetic_acceptance_rate
         )
+    cu = torch.arange(k, (r + 1) * k, k, dtype=torch.int32, device=logits.device)
     if sampling.all_greedy:
         return rejection_sample(drafts, cu, argmax, k)
     vocab = logits.shape[-1]
@@ -81,15 +81,10 @@ def _synthetic(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``drafts [r, k]``, the target's ``argmax [r, k + 1]`` -> what :func:`verify`
     returns, with acceptance drawn at ``rate`` per position (conditional)."""
-    r, k = drafts.shape
-    u = random_uniform(sampling.seeds, keys, STREAM_ACCEPT, k)  # [r, k]
-    accepted = (u < rate).long().cumprod(dim=1).sum(dim=1)
-    cols = torch.arange(k + 1, device=drafts.device)[None, :]
-    bonus = argmax.gather(1, accepted[:, None])
-    padded = torch.cat([drafts, drafts[:, :1]], dim=1)
-    output = torch.where(
-        cols < accepted[:, None],
-        padded,
-        torch.where(cols == accepted[:, None], bonus, PLACEHOLDER_TOKEN_ID),
-    )
-    return output, accepted
+    k = drafts.shape[1]
+    u = random_uniform(sampling.seeds, keys, STREAM_ACCEPT, k)  # [r, k], one kernel
+    accepted = (u < rate).cumprod(dim=1).sum(dim=1)
+    cols = torch.arange(k + 1, device=drafts.device)
+    keep = cols < accepted[:, None]
+    out = torch.cat([drafts, argmax[:, k:]], dim=1).masked_fill_(~keep, PLACEHOLDER_TOKEN_ID)
+    return out.scatter_(1, accepted[:, None], argmax.gather(1, accepted[:, None])), accepted

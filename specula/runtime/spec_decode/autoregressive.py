@@ -313,14 +313,16 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
             k = inputs.descriptor.uniform_query_len - 1 if inputs.descriptor else 0
             steps = torch.arange(1, padded - r + 1, device=self.device, dtype=torch.int32)
             self.cu_num_draft_tokens[r:padded] = inputs.cu_num_draft_tokens[r - 1] + steps * k
-        self.keys[:r] = inputs.draw_keys
-        s = inputs.sampling
-        for dst, src in zip(
-            (self.sampling.temperature, self.sampling.top_p, self.sampling.top_k, self.sampling.seeds),
-            (s.temperature, s.top_p, s.top_k, s.seeds),
-            strict=True,
-        ):
-            dst[:r] = src
+        if self.keeps_draft_probs:  # greedy drafts read neither settings nor keys
+            self.keys[:r] = inputs.draw_keys
+            s = inputs.sampling
+            for dst, src in zip(
+                (self.sampling.temperature, self.sampling.top_p, self.sampling.top_k,
+                 self.sampling.seeds),
+                (s.temperature, s.top_p, s.top_k, s.seeds),
+                strict=True,
+            ):
+                dst[:r] = src
         self.block_table[:r] = inputs.metadata.block_table[:r]
         if not self.conditions_on_hidden_states:
             qsl = inputs.metadata.query_start_loc[: r + 1].long()

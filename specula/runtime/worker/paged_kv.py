@@ -200,10 +200,13 @@ def device_metadata(
     num_reqs = len(query_lens)
     uniform = query_lens[0] if all(q == query_lens[0] for q in query_lens) else None
     if uniform is not None:
-        offsets = torch.arange(uniform, device=device)
-        positions = (starts[:, None] + offsets).reshape(-1)
-        token_req = torch.arange(num_reqs, device=device).repeat_interleave(uniform)
-        query_start_loc = torch.arange(num_reqs + 1, device=device, dtype=torch.int32) * uniform
+        # No repeat_interleave: with a host int it still reads its output size back.
+        positions = starts[:, None] + torch.arange(uniform, device=device)  # [num_reqs, q]
+        blocks = block_table.gather(1, positions // block_size).reshape(-1).long()
+        positions = positions.reshape(-1)
+        query_start_loc = torch.arange(
+            0, (num_reqs + 1) * uniform, uniform, device=device, dtype=torch.int32
+        )
     else:
         token_req = _to_device(
             [i for i, q in enumerate(query_lens) for _ in range(q)], torch.int64, device
@@ -214,7 +217,7 @@ def device_metadata(
         for q in query_lens:
             cumulative.append(cumulative[-1] + q)
         query_start_loc = _to_device(cumulative, torch.int32, device)
-    blocks = block_table[token_req, positions // block_size].long()
+        blocks = block_table[token_req, positions // block_size].long()
     lens = _to_device(list(query_lens), torch.int64, device) if uniform is None else uniform
     metadata = PagedAttentionMetadata(
         slot_mapping=blocks * block_size + positions % block_size,

@@ -266,3 +266,58 @@ def check_prepare_draft_inputs() -> None:
 
 def test_prepare_draft_inputs(interpreted):
     interpreted(check_prepare_draft_inputs)
+
+
+def _lowbias32(x: int) -> int:
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+def _draw_bits_python(seed: int, key: int, stream: int, col: int) -> int:
+    """The counter-based hash written out in Python integers (an independent check)."""
+    seed &= (1 << 64) - 1
+    row = _lowbias32((seed & 0xFFFFFFFF) ^ _lowbias32(stream))
+    row = _lowbias32(row ^ (seed >> 32))
+    row = _lowbias32(row ^ (key & 0xFFFFFFFF))
+    return _lowbias32(row ^ ((col * 0x9E3779B1) & 0xFFFFFFFF))
+
+
+def check_random_draws() -> None:
+    from specula.runtime.kernels.random import (
+        MODE_BITS,
+        MODE_EXPONENTIAL,
+        MODE_UNIFORM,
+        random_draws,
+        random_draws_reference,
+    )
+
+    seeds = torch.tensor([0, 7, 2**62 + 5, -3, 123456789012345], dtype=torch.int64)
+    keys = torch.tensor([1, 2**31 + 9, 0, 40, 2**32 - 1], dtype=torch.int64)
+    for stream, cols in ((0, 3), (1, 37), (5, 2100)):
+        bits = random_draws(seeds, keys, stream, cols, MODE_BITS)
+        ref = random_draws_reference(seeds, keys, stream, cols, MODE_BITS)
+        torch.testing.assert_close(bits, ref, rtol=0, atol=0)
+        for i, (s, k) in enumerate(zip(seeds.tolist(), keys.tolist(), strict=True)):
+            for c in (0, cols - 1):
+                assert int(bits[i, c]) == _draw_bits_python(s, k, stream, c)
+        u = random_draws(seeds, keys, stream, cols, MODE_UNIFORM)
+        torch.testing.assert_close(
+            u, random_draws_reference(seeds, keys, stream, cols, MODE_UNIFORM), rtol=0, atol=0
+        )
+        assert float(u.min()) >= 0.0 and float(u.max()) < 1.0
+        e = random_draws(seeds, keys, stream, cols, MODE_EXPONENTIAL)
+        ref_e = random_draws_reference(seeds, keys, stream, cols, MODE_EXPONENTIAL)
+        torch.testing.assert_close(e, ref_e, rtol=1e-5, atol=1e-6)
+        assert bool((e > 0).all()) and bool(torch.isfinite(e).all())
+
+
+def test_random_draws(interpreted):
+    interpreted(check_random_draws)
+
+
+def test_random_draws_reference_matches_python_hash():
+    check_random_draws()  # in this process: the torch reference on the CPU
+

@@ -12,15 +12,10 @@ what attention-state reuse (vLLM PR #40410) relies on.
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Sequence
-
 import torch
 
 from specula.runtime.kernels.layernorm import fused_add_rms_norm, rms_norm
-from specula.runtime.models.config import ModelConfig
-from specula.runtime.models.layers import RotaryEmbedding
-from specula.runtime.models.llama_eagle3 import Eagle3Config, Eagle3LlamaForCausalLM
+from specula.runtime.models.llama_eagle3 import Eagle3LlamaForCausalLM
 from specula.runtime.worker.model_runner import ModelRunner
 from specula.runtime.worker.paged_kv import PagedAttentionMetadata, PagedKVCache
 
@@ -115,58 +110,3 @@ class Eagle3Runner(ModelRunner):
         """Greedy draft tokens: [n, H] -> [n] int64 *target* ids (argmax over the draft
         vocabulary, mapped through ``d2t``)."""
         return self.model.draft_to_target[self.model.lm_head(normed).argmax(dim=-1)]
-
-
-def random_eagle3_head(
-    target: ModelConfig,
-    *,
-    draft_vocab_size: int,
-    aux_layer_ids: Sequence[int],
-    dtype: torch.dtype,
-    device: torch.device,
-    num_layers: int = 1,
-    std: float = 0.02,
-    seed: int = 0,
-) -> Eagle3LlamaForCausalLM:
-    """An EAGLE-3 head of the target's width with random weights, for benchmarks and
-    tests where speed, not the drafts' quality, is measured: matrices ``N(0, std)``,
-    norms 1, and a ``d2t`` that maps the draft vocabulary onto a random sorted subset of
-    the target's (vLLM's and ``speculators``' default ``draft_vocab_size`` is 32000).
-
-    Args:
-        target: the target's config (width, heads, vocabulary, rotary).
-        draft_vocab_size: rows of ``lm_head`` (<= ``target.vocab_size``).
-        aux_layer_ids: the target layers whose residual streams ``fc`` fuses.
-        dtype, device: of the weights.
-        num_layers: decoder layers (the first takes ``2H``).
-        std: standard deviation of the matrices.
-        seed: of the weights and of ``d2t``.
-
-    Raises:
-        ValueError: ``draft_vocab_size`` outside ``[1, target.vocab_size]``.
-    """
-    if not 1 <= draft_vocab_size <= target.vocab_size:
-        raise ValueError(f"draft_vocab_size {draft_vocab_size} outside [1, {target.vocab_size}]")
-    eagle = Eagle3Config(
-        layer=dataclasses.replace(target, num_hidden_layers=num_layers),
-        draft_vocab_size=draft_vocab_size,
-        aux_hidden_state_layer_ids=tuple(aux_layer_ids),
-        target_hidden_size=target.hidden_size,
-    )
-    with torch.device("meta"):
-        model = Eagle3LlamaForCausalLM(eagle, device)
-        model.to(dtype)
-    model.to_empty(device=device)
-    model.rotary = RotaryEmbedding(target.head_dim, target.rope_theta, target.rope_scaling, device)
-    gen = torch.Generator(device).manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.ndim == 1:
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, std, generator=gen)
-    ids = torch.randperm(target.vocab_size, generator=torch.Generator().manual_seed(seed))
-    ids = ids[:draft_vocab_size].sort().values
-    model.draft_to_target = torch.arange(draft_vocab_size, device=device)
-    model.set_draft_to_target(ids - torch.arange(draft_vocab_size))
-    return model.eval()
