@@ -48,7 +48,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
 
 def _add_demo(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="train the demo models if needed, serve them, and report acceptance")
-    p.add_argument("--num-speculative-tokens", type=int, default=4)
+    p.add_argument("--num-speculative-tokens", type=int, default=None,
+                   help="k of the measured speculative runs (default 3; --compare: 4)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--port", type=int, default=0, help="0 picks a free port")
     p.add_argument("--retrain", action="store_true", help="train again even if cached")

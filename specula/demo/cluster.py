@@ -5,11 +5,12 @@
    (``python -m specula.devcluster prepare``), and bring a single-node cluster up
    (:mod:`specula.devcluster.cluster`).
 3. ``helm install`` the chart: the operator runs in a pod under its ServiceAccount.
-4. Apply a ``SpeculativeModel`` of the demo pair, served from a local PersistentVolume
-   (``tuning.mode: Recommend`` while measuring).
-5. Through the Service, send the demo's prompts with speculation off (``k = 0`` through
-   the pod's admin API) and on (``k = 4``), alternating round by round: speedup, and the
-   greedy outputs must be identical.
+4. Apply a ``SpeculativeModel`` of the demo target with its EAGLE-3 head, served from a
+   local PersistentVolume (``tuning.mode: Recommend`` while measuring).
+5. Through the Service, send the demo's prompts at every k from 0 (speculation off) to
+   ``MAX_K``, set through the pod's admin API and alternating round by round: tokens/s
+   per k, the speedup at the demo's k over k = 0, and the greedy outputs must be
+   identical at every k.
 6. Switch the resource to ``tuning.mode: Auto`` and send code, then prose, then code
    prompts through the Service, printing ``kubectl get sm`` as the operator's tuner moves
    k; each phase lasts a fixed number of tuner windows, not seconds.
@@ -33,6 +34,7 @@ from specula.demo.tuning import PROSE_PROMPTS
 
 NAMESPACE = "demo"
 NAME = "demo"
+METHOD = "eagle3"
 MAX_K = 4
 ROUNDS = 3
 WINDOWS_PER_PHASE = 5
@@ -66,7 +68,7 @@ def _objects(models: Path) -> list[dict]:
         "metadata": {"name": NAME, "namespace": NAMESPACE},
         "spec": {
             "model": {"uri": "pvc://demo-models/target", "dtype": "float32"},
-            "speculator": {"method": "draft_model", "model": {"uri": "pvc://demo-models/draft"},
+            "speculator": {"method": METHOD, "model": {"uri": f"pvc://demo-models/{METHOD}"},
                            "numSpeculativeTokens": MAX_K},
             "replicas": 1,
             "maxNumSeqs": 16,
@@ -107,22 +109,29 @@ def _put_k(pods: list[dict], k: int) -> None:
         response.raise_for_status()
 
 
-def _measure(client: DemoClient, pods: list[dict], max_tokens: int) -> dict:
+def _measure(client: DemoClient, pods: list[dict], max_tokens: int, k_demo: int) -> dict:
+    """Tokens/s through the Service at k = 0..MAX_K (all prompts at once, ``ROUNDS``
+    rounds, the k alternating within each round so that drifts of a shared CPU fall on
+    all of them); the speedup is that of ``k_demo`` over k = 0."""
     model = client.model_name()
     client.run_batch(model, list(PROMPTS), 8)  # warm-up
-    totals = {0: [0, 0.0], MAX_K: [0, 0.0]}
+    ks = range(MAX_K + 1)
+    totals = {k: [0, 0.0] for k in ks}
     texts: dict[int, list[str]] = {}
     for _ in range(ROUNDS):
-        for k in (0, MAX_K):
+        for k in ks:
             _put_k(pods, k)
             batch = client.run_batch(model, list(PROMPTS), max_tokens)
             totals[k][0] += batch.completion_tokens
             totals[k][1] += batch.wall_s
             texts.setdefault(k, [c.text for c in batch.completions])
     rate = {k: tokens / wall for k, (tokens, wall) in totals.items()}
-    return {"tokens_per_s": {"target_only": rate[0], "speculative": rate[MAX_K]},
-            "speedup": rate[MAX_K] / rate[0], "identical": texts[0] == texts[MAX_K],
-            "num_speculative_tokens": MAX_K}
+    _put_k(pods, MAX_K)
+    return {"tokens_per_s": {"target_only": rate[0], "speculative": rate[k_demo]},
+            "tokens_per_s_by_k": {str(k): rate[k] for k in ks},
+            "speedup": rate[k_demo] / rate[0],
+            "identical": all(texts[k] == texts[0] for k in ks),
+            "num_speculative_tokens": k_demo}
 
 
 def _tuning_phases(cluster, client: DemoClient, max_tokens: int) -> list[dict]:
@@ -137,13 +146,14 @@ def _tuning_phases(cluster, client: DemoClient, max_tokens: int) -> list[dict]:
         print(f"\nphase: {phase} prompts through the Service, "
               f"{WINDOWS_PER_PHASE} tuner windows", flush=True)
         start = decisions()
-        last_table = ""
+        shown: list[str] | None = None
         while decisions() < start + WINDOWS_PER_PHASE:
             client.run_batch(model, list(prompts), max_tokens)
-            table = cluster.kubectl("get", "sm", "-n", NAMESPACE).stdout.rstrip()
-            if table != last_table:
-                print(table if not last_table else table.splitlines()[-1], flush=True)
-                last_table = table
+            table = cluster.kubectl("get", "sm", "-n", NAMESPACE).stdout.rstrip().splitlines()
+            # A row when K, ACCEPT-LEN, READY or REPLICAS move (not for AGE alone).
+            if shown is None or table[-1].split()[:-1] != shown[-1].split()[:-1]:
+                print("\n".join(table if shown is None else table[-1:]), flush=True)
+                shown = table
         status = _get(cluster, "sm", NAME, "-n", NAMESPACE)["status"]
         speculation = status.get("speculation") or {}
         rows.append({"phase": phase, "k": speculation.get("numSpeculativeTokens"),
@@ -157,7 +167,9 @@ def run_cluster_demo(args) -> int:
     Returns:
         0 on success; 1 when a step fails or greedy outputs differ; 130 on Ctrl-C.
     """
+    from specula.demo.run import DEMO_NUM_SPECULATIVE_TOKENS
     from specula.demo.train import ensure_models
+    from specula.demo.train_heads import ensure_heads
     from specula.devcluster.__main__ import prepare
     from specula.devcluster.cluster import LocalCluster
     from specula.devcluster.helm import CHART, RELEASE, RELEASE_NAMESPACE, Helm, find_helm
@@ -165,11 +177,18 @@ def run_cluster_demo(args) -> int:
 
     t0 = time.monotonic()
     max_tokens = args.max_tokens
+    k_demo = args.num_speculative_tokens or DEMO_NUM_SPECULATIVE_TOKENS
+    if not 1 <= k_demo <= MAX_K or max_tokens < 1:
+        print(f"specula demo: --num-speculative-tokens must be in [1, {MAX_K}] and "
+              "--max-tokens >= 1")
+        return 2
     _step(1, "demo models (trained on first run, then cached)")
     model_dir, report, trained_now = ensure_models(retrain=args.retrain)
+    heads_dir, heads_report, heads_now = ensure_heads(model_dir, retrain=args.retrain)
     print(f"models: {model_dir} ({'trained now' if trained_now else 'cached'}; "
-          f"target {report['params']['target'] / 1e6:.1f}M params, "
-          f"draft {report['params']['draft'] / 1e6:.1f}M)")
+          f"target {report['params']['target'] / 1e6:.1f}M params); EAGLE-3 head "
+          f"{heads_report['params']['eagle3'] / 1e6:.2f}M params "
+          f"({'trained now' if heads_now else 'cached'})")
     _step(2, "binaries and images (built on first run, then cached)")
     timings = prepare(log=print)
     workdir = Path(tempfile.mkdtemp(prefix="specula-demo-"))
@@ -191,8 +210,8 @@ def run_cluster_demo(args) -> int:
 
         _step(5, "kubectl apply the demo SpeculativeModel (checkpoints on a local volume)")
         models = workdir / "models"
-        for name in ("target", "draft"):
-            shutil.copytree(model_dir / name, models / name)
+        shutil.copytree(model_dir / "target", models / "target")
+        shutil.copytree(heads_dir / METHOD, models / METHOD)
         for path in [models, *models.rglob("*")]:
             path.chmod(0o755 if path.is_dir() else 0o644)
         cluster.kubectl("create", "namespace", NAMESPACE)
@@ -203,15 +222,16 @@ def run_cluster_demo(args) -> int:
         base_url = f"http://{svc['spec']['clusterIP']}:8000"
         client = DemoClient(base_url)
 
-        _step(6, f"speculation off (k=0) and on (k={MAX_K}) through the Service {base_url}, "
-                 f"{len(PROMPTS)} concurrent prompts, {ROUNDS} rounds each")
-        measured = _measure(client, pods, max_tokens)
+        _step(6, f"speculation off (k=0) and on (k=1..{MAX_K}) through the Service "
+                 f"{base_url}, {len(PROMPTS)} concurrent prompts, {ROUNDS} rounds each")
+        measured = _measure(client, pods, max_tokens, k_demo)
         result["measured"] = measured
-        rate = measured["tokens_per_s"]
-        print(f"  target only   {rate['target_only']:8.1f} tokens/s")
-        print(f"  speculative   {rate['speculative']:8.1f} tokens/s  "
-              f"speedup {measured['speedup']:.2f}x, greedy outputs "
-              f"{'identical' if measured['identical'] else 'DIFFER'}")
+        by_k = measured["tokens_per_s_by_k"]
+        for k, rate in by_k.items():
+            label = "target only" if k == "0" else f"EAGLE-3 k={k}"
+            print(f"  {label:<13} {rate:8.1f} tokens/s  {rate / by_k['0']:.2f}x")
+        print(f"  speedup at k={k_demo}: {measured['speedup']:.2f}x, greedy outputs "
+              f"{'identical at every k' if measured['identical'] else 'DIFFER'}")
 
         _step(7, "tuning.mode Auto: the operator's tuner picks k as the prompts change")
         cluster.kubectl("patch", "sm", NAME, "-n", NAMESPACE, "--type=merge",

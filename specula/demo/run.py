@@ -5,9 +5,11 @@ alone.
    (:func:`specula.demo.train.ensure_models`), and the EAGLE-3 and MTP heads on that target
    (:func:`specula.demo.train_heads.ensure_heads`). With ``--compare``, the rest is replaced by
    :mod:`specula.demo.compare`: every method served in turn and compared.
-2. Serve the target with the draft as its speculator (``draft_model``, ``k`` speculative
-   tokens), send a batch of Python prompts concurrently at temperature 0, and read the
-   speculative-decoding counters from ``/metrics``.
+2. Serve the target with its EAGLE-3 head as the speculator (``eagle3``, ``k`` speculative
+   tokens; one decoder layer on three of the target's hidden states, so a draft step costs a
+   fraction of a target step, as in a deployment), send a batch of Python prompts
+   concurrently at temperature 0, and read the speculative-decoding counters from
+   ``/metrics``.
 3. Serve the target alone, send the same prompts, and compare: greedy speculative decoding must
    reproduce the target's greedy output exactly (Leviathan et al., arXiv 2211.17192), so any
    difference is a bug and fails the demo.
@@ -38,6 +40,12 @@ from specula.tuning import SpecDecodeCounters
 TIMED_ROUNDS = 3
 #: Tokens per prompt of the untimed warm-up batch (first calls pay one-time costs).
 WARMUP_TOKENS = 8
+#: The demo's speculator: the EAGLE-3 head trained on the demo target.
+DEMO_METHOD = "eagle3"
+#: The demo's k: where the head's goodput peaks on a 2-core CPU (k = 2..4 are within a few %).
+DEMO_NUM_SPECULATIVE_TOKENS = 3
+#: k of ``--compare``: four positions of acceptance per method.
+COMPARE_NUM_SPECULATIVE_TOKENS = 4
 
 
 @dataclass
@@ -192,6 +200,9 @@ def run_demo(args: argparse.Namespace) -> int:
     from specula.demo.train_heads import ensure_heads
 
     k, max_tokens = args.num_speculative_tokens, args.max_tokens
+    if k is None:
+        k = COMPARE_NUM_SPECULATIVE_TOKENS if getattr(args, "compare", False) \
+            else DEMO_NUM_SPECULATIVE_TOKENS
     tune = getattr(args, "tune", True)
     tune_intervals = getattr(args, "tune_intervals", 18)
     if k < 1 or max_tokens < 1:
@@ -213,14 +224,14 @@ def run_demo(args: argparse.Namespace) -> int:
             return compare_main(model_dir, heads_dir, k, max_tokens, args.port)
 
         target_uri = f"file://{model_dir / 'target'}"
-        draft_uri = f"file://{model_dir / 'draft'}"
+        head_uri = f"file://{heads_dir / DEMO_METHOD}"
         logs = model_dir / "logs"
-        spec_args = ["--model", target_uri, "--speculator-method", "draft_model",
-                     "--speculator-model", draft_uri, "--num-speculative-tokens", str(k)]
+        spec_args = ["--model", target_uri, "--speculator-method", DEMO_METHOD,
+                     "--speculator-model", head_uri, "--num-speculative-tokens", str(k)]
         spec_port = args.port
         base_port = args.port + 1 if args.port else 0
-        print(f"\nstarting two servers on the same target: one with the draft as speculator "
-              f"(k={k}), one without; logs in {logs}")
+        print(f"\nstarting two servers on the same target: one with its EAGLE-3 head as "
+              f"speculator (k={k}), one without; logs in {logs}")
         spec_server = ServerProcess(spec_args, logs / "serve-speculative.log", spec_port)
         base_server = ServerProcess(["--model", target_uri], logs / "serve-target.log", base_port)
         with contextlib.ExitStack() as stack:
@@ -246,7 +257,8 @@ def run_demo(args: argparse.Namespace) -> int:
             from specula.demo.tuning import run_tuning
 
             stage = "tuning: "
-            tuning = run_tuning(model_dir, list(PROMPTS), tune_intervals, max_tokens, args.port)
+            tuning = run_tuning(model_dir, list(PROMPTS), tune_intervals, max_tokens, args.port,
+                                speculator=(DEMO_METHOD, heads_dir / DEMO_METHOD))
     except ServerError as exc:
         print(f"specula demo: {stage}{exc}")
         return 1

@@ -183,8 +183,10 @@ def format_phase(p: dict) -> str:
 
 def run_tuning(
     model_dir: Path, code_prompts: list[str], num_intervals: int, max_tokens: int, port: int = 0,
+    speculator: tuple[str, Path] | None = None,
 ) -> dict:
-    """Serve the demo models at k = ``START_K`` (bound ``MAX_K``) and let the tuner drive k
+    """Serve the demo target with ``speculator`` (method and checkpoint directory; default
+    the draft model) at k = ``START_K`` (bound ``MAX_K``) and let the tuner drive k
     through the code -> prose -> code phases of :func:`phase_schedule`, printing one line per
     interval and a per-phase summary.
 
@@ -198,8 +200,9 @@ def run_tuning(
     """
     schedule = phase_schedule(num_intervals)
     settings = demo_settings()
+    method, checkpoint = speculator or ("draft_model", model_dir / "draft")
     serve_args = ["--model", f"file://{model_dir / 'target'}",
-                  "--speculator-model", f"file://{model_dir / 'draft'}",
+                  "--speculator-method", method, "--speculator-model", f"file://{checkpoint}",
                   "--num-speculative-tokens", str(START_K),
                   "--max-num-speculative-tokens", str(MAX_K)]
     prompts = {"code": list(code_prompts), "prose": list(PROSE_PROMPTS)}
