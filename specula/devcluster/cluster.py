@@ -192,6 +192,7 @@ class LocalCluster:
 
         self.log("cluster: starting containerd")
         self._start_containerd()
+        self._forget_old_containers()
         for name in (PAUSE_IMAGE, *images):
             builder.import_into(name, self.ctr, self.cache_dir / "imported")
         self.timings["containerd_s"] = time.monotonic() - t0
@@ -314,6 +315,20 @@ class LocalCluster:
         host.restore_host_state(self.cache_dir / "host-state.json")
         shutil.rmtree(self.kubelet_root, ignore_errors=True)
         shutil.rmtree(STATE_DIR, ignore_errors=True)
+
+    def _forget_old_containers(self) -> None:
+        """Delete the containers an earlier run registered in containerd's metadata
+        (kept with its images across runs): their tasks died with that run, and their
+        snapshots would otherwise never be garbage-collected."""
+        listed = subprocess.run([*self.ctr, "containers", "ls", "-q"],
+                                capture_output=True, text=True, timeout=120)
+        ids = listed.stdout.split()
+        if ids:
+            self.log(f"cluster: removing {len(ids)} containers of an earlier run from containerd")
+            proc = subprocess.run([*self.ctr, "containers", "rm", *ids],
+                                  capture_output=True, text=True, timeout=600)
+            if proc.returncode != 0:
+                self.log(f"cluster: ctr containers rm: {proc.stderr.strip()[:300]}")
 
     def _failure(self, what: str) -> Callable[[], str]:
         def render() -> str:
