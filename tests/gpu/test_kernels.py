@@ -349,3 +349,18 @@ def test_random_draws_match_references():
             ref = random_draws_reference(seeds, keys, stream, cols, mode)
             tol = 1e-5 if mode == MODE_EXPONENTIAL else 0.0
             torch.testing.assert_close(got, ref, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16])
+def test_gemv_matches_the_library_gemm_on_tuned_shapes(rows):
+    from specula.runtime.kernels.gemv import CONFIGS, gemv, linear, use_gemv
+
+    gen = torch.Generator(DEVICE).manual_seed(rows)
+    for n, k in CONFIGS:
+        x = torch.randn(rows, k, device=DEVICE, dtype=torch.bfloat16, generator=gen)
+        w = torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16, generator=gen) * 0.02
+        assert use_gemv(x, w)
+        ref = F.linear(x.float(), w.float())
+        for y in (gemv(x, w), linear(x, w)):
+            assert ((y.float() - ref).norm() / ref.norm()).item() < 1e-2
+        assert not use_gemv(torch.randn(17, k, device=DEVICE, dtype=torch.bfloat16), w)

@@ -21,9 +21,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from specula.runtime.kernels.gemv import linear
 from specula.runtime.models.config import ModelConfig
 from specula.runtime.models.layers import RMSNorm, RotaryEmbedding, build_empty, init_dummy_weights
 from specula.runtime.models.llama import LlamaForCausalLM
@@ -92,7 +92,7 @@ class DFlashDraftModel(nn.Module):
         target id gets ``-inf``, so the draft never proposes it and its probability is 0.
         """
         if self.lm_head is None:
-            return F.linear(hidden, target_lm_head_weight).float()
+            return linear(hidden, target_lm_head_weight).float()
         assert self.d2t is not None
         draft_logits = self.lm_head(hidden).float()  # [num_positions, draft_vocab_size]
         logits = draft_logits.new_full(

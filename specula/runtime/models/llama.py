@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from specula.runtime.kernels.gemv import linear
 from specula.runtime.models.config import ModelConfig
 from specula.runtime.models.layers import MergedLinear, RMSNorm, RotaryEmbedding
 
@@ -111,4 +111,4 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_positions, hidden_size] -> [num_positions, vocab_size] float32 logits."""
-        return F.linear(hidden, self.lm_head_weight).float()
+        return linear(hidden, self.lm_head_weight).float()

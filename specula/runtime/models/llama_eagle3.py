@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from specula.runtime.kernels.gemv import linear
 from specula.runtime.models.config import ModelConfig
 from specula.runtime.models.layers import (
     MergedLinear,
@@ -136,11 +137,11 @@ class Eagle3LlamaForCausalLM(nn.Module):
             aux_hidden_states = torch.cat(
                 [norm(c) for norm, c in zip(self.fc_norm, chunks, strict=True)], dim=-1
             )
-        return self.fc(aux_hidden_states)
+        return linear(aux_hidden_states, self.fc.weight, self.fc.bias)
 
     def compute_draft_vocab_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_positions, H] -> [num_positions, draft_vocab_size] float32."""
-        return self.lm_head(hidden).float()
+        return linear(hidden, self.lm_head.weight).float()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_positions, H] -> [num_positions, target vocab_size] float32; target ids

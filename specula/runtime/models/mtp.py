@@ -18,9 +18,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from specula.runtime.kernels.gemv import linear
 from specula.runtime.models.config import ModelConfig
 from specula.runtime.models.layers import RMSNorm, RotaryEmbedding, build_empty, init_dummy_weights
 from specula.runtime.models.llama import LlamaDecoderLayer
@@ -88,7 +88,7 @@ class MTPForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_positions, H] -> [num_positions, vocab_size] float32."""
-        return F.linear(hidden, self.lm_head.weight).float()
+        return linear(hidden, self.lm_head.weight).float()
 
 
 def _model_name(checkpoint_name: str) -> str:

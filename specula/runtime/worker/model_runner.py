@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from specula.runtime.engine.block_manager import cdiv
 from specula.runtime.kernels.activation import silu_and_mul
+from specula.runtime.kernels.gemv import linear
 from specula.runtime.kernels.layernorm import fused_add_rms_norm, rms_norm
 from specula.runtime.kernels.paged_attention import paged_attention
 from specula.runtime.kernels.rotary import build_cos_sin_cache
@@ -247,7 +248,7 @@ class ModelRunner:
         n = hidden.shape[0]
         num_heads, num_kv_heads, head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
-        qkv = attn.qkv_proj(hidden)  # [num_tokens, q_size + 2 * kv_size]
+        qkv = _proj(attn.qkv_proj, hidden)  # [num_tokens, q_size + 2 * kv_size]
         q = qkv[:, :q_size].view(n, num_heads, head_dim)
         k = qkv[:, q_size : q_size + kv_size].view(n, num_kv_heads, head_dim)
         v = qkv[:, q_size + kv_size :].view(n, num_kv_heads, head_dim)
@@ -265,11 +266,11 @@ class ModelRunner:
             q, k, v, key_cache, value_cache, metadata, self.scale, self.attn_num_splits
         )
         # reshape: a one-request prefill's attention output may be a transposed view.
-        return attn.o_proj(out.reshape(n, q_size))
+        return _proj(attn.o_proj, out.reshape(n, q_size))
 
     @staticmethod
     def _mlp(mlp: LlamaMLP, hidden: torch.Tensor) -> torch.Tensor:
-        return mlp.down_proj(silu_and_mul(mlp.gate_up_proj(hidden)))
+        return _proj(mlp.down_proj, silu_and_mul(_proj(mlp.gate_up_proj, hidden)))
 
     # -- forward ---------------------------------------------------------------------
 
@@ -342,3 +343,10 @@ class ModelRunner:
         """[num_reqs] int64 row of each request's last query token (where a prefill
         samples)."""
         return metadata.query_start_loc[1:].long() - 1
+
+
+def _proj(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """``module(x)`` through :func:`~specula.runtime.kernels.gemv.linear` (the small-batch
+    kernel for the shapes it is tuned for)."""
+    return linear(x, module.weight, module.bias)
+

@@ -321,3 +321,31 @@ def test_random_draws(interpreted):
 def test_random_draws_reference_matches_python_hash():
     check_random_draws()  # in this process: the torch reference on the CPU
 
+
+
+def check_gemv() -> None:
+    from specula.runtime.kernels.gemv import gemv, gemv_reference
+
+    gen = torch.Generator().manual_seed(1)
+    for m, n, k, cfg in ((1, 64, 256, (32, 128, 4, 3)), (5, 96, 384, (32, 128, 4, 3)),
+                         (8, 48, 200, (16, 128, 4, 3)), (16, 64, 512, (64, 256, 4, 3))):
+        x = torch.randn(m, k, generator=gen).half()
+        w = (torch.randn(n, k, generator=gen) * 0.05).half()
+        y = gemv(x, w, cfg).float()
+        ref = gemv_reference(x.float(), w.float())
+        assert ((y - ref).norm() / ref.norm()).item() < 2e-3
+
+
+def test_gemv(interpreted):
+    interpreted(check_gemv)
+
+
+def test_linear_takes_the_library_gemm_off_cuda_and_for_untuned_shapes():
+    from specula.runtime.kernels.gemv import CONFIGS, linear, use_gemv
+
+    n, k = next(iter(CONFIGS))
+    x, w = torch.randn(2, k).bfloat16(), torch.randn(n, k).bfloat16()
+    assert not use_gemv(x, w)  # a CPU tensor: the reference path
+    small = torch.randn(3, 8).bfloat16(), torch.randn(4, 8).bfloat16()
+    assert not use_gemv(*small)
+    torch.testing.assert_close(linear(*small), torch.nn.functional.linear(*small))

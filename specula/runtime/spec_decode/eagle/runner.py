@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from specula.runtime.kernels.gemv import linear
 from specula.runtime.kernels.layernorm import fused_add_rms_norm, rms_norm
 from specula.runtime.models.llama_eagle3 import Eagle3LlamaForCausalLM
 from specula.runtime.worker.model_runner import ModelRunner
@@ -109,4 +110,5 @@ class Eagle3Runner(ModelRunner):
     def draft_token_ids(self, normed: torch.Tensor) -> torch.Tensor:
         """Greedy draft tokens: [n, H] -> [n] int64 *target* ids (argmax over the draft
         vocabulary, mapped through ``d2t``)."""
-        return self.model.draft_to_target[self.model.lm_head(normed).argmax(dim=-1)]
+        logits = linear(normed, self.model.lm_head.weight)  # [n, draft_vocab_size]
+        return self.model.draft_to_target[logits.argmax(dim=-1)]
