@@ -1,10 +1,10 @@
-"""``y = x @ W^T`` for a few rows of ``x`` (decode and verification at small batch), where
-the product is a stream over the weight: every byte of ``W`` is read once and the
-arithmetic is negligible, so the kernel is built for memory bandwidth. Each program owns
-``BLOCK_N`` output columns and walks the whole reduction dimension with pipelined weight
-loads feeding ``tl.dot`` (rows padded to 16); no split of the reduction, so no second
-pass and a deterministic result. The launch configuration per weight shape comes from
-``bench/gemv.py`` on an H100.
+"""``y = x @ W^T`` for the few rows of ``x`` of decode and verification at small batch,
+where the product is a stream over the weight: every byte of ``W`` is read once and the
+arithmetic is small, so the kernel is built for memory bandwidth. Each program owns
+``BLOCK_N`` output columns and all rows (one ``BLOCK_M`` tile, at least 16 for
+``tl.dot``), and walks the whole reduction dimension with pipelined weight loads; no split
+of the reduction, so no second pass and a deterministic result. The launch configuration
+per weight shape and row tile comes from ``bench/gemv.py`` on an H100.
 """
 
 from __future__ import annotations
@@ -16,27 +16,30 @@ import triton.language as tl
 
 from specula.runtime.kernels.dispatch import use_reference
 
-MAX_ROWS = 16
-"""Most rows of ``x`` the kernel takes (one ``tl.dot`` tile); more go to the library GEMM."""
-
 DEFAULT_CONFIG = (32, 256, 4, 4)
-"""``(BLOCK_N, BLOCK_K, num_warps, num_stages)`` for shapes without a tuned entry."""
+"""``(BLOCK_N, BLOCK_K, num_warps, num_stages)`` when none is given or tuned."""
 
-CONFIGS: dict[tuple[int, int], tuple[int, int, int, int]] = {
-    (6144, 4096): (64, 128, 4, 5),  # Llama-3.1-8B qkv_proj
-    (4096, 4096): (32, 256, 4, 5),  # o_proj
-    (28672, 4096): (32, 128, 4, 3),  # gate_up_proj
-    (4096, 14336): (32, 256, 4, 5),  # down_proj
-    (128256, 4096): (64, 512, 8, 3),  # lm_head
-    (6144, 8192): (64, 128, 4, 5),  # EAGLE-3 head: qkv over [embedding, state]
-    (4096, 12288): (32, 256, 4, 5),  # EAGLE-3 fc over three auxiliary states
-    (32000, 4096): (64, 128, 4, 3),  # EAGLE-3 draft-vocabulary lm_head
-    (16384, 2048): (64, 128, 4, 3),  # Llama-3.2-1B gate_up_proj
+CONFIGS: dict[tuple[int, int], dict[int, tuple[int, int, int, int]]] = {
+    (6144, 4096): {16: (64, 128, 4, 5), 32: (64, 128, 8, 5)},  # Llama-3.1-8B qkv_proj
+    (4096, 4096): {16: (32, 256, 4, 5)},  # o_proj
+    (28672, 4096): {16: (128, 256, 8, 3), 32: (128, 256, 4, 3), 64: (128, 128, 8, 3)},
+    (4096, 14336): {16: (32, 256, 4, 5), 32: (32, 256, 4, 5)},  # down_proj
+    (128256, 4096): {16: (64, 512, 4, 3), 32: (128, 128, 4, 3), 64: (128, 128, 8, 3),
+                     128: (128, 128, 8, 3)},  # lm_head
+    (6144, 8192): {16: (64, 128, 4, 5), 32: (32, 128, 4, 5), 64: (64, 128, 8, 5)},  # EAGLE-3 qkv
+    (4096, 12288): {16: (32, 256, 4, 5), 32: (32, 256, 4, 5)},  # EAGLE-3 fc
+    (32000, 4096): {16: (128, 128, 4, 5), 32: (128, 128, 4, 3), 64: (128, 128, 8, 3),
+                    128: (128, 128, 8, 3)},  # EAGLE-3 draft-vocabulary lm_head
+    (16384, 2048): {16: (128, 128, 4, 3), 32: (128, 128, 4, 3), 64: (128, 128, 8, 3)},  # 1B
 }
-"""Tuned ``(N, K) -> config`` for the weights where the kernel beat the library GEMM at 5
-rows on an H100 (``bench/gemv.py``, ``bench/results/gemv.json``: 2-13% less time; the
-smaller 1B projections lost and are absent); :func:`use_gemv` sends only these shapes
-here."""
+"""Tuned ``(N, K) -> {BLOCK_M: config}``: the weight shapes and row tiles where the kernel
+beat the library GEMM on an H100 (``bench/gemv.py``, ``bench/results/gemv.json``);
+:func:`use_gemv` sends only these here."""
+
+
+def block_m(rows: int) -> int:
+    """The row tile for ``rows`` rows: a power of two, at least 16 (``tl.dot``'s least)."""
+    return max(16, triton.next_power_of_2(rows))
 
 
 @triton.jit
@@ -77,13 +80,12 @@ def _gemv_kernel(
 
 def use_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether :func:`linear` runs the kernel for these operands: a CUDA (or interpreted)
-    bfloat16/float16 product of at most :data:`MAX_ROWS` rows with a tuned weight shape."""
+    bfloat16/float16 product whose weight shape and row tile are tuned."""
     return (
         x.ndim == 2
-        and x.shape[0] <= MAX_ROWS
         and x.dtype in (torch.bfloat16, torch.float16)
         and weight.dtype == x.dtype
-        and tuple(weight.shape) in CONFIGS
+        and block_m(x.shape[0]) in CONFIGS.get(tuple(weight.shape), ())
         and not use_reference(x)
     )
 
@@ -94,10 +96,10 @@ def gemv(
     """``x @ weight.T`` with the kernel.
 
     Args:
-        x: [M, K] bfloat16/float16, ``M <= MAX_ROWS``, last dim contiguous.
+        x: [M, K] bfloat16/float16, last dim contiguous.
         weight: [N, K] of ``x.dtype``, last dim contiguous (an ``nn.Linear`` weight).
         config: ``(BLOCK_N, BLOCK_K, num_warps, num_stages)``; default the tuned entry of
-            the weight's shape, else :data:`DEFAULT_CONFIG`.
+            the weight's shape and row tile, else :data:`DEFAULT_CONFIG`.
 
     Returns:
         [M, N] in ``x.dtype`` (float32 accumulation).
@@ -106,8 +108,7 @@ def gemv(
         AssertionError: shapes, dtypes or layouts do not match the above.
     """
     assert x.ndim == 2 and weight.ndim == 2 and x.shape[1] == weight.shape[1]
-    assert x.shape[0] <= MAX_ROWS and x.dtype == weight.dtype
-    assert x.dtype in (torch.bfloat16, torch.float16)
+    assert x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float16)
     assert x.stride(1) == 1 and weight.stride(1) == 1
     m, k = x.shape
     n = weight.shape[0]
@@ -116,10 +117,11 @@ def gemv(
         return y
     if use_reference(x):
         return y.copy_(gemv_reference(x, weight))
-    block_n, block_k, warps, stages = config or CONFIGS.get((n, k), DEFAULT_CONFIG)
+    bm = block_m(m)
+    block_n, block_k, warps, stages = config or CONFIGS.get((n, k), {}).get(bm, DEFAULT_CONFIG)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         y, x, weight, m, n, k, y.stride(0), x.stride(0), weight.stride(0),
-        BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k,
+        BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k,
         EVEN=(k % block_k == 0 and n % block_n == 0), num_warps=warps, num_stages=stages,
     )
     return y
