@@ -110,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
             passed = _passed(log, "tests/e2e/")
             if passed is not None:
                 results["e2e_tests_passed"] = passed
+            if phase == "warm-test" and not args.keep:
+                shutil.rmtree(args.workdir / "test", ignore_errors=True)
         if phase == "cold-demo":
             repo, home = _fresh(args.workdir, "demo")
             rc, wall = _make(repo, home, "demo", args.workdir / "cold-demo.log")
@@ -118,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
             results["demo_speedup"] = _demo_speedup(home)
             if not args.keep:
                 shutil.rmtree(args.workdir / "demo", ignore_errors=True)
+        RESULTS.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
         print(f"{phase}: {json.dumps({k: v for k, v in results.items() if phase.split('-')[1] in k})}",
               flush=True)
     results["machine"] = {"platform": platform.platform(), "cpus": os.cpu_count(),
@@ -126,8 +129,6 @@ def main(argv: list[str] | None = None) -> int:
     results["date"] = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     results["command"] = "python bench/e2e.py " + " ".join(args.phases)
     RESULTS.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
-    if not args.keep and "warm-test" in args.phases:
-        shutil.rmtree(args.workdir / "test", ignore_errors=True)
     return 0
 
 
