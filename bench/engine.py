@@ -162,7 +162,13 @@ def decode_run(runner, manager, forward, batch_size: int, args, device) -> dict:
     steps' figures. Frees the requests' blocks at the end."""
     import torch
 
-    from specula.runtime.worker.paged_kv import metadata_from_block_manager
+    from specula.runtime.worker.paged_kv import build_attention_metadata
+
+    def metadata_from_block_manager(manager, ids, query_lens, max_blocks, device):
+        return build_attention_metadata(
+            [manager.block_table(r) for r in ids], [manager.num_tokens(r) for r in ids],
+            query_lens, manager.block_size, max_blocks, device,
+        )
 
     ids = list(range(batch_size))
     for r in ids:

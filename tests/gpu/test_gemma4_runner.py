@@ -42,7 +42,7 @@ from pathlib import Path
 import pytest
 import torch
 import triton
-from paged_schedule import run_schedule
+from paged_schedule import metadata_from_block_manager, run_schedule
 
 from specula.runtime.engine.sampler import SamplingMetadata
 from specula.runtime.engine.sampling_params import SamplingParams
@@ -57,11 +57,7 @@ from specula.runtime.spec_decode.base import ProposeInputs
 from specula.runtime.spec_decode.gemma4 import Gemma4MTPSpeculator
 from specula.runtime.worker.cudagraph import CUDAGraphManager, padded_size
 from specula.runtime.worker.gemma4_runner import Gemma4Runner
-from specula.runtime.worker.paged_kv import (
-    KVCacheSpec,
-    PagedKVCache,
-    metadata_from_block_manager,
-)
+from specula.runtime.worker.paged_kv import KVCacheSpec, PagedKVCache
 
 pytestmark = [
     pytest.mark.gpu,

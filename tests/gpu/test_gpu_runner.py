@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from paged_schedule import metadata_from_block_manager
 
 from specula.runtime.models.registry import load_model
 from specula.runtime.worker.cudagraph import CUDAGraphManager, cudagraph_capture_sizes
 from specula.runtime.worker.model_runner import ModelRunner
-from specula.runtime.worker.paged_kv import KVCacheSpec, PagedKVCache, metadata_from_block_manager
+from specula.runtime.worker.paged_kv import KVCacheSpec, PagedKVCache
 
 pytestmark = [
     pytest.mark.gpu,

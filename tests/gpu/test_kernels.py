@@ -30,7 +30,6 @@ from specula.runtime.kernels.draft_inputs import (
 )
 from specula.runtime.kernels.layernorm import fused_add_rms_norm, rms_norm, rms_norm_reference
 from specula.runtime.kernels.paged_attention import (
-    gather_kv,
     paged_attention,
     paged_attention_reference,
 )
@@ -58,6 +57,12 @@ DEVICE = "cuda"
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, HIDDEN, VOCAB = 32, 8, 128, 4096, 128256
 BLOCK_SIZE = 16
 BF16_TOL = {"atol": 1e-5, "rtol": 2**-6}
+
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, req: int, seq_len: int) -> torch.Tensor:
+    """The first ``seq_len`` cached tokens of request ``req``: [seq_len, num_kv_heads, head_dim]."""
+    blocks = block_table[req, : -(-seq_len // cache.shape[1])].long()
+    return cache[blocks].flatten(0, 1)[:seq_len]
 
 
 def _paged_case(seq_lens: list[int], q_len: int, dtype=torch.bfloat16, seed: int = 0):

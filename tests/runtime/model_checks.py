@@ -7,11 +7,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from paged_schedule import metadata_from_block_manager
 
 from specula.runtime.engine.block_manager import BlockManager
 from specula.runtime.models.registry import load_model
 from specula.runtime.worker import create_model_runner
-from specula.runtime.worker.paged_kv import KVCacheSpec, PagedKVCache, metadata_from_block_manager
+from specula.runtime.worker.paged_kv import KVCacheSpec, PagedKVCache
 
 ATOL = 1e-4
 CPU = torch.device("cpu")

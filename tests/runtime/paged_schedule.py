@@ -9,8 +9,17 @@ from collections.abc import Sequence
 
 import torch
 
-from specula.runtime.worker.paged_kv import metadata_from_block_manager
+from specula.runtime.worker.paged_kv import build_attention_metadata
 
+
+def metadata_from_block_manager(manager, request_ids, query_lens, max_blocks_per_req, device):
+    """``build_attention_metadata`` for requests whose slots for this forward were already
+    taken (``BlockManager.allocate`` or ``append_slots``)."""
+    return build_attention_metadata(
+        [manager.block_table(r) for r in request_ids],
+        [manager.num_tokens(r) for r in request_ids],
+        query_lens, manager.block_size, max_blocks_per_req, device,
+    )
 
 def run_schedule(
     runner,

@@ -377,59 +377,6 @@ def paged_attention(
     return out
 
 
-def paged_decode_attention(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    *,
-    num_splits: int | None = None,
-    out: torch.Tensor | None = None,
-    sliding_window: int | None = None,
-) -> torch.Tensor:
-    """Decode attention: one query token per request, ``query [num_reqs, num_heads,
-    head_dim]``. See :func:`paged_attention` for the other arguments and errors."""
-    return paged_attention(
-        query, key_cache, value_cache, block_table, seq_lens, scale, 1,
-        num_splits=num_splits, out=out, sliding_window=sliding_window,
-    )
-
-
-def paged_verify_attention(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    num_speculative_tokens: int,
-    *,
-    num_splits: int | None = None,
-    out: torch.Tensor | None = None,
-    sliding_window: int | None = None,
-) -> torch.Tensor:
-    """Verification attention: the last emitted token and ``num_speculative_tokens`` draft
-    tokens per request, ``query [num_reqs * (k + 1), num_heads, head_dim]``, causal among
-    themselves. See :func:`paged_attention` for the other arguments and errors."""
-    return paged_attention(
-        query, key_cache, value_cache, block_table, seq_lens, scale,
-        num_speculative_tokens + 1, num_splits=num_splits, out=out,
-        sliding_window=sliding_window,
-    )
-
-
-def gather_kv(
-    cache: torch.Tensor, block_table: torch.Tensor, req: int, seq_len: int
-) -> torch.Tensor:
-    """The first ``seq_len`` cached tokens of request ``req`` as ``[seq_len, num_kv_heads,
-    head_dim]`` (host-side indexing; for references and tests)."""
-    block_size = cache.shape[1]
-    blocks = block_table[req, : triton.cdiv(seq_len, block_size)].long()
-    return cache[blocks].flatten(0, 1)[:seq_len]
-
-
 def paged_attention_reference(
     query: torch.Tensor,
     key_cache: torch.Tensor,

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from specula.runtime.engine.block_manager import BlockManager, cdiv
+from specula.runtime.engine.input_batch import to_device as _to_device
 from specula.runtime.models.config import ModelConfig
 
 
@@ -162,14 +163,6 @@ class PagedAttentionMetadata:
         if self.split is not None:
             return self.split[0].num_tokens
         return 0 if self.prefill else self.num_tokens
-
-
-def _to_device(values: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    # A pinned staging tensor lets the copy run asynchronously; PyTorch's caching host
-    # allocator keeps it alive until the copy has executed.
-    pin = device.type == "cuda"
-    host = torch.tensor(values, dtype=dtype, pin_memory=pin)
-    return host.to(device, non_blocking=pin)
 
 
 def device_metadata(
@@ -350,23 +343,3 @@ def _split_mixed(
         query_lens_cpu=prefill_lens,
     )
     return decode, prefill
-
-
-def metadata_from_block_manager(
-    manager: BlockManager,
-    request_ids: Sequence[object],
-    query_lens: Sequence[int],
-    max_blocks_per_req: int,
-    device: torch.device,
-) -> tuple[PagedAttentionMetadata, torch.Tensor]:
-    """:func:`build_attention_metadata` for requests whose slots for this forward were
-    already taken (:meth:`BlockManager.allocate` for a prefill,
-    :meth:`BlockManager.append_slots` for decode or verification)."""
-    return build_attention_metadata(
-        [manager.block_table(r) for r in request_ids],
-        [manager.num_tokens(r) for r in request_ids],
-        query_lens,
-        manager.block_size,
-        max_blocks_per_req,
-        device,
-    )

@@ -15,11 +15,8 @@ import triton
 
 from specula.runtime.kernels.paged_attention import (
     default_num_splits,
-    gather_kv,
     paged_attention,
     paged_attention_reference,
-    paged_decode_attention,
-    paged_verify_attention,
 )
 from specula.runtime.kernels.reshape_and_cache import (
     reshape_and_cache,
@@ -29,6 +26,12 @@ from specula.runtime.kernels.reshape_and_cache import (
 pytestmark = pytest.mark.runtime
 
 ATOL = {torch.float32: 1e-5, torch.float16: 3e-3}
+
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, req: int, seq_len: int) -> torch.Tensor:
+    """The first ``seq_len`` cached tokens of request ``req``: [seq_len, num_kv_heads, head_dim]."""
+    blocks = block_table[req, : -(-seq_len // cache.shape[1])].long()
+    return cache[blocks].flatten(0, 1)[:seq_len]
 
 
 def _paged_case(
@@ -64,16 +67,10 @@ def check_paged_attention(
         seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, len(seq_lens) * q_len
     )
     scale = head_dim**-0.5
-    if q_len == 1:
-        out = paged_decode_attention(
-            query, key_cache, value_cache, block_table, lens, scale, num_splits=num_splits,
-            sliding_window=sliding_window,
-        )
-    else:
-        out = paged_verify_attention(
-            query, key_cache, value_cache, block_table, lens, scale, q_len - 1,
-            num_splits=num_splits, sliding_window=sliding_window,
-        )
+    out = paged_attention(
+        query, key_cache, value_cache, block_table, lens, scale, q_len,
+        num_splits=num_splits, sliding_window=sliding_window,
+    )
     ref = paged_attention_reference(
         query, key_cache, value_cache, block_table, lens, scale, q_len, sliding_window
     )
