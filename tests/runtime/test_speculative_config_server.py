@@ -5,7 +5,6 @@ serving."""
 
 from __future__ import annotations
 
-import itertools
 import socket
 import threading
 import time
@@ -40,6 +39,7 @@ def serve():
 
     def start(engine) -> str:
         loop = EngineLoop(lambda: engine)
+        start.loops.append(loop)
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         server = uvicorn.Server(uvicorn.Config(create_app(loop), log_level="warning"))
@@ -54,6 +54,7 @@ def serve():
         host, port = sock.getsockname()
         return f"http://{host}:{port}"
 
+    start.loops = []
     yield start
     for server, thread in servers:
         server.should_exit = True
@@ -135,8 +136,33 @@ def prompts(n: int, seed: int) -> list[list[int]]:
 # ---- switching while requests are in flight ------------------------------------------
 
 
+class _LockstepGate:
+    """Makes a server's engine take a step only once a command (an added request or a
+    setting change) is waiting in its loop's queue, while ``active``.
+
+    The loop thread drains its queue between steps, so with the gate each setting
+    change is applied between two steps, and each change gets exactly one step before
+    the next: the interleaving of switches and steps is fixed, whatever the speed of
+    the machine or the order in which threads run."""
+
+    def __init__(self, engine, loop: EngineLoop) -> None:
+        self.active = threading.Event()
+        self.active.set()
+        inner = engine.step
+
+        def step():
+            while self.active.is_set() and loop._commands.empty():
+                time.sleep(0.001)
+            return inner()
+
+        engine.step = step
+
+    def open(self) -> None:
+        self.active.clear()
+
+
 def test_switches_in_flight_keep_greedy_output(
-    server, client, hf_model, hf_greedy, tiny_llama_target, tokenizer
+    serve, hf_model, hf_greedy, tiny_llama_target, tiny_llama_draft, tokenizer, make_engine
 ):
     hf = hf_model(tiny_llama_target)
     batch = prompts(4, seed=31)
@@ -157,39 +183,39 @@ def test_switches_in_flight_keep_greedy_output(
         {"num_speculative_tokens_per_batch_size": [[1, 3, 0], [4, 8, 2]]},
         {"num_speculative_tokens": 2},
     ]
-    done = threading.Event()
-    applied: list[dict] = []
-
-    def switch() -> None:
-        with httpx.Client(base_url=server, timeout=60) as c:
-            for body in itertools.cycle(updates):
-                if done.is_set():
-                    return
-                r = c.put(PATH, json=body)
-                if "num_speculative_tokens" in body and body["num_speculative_tokens"] > K:
-                    assert r.status_code == 400, r.text
-                    continue
-                assert r.status_code == 200, r.text
-                applied.append(body)
-                time.sleep(0.005)
+    engine = make_engine(tiny_llama_target, tiny_llama_draft, k=K, max_num_seqs=8,
+                         served_model_name=MODEL)
+    url = serve(engine)
+    gate = _LockstepGate(engine, serve.loops[-1])
 
     def one(i: int) -> str:
-        with httpx.Client(base_url=server, timeout=60) as c:
+        with httpx.Client(base_url=url, timeout=120) as c:
             return complete(c, batch[i], max_tokens[i])[0]
 
-    before = metrics(client)
-    with ThreadPoolExecutor(6) as pool:
-        switcher = pool.submit(switch)
+    with ThreadPoolExecutor(4) as pool, httpx.Client(base_url=url, timeout=120) as c:
+        before = metrics(c)
         try:
-            got = list(pool.map(one, range(len(batch))))
+            futures = [pool.submit(one, i) for i in range(len(batch))]
+            # Each added request lets one step run; then the engine waits for switches.
+            while engine.scheduler_stats()["num_requests_running"] + \
+                    engine.scheduler_stats()["num_requests_waiting"] < len(batch):
+                assert not any(f.done() for f in futures), "a request ended before switching"
+                time.sleep(0.01)
+            for body in updates:
+                r = c.put(PATH, json=body)
+                expect = 400 if body.get("num_speculative_tokens", 0) > K else 200
+                assert r.status_code == expect, r.text
+                # One step per switch: at most 7 * (K + 1) tokens, below every max_tokens.
+                assert not any(f.done() for f in futures)
         finally:
-            done.set()
-        switcher.result()
+            gate.open()
+        got = [f.result() for f in futures]
+        after = metrics(c)
     assert got == expected
-    # Several settings really took turns during generation, including k = 0.
-    assert len(applied) >= len(updates)
-    used_k = {k for _, k in delta(step_counts(metrics(client)), step_counts(before))}
-    assert 0 in used_k and len(used_k) >= 3, used_k
+    # Every setting ran at least one step, k = 0 included; batch 4 takes k = 1 from the
+    # first schedule and k = 2 from the second.
+    used_k = {k for _, k in delta(step_counts(after), step_counts(before))}
+    assert used_k == {0, 1, 2, K}, used_k
 
 
 # ---- the new setting takes effect ----------------------------------------------------
