@@ -12,10 +12,11 @@ Form (a roofline; linear in its coefficients, all >= 0, given the knee)::
 - ``per_draft_token``: drafting one token for one sequence (draft compute and KV);
 - ``per_verified_token``: target compute per verified token once the step is
   compute-bound, i.e. once the ``B * (k + 1)`` tokens take longer to compute than the
-  weights and KV take to read: ``knee(B) = s * (fixed0 + per_sequence0 * B) /
-  per_verified_token0`` with the *prior* coefficients (subscript 0) and a fitted scale
-  ``s`` (a roofline, Williams et al. 2009; the verification cost structure SmartSpec
-  fits, arXiv 2406.14066 sec. 4).
+  weights and KV take to read: ``knee(B) = s * kappa0 * (fixed0 + per_sequence0 * B) /
+  per_verified_token0`` with the *prior* coefficients (subscript 0), the prior's
+  ``knee_scale`` ``kappa0`` (measured steps turn compute-bound before the pure roofline
+  says: 0.63 on an H100) and a fitted scale ``s`` (a roofline, Williams et al. 2009; the
+  verification cost structure SmartSpec fits, arXiv 2406.14066 sec. 4).
 
 Below the knee extra draft tokens are almost free; above it each one costs a full token
 of target compute.  The knee matters most: without it a fit to small batches predicts
@@ -181,10 +182,19 @@ class CostParams:
     per_sequence_s: float
     per_draft_token_s: float
     per_verified_token_s: float
+    knee_scale: float = 1.0
+    """Knee over the roofline knee of these coefficients (dimensionless): measured steps
+    turn compute-bound at ``knee_scale`` times the token count at which
+    ``per_verified_token_s`` of compute per token equals the memory-bound floor."""
 
     def knee_tokens(self, batch_size: float) -> float:
-        """Verified tokens per step at which the step turns compute-bound (these params)."""
-        return (self.fixed_s + self.per_sequence_s * batch_size) / self.per_verified_token_s
+        """Verified tokens per step at which the step turns compute-bound (these params):
+        ``knee_scale * (fixed_s + per_sequence_s * B) / per_verified_token_s``."""
+        return (
+            self.knee_scale
+            * (self.fixed_s + self.per_sequence_s * batch_size)
+            / self.per_verified_token_s
+        )
 
     def features(self, batch_size: float, k: int, knee_scale: float = 1.0) -> list[float]:
         """Regressors of each coefficient, with the knee taken from these params times
@@ -199,6 +209,7 @@ class CostParams:
         ]
 
     def as_list(self) -> list[float]:
+        """The five linear coefficients (seconds), in field order; not ``knee_scale``."""
         return [
             self.fixed_s,
             self.per_draft_step_s,
@@ -209,19 +220,24 @@ class CostParams:
 
 
 DEFAULT_COST_PARAMS = CostParams(
-    fixed_s=8.0e-3,
-    per_draft_step_s=0.6e-3,
-    per_sequence_s=0.08e-3,
-    per_draft_token_s=0.005e-3,
-    per_verified_token_s=0.04e-3,
+    fixed_s=6.38284e-3,
+    per_draft_step_s=0.394809e-3,
+    per_sequence_s=0.0164279e-3,
+    per_draft_token_s=0.0185181e-3,
+    per_verified_token_s=0.0121381e-3,
+    knee_scale=0.625379,
 )
-"""Placeholder curve until a deployment's own steps are measured: an ~8B bf16 target on
-one H100-class GPU — 16 GB of weights at ~2.5 TB/s effective ≈ 6.4 ms plus ~1.5 ms of
-launches; ~0.08 ms per sequence of KV-cache reads at 1-2k tokens of context; ~0.04 ms
-per verified token (16 GFLOP at ~400 TFLOP/s), so a step turns compute-bound around
-200 tokens — with a one-layer EAGLE-style draft head (~0.6 ms per draft step).  Derived
-from datasheet figures, not measured; the fit replaces it as soon as the histogram has
-data, and it is also the prior the fit is shrunk towards."""
+"""The curve before a deployment's own steps are measured, and the prior the fit is shrunk
+towards: fitted to the engine's step times measured on one NVIDIA H100 80GB HBM3 on
+2026-11-26 (``bench/results/step_costs_h100.json``, made by ``python3
+bench/step_costs.py``: a Llama-3.1-8B-shaped bfloat16 target with a 1-layer EAGLE-3
+head, B in {1, 4, 16, 32, 64, 128} x k in 0..8, 20 timed steps a cell, through the
+runtime's step-time histogram), by ``python3 bench/fit_costs.py`` (per-cell medians,
+Huber-weighted, iterated until these coefficients reproduce their own fit: ``StepCostModel()``
+is that fit).  Knee at ~330 verified tokens per step at batch 1 and ~440 at batch 128.
+Global-curve error over the 54 cells: median 1.5 %, maximum 22 % (B = 64, k = 6, a cell
+5 ms above its row's trend), 7 % elsewhere; ``bench/RESULTS.md`` has the details.  Other
+GPUs and models differ: the fit replaces it as soon as the histogram has data."""
 
 
 @dataclass(frozen=True)
@@ -320,7 +336,9 @@ class StepCostModel:
         observed, the draft cost; below the knee, the compute cost) towards ``prior``,
         plus ``knee_prior_weight * (log2 s)^2`` for the knee scale ``s``; coefficients
         are non-negative.  Then each measured (bucket, k) gets the correction ``(sum w
-        y/T + c) / (sum w + c)`` with ``c = correction_prior_weight``.
+        y/T + c) / (sum w + c)`` with ``c = correction_prior_weight``.  The fitted
+        params carry ``knee_scale = prior.knee_scale * s``, so that, used as the next
+        fit's prior, they start from this fit's knee.
 
         Args:
             fit_knee: ``False`` keeps the knee at the prior's (``s = 1``).
@@ -375,7 +393,10 @@ class StepCostModel:
                 if fx[0] < loss:
                     log_s, (loss, u) = x, fx
         model = cls(
-            params=CostParams(*(u[p] * scale[p] for p in range(len(scale)))),
+            params=CostParams(
+                *(u[p] * scale[p] for p in range(len(scale))),
+                knee_scale=prior.knee_scale * 2.0**log_s,
+            ),
             prior=prior,
             knee_scale=2.0**log_s,
         )

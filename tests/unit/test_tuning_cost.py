@@ -58,7 +58,8 @@ def test_histogram_delta_and_reset():
 def test_default_model_before_data():
     m = StepCostModel.fit([])
     assert m.params == DEFAULT_COST_PARAMS
-    assert m.predict(1, 0) == pytest.approx(8.08e-3)
+    d = DEFAULT_COST_PARAMS
+    assert m.predict(1, 0) == pytest.approx(d.fixed_s + d.per_sequence_s)
     assert m.predict(1, 3) > m.predict(1, 0)
 
 
