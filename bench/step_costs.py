@@ -51,46 +51,56 @@ SYNTHETIC_ACCEPTANCE = 0.8
 
 
 def measure(engine, batch: int, ks: tuple[int, ...], warmup: int, steps: int, vocab: int,
-            seed: int) -> dict:
-    """Per k: the timed steps' durations (ms) at ``batch`` running requests."""
+            seed: int, repeats: int = 1) -> dict:
+    """Per k: the timed steps' durations (ms) at ``batch`` running requests.
+
+    Each of ``repeats`` sweeps admits fresh requests and visits the k in its own
+    shuffled order (the first in ascending order), so that a drift over the sweep
+    (clocks, the KV context growing) does not fall on the same k every time."""
+    import random
+
     from specula.runtime.engine.sampling_params import SamplingParams
     from specula.runtime.server.metrics import StepTimeStats
 
     stats = StepTimeStats()
-    # Long enough that no request ends while k goes 0..8 (at most 9 tokens a step).
+    # Long enough that no request ends during one sweep (at most 9 tokens a step).
     max_tokens = engine.max_model_len - PROMPT_LEN
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    tag = f"b{batch}"
-    for i, prompt in enumerate(random_prompts(batch, vocab, PROMPT_LEN, seed)):
-        engine.add_request(f"{tag}-{i}", prompt, params)
-    # Prefill (and the first decode rounds) until every request decodes in one step.
-    while engine.last_step_num_reqs < batch:
-        engine.step()
+    times: dict[int, list[float]] = {k: [] for k in ks}
+    order = list(ks)
+    for rep in range(repeats):
+        tag = f"b{batch}-r{rep}"
+        for i, prompt in enumerate(random_prompts(batch, vocab, PROMPT_LEN, seed + rep)):
+            engine.add_request(f"{tag}-{i}", prompt, params)
+        # Prefill (and the first decode rounds) until every request decodes in one step.
+        while engine.last_step_num_reqs < batch:
+            engine.step()
+        for k in order:
+            engine.set_speculative_config(num_speculative_tokens=k)
+            for n in range(warmup + steps):
+                t0 = time.perf_counter()
+                engine.step()
+                elapsed = time.perf_counter() - t0
+                assert engine.last_step_num_reqs == batch, "a request ended during the sweep"
+                if n >= warmup:
+                    stats.observe(batch, engine.last_step_num_speculative_tokens, elapsed)
+                    times[k].append(elapsed * 1e3)
+        for i in range(batch):
+            engine.abort_request(f"{tag}-{i}")
+        while engine.has_unfinished_requests():
+            engine.step()
+        random.Random(seed * 1000 + rep).shuffle(order)
     out: dict[str, dict] = {}
     for k in ks:
-        engine.set_speculative_config(num_speculative_tokens=k)
-        times = []
-        for n in range(warmup + steps):
-            t0 = time.perf_counter()
-            engine.step()
-            elapsed = time.perf_counter() - t0
-            assert engine.last_step_num_reqs == batch, "a request ended during the sweep"
-            if n >= warmup:
-                stats.observe(batch, engine.last_step_num_speculative_tokens, elapsed)
-                times.append(elapsed * 1e3)
         series = [s for (_, sk), s in stats.series.items() if sk == k]
-        assert len(series) == 1 and series[0].count == steps
+        assert len(series) == 1 and series[0].count == steps * repeats
         out[str(k)] = {
             "mean_ms": round(series[0].sum_s / series[0].count * 1e3, 4),
-            "median_ms": round(statistics.median(times), 4),
-            "min_ms": round(min(times), 4),
-            "max_ms": round(max(times), 4),
-            "steps": steps,
+            "median_ms": round(statistics.median(times[k]), 4),
+            "min_ms": round(min(times[k]), 4),
+            "max_ms": round(max(times[k]), 4),
+            "steps": steps * repeats,
         }
-    for i in range(batch):
-        engine.abort_request(f"{tag}-{i}")
-    while engine.has_unfinished_requests():
-        engine.step()
     return out
 
 
@@ -98,7 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--output", type=Path, default=HERE / "results" / "step_costs_h100.json")
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per k and sweep")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="sweeps over k per batch size, each in a shuffled order")
     parser.add_argument("--dry-run", action="store_true")
     args = parser.parse_args(argv)
 
@@ -115,11 +127,13 @@ def main(argv: list[str] | None = None) -> int:
         table = {}
         for batch in batches:
             table[str(batch)] = measure(engine, batch, KS, args.warmup, args.steps,
-                                        target["vocab_size"], seed=batch)
+                                        target["vocab_size"], seed=batch, repeats=args.repeats)
             row = " ".join(f"{table[str(batch)][str(k)]['median_ms']:7.2f}" for k in KS)
             print(f"B={batch:<4} median ms at k=0..8: {row}", flush=True)
     result = {
-        "command": "python3 bench/step_costs.py" + (" --dry-run" if args.dry_run else ""),
+        "command": "python3 bench/step_costs.py" + " ".join(
+            [""] + (["--dry-run"] if args.dry_run else [])
+            + [f"--steps {args.steps}", f"--repeats {args.repeats}"]),
         "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "gpu": torch.cuda.get_device_name() if device == "cuda" else platform.processor(),
         "software": {"python": platform.python_version(), "torch": torch.__version__,
@@ -132,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         "async_scheduling": bool(getattr(engine, "async_scheduling", False)),
         "warmup_steps": args.warmup,
         "timed_steps": args.steps,
+        "repeats": args.repeats,
         "engine_startup_s": round(startup_s, 1),
         "step_ms": table,
         "note": "step_ms[B][k]: one engine step (verify k+1 tokens per request and draft k "
