@@ -28,7 +28,10 @@ from specula.devcluster.images import RUNTIME_CPU_IMAGE
 
 from .kube import apply, describe_pods, finish_client, get, ready_pods, start_client
 
-pytestmark = pytest.mark.e2e
+# The first test also waits for the session's node: its builds (tens of minutes on a cold
+# machine, when `make test-e2e` runs alone) and a multi-GB image import. Each step of a test
+# is bounded by its own wait.
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(3600)]
 
 NS = "e2e"
 SM = "demo"
