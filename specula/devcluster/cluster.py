@@ -262,21 +262,14 @@ class LocalCluster:
 
     def kubectl(self, *args: str, check: bool = True, timeout: float = 120,
                 input: str | None = None) -> subprocess.CompletedProcess:
-        """Run kubectl as admin against this cluster.
+        """Run kubectl as admin against this cluster
+        (:meth:`ControlPlane.run_kubectl`).
 
         Raises:
             ControlPlaneError: it exited non-zero and ``check`` is set.
         """
         assert self.control_plane is not None
-        proc = subprocess.run(
-            [str(self.control_plane.kubectl), f"--kubeconfig={self.kubeconfig}", *args],
-            capture_output=True, text=True, timeout=timeout, input=input,
-        )
-        if check and proc.returncode != 0:
-            raise ControlPlaneError(
-                f"kubectl {' '.join(args)} exited {proc.returncode}:\n{proc.stderr}{proc.stdout}"
-            )
-        return proc
+        return self.control_plane.run_kubectl(*args, check=check, timeout=timeout, input=input)
 
     # -- internals -----------------------------------------------------------------
 

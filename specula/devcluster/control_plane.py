@@ -554,14 +554,20 @@ class ControlPlane:
     # -- kubectl -----------------------------------------------------------------
 
     def run_kubectl(
-        self, *args: str, check: bool = True, timeout: float = 60
+        self, *args: str, check: bool = True, timeout: float = 60, input: str | None = None
     ) -> subprocess.CompletedProcess:
-        """Run the built kubectl against this control plane; output is text."""
+        """Run the built kubectl as admin against this control plane (``input`` on its
+        stdin); output is text.
+
+        Raises:
+            ControlPlaneError: it exited non-zero and ``check`` is set.
+        """
         proc = subprocess.run(
             [str(self.kubectl), f"--kubeconfig={self.kubeconfig}", *args],
             capture_output=True,
             text=True,
             timeout=timeout,
+            input=input,
         )
         if check and proc.returncode != 0:
             raise ControlPlaneError(
