@@ -15,7 +15,7 @@ Form (a roofline; linear in its coefficients, all >= 0, given the knee)::
   weights and KV take to read: ``knee(B) = s * kappa0 * (fixed0 + per_sequence0 * B) /
   per_verified_token0`` with the *prior* coefficients (subscript 0), the prior's
   ``knee_scale`` ``kappa0`` (measured steps turn compute-bound before the pure roofline
-  says: 0.63 on an H100) and a fitted scale ``s`` (a roofline, Williams et al. 2009; the
+  says: 0.45 on an H100) and a fitted scale ``s`` (a roofline, Williams et al. 2009; the
   verification cost structure SmartSpec fits, arXiv 2406.14066 sec. 4).
 
 Below the knee extra draft tokens are almost free; above it each one costs a full token
@@ -220,24 +220,26 @@ class CostParams:
 
 
 DEFAULT_COST_PARAMS = CostParams(
-    fixed_s=6.38284e-3,
-    per_draft_step_s=0.394809e-3,
-    per_sequence_s=0.0164279e-3,
-    per_draft_token_s=0.0185181e-3,
-    per_verified_token_s=0.0121381e-3,
-    knee_scale=0.625379,
+    fixed_s=6.39289e-3,
+    per_draft_step_s=0.386491e-3,
+    per_sequence_s=0.0229759e-3,
+    per_draft_token_s=0.0159668e-3,
+    per_verified_token_s=0.0118995e-3,
+    knee_scale=0.448037,
 )
 """The curve before a deployment's own steps are measured, and the prior the fit is shrunk
-towards: fitted to the engine's step times measured on one NVIDIA H100 80GB HBM3 on
-2026-11-26 (``bench/results/step_costs_h100.json``, made by ``python3
-bench/step_costs.py``: a Llama-3.1-8B-shaped bfloat16 target with a 1-layer EAGLE-3
-head, B in {1, 4, 16, 32, 64, 128} x k in 0..8, 20 timed steps a cell, through the
-runtime's step-time histogram), by ``python3 bench/fit_costs.py`` (per-cell medians,
-Huber-weighted, iterated until these coefficients reproduce their own fit: ``StepCostModel()``
-is that fit).  Knee at ~330 verified tokens per step at batch 1 and ~440 at batch 128.
-Global-curve error over the 54 cells: median 1.5 %, maximum 22 % (B = 64, k = 6, a cell
-5 ms above its row's trend), 7 % elsewhere; ``bench/RESULTS.md`` has the details.  Other
-GPUs and models differ: the fit replaces it as soon as the histogram has data."""
+towards: fitted to the engine's step times measured on NVIDIA H100 80GB HBM3 GPUs in two
+sessions on 2026-11-26 (``bench/results/step_costs_h100.json``, 20 timed steps a cell in
+ascending k, and ``step_costs_h100_shuffled.json``, 3 sweeps of 20 in shuffled k, both
+made by ``bench/step_costs.py``: a Llama-3.1-8B-shaped bfloat16 target with a 1-layer
+EAGLE-3 head, B in {1, 4, 16, 32, 64, 128} x k in 0..8, through the runtime's step-time
+histogram), by ``python3 bench/fit_costs.py`` (mean of the two sessions' per-cell medians,
+Huber-weighted, iterated until these coefficients reproduce their own fit:
+``StepCostModel()`` is that fit).  Knee at ~240 verified tokens per step at batch 1 and
+~350 at batch 128.  Global-curve error over the 54 cells: median 1.5 %, maximum 19 % (B =
+64, k = 6, a cell ~5 ms above its row's trend in both sessions), 7.6 % elsewhere;
+``bench/RESULTS.md`` has the details.  Other GPUs and models differ: the fit replaces it
+as soon as the histogram has data."""
 
 
 @dataclass(frozen=True)
