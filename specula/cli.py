@@ -44,6 +44,15 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--host", default=None)
     p.add_argument("--port", type=int, default=None)
+    p.add_argument("--admin-port", type=int, default=None,
+                   help="port of the admin API (GET/PUT /v1/speculative_config); none: no admin API")
+    p.add_argument("--admin-token-file", default=None,
+                   help="file holding the admin API's bearer token (else $SPECULA_ADMIN_TOKEN)")
+    p.add_argument("--admin-insecure-no-token", action="store_true",
+                   help="local development only: serve the admin API without a token")
+    p.add_argument("--api-key", default=None,
+                   help="bearer key the OpenAI routes require (else $SPECULA_API_KEY); "
+                        "/health and /metrics stay open")
 
 
 def _add_demo(sub: argparse._SubParsersAction) -> None:

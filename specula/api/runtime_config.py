@@ -114,6 +114,13 @@ class RuntimeConfig(BaseModel):
     """A second port serving only ``/metrics`` (Prometheus exposition), so that scrapers
     and NetworkPolicies can treat metrics apart from the API; ``None`` serves metrics on
     ``port`` only."""
+    admin_port: int | None = Field(default=None, ge=1, le=65535)
+    """Port of the admin API (``GET``/``PUT /v1/speculative_config``), apart from the
+    model port so that the Service never exposes it; ``None``: no admin API."""
+    admin_token_file: str | None = None
+    """File holding the admin API's bearer token (a mounted Secret), read again on
+    each admin request so a replaced Secret takes effect without a restart.  The
+    token itself never appears in this config (it is written to a ConfigMap)."""
     max_num_seqs: int = Field(default=32, ge=1)
     """Most requests decoded together in one batch."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -128,3 +135,13 @@ class RuntimeConfig(BaseModel):
     load_format: Literal["auto", "dummy"] = "auto"
     """``auto`` reads the checkpoints' weights; ``dummy`` initialises random weights
     from their configs alone, for benchmarks (vLLM's option of the same name)."""
+
+    @model_validator(mode="after")
+    def _distinct_ports(self) -> RuntimeConfig:
+        if self.admin_port is not None and self.admin_port in (self.port, self.metrics_port):
+            raise ValueError(
+                f"admin_port ({self.admin_port}) must differ from port and metrics_port: "
+                "the admin API needs a listener of its own"
+            )
+        return self
+

@@ -22,7 +22,7 @@ from transformers import AutoTokenizer
 
 from specula.api.runtime_config import RuntimeConfig, SpeculatorRuntimeConfig
 from specula.runtime.engine.llm_engine import LLMEngine
-from specula.runtime.server.app import create_app
+from specula.runtime.server.app import create_admin_app, create_app
 from specula.runtime.server.engine_loop import EngineLoop
 
 pytestmark = pytest.mark.runtime
@@ -30,6 +30,8 @@ pytestmark = pytest.mark.runtime
 K = 3
 MAX_MODEL_LEN = 128
 MODEL_NAME = "tiny-target"
+ADMIN_TOKEN = "admin-token-for-tests"
+API_KEY = "api-key-for-tests"
 
 
 class _Server:
@@ -53,10 +55,11 @@ class _Server:
         self.thread.join(30)
 
 
-def _serve(loop: EngineLoop) -> _Server:
+def _serve(loop_or_app) -> _Server:
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    return _Server(create_app(loop), sock)
+    app = create_app(loop_or_app) if isinstance(loop_or_app, EngineLoop) else loop_or_app
+    return _Server(app, sock)
 
 
 @pytest.fixture(scope="module")
@@ -79,17 +82,46 @@ def engine(config: RuntimeConfig) -> LLMEngine:
 
 
 @pytest.fixture(scope="module")
-def server(engine: LLMEngine) -> Iterator[str]:
+def served(engine: LLMEngine) -> Iterator[tuple[str, EngineLoop, object]]:
+    """``(url, loop, app)`` of the model app around the shared engine."""
     loop = EngineLoop(lambda: engine)
-    with _serve(loop) as srv:
+    app = create_app(loop)
+    with _serve(app) as srv:
         assert loop.wait_ready(60)
-        yield srv.url
+        yield srv.url, loop, app
+
+
+@pytest.fixture(scope="module")
+def server(served) -> str:
+    return served[0]
 
 
 @pytest.fixture(scope="module")
 def client(server: str) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=server, timeout=60) as c:
         yield c
+
+
+@pytest.fixture(scope="module")
+def admin_url(served) -> Iterator[str]:
+    """The admin app of the shared server on a listener of its own, as ``specula serve
+    --admin-port`` runs it."""
+    with _serve(create_admin_app(served[2], lambda: ADMIN_TOKEN)) as srv:
+        yield srv.url
+
+
+@pytest.fixture(scope="module")
+def admin(admin_url: str) -> Iterator[httpx.Client]:
+    headers = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    with httpx.Client(base_url=admin_url, headers=headers, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def keyed_url(served) -> Iterator[str]:
+    """A second model app around the same (running) loop, with an API key."""
+    with _serve(create_app(served[1], manage_loop=False, api_key=API_KEY)) as srv:
+        yield srv.url
 
 
 @pytest.fixture
@@ -250,28 +282,30 @@ def test_seeded_sampling_is_reproducible(client):
 # ---- other routes --------------------------------------------------------------------
 
 
-def test_models_health_and_speculative_config(client, engine):
+def test_models_health_and_speculative_config(client, admin, engine):
     models = client.get("/v1/models").json()
     assert models["object"] == "list"
     assert [m["id"] for m in models["data"]] == [MODEL_NAME]
     assert models["data"][0]["object"] == "model"
     assert models["data"][0]["max_model_len"] == MAX_MODEL_LEN
     assert client.get("/health").status_code == 200
-    spec = client.get("/v1/speculative_config").json()
+    spec = admin.get("/v1/speculative_config").json()
     assert spec == engine.get_speculative_config()
     assert spec["method"] == "draft_model"
     assert spec["num_speculative_tokens"] == K
 
 
-def test_put_speculative_config_between_steps(client, target_hf, hf_tokenizer, hf_greedy):
+def test_put_speculative_config_between_steps(
+    client, admin, target_hf, hf_tokenizer, hf_greedy
+):
     prompt = "change k at run time"
     ref = decode(hf_tokenizer, hf_greedy(target_hf, hf_tokenizer(prompt)["input_ids"], 10))
     try:
         for k in (1, 0, K):
-            r = client.put("/v1/speculative_config", json={"num_speculative_tokens": k})
+            r = admin.put("/v1/speculative_config", json={"num_speculative_tokens": k})
             assert r.status_code == 200, r.text
             assert r.json()["num_speculative_tokens"] == k
-            assert client.get("/v1/speculative_config").json()["num_speculative_tokens"] == k
+            assert admin.get("/v1/speculative_config").json()["num_speculative_tokens"] == k
             # Greedy output does not depend on k.
             assert complete(client, prompt=prompt, max_tokens=10)["choices"][0]["text"] == ref
         steps = metrics(client)
@@ -284,12 +318,12 @@ def test_put_speculative_config_between_steps(client, target_hf, hf_tokenizer, h
                            ({"num_speculative_tokens_per_batch_size": [[2, 4, 2]]},
                             "num_speculative_tokens_per_batch_size"),
                            ({"k": 2}, "k")]:
-            r = client.put("/v1/speculative_config", json=bad)
+            r = admin.put("/v1/speculative_config", json=bad)
             assert r.status_code == 400, r.text
             assert r.json()["error"]["param"] == param
-        assert client.get("/v1/speculative_config").json()["num_speculative_tokens"] == K
+        assert admin.get("/v1/speculative_config").json()["num_speculative_tokens"] == K
     finally:
-        client.put("/v1/speculative_config", json={"num_speculative_tokens": K})
+        admin.put("/v1/speculative_config", json={"num_speculative_tokens": K})
 
 
 def test_body_without_json_content_type(client):
@@ -420,6 +454,54 @@ def test_unknown_route_is_json_404(client):
     r = client.get("/v1/nothing")
     assert r.status_code == 404
     assert r.json()["error"]["type"] == "not_found_error"
+
+
+# ---- authentication ------------------------------------------------------------------
+
+
+def _refused(r: httpx.Response) -> None:
+    assert r.status_code == 401, r.text
+    assert r.headers["www-authenticate"] == "Bearer"
+    error = r.json()["error"]
+    assert (error["type"], error["code"]) == ("invalid_request_error", "invalid_api_key")
+
+
+@pytest.mark.parametrize("method", ["GET", "PUT"])
+def test_model_port_has_no_admin_route(client, method):
+    body = {"num_speculative_tokens": 1} if method == "PUT" else None
+    headers = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    r = client.request(method, "/v1/speculative_config", json=body, headers=headers)
+    assert r.status_code == 404, r.text
+    assert r.json()["error"]["type"] == "not_found_error"
+
+
+@pytest.mark.parametrize("headers", [
+    {},
+    {"Authorization": "Bearer wrong-token"},
+    {"Authorization": f"Basic {ADMIN_TOKEN}"},
+    {"Authorization": f"Bearer {ADMIN_TOKEN}x"},
+], ids=["none", "wrong", "not-bearer", "longer"])
+def test_admin_refuses_without_the_token(admin_url, admin, headers):
+    before = admin.get("/v1/speculative_config").json()
+    with httpx.Client(base_url=admin_url, headers=headers, timeout=30) as c:
+        _refused(c.get("/v1/speculative_config"))
+        _refused(c.put("/v1/speculative_config", json={"num_speculative_tokens": 0}))
+    assert admin.get("/v1/speculative_config").json() == before
+
+
+def test_api_key_guards_openai_routes_only(keyed_url):
+    with httpx.Client(base_url=keyed_url, timeout=60) as c:
+        body = {"prompt": "hi", "max_tokens": 2}
+        _refused(c.post("/v1/completions", json=body))
+        _refused(c.post("/v1/completions", json=body,
+                        headers={"Authorization": "Bearer not-the-key"}))
+        _refused(c.get("/v1/models"))
+        keyed = {"Authorization": f"Bearer {API_KEY}"}
+        assert c.post("/v1/completions", json=body, headers=keyed).status_code == 200
+        assert c.get("/v1/models", headers=keyed).status_code == 200
+        # Probes and scrapers carry no key.
+        assert c.get("/health").status_code == 200
+        assert c.get("/metrics").status_code == 200
 
 
 # ---- lifecycle: each test loads its own engine, never stepping the shared one -----------

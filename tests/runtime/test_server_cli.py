@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from specula.cli import build_parser
-from specula.runtime.server.cli import ConfigError, build_runtime_config
+from specula.runtime.server.cli import ConfigError, admin_token_source, build_runtime_config
 
 pytestmark = pytest.mark.runtime
 
@@ -110,6 +110,38 @@ def test_invalid_config_exits_2_without_loading(tmp_path: Path):
     assert "unknown_key" in proc.stderr
 
 
+def test_admin_port_needs_a_token(tmp_path: Path):
+    args = _args("--model", "file:///m", "--admin-port", "8001")
+    config = build_runtime_config(args)
+    with pytest.raises(ConfigError, match="needs a token"):
+        admin_token_source(config, args, {})
+    assert admin_token_source(config, args, {"SPECULA_ADMIN_TOKEN": "t0"})() == "t0"
+    dev = _args("--model", "file:///m", "--admin-port", "8001", "--admin-insecure-no-token")
+    assert admin_token_source(build_runtime_config(dev), dev, {})() is None
+    for content, fragment in [(None, "cannot read"), ("\n", "is empty")]:
+        path = tmp_path / "token"
+        path.unlink(missing_ok=True)
+        if content is not None:
+            path.write_text(content)
+        args = _args("--model", "file:///m", "--admin-port", "8001",
+                     "--admin-token-file", str(path))
+        with pytest.raises(ConfigError, match=fragment):
+            admin_token_source(build_runtime_config(args), args, {"SPECULA_ADMIN_TOKEN": "t0"})
+    with pytest.raises(ConfigError, match="must differ"):
+        build_runtime_config(_args("--model", "file:///m", "--admin-port", "8000"))
+
+
+def test_admin_port_without_token_exits_2_without_loading():
+    proc = subprocess.run(
+        [sys.executable, "-m", "specula.cli", "serve", "--model", "file:///m",
+         "--admin-port", "8001"],
+        capture_output=True, text=True, timeout=60,
+        env={k: v for k, v in os.environ.items() if k != "SPECULA_ADMIN_TOKEN"},
+    )
+    assert proc.returncode == 2
+    assert "needs a token" in proc.stderr
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -117,7 +149,12 @@ def _free_port() -> int:
 
 
 def test_serve_config_file_subprocess(tmp_path: Path, tiny_llama_target: Path, tiny_llama_draft: Path):
-    port, metrics_port = _free_port(), _free_port()
+    """The pod's setup: model, metrics and admin ports, the admin token in a file (a
+    mounted Secret), the API key in ``SPECULA_API_KEY``.  Every unauthenticated request
+    is refused: ``bench/results/reliability.json``'s ``admin_api_unauthenticated_refused``."""
+    port, metrics_port, admin_port = _free_port(), _free_port(), _free_port()
+    token_file = tmp_path / "admin-token"
+    token_file.write_text("first-token\n")
     config = tmp_path / "runtime.json"
     config.write_text(json.dumps({
         "model": f"file://{tiny_llama_target}",
@@ -127,10 +164,12 @@ def test_serve_config_file_subprocess(tmp_path: Path, tiny_llama_target: Path, t
         "host": "127.0.0.1",
         "port": port,
         "metrics_port": metrics_port,
+        "admin_port": admin_port,
+        "admin_token_file": str(token_file),
         "speculator": {"method": "draft_model", "model": f"file://{tiny_llama_draft}",
                        "num_speculative_tokens": 2},
     }))
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "SPECULA_API_KEY": "the-api-key"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "specula.cli", "serve", "--config", str(config)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
@@ -148,13 +187,34 @@ def test_serve_config_file_subprocess(tmp_path: Path, tiny_llama_target: Path, t
                 break
             time.sleep(0.3)
         assert status == 200, f"server never became healthy (exit={proc.poll()})"
-        r = httpx.post(f"{base}/v1/completions",
-                       json={"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 4,
-                             "temperature": 0, "ignore_eos": True}, timeout=60)
+        body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 4, "temperature": 0,
+                "ignore_eos": True}
+        for headers in ({}, _bearer("wrong-key")):
+            r = httpx.post(f"{base}/v1/completions", json=body, headers=headers, timeout=60)
+            assert r.status_code == 401, r.text
+            assert r.json()["error"]["code"] == "invalid_api_key"
+        r = httpx.post(f"{base}/v1/completions", json=body, headers=_bearer("the-api-key"),
+                       timeout=60)
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] == 4
-        assert httpx.get(f"{base}/v1/speculative_config",
-                         timeout=5).json()["num_speculative_tokens"] == 2
+        # No admin route on the model port, whatever the credentials.
+        r = httpx.get(f"{base}/v1/speculative_config", headers=_bearer("first-token"), timeout=5)
+        assert r.status_code == 404, r.text
+        admin = f"http://127.0.0.1:{admin_port}/v1/speculative_config"
+        for headers in ({}, _bearer("wrong-token"), _bearer("the-api-key")):
+            for r in (httpx.get(admin, headers=headers, timeout=5),
+                      httpx.put(admin, json={"num_speculative_tokens": 1}, headers=headers,
+                                timeout=5)):
+                assert r.status_code == 401, r.text
+                assert r.json()["error"]["code"] == "invalid_api_key"
+        r = httpx.get(admin, headers=_bearer("first-token"), timeout=5)
+        assert r.json()["num_speculative_tokens"] == 2
+        # A replaced Secret (the kubelet rewrites the mounted file) takes effect at once.
+        token_file.write_text("second-token")
+        assert httpx.get(admin, headers=_bearer("first-token"), timeout=5).status_code == 401
+        r = httpx.put(admin, json={"num_speculative_tokens": 1},
+                      headers=_bearer("second-token"), timeout=5)
+        assert r.status_code == 200 and r.json()["num_speculative_tokens"] == 1, r.text
         # The dedicated metrics port (the pod's container port ``metrics``) exports the
         # same counters as the API port.
         metrics = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).text
@@ -170,3 +230,9 @@ def test_serve_config_file_subprocess(tmp_path: Path, tiny_llama_target: Path, t
             proc.kill()
             out, _ = proc.communicate()
     assert proc.returncode == 0, out
+    for secret in ("the-api-key", "first-token", "second-token"):
+        assert secret not in out
+
+
+def _bearer(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}

@@ -1,4 +1,5 @@
-"""``PUT /v1/speculative_config`` on a live server: switching k and per-batch-size
+"""``PUT /v1/speculative_config`` on a live server (the admin API on its own listener,
+with its token, as ``specula serve --admin-port`` runs it): switching k and per-batch-size
 schedules while requests are in flight keeps greedy output exact, the new setting shows
 in the step-time histogram and the gauges, and refusals are 400 with the server still
 serving."""
@@ -20,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoTokenizer
 
 from specula.runtime.engine.spec_schedule import BatchSizeSchedule
-from specula.runtime.server.app import create_app
+from specula.runtime.server.app import create_admin_app, create_app
 from specula.runtime.server.engine_loop import EngineLoop
 from specula.runtime.server.metrics import batch_bucket
 
@@ -29,6 +30,33 @@ pytestmark = pytest.mark.runtime
 K = 3
 MODEL = "tiny-target"
 PATH = "/v1/speculative_config"
+TOKEN = "admin-token-for-tests"
+
+
+class Urls(str):
+    """The model port's base URL, carrying the admin listener's as ``admin``."""
+
+    admin: str
+
+
+class Client(httpx.Client):
+    """A client of the model port that sends :data:`PATH` to the admin listener with
+    the token, as the operator does."""
+
+    def __init__(self, base_url: Urls, **kwargs) -> None:
+        super().__init__(base_url=base_url, **kwargs)
+        self._admin = httpx.Client(
+            base_url=base_url.admin, headers={"Authorization": f"Bearer {TOKEN}"}, **kwargs
+        )
+
+    def request(self, method, url, **kwargs):
+        if url == PATH:
+            return self._admin.request(method, url, **kwargs)
+        return super().request(method, url, **kwargs)
+
+    def close(self) -> None:
+        self._admin.close()
+        super().close()
 
 
 @pytest.fixture(scope="module")
@@ -37,12 +65,10 @@ def serve():
     module teardown."""
     servers: list[tuple[uvicorn.Server, threading.Thread]] = []
 
-    def start(engine) -> str:
-        loop = EngineLoop(lambda: engine)
-        start.loops.append(loop)
+    def listen(app) -> str:
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
-        server = uvicorn.Server(uvicorn.Config(create_app(loop), log_level="warning"))
+        server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
         thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
         thread.start()
         servers.append((server, thread))
@@ -50,9 +76,17 @@ def serve():
         while not server.started:
             assert time.monotonic() < deadline, "uvicorn did not start"
             time.sleep(0.02)
-        assert loop.wait_ready(60)
         host, port = sock.getsockname()
         return f"http://{host}:{port}"
+
+    def start(engine) -> Urls:
+        loop = EngineLoop(lambda: engine)
+        start.loops.append(loop)
+        app = create_app(loop)
+        urls = Urls(listen(app))
+        urls.admin = listen(create_admin_app(app, lambda: TOKEN))
+        assert loop.wait_ready(60)
+        return urls
 
     start.loops = []
     yield start
@@ -62,7 +96,7 @@ def serve():
 
 
 @pytest.fixture(scope="module")
-def server(serve, tiny_llama_target: Path, tiny_llama_draft: Path, make_engine) -> str:
+def server(serve, tiny_llama_target: Path, tiny_llama_draft: Path, make_engine) -> Urls:
     return serve(
         make_engine(
             tiny_llama_target, tiny_llama_draft, k=K, max_num_seqs=8, served_model_name=MODEL
@@ -71,8 +105,8 @@ def server(serve, tiny_llama_target: Path, tiny_llama_draft: Path, make_engine) 
 
 
 @pytest.fixture(scope="module")
-def client(server: str) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server, timeout=60) as c:
+def client(server: Urls) -> Iterator[httpx.Client]:
+    with Client(server, timeout=60) as c:
         yield c
 
 
@@ -192,7 +226,7 @@ def test_switches_in_flight_keep_greedy_output(
         with httpx.Client(base_url=url, timeout=120) as c:
             return complete(c, batch[i], max_tokens[i])[0]
 
-    with ThreadPoolExecutor(4) as pool, httpx.Client(base_url=url, timeout=120) as c:
+    with ThreadPoolExecutor(4) as pool, Client(url, timeout=120) as c:
         before = metrics(c)
         try:
             futures = [pool.submit(one, i) for i in range(len(batch))]
@@ -358,7 +392,7 @@ def test_refused_with_400_and_server_keeps_serving(client, body, param, code, me
 
 def test_no_speculator_is_400(serve, tiny_llama_target: Path, make_engine):
     base = serve(make_engine(tiny_llama_target, served_model_name=MODEL))
-    with httpx.Client(base_url=base, timeout=60) as c:
+    with Client(base, timeout=60) as c:
         r = c.put(PATH, json={"num_speculative_tokens": 0})
         assert r.status_code == 400, r.text
         assert r.json()["error"]["code"] == "no_speculator"

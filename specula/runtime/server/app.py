@@ -6,6 +6,14 @@ Routes:
 - ``GET /v1/models``: the one served model, OpenAI list format.
 - ``GET /health``: 200 once the engine is loaded and its loop is alive, else 503.
 - ``GET /metrics``: Prometheus text exposition from a per-app registry.
+
+With an API key (``specula serve --api-key``), ``/v1/*`` answers 401 unless the
+request carries ``Authorization: Bearer <key>``; ``/health`` and ``/metrics`` stay open
+to probes and scrapers.
+
+The admin API is a second app (:func:`create_admin_app`) on a port of its own, every
+route behind the admin bearer token; the model port has no admin route (404):
+
 - ``GET /v1/speculative_config``: the engine's speculative configuration
   (:meth:`~specula.runtime.engine.llm_engine.LLMEngine.get_speculative_config`).
 - ``PUT /v1/speculative_config``: ``{"num_speculative_tokens": k}`` or
@@ -27,12 +35,14 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
-from collections.abc import AsyncIterator
-from typing import Any, TypeVar
+import secrets
+from collections.abc import AsyncIterator, Callable
+from typing import Annotated, Any, TypeVar
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import BaseModel, ValidationError
 
@@ -113,12 +123,46 @@ async def parse_body(raw: Request, model: type[BodyT]) -> BodyT:
         raise RequestValidationError(exc.errors(include_url=False)) from exc
 
 
-def create_app(loop: EngineLoop, *, manage_loop: bool = True) -> FastAPI:
-    """Build the app around ``loop``.
+_bearer = HTTPBearer(auto_error=False)
+
+
+def require_bearer(token: Callable[[], str | None], what: str) -> Any:
+    """A route dependency answering 401 (OpenAI error body, code ``invalid_api_key``)
+    unless the request carries ``Authorization: Bearer <token()>``, compared in
+    constant time; ``token()`` returning ``None`` lets every request through.
+
+    Raises:
+        APIError: 401 for a missing or wrong token; 503 when ``token()`` cannot read it.
+    """
+
+    async def check(
+        given: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+    ) -> None:
+        try:
+            expected = token()
+        except OSError as exc:
+            raise APIError(503, f"the {what} cannot be read: {exc.strerror}",
+                           type=ERROR_TYPE_UNAVAILABLE) from exc
+        if expected is None:
+            return
+        if given is None or not expected or not secrets.compare_digest(
+            given.credentials.encode(), expected.encode()
+        ):
+            raise APIError(401, f"missing or wrong {what}: send `Authorization: Bearer <{what}>`",
+                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+    return Depends(check)
+
+
+def create_app(
+    loop: EngineLoop, *, manage_loop: bool = True, api_key: str | None = None
+) -> FastAPI:
+    """Build the model app around ``loop``.
 
     Args:
         loop: the engine loop; not yet started when ``manage_loop``.
         manage_loop: start the loop on app startup and stop it on shutdown.
+        api_key: the bearer key ``/v1/*`` requires; ``None`` leaves them open.
     """
 
     @contextlib.asynccontextmanager
@@ -148,18 +192,43 @@ def create_app(loop: EngineLoop, *, manage_loop: bool = True) -> FastAPI:
         body = generate_latest(registry) if registry is not None else b""
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
+    openai = [require_bearer(lambda: api_key, "API key")] if api_key else []
+
+    @app.get("/v1/models", dependencies=openai)
     async def models() -> ModelList:
         engine = state.ready_engine()
         name = engine.served_model_name
         return ModelList(data=[ModelCard(id=name, root=name, max_model_len=engine.max_model_len)])
 
-    @app.get("/v1/speculative_config")
+    @app.post("/v1/completions", response_model=None, dependencies=openai)
+    async def create_completion(raw: Request) -> CompletionResponse | StreamingResponse:
+        request = await parse_body(raw, CompletionRequest)
+        tokenizer = state.tokenizer()
+        prep = completions.prepare(request, loop, tokenizer)
+        if not request.stream:
+            return await completions.complete(prep, loop, tokenizer)
+        run = await completions.start_stream(prep, loop, tokenizer)
+        return StreamingResponse(completions.stream(run), media_type="text/event-stream")
+
+    return app
+
+
+def create_admin_app(app: FastAPI, token: Callable[[], str | None]) -> FastAPI:
+    """The admin API of the model ``app`` (same engine loop), every route behind
+    :func:`require_bearer` with ``token`` (``None`` from it: no check, local runs only).
+    """
+    admin = FastAPI(title="Specula runtime admin",
+                    dependencies=[require_bearer(token, "admin token")])
+    install_error_handlers(admin)
+    state: _ServerState = app.state.specula
+    loop = state.loop
+
+    @admin.get("/v1/speculative_config")
     async def speculative_config() -> JSONResponse:
         state.ready_engine()
         return JSONResponse(loop.speculative_config)
 
-    @app.put("/v1/speculative_config")
+    @admin.put("/v1/speculative_config")
     async def update_speculative_config(raw: Request) -> JSONResponse:
         update = await parse_body(raw, SpeculativeConfigUpdate)
         state.ready_engine()
@@ -177,14 +246,4 @@ def create_app(loop: EngineLoop, *, manage_loop: bool = True) -> FastAPI:
             raise completions.engine_unavailable(exc) from exc
         return JSONResponse(loop.speculative_config)
 
-    @app.post("/v1/completions", response_model=None)
-    async def create_completion(raw: Request) -> CompletionResponse | StreamingResponse:
-        request = await parse_body(raw, CompletionRequest)
-        tokenizer = state.tokenizer()
-        prep = completions.prepare(request, loop, tokenizer)
-        if not request.stream:
-            return await completions.complete(prep, loop, tokenizer)
-        run = await completions.start_stream(prep, loop, tokenizer)
-        return StreamingResponse(completions.stream(run), media_type="text/event-stream")
-
-    return app
+    return admin

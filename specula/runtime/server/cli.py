@@ -3,6 +3,9 @@
 The config comes from ``--config FILE`` (the JSON the operator writes), from flags,
 or both; a flag overrides the file's value.  An invalid config is reported on stderr
 with exit status 2 (argparse's status for usage errors) before anything is loaded.
+
+Secrets (the API key, the admin token) never enter the config, which the operator
+writes into a ConfigMap: they come from flags, environment variables or a file.
 """
 
 from __future__ import annotations
@@ -10,8 +13,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
+import socket
 import sys
+import threading
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +38,8 @@ _TOP_LEVEL_FLAGS = {
     "max_num_seqs": "max_num_seqs",
     "host": "host",
     "port": "port",
+    "admin_port": "admin_port",
+    "admin_token_file": "admin_token_file",
 }
 """argparse dest -> RuntimeConfig field, for flags that map one to one."""
 
@@ -125,6 +134,59 @@ def start_metrics_listener(app: Any, host: str, port: int) -> None:
     logger.info("serving /metrics on %s:%d", host, port)
 
 
+ADMIN_TOKEN_ENV = "SPECULA_ADMIN_TOKEN"
+API_KEY_ENV = "SPECULA_API_KEY"
+
+
+def admin_token_source(
+    config: RuntimeConfig, args: argparse.Namespace, environ: Mapping[str, str]
+) -> Callable[[], str | None]:
+    """Where admin requests' bearer token comes from: ``admin_token_file`` (read
+    again per request; checked readable and non-empty here), else ``$SPECULA_ADMIN_TOKEN``.
+
+    Raises:
+        ConfigError: no token and no ``--admin-insecure-no-token``, or an unreadable
+            or empty token file.
+    """
+    path = config.admin_token_file
+    if path is not None:
+        try:
+            if Path(path).read_text().strip():
+                return lambda: Path(path).read_text().strip()
+        except OSError as exc:
+            raise ConfigError(f"cannot read admin_token_file {path}: {exc.strerror}") from exc
+        raise ConfigError(f"admin_token_file {path} is empty")
+    token = environ.get(ADMIN_TOKEN_ENV)
+    if token:
+        return lambda: token
+    if getattr(args, "admin_insecure_no_token", False):
+        logger.warning("admin API on port %d WITHOUT a token (--admin-insecure-no-token): "
+                       "anyone who reaches it can change k", config.admin_port)
+        return lambda: None
+    raise ConfigError(
+        f"admin_port {config.admin_port} needs a token: --admin-token-file FILE or "
+        f"${ADMIN_TOKEN_ENV} (or --admin-insecure-no-token for a local development run)"
+    )
+
+
+def start_admin_listener(admin_app: Any, host: str, port: int) -> None:
+    """Serve ``admin_app`` on ``host:port`` from a daemon thread (its own event loop;
+    the engine loop accepts calls from any loop).  The socket is bound here, so a port
+    in use fails the start instead of the thread.
+
+    Raises:
+        OSError: the port cannot be bound.
+    """
+    import uvicorn
+
+    sock = socket.create_server((host, port),
+                                family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+    server = uvicorn.Server(uvicorn.Config(admin_app, log_level="warning"))
+    threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True,
+                     name="admin-api").start()
+    logger.info("serving the admin API on %s:%d", host, port)
+
+
 def serve(args: argparse.Namespace) -> int:
     """Run the server until interrupted.
 
@@ -134,6 +196,8 @@ def serve(args: argparse.Namespace) -> int:
     """
     try:
         config = build_runtime_config(args)
+        admin_token = (admin_token_source(config, args, os.environ)
+                       if config.admin_port is not None else None)
     except ConfigError as exc:
         print(f"specula serve: {exc}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
@@ -145,7 +209,7 @@ def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from specula.runtime.engine.llm_engine import create_engine
-    from specula.runtime.server.app import create_app
+    from specula.runtime.server.app import create_admin_app, create_app
     from specula.runtime.server.engine_loop import EngineLoop, EngineState
 
     server: uvicorn.Server | None = None
@@ -157,9 +221,11 @@ def serve(args: argparse.Namespace) -> int:
             server.should_exit = True
 
     loop = EngineLoop(lambda: create_engine(config), on_fatal=on_fatal)
-    app = create_app(loop)
+    app = create_app(loop, api_key=getattr(args, "api_key", None) or os.environ.get(API_KEY_ENV))
     if config.metrics_port is not None and config.metrics_port != config.port:
         start_metrics_listener(app, config.host, config.metrics_port)
+    if config.admin_port is not None and admin_token is not None:
+        start_admin_listener(create_admin_app(app, admin_token), config.host, config.admin_port)
     server = uvicorn.Server(
         uvicorn.Config(app, host=config.host, port=config.port, log_level="info")
     )

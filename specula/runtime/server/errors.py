@@ -40,16 +40,18 @@ class APIError(Exception):
         type: str = ERROR_TYPE_INVALID_REQUEST,  # noqa: A002 - OpenAI's field name
         param: str | None = None,
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
+        self.headers = headers
         self.info = ErrorInfo(message=message, type=type, param=param, code=code)
 
     def body(self) -> dict[str, Any]:
         return ErrorResponse(error=self.info).model_dump()
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 _UNION_SHAPES = {
