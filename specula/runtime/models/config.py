@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -122,6 +123,26 @@ class ModelConfig:
         layer order (every layer here; architectures that share KV between layers
         override it)."""
         return ((self.num_key_value_heads, self.head_dim),) * self.num_hidden_layers
+
+
+def check_aux_layer_ids(
+    layer_ids: Sequence[int], num_hidden_layers: int, field: str = "aux_hidden_state_layer_ids"
+) -> tuple[int, ...]:
+    """``layer_ids`` as a tuple, each an auxiliary hidden-state id of a target of
+    ``num_hidden_layers`` layers (see
+    :meth:`~specula.runtime.models.llama.LlamaForCausalLM.check_aux_hidden_state_layers`).
+
+    Raises:
+        ValueError: an id outside ``[0, num_hidden_layers]``; the message names ``field``
+            and both values.
+    """
+    for i in layer_ids:
+        if not 0 <= i <= num_hidden_layers:
+            raise ValueError(
+                f"{field} contains {i}, outside [0, {num_hidden_layers}] "
+                f"for a target with num_hidden_layers={num_hidden_layers}"
+            )
+    return tuple(layer_ids)
 
 
 def checkpoint_dtype(hf: Any) -> torch.dtype | None:

@@ -28,6 +28,8 @@ from specula.runtime.models.config import ModelConfig
 from specula.runtime.models.layers import RMSNorm, RotaryEmbedding, build_empty, init_dummy_weights
 from specula.runtime.models.llama import LlamaForCausalLM
 from specula.runtime.models.qwen3 import Qwen3DecoderLayer
+from specula.runtime.models.registry import load_safetensors
+from specula.runtime.models.speculators_format import draft_to_target_ids
 
 SKIPPED_TENSORS = frozenset(
     {"embed_tokens.weight", "verifier_lm_head.weight", "verifier_norm.weight", "t2d"}
@@ -126,8 +128,6 @@ def load_dflash_draft(
             shape mismatch, or ``d2t`` mapping outside ``[0, target_vocab_size)`` or
             onto one target id twice.
     """
-    from safetensors import safe_open
-
     # Casting touches floating-point tensors only: d2t stays int64.
     model = build_empty(
         lambda: DFlashDraftModel(config, num_aux_layers, draft_vocab_size, device), dtype, device
@@ -138,62 +138,7 @@ def load_dflash_draft(
             ids = torch.randperm(target_vocab_size)[:draft_vocab_size].sort().values
             model.d2t.copy_(ids - torch.arange(draft_vocab_size))
         return model.eval()
-    files = sorted(Path(checkpoint_dir).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors files in {str(checkpoint_dir)!r}")
-    expected = model.state_dict()
-    shard_map = {
-        sub: (fused, i)
-        for fused, subs in model.packed_modules_mapping.items()
-        for i, sub in enumerate(subs)
-    }
-    state: dict[str, torch.Tensor] = {}
-    shards: dict[str, dict[int, torch.Tensor]] = {}
-    for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                if name in SKIPPED_TENSORS:
-                    continue
-                if name == "lm_head.weight" and model.lm_head is None:
-                    continue
-                module_path, _, param_name = name.rpartition(".")
-                parent, _, leaf = module_path.rpartition(".")
-                if leaf in shard_map:
-                    fused, shard_id = shard_map[leaf]
-                    shards.setdefault(f"{parent}.{fused}.{param_name}", {})[shard_id] = (
-                        f.get_tensor(name)
-                    )
-                else:
-                    state[name] = f.get_tensor(name)
-    for fused_name, parts in shards.items():
-        num_parts = len(model.packed_modules_mapping[fused_name.split(".")[-2]])
-        if len(parts) != num_parts:
-            raise ValueError(f"checkpoint lacks shards of {fused_name!r}: has {sorted(parts)}")
-        state[fused_name] = torch.cat([parts[i] for i in range(num_parts)])
-    unexpected = sorted(set(state) - set(expected))
-    if unexpected:
-        raise ValueError(f"checkpoint tensors {unexpected} have no matching parameter")
-    missing = sorted(set(expected) - set(state))
-    if missing:
-        raise ValueError(f"checkpoint {str(checkpoint_dir)!r} lacks {missing}")
-    for name, tensor in state.items():
-        if tensor.shape != expected[name].shape:
-            raise ValueError(
-                f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape "
-                f"{tuple(expected[name].shape)}"
-            )
-    model.load_state_dict(state)
+    load_safetensors(model, checkpoint_dir, lambda name: None if name in SKIPPED_TENSORS else name)
     if model.d2t is not None:
-        _check_d2t(model.d2t, target_vocab_size)
+        draft_to_target_ids(model.d2t, target_vocab_size)
     return model.eval()
-
-
-def _check_d2t(d2t: torch.Tensor, target_vocab_size: int) -> None:
-    target_ids = torch.arange(d2t.shape[0], device=d2t.device) + d2t
-    if target_ids.min() < 0 or target_ids.max() >= target_vocab_size:
-        raise ValueError(
-            f"d2t maps draft ids to target ids in [{int(target_ids.min())}, "
-            f"{int(target_ids.max())}], outside the target vocab_size {target_vocab_size}"
-        )
-    if target_ids.unique().numel() != target_ids.numel():
-        raise ValueError("d2t maps two draft ids onto one target id")

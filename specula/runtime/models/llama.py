@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from specula.runtime.kernels.gemv import linear
-from specula.runtime.models.config import ModelConfig
+from specula.runtime.models.config import ModelConfig, check_aux_layer_ids
 from specula.runtime.models.layers import MergedLinear, RMSNorm, RotaryEmbedding
 
 
@@ -100,14 +100,7 @@ class LlamaForCausalLM(nn.Module):
             ValueError: an id outside ``[0, num_hidden_layers]``; the message names the
                 field and both values.
         """
-        num_layers = self.config.num_hidden_layers
-        for i in layer_ids:
-            if not 0 <= i <= num_layers:
-                raise ValueError(
-                    f"aux_hidden_state_layer_ids contains {i}, outside [0, {num_layers}] "
-                    f"for a target with num_hidden_layers={num_layers}"
-                )
-        return tuple(layer_ids)
+        return check_aux_layer_ids(layer_ids, self.config.num_hidden_layers)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_positions, hidden_size] -> [num_positions, vocab_size] float32 logits."""

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from specula.runtime.kernels.gemv import linear
-from specula.runtime.models.config import ModelConfig
+from specula.runtime.models.config import ModelConfig, check_aux_layer_ids
 from specula.runtime.models.layers import (
     MergedLinear,
     RMSNorm,
@@ -30,13 +30,15 @@ from specula.runtime.models.layers import (
     build_empty,
     init_dummy_weights,
 )
-from specula.runtime.models.llama import LlamaDecoderLayer
+from specula.runtime.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from specula.runtime.models.qwen3 import Qwen3Attention, Qwen3DecoderLayer
+from specula.runtime.models.registry import load_safetensors
 from specula.runtime.models.speculators_format import (
-    iter_checkpoint_tensors,
+    draft_to_target_ids,
     layer_model_config,
-    load_parameter,
     read_speculators_config,
+    read_tensor,
+    speculators_weight_name,
 )
 
 
@@ -88,10 +90,7 @@ class Eagle3LlamaForCausalLM(nn.Module):
     ``vocab_size`` is the target vocabulary that :meth:`compute_logits` covers).
     """
 
-    packed_modules_mapping: dict[str, list[str]] = {
-        "qkv_proj": ["q_proj", "k_proj", "v_proj"],
-        "gate_up_proj": ["gate_proj", "up_proj"],
-    }
+    packed_modules_mapping = LlamaForCausalLM.packed_modules_mapping
 
     def __init__(self, eagle: Eagle3Config, device: torch.device) -> None:
         super().__init__()
@@ -163,15 +162,7 @@ class Eagle3LlamaForCausalLM(nn.Module):
         n = self.eagle.draft_vocab_size
         if d2t.shape != (n,):
             raise ValueError(f"d2t has shape {tuple(d2t.shape)}, draft_vocab_size is {n}")
-        ids = torch.arange(n) + d2t.long().cpu()
-        vocab = self.config.vocab_size
-        if ids.min() < 0 or ids.max() >= vocab:
-            raise ValueError(
-                f"d2t maps draft ids to target ids in [{ids.min().item()}, {ids.max().item()}], "
-                f"outside the target vocab_size {vocab}"
-            )
-        if ids.unique().numel() != n:
-            raise ValueError("d2t maps two draft ids to the same target id")
+        ids = draft_to_target_ids(d2t.long().cpu(), self.config.vocab_size)
         self.draft_to_target = ids.to(self.draft_to_target.device)
 
 
@@ -191,7 +182,8 @@ def load_eagle3_draft(
     """Build the EAGLE-3 head of a ``speculators`` ``eagle3`` checkpoint for ``target``.
 
     ``embed_tokens.weight`` and ``lm_head.weight`` may be absent from the checkpoint;
-    the head then shares the target's (:func:`share_target_weights`), as
+    the head then shares the target's
+    (:func:`~specula.runtime.models.speculators_format.share_target_weights`), as
     ``speculators`` fills them from the verifier.
 
     Raises:
@@ -217,16 +209,12 @@ def load_eagle3_draft(
         )
         raise ValueError(f"{field} {target_hidden} != target hidden_size {target.hidden_size}")
     num_layers = target.num_hidden_layers
-    aux_ids = tuple(
+    aux_ids = check_aux_layer_ids(
         raw.get("eagle_aux_hidden_state_layer_ids")
-        or default_aux_hidden_state_layer_ids(num_layers)
+        or default_aux_hidden_state_layer_ids(num_layers),
+        num_layers,
+        "eagle_aux_hidden_state_layer_ids",
     )
-    for i in aux_ids:
-        if not 0 <= i <= num_layers:
-            raise ValueError(
-                f"eagle_aux_hidden_state_layer_ids contains {i}, outside [0, {num_layers}] "
-                f"for a target with num_hidden_layers={num_layers}"
-            )
     eagle = Eagle3Config(
         layer=layer,
         draft_vocab_size=int(raw.get("draft_vocab_size") or layer.vocab_size),
@@ -238,56 +226,31 @@ def load_eagle3_draft(
         norm_output=bool(raw.get("norm_output", False)),
     )
     model = build_empty(lambda: Eagle3LlamaForCausalLM(eagle, device), dtype, device)
-    # Not weights: rebuild what to_empty left uninitialised.
-    model.rotary = RotaryEmbedding(layer.head_dim, layer.rope_theta, layer.rope_scaling, device)
+    # Not a weight: rebuild what to_empty left uninitialised.
     model.draft_to_target = torch.arange(eagle.draft_vocab_size, device=device)
+    shared = ("embed_tokens.weight", "lm_head.weight")
     if load_format == "dummy":
-        shared = ("embed_tokens.weight", "lm_head.weight")
         init_dummy_weights(model, skip=shared)
         if eagle.draft_vocab_size != layer.vocab_size:
             ids = torch.randperm(layer.vocab_size)[: eagle.draft_vocab_size].sort().values
             model.set_draft_to_target(ids - torch.arange(eagle.draft_vocab_size))
         model.missing_target_weights = set(shared)
         return model.eval()
-    unloaded = {name for name, _ in model.named_parameters()}
-    d2t = None
-    for name, tensor in iter_checkpoint_tensors(checkpoint_dir):
-        if name == "d2t":
-            d2t = tensor
-        elif name == "t2d" or name.startswith("verifier_"):
-            continue  # t2d is implied by d2t; verifier_* are training-only copies
-        else:
-            unloaded.difference_update(load_parameter(model, name, tensor))
+    model.missing_target_weights = load_safetensors(
+        model, checkpoint_dir, speculators_weight_name, shared
+    )
     if eagle.draft_vocab_size != layer.vocab_size:
+        d2t = read_tensor(checkpoint_dir, "d2t")
         if d2t is None:
             raise ValueError(
                 f"draft_vocab_size {eagle.draft_vocab_size} != target vocab_size "
                 f"{layer.vocab_size} but the checkpoint has no d2t"
             )
         model.set_draft_to_target(d2t)
-    model.missing_target_weights = unloaded & {"embed_tokens.weight", "lm_head.weight"}
     if model.missing_target_weights and layer.hidden_size != target.hidden_size:
         raise ValueError(
             f"checkpoint lacks {sorted(model.missing_target_weights)} and "
             f"transformer_layer_config.hidden_size {layer.hidden_size} != target "
             f"hidden_size {target.hidden_size}: the target's cannot be shared"
         )
-    unloaded -= model.missing_target_weights
-    if unloaded:
-        raise ValueError(f"checkpoint {str(checkpoint_dir)!r} lacks {sorted(unloaded)}")
     return model.eval()
-
-
-def share_target_weights(
-    model: Eagle3LlamaForCausalLM, embed: nn.Embedding, lm_head_weight: torch.Tensor
-) -> None:
-    """Give ``model`` the target's embeddings and LM head rows where its checkpoint
-    had none (``model.missing_target_weights``); the head keeps the rows of the draft
-    vocabulary's target ids."""
-    if "embed_tokens.weight" in model.missing_target_weights:
-        model.embed_tokens = embed
-    if "lm_head.weight" in model.missing_target_weights:
-        model.lm_head.weight = nn.Parameter(
-            lm_head_weight[model.draft_to_target], requires_grad=False
-        )
-    model.missing_target_weights = set()

@@ -23,13 +23,16 @@ from torch import nn
 from specula.runtime.kernels.gemv import linear
 from specula.runtime.models.config import ModelConfig
 from specula.runtime.models.layers import RMSNorm, RotaryEmbedding, build_empty, init_dummy_weights
-from specula.runtime.models.llama import LlamaDecoderLayer
+from specula.runtime.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from specula.runtime.models.qwen3 import Qwen3DecoderLayer
+from specula.runtime.models.registry import load_safetensors
 from specula.runtime.models.speculators_format import (
-    iter_checkpoint_tensors,
     layer_model_config,
-    load_parameter,
     read_speculators_config,
+    speculators_weight_name,
+)
+from specula.runtime.models.speculators_format import (
+    share_target_weights as share_target_weights,  # re-exported for MTP heads
 )
 
 _BLOCKS: dict[str, type[LlamaDecoderLayer]] = {
@@ -69,10 +72,7 @@ class MTPForCausalLM(nn.Module):
     ``vocab_size`` the target's).
     """
 
-    packed_modules_mapping: dict[str, list[str]] = {
-        "qkv_proj": ["q_proj", "k_proj", "v_proj"],
-        "gate_up_proj": ["gate_proj", "up_proj"],
-    }
+    packed_modules_mapping = LlamaForCausalLM.packed_modules_mapping
 
     def __init__(self, config: ModelConfig, device: torch.device) -> None:
         super().__init__()
@@ -91,11 +91,12 @@ class MTPForCausalLM(nn.Module):
         return linear(hidden, self.lm_head.weight).float()
 
 
-def _model_name(checkpoint_name: str) -> str:
-    """Map a ``speculators`` MTP tensor name to this module's parameter name."""
+def _model_name(checkpoint_name: str) -> str | None:
+    """Map a ``speculators`` MTP tensor name to this module's parameter name (``None``:
+    not a weight)."""
     parts = checkpoint_name.split(".")
     if parts[0] != "mtp_layers" or len(parts) < 4:
-        return checkpoint_name
+        return speculators_weight_name(checkpoint_name)
     head, module = parts[:2], parts[2]
     if module in _CHECKPOINT_NAMES:
         return ".".join([*head, _CHECKPOINT_NAMES[module], *parts[3:]])
@@ -134,34 +135,11 @@ def load_mtp_draft(
         # The format itself defines one layer (speculators' MTPSpeculatorConfig).
         raise ValueError(f"num_nextn_predict_layers {num_layers} is not supported (only 1)")
     model = build_empty(lambda: MTPForCausalLM(layer, device), dtype, device)
-    # Not a weight: rebuild what to_empty left uninitialised.
-    model.rotary = RotaryEmbedding(layer.head_dim, layer.rope_theta, layer.rope_scaling, device)
     if load_format == "dummy":
         init_dummy_weights(model, skip=SHARED_WITH_TARGET)
         model.missing_target_weights = set(SHARED_WITH_TARGET)
         return model.eval()
-    unloaded = {name for name, _ in model.named_parameters()}
-    for name, tensor in iter_checkpoint_tensors(checkpoint_dir):
-        if name in ("d2t", "t2d") or name.startswith("verifier_"):
-            continue  # identity vocabulary maps and training-only copies
-        unloaded.difference_update(load_parameter(model, _model_name(name), tensor))
-    model.missing_target_weights = unloaded & set(SHARED_WITH_TARGET)
-    unloaded -= model.missing_target_weights
-    if unloaded:
-        raise ValueError(f"checkpoint {str(checkpoint_dir)!r} lacks {sorted(unloaded)}")
+    model.missing_target_weights = load_safetensors(
+        model, checkpoint_dir, _model_name, SHARED_WITH_TARGET
+    )
     return model.eval()
-
-
-def share_target_weights(
-    model: MTPForCausalLM, embed: nn.Embedding, lm_head_weight: torch.Tensor
-) -> None:
-    """Give ``model`` the target's embeddings and LM head where its checkpoint had none."""
-    if "embed_tokens.weight" in model.missing_target_weights:
-        model.embed_tokens = embed
-    if "lm_head.weight" in model.missing_target_weights:
-        model.lm_head.weight = (
-            lm_head_weight
-            if isinstance(lm_head_weight, nn.Parameter)
-            else nn.Parameter(lm_head_weight, requires_grad=False)
-        )
-    model.missing_target_weights = set()

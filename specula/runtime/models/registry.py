@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 import torch
@@ -68,23 +69,34 @@ def load_model(
     return model.eval()
 
 
-def load_safetensors(model: LlamaForCausalLM, checkpoint_dir: Path) -> None:
+def load_safetensors(
+    model: nn.Module,
+    checkpoint_dir: Path,
+    rename: Callable[[str], str | None] | None = None,
+    optional: Collection[str] = (),
+) -> set[str]:
     """Copy every tensor of ``checkpoint_dir/*.safetensors`` into ``model`` by HF name.
 
     Checkpoint names of projections fused in the model (``packed_modules_mapping``) are
-    routed to their shard of the fused parameter. A model with a ``checkpoint_name``
-    method maps each stored name through it first (``None``: a tensor it does not use).
+    routed to their shard of the fused parameter; persistent buffers (DFlash's ``d2t``)
+    load as parameters do. ``rename`` (default: the model's ``checkpoint_name`` method, if
+    it has one) maps each stored name first (``None``: a tensor the model does not use).
+
+    Returns:
+        the names of ``optional`` the checkpoint lacks (weights shared from the target).
 
     Raises:
         FileNotFoundError: no ``*.safetensors`` file.
-        ValueError: an unexpected tensor, a shape mismatch, or parameters left unloaded.
+        ValueError: an unexpected tensor, a shape mismatch, or parameters outside
+            ``optional`` left unloaded.
     """
     from safetensors import safe_open
 
-    files = sorted(checkpoint_dir.glob("*.safetensors"))
+    files = sorted(Path(checkpoint_dir).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {str(checkpoint_dir)!r}")
-    params = dict(model.named_parameters())
+    params = model.state_dict()
+    modules = dict(model.named_modules())
     unloaded = set(params)
     missing_shards: dict[str, set[int]] = {}
     shard_map = {
@@ -92,25 +104,24 @@ def load_safetensors(model: LlamaForCausalLM, checkpoint_dir: Path) -> None:
         for fused, subs in model.packed_modules_mapping.items()
         for i, sub in enumerate(subs)
     }
-    rename = getattr(model, "checkpoint_name", None)
+    rename = rename or getattr(model, "checkpoint_name", None) or (lambda name: name)
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for stored in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                name = stored if rename is None else rename(stored)
-                if name is None:
-                    continue
-                if name.endswith("rotary_emb.inv_freq"):
-                    continue  # derived from the config, not a weight
+                name = rename(stored)
+                if name is None or name.endswith("rotary_emb.inv_freq"):
+                    continue  # unused, or derived from the config (not a weight)
                 if name == "lm_head.weight" and model.lm_head is None:
-                    continue  # tied to embed_tokens
+                    continue  # tied to embed_tokens, or the target's head
                 tensor = f.get_tensor(stored)
                 module_path, _, param_name = name.rpartition(".")
                 parent, _, leaf = module_path.rpartition(".")
                 if leaf in shard_map:
                     fused, shard_id = shard_map[leaf]
-                    fused_path = f"{parent}.{fused}"
-                    module = _get_module(model, fused_path, name)
-                    assert isinstance(module, MergedLinear)
+                    fused_path = f"{parent}.{fused}" if parent else fused
+                    module = modules.get(fused_path)
+                    if not isinstance(module, MergedLinear):
+                        raise ValueError(f"checkpoint tensor {name!r} has no matching module")
                     module.load_shard(param_name, shard_id, tensor)
                     fused_name = f"{fused_path}.{param_name}"
                     pending = missing_shards.setdefault(
@@ -128,14 +139,9 @@ def load_safetensors(model: LlamaForCausalLM, checkpoint_dir: Path) -> None:
                         f"{name}: checkpoint shape {tuple(tensor.shape)} "
                         f"!= model shape {tuple(param.shape)}"
                     )
-                param.data.copy_(tensor)
+                param.copy_(tensor)
                 unloaded.discard(name)
-    if unloaded:
-        raise ValueError(f"checkpoint {str(checkpoint_dir)!r} lacks {sorted(unloaded)}")
-
-
-def _get_module(model: nn.Module, path: str, checkpoint_name: str) -> nn.Module:
-    try:
-        return model.get_submodule(path)
-    except AttributeError as exc:
-        raise ValueError(f"checkpoint tensor {checkpoint_name!r} has no matching module") from exc
+    missing = unloaded & set(optional)
+    if unloaded - missing:
+        raise ValueError(f"checkpoint {str(checkpoint_dir)!r} lacks {sorted(unloaded - missing)}")
+    return missing

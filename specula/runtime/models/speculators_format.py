@@ -12,7 +12,6 @@ reduced vocabulary.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +19,6 @@ import torch
 from torch import nn
 
 from specula.runtime.models.config import ModelConfig
-from specula.runtime.models.layers import MergedLinear
 
 
 def read_speculators_config(checkpoint_dir: Path, expected_type: str) -> dict[str, Any]:
@@ -68,50 +66,54 @@ def layer_model_config(config: dict[str, Any]) -> ModelConfig:
     return ModelConfig.from_hf_config(hf)
 
 
-def iter_checkpoint_tensors(checkpoint_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every ``(name, tensor)`` of ``checkpoint_dir/*.safetensors``, on the CPU.
+def speculators_weight_name(name: str) -> str | None:
+    """``name``, or ``None`` for a tensor that is no draft weight: the ``d2t`` / ``t2d``
+    vocabulary maps and the training-only ``verifier_*`` copies."""
+    return None if name in ("d2t", "t2d") or name.startswith("verifier_") else name
 
-    Raises:
-        FileNotFoundError: no ``*.safetensors`` file.
-    """
+
+def read_tensor(checkpoint_dir: Path, name: str) -> torch.Tensor | None:
+    """Tensor ``name`` of ``checkpoint_dir/*.safetensors`` on the CPU, ``None`` if absent."""
     from safetensors import safe_open
 
-    files = sorted(Path(checkpoint_dir).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors files in {str(checkpoint_dir)!r}")
-    for file in files:
+    for file in sorted(Path(checkpoint_dir).glob("*.safetensors")):
         with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                yield name, f.get_tensor(name)
+            if name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                return f.get_tensor(name)
+    return None
 
 
-def load_parameter(model: nn.Module, name: str, tensor: torch.Tensor) -> list[str]:
-    """Copy checkpoint tensor ``name`` into ``model``; a projection fused in the model
-    (``model.packed_modules_mapping``, fused name -> checkpoint names in row order) goes
-    to its shard. Returns the names of the model parameters written (partly, for a shard).
+def share_target_weights(
+    model: nn.Module,
+    embed: nn.Embedding,
+    lm_head_weight: torch.Tensor,
+    rows: torch.Tensor | None = None,
+) -> None:
+    """Give a draft head the target's embeddings and LM head where its checkpoint had
+    none (``model.missing_target_weights``); ``rows``: the LM head keeps only these rows
+    (the target ids of a draft vocabulary, a copy), else it is the target's own."""
+    if "embed_tokens.weight" in model.missing_target_weights:
+        model.embed_tokens = embed
+    if "lm_head.weight" in model.missing_target_weights:
+        weight = lm_head_weight if rows is None else lm_head_weight[rows]
+        if not isinstance(weight, nn.Parameter):
+            weight = nn.Parameter(weight, requires_grad=False)
+        model.lm_head.weight = weight
+    model.missing_target_weights = set()
+
+
+def draft_to_target_ids(d2t: torch.Tensor, target_vocab_size: int) -> torch.Tensor:
+    """The target id ``i + d2t[i]`` of each draft id ``i``, ``[draft_vocab_size]``.
 
     Raises:
-        ValueError: no matching parameter, or a shape mismatch (names both shapes).
+        ValueError: ids outside ``[0, target_vocab_size)``, or two draft ids on one target id.
     """
-    module_path, _, param_name = name.rpartition(".")
-    parent, _, leaf = module_path.rpartition(".")
-    for fused, subs in getattr(model, "packed_modules_mapping", {}).items():
-        if leaf in subs:
-            fused_path = f"{parent}.{fused}" if parent else fused
-            try:
-                module = model.get_submodule(fused_path)
-            except AttributeError as exc:
-                raise ValueError(f"checkpoint tensor {name!r} has no matching module") from exc
-            assert isinstance(module, MergedLinear)
-            module.load_shard(param_name, subs.index(leaf), tensor)
-            return [f"{fused_path}.{param_name}"]
-    params = dict(model.named_parameters())
-    param = params.get(name)
-    if param is None:
-        raise ValueError(f"checkpoint tensor {name!r} has no matching parameter")
-    if param.shape != tensor.shape:
+    target_ids = torch.arange(d2t.shape[0], device=d2t.device) + d2t
+    if target_ids.min() < 0 or target_ids.max() >= target_vocab_size:
         raise ValueError(
-            f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(param.shape)}"
+            f"d2t maps draft ids to target ids in [{int(target_ids.min())}, "
+            f"{int(target_ids.max())}], outside the target vocab_size {target_vocab_size}"
         )
-    param.data.copy_(tensor)
-    return [name]
+    if target_ids.unique().numel() != target_ids.numel():
+        raise ValueError("d2t maps two draft ids onto one target id")
+    return target_ids

@@ -21,12 +21,12 @@ z-lab ``dflash_config.target_layer_ids`` name the decoder layer whose *output* i
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from specula.runtime.models.config import ModelConfig
+from specula.runtime.models.config import ModelConfig, check_aux_layer_ids
+from specula.runtime.models.speculators_format import read_speculators_config
 
 SPECULATORS_MODEL_TYPE = "dflash"
 
@@ -83,24 +83,8 @@ class DFlashConfig:
                 ``speculators_model_type`` and its value), a missing or invalid field,
                 or draft layers our runtime does not implement (sliding-window layers).
         """
-        path = Path(checkpoint_dir) / "config.json"
-        if not path.is_file():
-            raise FileNotFoundError(f"no config.json in {str(checkpoint_dir)!r}")
-        return cls.from_dict(json.loads(path.read_text()))
-
-    @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> DFlashConfig:
-        """Parse a ``config.json`` mapping (see :meth:`from_pretrained`)."""
-        model_type = raw.get("speculators_model_type")
-        if model_type != SPECULATORS_MODEL_TYPE:
-            raise ValueError(
-                f"speculators_model_type is {model_type!r}, expected "
-                f"{SPECULATORS_MODEL_TYPE!r} for method 'dflash'"
-            )
-        layer_dict = raw.get("transformer_layer_config")
-        if not isinstance(layer_dict, dict):
-            raise ValueError("dflash config lacks 'transformer_layer_config'")
-        layer_config = _layer_config(layer_dict)
+        raw = read_speculators_config(checkpoint_dir, SPECULATORS_MODEL_TYPE)
+        layer_config = _layer_config(raw["transformer_layer_config"])
         block_size = raw.get("block_size", 8)
         if not isinstance(block_size, int) or block_size < 2:
             raise ValueError(f"block_size {block_size!r} must be an integer >= 2")
@@ -159,13 +143,7 @@ class DFlashConfig:
                 f"dflash target_hidden_size {self.target_hidden_size} != target "
                 f"hidden_size {target.hidden_size}"
             )
-        num_layers = target.num_hidden_layers
-        for i in self.aux_hidden_state_layer_ids:
-            if not 0 <= i <= num_layers:
-                raise ValueError(
-                    f"aux_hidden_state_layer_ids contains {i}, outside [0, {num_layers}] "
-                    f"for a target with num_hidden_layers={num_layers}"
-                )
+        check_aux_layer_ids(self.aux_hidden_state_layer_ids, target.num_hidden_layers)
         limit = self.max_num_speculative_tokens
         if num_speculative_tokens > limit:
             anchor = "" if self.sample_from_anchor else " - 1 (the anchor slot drafts nothing)"

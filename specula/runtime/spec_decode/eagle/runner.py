@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import torch
 
-from specula.runtime.kernels.gemv import linear
 from specula.runtime.kernels.layernorm import fused_add_rms_norm, rms_norm
 from specula.runtime.models.llama_eagle3 import Eagle3LlamaForCausalLM
 from specula.runtime.worker.model_runner import ModelRunner
@@ -53,11 +52,6 @@ class Eagle3Runner(ModelRunner):
         )
 
     @torch.no_grad()
-    def combine_hidden_states(self, aux_hidden_states: torch.Tensor) -> torch.Tensor:
-        """``fc`` (and its optional norms): [n, num_aux * H_target] -> [n, H]."""
-        return self.model.combine_hidden_states(aux_hidden_states)
-
-    @torch.no_grad()
     def forward(  # type: ignore[override]
         self,
         input_ids: torch.Tensor,
@@ -75,8 +69,8 @@ class Eagle3Runner(ModelRunner):
                 output.
 
         Returns:
-            ``(normed [num_tokens, H] for :meth:`draft_token_ids`, [num_tokens, H] the
-            state the next draft step reads)``, as
+            ``(normed [num_tokens, H] for the draft logits, [num_tokens, H] the state the
+            next draft step reads)``, as
             :meth:`Eagle3LlamaForCausalLM.forward`.
 
         Raises:
@@ -86,29 +80,19 @@ class Eagle3Runner(ModelRunner):
         assert input_ids.shape[0] == metadata.num_tokens
         assert hidden_states.shape == (input_ids.shape[0], self.config.hidden_size)
         model = self.model
-        first, *rest = model.layers
+        first = model.layers[0]
         embeds = model.embed_tokens(input_ids)  # [num_tokens, H]
         normed_hidden = rms_norm(hidden_states, first.hidden_norm.weight, first.hidden_norm.eps)
         residual = normed_hidden if first.norm_before_residual else hidden_states
-        ln = first.input_layernorm
-        attn_in = torch.cat([rms_norm(embeds, ln.weight, ln.eps), normed_hidden], dim=-1)
-        hidden = self._attention(first.self_attn, attn_in, positions, 0, metadata)
-        ln = first.post_attention_layernorm
-        hidden, residual = fused_add_rms_norm(hidden, residual, ln.weight, ln.eps)
-        hidden = self._mlp(first.mlp, hidden)
-        for i, layer in enumerate(rest, start=1):
+        for i, layer in enumerate(model.layers):
             ln = layer.input_layernorm
-            hidden, residual = fused_add_rms_norm(hidden, residual, ln.weight, ln.eps)
+            if i == 0:  # attention over [embedding, hidden], width 2H
+                hidden = torch.cat([rms_norm(embeds, ln.weight, ln.eps), normed_hidden], dim=-1)
+            else:
+                hidden, residual = fused_add_rms_norm(hidden, residual, ln.weight, ln.eps)
             hidden = self._attention(layer.self_attn, hidden, positions, i, metadata)
             ln = layer.post_attention_layernorm
             hidden, residual = fused_add_rms_norm(hidden, residual, ln.weight, ln.eps)
             hidden = self._mlp(layer.mlp, hidden)
         normed, residual = fused_add_rms_norm(hidden, residual, model.norm.weight, model.norm.eps)
         return normed, normed if model.eagle.norm_output else residual
-
-    @torch.no_grad()
-    def draft_token_ids(self, normed: torch.Tensor) -> torch.Tensor:
-        """Greedy draft tokens: [n, H] -> [n] int64 *target* ids (argmax over the draft
-        vocabulary, mapped through ``d2t``)."""
-        logits = linear(normed, self.model.lm_head.weight)  # [n, draft_vocab_size]
-        return self.model.draft_to_target[logits.argmax(dim=-1)]

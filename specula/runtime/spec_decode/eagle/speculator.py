@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from specula.runtime.models.llama_eagle3 import (
-    Eagle3LlamaForCausalLM,
-    load_eagle3_draft,
-    share_target_weights,
-)
+from specula.runtime.kernels.gemv import linear
+from specula.runtime.models.llama_eagle3 import Eagle3LlamaForCausalLM, load_eagle3_draft
+from specula.runtime.models.speculators_format import share_target_weights
 from specula.runtime.spec_decode.autoregressive import AutoRegressiveSpeculator
 from specula.runtime.spec_decode.eagle.runner import Eagle3Runner
 
@@ -39,17 +37,17 @@ class EagleSpeculator(AutoRegressiveSpeculator):
 
     def bind_target(self, target_runner) -> None:
         target = target_runner.model
-        share_target_weights(self.model, target.model.embed_tokens, target.lm_head_weight)
-
-    def draft_kv_layers(self) -> int:
-        return len(self.model.layers)
+        embed, lm_head = target.model.embed_tokens, target.lm_head_weight
+        share_target_weights(self.model, embed, lm_head, self.model.draft_to_target)
 
     def build_runner(self, kv_cache, max_model_len: int) -> Eagle3Runner:
         return Eagle3Runner(self.model, kv_cache, max_model_len)
 
     def conditioning(self, hidden: torch.Tensor, aux: torch.Tensor | None) -> torch.Tensor:
         assert aux is not None, "EAGLE-3 reads the target's auxiliary hidden states"
-        return self.runner.combine_hidden_states(aux)
+        return self.model.combine_hidden_states(aux)
 
     def draft_argmax(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.runner.draft_token_ids(hidden)
+        """Argmax over the draft vocabulary, mapped to target ids through ``d2t``."""
+        logits = linear(hidden, self.model.lm_head.weight)  # [n, draft_vocab_size]
+        return self.model.draft_to_target[logits.argmax(dim=-1)]
