@@ -40,8 +40,6 @@ from specula.runtime.spec_decode.draft_model_base import DraftModelSpeculator
 from specula.runtime.worker.cudagraph import (
     BatchExecutionDescriptor,
     CapturedAttentionState,
-    capture_graph,
-    cudagraph_capture_sizes,
     padded_size,
 )
 from specula.runtime.worker.paged_kv import PagedAttentionMetadata
@@ -108,15 +106,13 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
     # ---- buffers and graphs ---------------------------------------------------------
 
     def init_cudagraph_manager(self) -> None:
+        super().init_cudagraph_manager()
         r, k = self.max_num_seqs, max(self.max_num_speculative_tokens, 1)
         dev = self.device
         i64 = {"dtype": torch.int64, "device": dev}
         self.num_accepted = torch.zeros(r, **i64)
-        self.next_token_ids = torch.zeros(r, **i64)
         self.prev_token_ids = torch.zeros(r, **i64)
         """[max_num_seqs] the token before the sampled one (token-only drafts' first step)."""
-        self.start_positions = torch.full((r,), -1, **i64)
-        """[max_num_seqs] position of the sampled token; -1 marks a padding row."""
         self.cu_num_draft_tokens = torch.zeros(r, dtype=torch.int32, device=dev)
         self.keys = torch.zeros(r, **i64)
         self.last_token_indices = torch.zeros(r, **i64)
@@ -137,17 +133,8 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
         self.draft_probs = (
             torch.zeros(r, k, self.vocab_size, device=dev) if self.keeps_draft_probs else None
         )
-        self.block_table = torch.zeros(
-            r, self.runner.max_blocks_per_req, dtype=torch.int32, device=dev
-        )
-        self.capture_sizes = cudagraph_capture_sizes(r)
         self.prefill_graphs: dict[BatchExecutionDescriptor, torch.cuda.CUDAGraph] = {}
         self.decode_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self.pool: tuple | None = None
-        self.num_prefill_replays = 0
-        """Draft prefill graph replays (a counter)."""
-        self.num_decode_replays = 0
-        """Draft decode graph replays (a counter)."""
 
     def runner_hidden_size(self) -> int:
         """Width of the state carried between draft steps."""
@@ -159,17 +146,12 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
     ) -> None:
         """Prefill graphs on the target's captured states (largest first), then the
         decode graphs for the same request counts, all in one memory pool."""
-        # The target's request counts (none captured: the default ladder).
-        self.capture_sizes = (
-            sorted({d.num_reqs for d in captured_attention_states}) or self.capture_sizes
-        )
-        self.start_positions.fill_(-1)
+        self.begin_capture(captured_attention_states)
         if not self.reads_target_kv:
             for d, state in captured_attention_states.items():
                 if not self.conditions_on_hidden_states and d.uniform_query_len > 1:
                     continue  # token-only drafts skip the prefill of verifications
-                graph = capture_graph(lambda state=state: self._prefill_graphed(state), self.pool)
-                self.pool = self.pool or graph.pool()
+                graph = self.capture_in_pool(lambda state=state: self._prefill_graphed(state))
                 self.prefill_graphs[d] = graph
         steps = range(1, self.max_num_speculative_tokens + 1)
         keys = sorted(((r, s) for r in self.capture_sizes for s in steps), reverse=True,
@@ -177,9 +159,7 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
         for r, s in keys:
             if s > self._num_decode_steps(self.max_num_speculative_tokens):
                 continue
-            graph = capture_graph(lambda r=r, s=s: self._decode(r, s), self.pool)
-            self.pool = self.pool or graph.pool()
-            self.decode_graphs[(r, s)] = graph
+            self.decode_graphs[(r, s)] = self.capture_in_pool(lambda r=r, s=s: self._decode(r, s))
         torch.cuda.synchronize()
 
     # ---- the loop -------------------------------------------------------------------
@@ -315,14 +295,8 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
             self.cu_num_draft_tokens[r:padded] = inputs.cu_num_draft_tokens[r - 1] + steps * k
         if self.keeps_draft_probs:  # greedy drafts read neither settings nor keys
             self.keys[:r] = inputs.draw_keys
-            s = inputs.sampling
-            for dst, src in zip(
-                (self.sampling.temperature, self.sampling.top_p, self.sampling.top_k,
-                 self.sampling.seeds),
-                (s.temperature, s.top_p, s.top_k, s.seeds),
-                strict=True,
-            ):
-                dst[:r] = src
+            for name in ("temperature", "top_p", "top_k", "seeds"):
+                getattr(self.sampling, name)[:r] = getattr(inputs.sampling, name)
         self.block_table[:r] = inputs.metadata.block_table[:r]
         if not self.conditions_on_hidden_states:
             qsl = inputs.metadata.query_start_loc[: r + 1].long()

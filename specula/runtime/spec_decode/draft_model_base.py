@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import abstractmethod
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,12 @@ from torch import nn
 
 from specula.runtime.models.config import ModelConfig
 from specula.runtime.spec_decode.base import BaseSpeculator
+from specula.runtime.worker.cudagraph import (
+    BatchExecutionDescriptor,
+    CapturedAttentionState,
+    capture_graph,
+    cudagraph_capture_sizes,
+)
 from specula.runtime.worker.paged_kv import KVCacheSpec, PagedKVCache
 
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
@@ -117,3 +124,36 @@ class DraftModelSpeculator(BaseSpeculator):
             return
         self.kv_cache = PagedKVCache(spec, num_blocks, self.device)
         self.runner = self.build_runner(self.kv_cache, max_model_len)
+
+    # ---- graph state shared by the drafting loops ------------------------------------
+
+    def init_cudagraph_manager(self) -> None:
+        r, dev = self.max_num_seqs, self.device
+        self.next_token_ids = torch.zeros(r, dtype=torch.int64, device=dev)
+        """[max_num_seqs] the token each request sampled last."""
+        self.start_positions = torch.full((r,), -1, dtype=torch.int64, device=dev)
+        """[max_num_seqs] position of the sampled token; -1 marks a padding row."""
+        self.block_table = torch.zeros(
+            r, self.runner.max_blocks_per_req, dtype=torch.int32, device=dev
+        )
+        self.capture_sizes = cudagraph_capture_sizes(r)
+        self.pool: tuple | None = None
+        self.num_prefill_replays = 0
+        """Draft prefill (or context) graph replays (a counter)."""
+        self.num_decode_replays = 0
+        """Draft decode (or block) graph replays (a counter)."""
+
+    def begin_capture(
+        self, captured_attention_states: dict[BatchExecutionDescriptor, CapturedAttentionState]
+    ) -> None:
+        """Capture for the target's request counts (none captured: the default ladder)."""
+        self.capture_sizes = (
+            sorted({d.num_reqs for d in captured_attention_states}) or self.capture_sizes
+        )
+        self.start_positions.fill_(-1)
+
+    def capture_in_pool(self, fn: Callable[[], None]) -> torch.cuda.CUDAGraph:
+        """``fn`` captured as a graph in the speculator's one memory pool."""
+        graph = capture_graph(fn, self.pool)
+        self.pool = self.pool or graph.pool()
+        return graph

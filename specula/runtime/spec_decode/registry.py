@@ -6,6 +6,7 @@ classes are imported lazily so that loading one method never imports another's c
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,42 +75,24 @@ def _draft_kwargs(ctx: SpeculatorContext) -> dict:
     }
 
 
-def _draft_model(ctx: SpeculatorContext) -> BaseSpeculator:
-    from specula.runtime.spec_decode.draft_model import PlainDraftModelSpeculator
+def _draft(package: str, name: str) -> Callable[[SpeculatorContext], BaseSpeculator]:
+    """The factory of :class:`DraftModelSpeculator` subclass ``name`` of
+    ``specula.runtime.spec_decode.<package>``, imported when the factory is called."""
 
-    return PlainDraftModelSpeculator(**_draft_kwargs(ctx))
+    def factory(ctx: SpeculatorContext) -> BaseSpeculator:
+        kwargs = _draft_kwargs(ctx)
+        module = importlib.import_module(f"specula.runtime.spec_decode.{package}")
+        return getattr(module, name)(**kwargs)
 
-
-def _dflash(ctx: SpeculatorContext) -> BaseSpeculator:
-    from specula.runtime.spec_decode.dflash import DFlashSpeculator
-
-    return DFlashSpeculator(**_draft_kwargs(ctx))
-
-
-def _eagle3(ctx: SpeculatorContext) -> BaseSpeculator:
-    from specula.runtime.spec_decode.eagle import EagleSpeculator
-
-    return EagleSpeculator(**_draft_kwargs(ctx))
-
-
-def _gemma4_mtp(ctx: SpeculatorContext) -> BaseSpeculator:
-    from specula.runtime.spec_decode.gemma4 import Gemma4MTPSpeculator
-
-    return Gemma4MTPSpeculator(**_draft_kwargs(ctx))
-
-
-def _mtp(ctx: SpeculatorContext) -> BaseSpeculator:
-    from specula.runtime.spec_decode.mtp import MTPSpeculator
-
-    return MTPSpeculator(**_draft_kwargs(ctx))
+    return factory
 
 
 SPECULATOR_FACTORIES: dict[str, Callable[[SpeculatorContext], BaseSpeculator]] = {
-    "dflash": _dflash,
-    "draft_model": _draft_model,
-    "eagle3": _eagle3,
-    "gemma4_mtp": _gemma4_mtp,
-    "mtp": _mtp,
+    "dflash": _draft("dflash", "DFlashSpeculator"),
+    "draft_model": _draft("draft_model", "PlainDraftModelSpeculator"),
+    "eagle3": _draft("eagle", "EagleSpeculator"),
+    "gemma4_mtp": _draft("gemma4", "Gemma4MTPSpeculator"),
+    "mtp": _draft("mtp", "MTPSpeculator"),
     "ngram": _ngram,
 }
 """Method name (vLLM ``speculative_config.method``) -> factory."""

@@ -18,11 +18,9 @@ from specula.runtime.spec_decode.draft_model_base import DraftModelSpeculator
 from specula.runtime.worker.cudagraph import (
     BatchExecutionDescriptor,
     CapturedAttentionState,
-    capture_graph,
-    cudagraph_capture_sizes,
     padded_size,
 )
-from specula.runtime.worker.paged_kv import KVCacheSpec, PagedAttentionMetadata
+from specula.runtime.worker.paged_kv import PagedAttentionMetadata
 
 
 class DFlashSpeculator(DraftModelSpeculator):
@@ -80,12 +78,6 @@ class DFlashSpeculator(DraftModelSpeculator):
         self.embed_weight = target_runner.model.model.embed_tokens.weight
         self.lm_head_weight = target_runner.model.lm_head_weight
 
-    def kv_cache_spec(self, block_size: int) -> KVCacheSpec:
-        c = self.config.layer_config
-        return KVCacheSpec.uniform(
-            c.num_hidden_layers, c.num_key_value_heads, c.head_dim, block_size, self.dtype
-        )
-
     def build_runner(self, kv_cache, max_model_len: int) -> DFlashRunner:
         return DFlashRunner(self.model, kv_cache, max_model_len)
 
@@ -99,45 +91,27 @@ class DFlashSpeculator(DraftModelSpeculator):
     # ---- buffers and graphs ---------------------------------------------------------
 
     def init_cudagraph_manager(self) -> None:
-        r, dev = self.max_num_seqs, self.device
-        self.start_positions = torch.full((r,), -1, dtype=torch.int64, device=dev)
-        self.next_token_ids = torch.zeros(r, dtype=torch.int64, device=dev)
-        self.block_table = torch.zeros(
-            r, self.runner.max_blocks_per_req, dtype=torch.int32, device=dev
-        )
-        self.draft_token_ids = torch.zeros(
-            r, self.max_num_speculative_tokens, dtype=torch.int64, device=dev
-        )
-        self.capture_sizes = cudagraph_capture_sizes(r)
+        super().init_cudagraph_manager()
+        r, k = self.max_num_seqs, self.max_num_speculative_tokens
+        self.draft_token_ids = torch.zeros(r, k, dtype=torch.int64, device=self.device)
         self.context_graphs: dict[BatchExecutionDescriptor, torch.cuda.CUDAGraph] = {}
         self.block_graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.pool: tuple | None = None
-        self.num_prefill_replays = self.num_decode_replays = 0
 
     @torch.no_grad()
     def capture(
         self, captured_attention_states: dict[BatchExecutionDescriptor, CapturedAttentionState]
     ) -> None:
-        # The target's request counts (none captured: the default ladder).
-        self.capture_sizes = (
-            sorted({d.num_reqs for d in captured_attention_states}) or self.capture_sizes
-        )
-        self.start_positions.fill_(-1)
+        self.begin_capture(captured_attention_states)
         for d, state in captured_attention_states.items():
-            graph = capture_graph(
+            self.context_graphs[d] = self.capture_in_pool(
                 lambda s=state: self.runner.store_context(
                     s.aux_hidden_states, s.positions, s.metadata.slot_mapping
-                ),
-                self.pool,
+                )
             )
-            self.pool = self.pool or graph.pool()
-            self.context_graphs[d] = graph
         for r in sorted(self.capture_sizes, reverse=True):
             if self.keeps_draft_probs:
                 break  # sampled drafts run eagerly
-            graph = capture_graph(lambda r=r: self._greedy_block(r), self.pool)
-            self.pool = self.pool or graph.pool()
-            self.block_graphs[r] = graph
+            self.block_graphs[r] = self.capture_in_pool(lambda r=r: self._greedy_block(r))
         torch.cuda.synchronize()
 
     # ---- drafting -------------------------------------------------------------------
