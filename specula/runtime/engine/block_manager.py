@@ -163,8 +163,7 @@ class BlockManager:
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens={num_new_tokens} must be >= 0")
         start = self._num_tokens[request_id]
-        self._tables[request_id].extend(self._take(self.num_new_blocks(request_id, num_new_tokens)))
-        self._num_tokens[request_id] = start + num_new_tokens
+        self.resize(request_id, start + num_new_tokens)
         return self.slots(request_id, start, start + num_new_tokens)
 
     def truncate(self, request_id: Hashable, num_tokens: int) -> None:
@@ -178,11 +177,7 @@ class BlockManager:
         held = self._num_tokens[request_id]
         if not 0 <= num_tokens <= held:
             raise ValueError(f"cannot truncate request {request_id!r} from {held} to {num_tokens}")
-        table = self._tables[request_id]
-        keep = self.num_blocks_needed(num_tokens)
-        self._free.extend(reversed(table[keep:]))
-        del table[keep:]
-        self._num_tokens[request_id] = num_tokens
+        self.resize(request_id, num_tokens)
 
     def resize(self, request_id: Hashable, num_tokens: int) -> int:
         """Hold exactly the blocks for ``num_tokens`` tokens: take new blocks or return

@@ -63,6 +63,10 @@ def check_k(k: int, max_k: int, *, param: str = K_PARAM, where: str = "") -> Non
         )
 
 
+def _invalid_schedule(message: str) -> SpeculativeConfigError:
+    return SpeculativeConfigError(message, param=SCHEDULE_PARAM, code="invalid_schedule")
+
+
 @dataclass(frozen=True)
 class BatchSizeSchedule:
     """A validated ``[[start, end, k], ...]`` schedule; :meth:`k_for` looks k up."""
@@ -83,47 +87,31 @@ class BatchSizeSchedule:
                 message names the offending range by index and value.
         """
         if not ranges:
-            raise SpeculativeConfigError(
-                "the schedule is empty; give at least one [start, end, k] range",
-                param=SCHEDULE_PARAM,
-                code="invalid_schedule",
+            raise _invalid_schedule(
+                "the schedule is empty; give at least one [start, end, k] range"
             )
         parsed: list[tuple[int, int, int]] = []
         for i, entry in enumerate(ranges):
             where = f"range {i} {list(entry)!r}: "
             if len(entry) != 3 or any(isinstance(v, bool) or not isinstance(v, int) for v in entry):
-                raise SpeculativeConfigError(
-                    f"{where}each range must be three integers [start, end, k]",
-                    param=SCHEDULE_PARAM,
-                    code="invalid_schedule",
-                )
+                raise _invalid_schedule(f"{where}each range must be three integers [start, end, k]")
             start, end, k = entry
             if end < start:
-                raise SpeculativeConfigError(
-                    f"{where}end {end} is below start {start}",
-                    param=SCHEDULE_PARAM,
-                    code="invalid_schedule",
-                )
+                raise _invalid_schedule(f"{where}end {end} is below start {start}")
             if i == 0 and start != 1:
-                raise SpeculativeConfigError(
-                    f"{where}the first range must start at batch size 1, not {start}",
-                    param=SCHEDULE_PARAM,
-                    code="invalid_schedule",
+                raise _invalid_schedule(
+                    f"{where}the first range must start at batch size 1, not {start}"
                 )
             if i > 0:
                 prev_end = parsed[-1][1]
                 if start <= prev_end:
-                    raise SpeculativeConfigError(
-                        f"{where}overlaps the previous range, which ends at {prev_end}",
-                        param=SCHEDULE_PARAM,
-                        code="invalid_schedule",
+                    raise _invalid_schedule(
+                        f"{where}overlaps the previous range, which ends at {prev_end}"
                     )
                 if start > prev_end + 1:
-                    raise SpeculativeConfigError(
+                    raise _invalid_schedule(
                         f"{where}leaves a gap: batch sizes {prev_end + 1}..{start - 1} "
-                        "are in no range",
-                        param=SCHEDULE_PARAM,
-                        code="invalid_schedule",
+                        "are in no range"
                     )
             check_k(k, max_k, param=SCHEDULE_PARAM, where=where)
             parsed.append((start, end, k))

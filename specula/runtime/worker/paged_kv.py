@@ -44,15 +44,9 @@ class KVCacheSpec:
     def from_model_config(
         cls, config: ModelConfig, dtype: torch.dtype, block_size: int = 16
     ) -> KVCacheSpec:
-        """The cache a target needs: ``config.kv_cache_shapes()`` when the config has
-        per-layer shapes (Gemma4), else one shape for every layer."""
-        shapes = getattr(config, "kv_cache_shapes", None)
-        if shapes is not None:
-            return cls(tuple(shapes()), block_size, dtype)
-        return cls.uniform(
-            config.num_hidden_layers, config.num_key_value_heads, config.head_dim, block_size,
-            dtype,
-        )
+        """The cache a target needs: ``config.kv_cache_shapes()`` (one shape for every
+        layer, or Gemma4's per-layer shapes)."""
+        return cls(tuple(config.kv_cache_shapes()), block_size, dtype)
 
     @property
     def num_layers(self) -> int:
@@ -191,7 +185,7 @@ def device_metadata(
     """
     device = block_table.device
     num_reqs = len(query_lens)
-    uniform = query_lens[0] if all(q == query_lens[0] for q in query_lens) else None
+    uniform = query_lens[0] if query_lens and all(q == query_lens[0] for q in query_lens) else None
     if uniform is not None:
         # No repeat_interleave: with a host int it still reads its output size back.
         positions = starts[:, None] + torch.arange(uniform, device=device)  # [num_reqs, q]
@@ -267,10 +261,6 @@ def build_attention_metadata(
     num_reqs = len(seq_lens)
     if not (len(block_tables) == len(query_lens) == num_reqs):
         raise ValueError("block_tables, seq_lens and query_lens differ in length")
-    slots: list[int] = []
-    positions: list[int] = []
-    table_rows: list[int] = []
-    query_start_loc = [0]
     for table, seq_len, q_len in zip(block_tables, seq_lens, query_lens, strict=True):
         if not 0 < q_len <= seq_len:
             raise ValueError(f"query_len {q_len} must be in (0, seq_len={seq_len}]")
@@ -279,28 +269,19 @@ def build_attention_metadata(
                 f"block table of {len(table)} blocks for {seq_len} tokens "
                 f"(block_size {block_size}, at most {max_blocks_per_req} blocks)"
             )
-        for p in range(seq_len - q_len, seq_len):
-            positions.append(p)
-            slots.append(table[p // block_size] * block_size + p % block_size)
-        table_rows.extend(table)
-        table_rows.extend([0] * (max_blocks_per_req - len(table)))
-        query_start_loc.append(query_start_loc[-1] + q_len)
-    uniform = query_lens[0] if num_reqs and all(q == query_lens[0] for q in query_lens) else None
-    is_prefill = [q == s for q, s in zip(query_lens, seq_lens, strict=True)]
-    metadata = PagedAttentionMetadata(
-        slot_mapping=_to_device(slots, torch.int64, device),
-        block_table=_to_device(table_rows, torch.int32, device).view(num_reqs, max_blocks_per_req),
-        seq_lens=_to_device(list(seq_lens), torch.int32, device),
-        query_start_loc=_to_device(query_start_loc, torch.int32, device),
-        num_reqs=num_reqs,
-        num_tokens=len(slots),
-        uniform_query_len=uniform,
-        prefill=all(is_prefill),
-        query_lens_cpu=tuple(query_lens),
+    rows = [[*table, *[0] * (max_blocks_per_req - len(table))] for table in block_tables]
+    starts = [s - q for s, q in zip(seq_lens, query_lens, strict=True)]
+    metadata, positions = device_metadata(
+        _to_device(rows, torch.int32, device).view(num_reqs, max_blocks_per_req),
+        _to_device(starts, torch.int64, device),
+        query_lens,
+        block_size,
     )
-    if not metadata.prefill and uniform is None:
+    is_prefill = [start == 0 for start in starts]
+    metadata.prefill = all(is_prefill)
+    if not metadata.prefill and metadata.uniform_query_len is None:
         metadata.split = _split_mixed(metadata, is_prefill)
-    return metadata, _to_device(positions, torch.int64, device)
+    return metadata, positions
 
 
 def _split_mixed(
