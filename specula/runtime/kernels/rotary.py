@@ -30,15 +30,6 @@ def build_cos_sin_cache(
 
 
 @triton.jit
-def load_cos_sin(cos_sin_ptr, pos, stride_cs, offs_r, r_valid, HALF: tl.constexpr):
-    """``(cos, sin)`` of position ``pos`` as float32 ``[1, BLOCK_HALF]`` rows (0 past
-    ``HALF``), for :func:`rotate_half_in_place`."""
-    cos = tl.load(cos_sin_ptr + pos * stride_cs + offs_r, mask=r_valid, other=0.0)
-    sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + offs_r, mask=r_valid, other=0.0)
-    return cos.to(tl.float32)[None, :], sin.to(tl.float32)[None, :]
-
-
-@triton.jit
 def rotate_half_in_place(ptrs, mask, cos, sin, HALF: tl.constexpr):
     """Rotate the ``[heads, BLOCK_HALF]`` first halves at ``ptrs`` with the second halves
     at ``ptrs + HALF``, in float32, and store them back in the element dtype; returns the
@@ -58,27 +49,46 @@ def rotate_half_in_place(ptrs, mask, cos, sin, HALF: tl.constexpr):
 @triton.jit
 def _rotary_kernel(
     positions_ptr,  # [num_tokens] int64
+    slot_mapping_ptr,  # [num_tokens] int64, read when WRITE_CACHE
     query_ptr,  # [num_tokens, num_heads, head_dim]
     key_ptr,  # [num_tokens, num_kv_heads, head_dim], read when HAS_KEY
+    value_ptr,  # [num_tokens, num_kv_heads, head_dim], read when WRITE_CACHE
+    key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim], when WRITE_CACHE
+    value_cache_ptr,
     cos_sin_ptr,  # [max_position, rotary_dim]
     stride_qt,
     stride_qh,
     stride_kt,
     stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_kcb,
+    stride_kcs,
+    stride_kch,
+    stride_vcb,
+    stride_vcs,
+    stride_vch,
     stride_cs,
     NUM_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     HALF: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_KH: tl.constexpr,
     HAS_KEY: tl.constexpr,
+    WRITE_CACHE: tl.constexpr,
 ):
+    # One program per token; WRITE_CACHE (full rotary only) also writes the rotated key
+    # and the value to the token's cache slot (:mod:`.rotary_cache`).
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + token)
     offs_r = tl.arange(0, BLOCK_HALF)
     r_valid = offs_r < HALF
-    cos, sin = load_cos_sin(cos_sin_ptr, pos, stride_cs, offs_r, r_valid, HALF)
+    cos = tl.load(cos_sin_ptr + pos * stride_cs + offs_r, mask=r_valid, other=0.0)
+    sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + offs_r, mask=r_valid, other=0.0)
+    cos = cos.to(tl.float32)[None, :]
+    sin = sin.to(tl.float32)[None, :]
     offs_h = tl.arange(0, BLOCK_H)
     mask = (offs_h < NUM_HEADS)[:, None] & r_valid[None, :]
     ptrs = query_ptr + token * stride_qt + offs_h[:, None] * stride_qh + offs_r[None, :]
@@ -87,7 +97,36 @@ def _rotary_kernel(
         offs_kh = tl.arange(0, BLOCK_KH)
         kmask = (offs_kh < NUM_KV_HEADS)[:, None] & r_valid[None, :]
         kptrs = key_ptr + token * stride_kt + offs_kh[:, None] * stride_kh + offs_r[None, :]
-        rotate_half_in_place(kptrs, kmask, cos, sin, HALF)
+        r1, r2 = rotate_half_in_place(kptrs, kmask, cos, sin, HALF)
+        if WRITE_CACHE:
+            slot = tl.load(slot_mapping_ptr + token)
+            # A padding token (negative slot) writes nothing to the cache.
+            cache_heads = tl.where(slot >= 0, NUM_KV_HEADS, 0)
+            cmask = (offs_kh < cache_heads)[:, None] & r_valid[None, :]
+            block = slot // BLOCK_SIZE
+            offset = slot % BLOCK_SIZE
+            kc_ptrs = (
+                key_cache_ptr
+                + block * stride_kcb
+                + offset * stride_kcs
+                + offs_kh[:, None] * stride_kch
+                + offs_r[None, :]
+            )
+            tl.store(kc_ptrs, r1, mask=cmask)
+            tl.store(kc_ptrs + HALF, r2, mask=cmask)
+            v_ptrs = value_ptr + token * stride_vt + offs_kh[:, None] * stride_vh + offs_r[None, :]
+            v1 = tl.load(v_ptrs, mask=cmask, other=0.0)
+            v2 = tl.load(v_ptrs + HALF, mask=cmask, other=0.0)
+            vc_ptrs = (
+                value_cache_ptr
+                + block * stride_vcb
+                + offset * stride_vcs
+                + offs_kh[:, None] * stride_vch
+                + offs_r[None, :]
+            )
+            tl.store(vc_ptrs, v1, mask=cmask)
+            tl.store(vc_ptrs + HALF, v2, mask=cmask)
+
 
 def rotary_embedding(
     positions: torch.Tensor,
@@ -131,23 +170,31 @@ def rotary_embedding(
             key.copy_(k)
         return
     k = key if key is not None else query
+    # Without WRITE_CACHE the slot mapping, value and cache pointers are never read.
     _rotary_kernel[(num_tokens,)](
         positions,
+        positions,
         query,
+        k,
+        k,
+        k,
         k,
         cos_sin_cache,
         query.stride(0),
         query.stride(1),
         k.stride(0),
         k.stride(1),
+        *(0,) * 8,
         cos_sin_cache.stride(0),
         NUM_HEADS=num_heads,
         NUM_KV_HEADS=num_kv_heads,
         HALF=rotary_dim // 2,
+        BLOCK_SIZE=1,
         BLOCK_HALF=triton.next_power_of_2(rotary_dim // 2),
         BLOCK_H=triton.next_power_of_2(num_heads),
         BLOCK_KH=triton.next_power_of_2(num_kv_heads),
         HAS_KEY=key is not None,
+        WRITE_CACHE=False,
         enable_fp_fusion=True,
     )
 

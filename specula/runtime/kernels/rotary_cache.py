@@ -16,92 +16,13 @@ from __future__ import annotations
 
 import torch
 import triton
-import triton.language as tl
 
 from specula.runtime.kernels.dispatch import use_reference
 from specula.runtime.kernels.reshape_and_cache import (
     check_cache_write,
     reshape_and_cache_reference,
 )
-from specula.runtime.kernels.rotary import (
-    load_cos_sin,
-    rotary_embedding_reference,
-    rotate_half_in_place,
-)
-
-
-@triton.jit
-def _rotary_cache_kernel(
-    positions_ptr,  # [num_tokens] int64
-    slot_mapping_ptr,  # [num_tokens] int64
-    query_ptr,  # [num_tokens, num_heads, head_dim]
-    key_ptr,  # [num_tokens, num_kv_heads, head_dim]
-    value_ptr,  # [num_tokens, num_kv_heads, head_dim]
-    key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    value_cache_ptr,
-    cos_sin_ptr,  # [max_position, head_dim]
-    stride_qt,
-    stride_qh,
-    stride_kt,
-    stride_kh,
-    stride_vt,
-    stride_vh,
-    stride_kcb,
-    stride_kcs,
-    stride_kch,
-    stride_vcb,
-    stride_vcs,
-    stride_vch,
-    stride_cs,
-    NUM_HEADS: tl.constexpr,
-    NUM_KV_HEADS: tl.constexpr,
-    HALF: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    BLOCK_HALF: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_KH: tl.constexpr,
-):
-    token = tl.program_id(0).to(tl.int64)
-    pos = tl.load(positions_ptr + token)
-    slot = tl.load(slot_mapping_ptr + token)
-    offs_r = tl.arange(0, BLOCK_HALF)
-    r_valid = offs_r < HALF
-    cos, sin = load_cos_sin(cos_sin_ptr, pos, stride_cs, offs_r, r_valid, HALF)
-    offs_h = tl.arange(0, BLOCK_H)
-    qmask = (offs_h < NUM_HEADS)[:, None] & r_valid[None, :]
-    q_ptrs = query_ptr + token * stride_qt + offs_h[:, None] * stride_qh + offs_r[None, :]
-    rotate_half_in_place(q_ptrs, qmask, cos, sin, HALF)
-    offs_kh = tl.arange(0, BLOCK_KH)
-    kmask = (offs_kh < NUM_KV_HEADS)[:, None] & r_valid[None, :]
-    k_ptrs = key_ptr + token * stride_kt + offs_kh[:, None] * stride_kh + offs_r[None, :]
-    r1, r2 = rotate_half_in_place(k_ptrs, kmask, cos, sin, HALF)
-
-    # A padding token (negative slot) writes nothing to the cache.
-    cache_heads = tl.where(slot >= 0, NUM_KV_HEADS, 0)
-    cmask = (offs_kh < cache_heads)[:, None] & r_valid[None, :]
-    block = slot // BLOCK_SIZE
-    offset = slot % BLOCK_SIZE
-    kc_ptrs = (
-        key_cache_ptr
-        + block * stride_kcb
-        + offset * stride_kcs
-        + offs_kh[:, None] * stride_kch
-        + offs_r[None, :]
-    )
-    tl.store(kc_ptrs, r1, mask=cmask)
-    tl.store(kc_ptrs + HALF, r2, mask=cmask)
-    v_ptrs = value_ptr + token * stride_vt + offs_kh[:, None] * stride_vh + offs_r[None, :]
-    v1 = tl.load(v_ptrs, mask=cmask, other=0.0)
-    v2 = tl.load(v_ptrs + HALF, mask=cmask, other=0.0)
-    vc_ptrs = (
-        value_cache_ptr
-        + block * stride_vcb
-        + offset * stride_vcs
-        + offs_kh[:, None] * stride_vch
-        + offs_r[None, :]
-    )
-    tl.store(vc_ptrs, v1, mask=cmask)
-    tl.store(vc_ptrs + HALF, v2, mask=cmask)
+from specula.runtime.kernels.rotary import _rotary_kernel, rotary_embedding_reference
 
 
 def rotary_embedding_and_cache(
@@ -151,7 +72,7 @@ def rotary_embedding_and_cache(
             positions, query, key, value, key_cache, value_cache, slot_mapping, cos_sin_cache
         )
         return
-    _rotary_cache_kernel[(num_tokens,)](
+    _rotary_kernel[(num_tokens,)](
         positions,
         slot_mapping,
         query,
@@ -176,6 +97,8 @@ def rotary_embedding_and_cache(
         BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
         BLOCK_H=triton.next_power_of_2(num_heads),
         BLOCK_KH=triton.next_power_of_2(num_kv_heads),
+        HAS_KEY=True,
+        WRITE_CACHE=True,
         enable_fp_fusion=True,
     )
 

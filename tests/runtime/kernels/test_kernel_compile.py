@@ -62,8 +62,8 @@ CASES = {
         rotary._rotary_kernel,
         {"positions_ptr": "*i64", "query_ptr": "*bf16", "key_ptr": "*bf16",
          "cos_sin_ptr": "*fp32"},
-        dict(NUM_HEADS=32, NUM_KV_HEADS=8, HALF=64, BLOCK_HALF=64, BLOCK_H=32, BLOCK_KH=8,
-             HAS_KEY=True),
+        dict(NUM_HEADS=32, NUM_KV_HEADS=8, HALF=64, BLOCK_SIZE=1, BLOCK_HALF=64, BLOCK_H=32,
+             BLOCK_KH=8, HAS_KEY=True, WRITE_CACHE=False),
     ),
     "rejection_sample_random": (
         rs._rejection_sample_kernel,

@@ -101,7 +101,7 @@ CASES = {
         dict(BLOCK=1024),
     ),
     "rotary_and_cache": (
-        rotary_cache._rotary_cache_kernel,
+        rotary_cache._rotary_kernel,
         {
             "positions_ptr": "*i64",
             "slot_mapping_ptr": "*i64",
@@ -120,6 +120,8 @@ CASES = {
             BLOCK_HALF=64,
             BLOCK_H=32,
             BLOCK_KH=8,
+            HAS_KEY=True,
+            WRITE_CACHE=True,
         ),
     ),
 }
