@@ -508,6 +508,12 @@ class SpeculativeModelSpec(ApiModel):
     hf_token_secret: SecretKeySelector | None = None
     """Secret key holding a Hugging Face Hub token (``HF_TOKEN``) for ``hf://``
     downloads of private or gated repositories.  Only with an ``hf://`` URI."""
+    api_key_secret: SecretKeySelector | None = None
+    """Secret key holding the API key clients must send (``Authorization: Bearer``) on
+    the OpenAI routes; ``/health`` and ``/metrics`` stay open.  The pods read it from
+    the Secret (``SPECULA_API_KEY``, or ``VLLM_API_KEY`` for ``engine: vllm``); the key
+    never appears in the pod spec or a ConfigMap.  Unset: the routes are open to every
+    client that reaches the Service."""
     tuning: TuningSpec = Field(default_factory=TuningSpec)
     """Tuning of k from live acceptance; default: ``Recommend``."""
     autoscaling: AutoscalingSpec | None = None

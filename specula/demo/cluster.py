@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import shutil
 import tempfile
@@ -28,6 +29,7 @@ from pathlib import Path
 import httpx
 import yaml
 
+from specula.api.render import ADMIN_PORT
 from specula.demo.measure import DemoClient
 from specula.demo.prompts import PROMPTS
 from specula.demo.tuning import PROSE_PROMPTS
@@ -102,14 +104,27 @@ def _ready_pods(cluster) -> list[dict]:
                                    for c in p["status"].get("conditions", []))]
 
 
-def _put_k(pods: list[dict], k: int) -> None:
+def _admin_token(cluster) -> str:
+    """The resource's admin token, from the Secret the operator keeps it in."""
+    secret = _get(cluster, "secret", "-n", NAMESPACE, f"{NAME}-admin-token")
+    return base64.b64decode(secret["data"]["token"]).decode()
+
+
+def _put_k(pods: list[dict], k: int, token: str) -> None:
+    # The pods' admin port, straight from the node: the node's bridge network plugin
+    # does not enforce the NetworkPolicy that keeps other pods away from it.
     for pod in pods:
-        response = httpx.put(f"http://{pod['status']['podIP']}:8000/v1/speculative_config",
-                             json={"num_speculative_tokens": k}, timeout=30)
+        response = httpx.put(
+            f"http://{pod['status']['podIP']}:{ADMIN_PORT}/v1/speculative_config",
+            json={"num_speculative_tokens": k}, timeout=30,
+            headers={"Authorization": f"Bearer {token}"},
+        )
         response.raise_for_status()
 
 
-def _measure(client: DemoClient, pods: list[dict], max_tokens: int, k_demo: int) -> dict:
+def _measure(
+    client: DemoClient, pods: list[dict], max_tokens: int, k_demo: int, token: str
+) -> dict:
     """Tokens/s through the Service at k = 0..MAX_K (all prompts at once, ``ROUNDS``
     rounds, the k alternating within each round so that drifts of a shared CPU fall on
     all of them); the speedup is that of ``k_demo`` over k = 0."""
@@ -120,13 +135,13 @@ def _measure(client: DemoClient, pods: list[dict], max_tokens: int, k_demo: int)
     texts: dict[int, list[str]] = {}
     for _ in range(ROUNDS):
         for k in ks:
-            _put_k(pods, k)
+            _put_k(pods, k, token)
             batch = client.run_batch(model, list(PROMPTS), max_tokens)
             totals[k][0] += batch.completion_tokens
             totals[k][1] += batch.wall_s
             texts.setdefault(k, [c.text for c in batch.completions])
     rate = {k: tokens / wall for k, (tokens, wall) in totals.items()}
-    _put_k(pods, MAX_K)
+    _put_k(pods, MAX_K, token)
     return {"tokens_per_s": {"target_only": rate[0], "speculative": rate[k_demo]},
             "tokens_per_s_by_k": {str(k): rate[k] for k in ks},
             "speedup": rate[k_demo] / rate[0],
@@ -224,7 +239,7 @@ def run_cluster_demo(args) -> int:
 
         _step(6, f"speculation off (k=0) and on (k=1..{MAX_K}) through the Service "
                  f"{base_url}, {len(PROMPTS)} concurrent prompts, {ROUNDS} rounds each")
-        measured = _measure(client, pods, max_tokens, k_demo)
+        measured = _measure(client, pods, max_tokens, k_demo, _admin_token(cluster))
         result["measured"] = measured
         by_k = measured["tokens_per_s_by_k"]
         for k, rate in by_k.items():

@@ -46,13 +46,21 @@ class BatchResult:
 
 
 class DemoClient:
-    """Synchronous client of one ``specula serve`` instance."""
+    """Synchronous client of one ``specula serve`` instance; the admin API at
+    ``admin_url`` (its own port) with bearer ``admin_token``."""
 
-    def __init__(self, base_url: str, timeout_s: float = 600.0) -> None:
+    def __init__(
+        self, base_url: str, timeout_s: float = 600.0, admin_url: str | None = None,
+        admin_token: str | None = None,
+    ) -> None:
         self._http = httpx.Client(base_url=base_url, timeout=timeout_s)
+        headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
+        self._admin = httpx.Client(base_url=admin_url or base_url, timeout=timeout_s,
+                                   headers=headers)
 
     def close(self) -> None:
         self._http.close()
+        self._admin.close()
 
     def healthy(self) -> bool:
         try:
@@ -67,7 +75,7 @@ class DemoClient:
         return r.json()["data"][0]["id"]
 
     def speculative_config(self) -> dict:
-        r = self._http.get("/v1/speculative_config")
+        r = self._admin.get("/v1/speculative_config")
         r.raise_for_status()
         return r.json()
 
@@ -89,7 +97,7 @@ class DemoClient:
         Raises:
             httpx.HTTPStatusError: the server refused (the body is in the message).
         """
-        r = self._http.put("/v1/speculative_config", json=body)
+        r = self._admin.put("/v1/speculative_config", json=body)
         if r.is_error:
             raise httpx.HTTPStatusError(
                 f"PUT /v1/speculative_config {body} -> {r.status_code}: {r.text}",

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import httpx
 
-from specula.demo.measure import BatchResult, DemoClient, per_position_acceptance
+from specula.demo.measure import BatchResult, per_position_acceptance
 from specula.demo.prompts import PROMPTS
 from specula.demo.server_process import ServerError, ServerProcess
 from specula.tuning import SpecDecodeCounters
@@ -73,7 +73,7 @@ def measure_servers(servers: dict[str, ServerProcess], max_tokens: int) -> dict[
     times. Alternating between servers round by round spreads any drift in the machine's load
     (other processes on a shared CPU) evenly over both configurations."""
     prompts = list(PROMPTS)
-    clients = {label: DemoClient(s.base_url) for label, s in servers.items()}
+    clients = {label: s.client() for label, s in servers.items()}
     try:
         names = {label: c.model_name() for label, c in clients.items()}
         configs: dict[str, dict | None] = {}

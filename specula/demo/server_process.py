@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -47,6 +48,10 @@ class ServerProcess:
         self.host = "127.0.0.1"
         self.port = port or free_port(self.host)
         self.base_url = f"http://{self.host}:{self.port}"
+        # The admin API on a port of its own, behind a token made for this run.
+        self.admin_port = free_port(self.host)
+        self.admin_url = f"http://{self.host}:{self.admin_port}"
+        self.admin_token = secrets.token_urlsafe(32)
         self.log_path = log_path
         self._args = serve_args
         self._start_timeout_s = start_timeout_s
@@ -58,7 +63,12 @@ class ServerProcess:
     @property
     def command(self) -> list[str]:
         return [sys.executable, "-m", "specula.cli", "serve", *self._args,
-                "--host", self.host, "--port", str(self.port)]
+                "--host", self.host, "--port", str(self.port),
+                "--admin-port", str(self.admin_port)]
+
+    def client(self) -> DemoClient:
+        """A :class:`DemoClient` of this server, admin API included."""
+        return DemoClient(self.base_url, admin_url=self.admin_url, admin_token=self.admin_token)
 
     def __enter__(self) -> ServerProcess:
         self.start()
@@ -78,7 +88,8 @@ class ServerProcess:
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self._env}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self._env,
+               "SPECULA_ADMIN_TOKEN": self.admin_token}
         self._proc = subprocess.Popen(
             self.command, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             env=env,

@@ -18,7 +18,6 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from specula.demo.measure import DemoClient
 from specula.demo.server_process import ServerProcess
 from specula.operator.tuner import target_config
 from specula.tuning import TuningSettings, TuningState, decide, window_delta
@@ -216,7 +215,7 @@ def run_tuning(
                            env={"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
     records: list[IntervalRecord] = []
     with server:
-        client = DemoClient(server.base_url)
+        client = server.client()
         try:
             name = client.model_name()
             for kind in ("code", "prose"):  # untimed: first calls pay one-time costs

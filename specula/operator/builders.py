@@ -7,11 +7,15 @@ for its object (fields it omits are left to the API server's defaults).
 All three children of a resource share its name: ConfigMap ``<name>`` (the runtime
 config, or the ``vllm serve`` arguments for ``engine: vllm``), Deployment ``<name>`` and
 Service ``<name>``; with ``spec.autoscaling`` a fourth, the KEDA ScaledObject or the
-HorizontalPodAutoscaler ``<name>``, targets the resource's ``scale`` subresource.
+HorizontalPodAutoscaler ``<name>``, targets the resource's ``scale`` subresource; with
+the operator's ``network_policy`` setting a NetworkPolicy ``<name>`` fences the pods'
+admin and metrics ports.  ``engine: specula`` resources also own the Secret
+``<name>-admin-token`` (:func:`build_admin_secret`), created once, never applied.
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 from dataclasses import dataclass
@@ -19,7 +23,14 @@ from typing import Any
 
 from specula.api.autoscaling import AutoscalingSpec
 from specula.api.models import API_VERSION, KIND, SpeculativeModelSpec
-from specula.api.render import METRICS_PORT, RUNTIME_PORT, render_runtime_config
+from specula.api.render import (
+    ADMIN_PORT,
+    ADMIN_TOKEN_DIR,
+    ADMIN_TOKEN_KEY,
+    METRICS_PORT,
+    RUNTIME_PORT,
+    render_runtime_config,
+)
 from specula.api.render_vllm import (
     DEFAULT_VLLM_IMAGE,
     VLLM_PORT,
@@ -68,6 +79,15 @@ download`` fills the cache before the engine starts (the engine reads it offline
 CONTAINER_NAME = "runtime"
 HTTP_PORT_NAME = "http"
 METRICS_PORT_NAME = "metrics"
+ADMIN_PORT_NAME = "admin"
+"""Container port of the runtime's admin API; no Service port leads to it."""
+TMP_DIR = "/tmp"
+"""emptyDir of every container: the root filesystems are read-only, and Python, torch
+(inductor), Triton and the Hugging Face libraries write caches and scratch files; the
+``engine: specula`` containers get ``HOME`` there too, so ``~/.cache`` and ``~/.triton``
+land in it (``engine: vllm`` pods use :data:`VLLM_CACHE_DIR` as ``HOME``)."""
+API_KEY_ENV = {"specula": "SPECULA_API_KEY", "vllm": "VLLM_API_KEY"}
+"""Variable each engine reads its API key from (``vllm serve`` reads ``VLLM_API_KEY``)."""
 SERVICE_HTTP_PORT = RUNTIME_PORT
 SERVICE_METRICS_PORT = METRICS_PORT
 """Service port named ``metrics``: the runtime serves ``/metrics`` on a port of its own
@@ -222,8 +242,29 @@ def _security_context() -> dict[str, Any]:
     return {
         "allowPrivilegeEscalation": False,
         "capabilities": {"drop": ["ALL"]},
+        "readOnlyRootFilesystem": True,
         "runAsNonRoot": True,
         "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def admin_secret_name(name: str) -> str:
+    """Name of the Secret holding the admin token of resource ``name``."""
+    return f"{name}-admin-token"
+
+
+def build_admin_secret(owner: Owner, token: str) -> dict[str, Any]:
+    """The Secret ``<name>-admin-token`` holding ``token`` under :data:`ADMIN_TOKEN_KEY`,
+    owned by the resource (garbage-collected with it).  Created once and never applied
+    again: a new token each reconcile would lock the operator out of running pods."""
+    meta = _metadata(owner)
+    meta["name"] = admin_secret_name(owner.name)
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": meta,
+        "type": "Opaque",
+        "data": {ADMIN_TOKEN_KEY: base64.b64encode(token.encode()).decode()},
     }
 
 
@@ -253,6 +294,23 @@ def _cache_volume(spec: SpeculativeModelSpec, name: str) -> dict[str, Any]:
     return {"name": name, "emptyDir": empty}
 
 
+def _home_env(spec: SpeculativeModelSpec, home: str) -> list[dict[str, Any]]:
+    """``HOME`` in a writable volume, unless the spec's ``env`` sets it."""
+    return [] if any(var.name == "HOME" for var in spec.env) else [{"name": "HOME", "value": home}]
+
+
+def _api_key_env(spec: SpeculativeModelSpec) -> list[dict[str, Any]]:
+    """The engine's API-key variable from ``spec.apiKeySecret`` (a reference: the key
+    itself never enters the pod spec)."""
+    ref = spec.api_key_secret
+    if ref is None:
+        return []
+    return [{
+        "name": API_KEY_ENV[spec.engine],
+        "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}},
+    }]
+
+
 def _download_container(spec: SpeculativeModelSpec, image: str) -> dict[str, Any]:
     """``specula download`` of the runtime config's ``hf://`` checkpoints into the cache;
     a failure's reason (missing repository, refused token, full disk) becomes its
@@ -262,10 +320,12 @@ def _download_container(spec: SpeculativeModelSpec, image: str) -> dict[str, Any
         "image": image,
         "imagePullPolicy": "IfNotPresent",
         "command": ["specula", "download", "--config", CONFIG_PATH],
-        "env": [*_hub_env(spec, MODEL_CACHE_DIR), *(var.to_k8s() for var in spec.env)],
+        "env": [*_home_env(spec, TMP_DIR), *_hub_env(spec, MODEL_CACHE_DIR),
+                *(var.to_k8s() for var in spec.env)],
         "volumeMounts": [
             {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
             {"name": "model-cache", "mountPath": MODEL_CACHE_DIR},
+            {"name": "tmp", "mountPath": TMP_DIR},
         ],
         "securityContext": _security_context(),
         "terminationMessagePolicy": "FallbackToLogsOnError",
@@ -283,6 +343,7 @@ def _container(
         ports = [
             {"name": HTTP_PORT_NAME, "containerPort": RUNTIME_PORT, "protocol": "TCP"},
             {"name": METRICS_PORT_NAME, "containerPort": METRICS_PORT, "protocol": "TCP"},
+            {"name": ADMIN_PORT_NAME, "containerPort": ADMIN_PORT, "protocol": "TCP"},
         ]
     else:
         # Explicit command: the image's entrypoint differs between vLLM releases.
@@ -317,9 +378,9 @@ def _container(
             # The download container filled the cache; the engine never goes online.
             hub.append({"name": "HF_HUB_OFFLINE", "value": "1"})
         env = hub + env
-    if vllm_args is not None and all(var.name != "HOME" for var in spec.env):
-        # A spec's own HOME wins (env is keyed by name, so it cannot be given twice).
-        env.insert(0, {"name": "HOME", "value": VLLM_CACHE_DIR})
+    # A spec's own HOME wins (env is keyed by name, so it cannot be given twice).
+    env = _home_env(spec, VLLM_CACHE_DIR if vllm_args is not None else TMP_DIR) + env
+    env += _api_key_env(spec)
     if env:
         container["env"] = env
     return container
@@ -351,9 +412,11 @@ def build_deployment(
     mounts: list[dict[str, Any]] = [
         # PyTorch data loaders and NCCL use shared memory; the container default is 64 MiB.
         {"name": "dshm", "mountPath": "/dev/shm"},
+        {"name": "tmp", "mountPath": TMP_DIR},
     ]
     volumes: list[dict[str, Any]] = [
         {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+        {"name": "tmp", "emptyDir": {}},
     ]
     init_containers: list[dict[str, Any]] = []
     image = spec.image or (vllm_image if vllm else default_image)
@@ -364,6 +427,12 @@ def build_deployment(
     else:
         mounts.insert(0, {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True})
         volumes.insert(0, {"name": "config", "configMap": {"name": owner.name}})
+        # The admin token: a file the runtime reads per admin request, so the kubelet's
+        # refresh of a replaced Secret reaches it without a restart.
+        mounts.insert(1, {"name": "admin-token", "mountPath": ADMIN_TOKEN_DIR, "readOnly": True})
+        volumes.insert(1, {"name": "admin-token", "secret": {
+            "secretName": admin_secret_name(owner.name), "defaultMode": 0o440,
+        }})
         if spec.hf_uris:
             mounts.append({"name": "model-cache", "mountPath": MODEL_CACHE_DIR,
                            "readOnly": True})
@@ -458,6 +527,59 @@ def build_service(owner: Owner, engine: str = "specula") -> dict[str, Any]:
                     "protocol": "TCP",
                 },
             ],
+        },
+    }
+
+
+NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"
+"""Label the API server sets on every Namespace to its name (Kubernetes >= 1.22)."""
+
+
+def _namespace_peer(namespace: str, pods: dict[str, str] | None = None) -> dict[str, Any]:
+    peer: dict[str, Any] = {"namespaceSelector": {"matchLabels": {NAMESPACE_NAME_LABEL: namespace}}}
+    if pods is not None:
+        peer["podSelector"] = {"matchLabels": dict(pods)}
+    return peer
+
+
+def build_network_policy(
+    owner: Owner,
+    engine: str,
+    operator_namespace: str,
+    operator_pod_labels: dict[str, str],
+    metrics_namespaces: tuple[str, ...] = (),
+) -> dict[str, Any]:
+    """The NetworkPolicy ``<name>`` of the runtime pods: port ``http`` open to every
+    client; ports ``admin`` and ``metrics`` only to the operator's pods (those of
+    ``operator_pod_labels`` in ``operator_namespace``), and ``metrics`` also to every
+    pod of ``metrics_namespaces`` (a Prometheus).  ``engine: vllm`` pods serve only
+    ``http`` (metrics included, no admin API), so their policy has the first rule.
+
+    Enforced only where the cluster's network plugin implements NetworkPolicy (Calico,
+    Cilium, ...); elsewhere the API server stores it and nothing filters.
+    """
+    rules: list[dict[str, Any]] = [
+        {"ports": [{"port": HTTP_PORT_NAME, "protocol": "TCP"}]},
+    ]
+    if engine != "vllm":
+        rules.append({
+            "from": [_namespace_peer(operator_namespace, operator_pod_labels)],
+            "ports": [{"port": name, "protocol": "TCP"}
+                      for name in (ADMIN_PORT_NAME, METRICS_PORT_NAME)],
+        })
+        if metrics_namespaces:
+            rules.append({
+                "from": [_namespace_peer(ns) for ns in metrics_namespaces],
+                "ports": [{"port": METRICS_PORT_NAME, "protocol": "TCP"}],
+            })
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _metadata(owner),
+        "spec": {
+            "podSelector": {"matchLabels": selector_labels(owner.name)},
+            "policyTypes": ["Ingress"],
+            "ingress": rules,
         },
     }
 

@@ -45,9 +45,10 @@ class Kube:
         self._custom = kubernetes.client.CustomObjectsApi(self._client)
         self._discovery = kubernetes.client.DiscoveryV1Api(self._client)
         self._autoscaling = kubernetes.client.AutoscalingV2Api(self._client)
+        self._networking = kubernetes.client.NetworkingV1Api(self._client)
 
     def apply(self, manifest: dict[str, Any]) -> dict[str, Any]:
-        """Server-side apply ``manifest`` (ConfigMap, Deployment, Service,
+        """Server-side apply ``manifest`` (ConfigMap, Deployment, Service, NetworkPolicy,
         HorizontalPodAutoscaler or KEDA ScaledObject), taking over fields another
         manager changed (``force``); returns the live object.
 
@@ -73,6 +74,8 @@ class Kube:
             ("v1", "ConfigMap"): self._core.patch_namespaced_config_map,
             ("apps/v1", "Deployment"): self._apps.patch_namespaced_deployment,
             ("v1", "Service"): self._core.patch_namespaced_service,
+            ("networking.k8s.io/v1", "NetworkPolicy"):
+                self._networking.patch_namespaced_network_policy,
             HPA: self._autoscaling.patch_namespaced_horizontal_pod_autoscaler,
         }.get((api_version, kind))
         if patch is None:
@@ -147,6 +150,31 @@ class Kube:
             if e.status == 404:
                 return None
             raise
+
+    def get_secret(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """The Secret, or ``None`` if it does not exist.
+
+        Raises:
+            ApiException: any error but 404.
+        """
+        try:
+            return _json(self._core.read_namespaced_secret(name, namespace, _preload_content=False))
+        except ApiException as e:
+            if e.status == 404:
+                return None
+            raise
+
+    def create_secret(self, manifest: dict[str, Any]) -> dict[str, Any]:
+        """Create the Secret ``manifest`` (never server-side apply: its data is written
+        once); returns it as stored.
+
+        Raises:
+            ApiException: 409 if it exists; any other refusal.
+        """
+        return _json(self._core.create_namespaced_secret(
+            manifest["metadata"]["namespace"], manifest, field_manager=self.field_manager,
+            _preload_content=False,
+        ))
 
     def get_speculative_model(self, namespace: str, name: str) -> dict[str, Any] | None:
         """The SpeculativeModel, or ``None`` if it does not exist.

@@ -12,8 +12,11 @@ never overwrite one computed from a newer one, and none drops the others' fields
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import logging
+import secrets
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -22,13 +25,17 @@ from pydantic import ValidationError
 
 from specula.api import capabilities
 from specula.api.models import API_VERSION, KIND, SpeculativeModelSpec, SpeculativeModelStatus
+from specula.api.render import ADMIN_TOKEN_KEY
 from specula.api.render_vllm import VllmConfigError
 from specula.operator.autoscaling import PROVIDER_KINDS, SCALED_OBJECT
 from specula.operator.builders import (
     LABEL_INSTANCE,
     Owner,
+    admin_secret_name,
+    build_admin_secret,
     build_autoscaler,
     build_children,
+    build_network_policy,
     selector_string,
 )
 from specula.operator.engine import pod_speculation
@@ -157,6 +164,47 @@ class AutoscalerUnavailable(Exception):
     """The autoscaler's kind is not served by the API server (KEDA not installed)."""
 
 
+class AdminSecretConflict(Exception):
+    """A Secret of the admin token's name exists that the resource does not own."""
+
+
+ADMIN_TOKEN_BYTES = 32
+"""Random bytes of an admin token (``secrets.token_urlsafe``: 43 characters)."""
+
+
+def admin_token(kube: Kube, owner: Owner) -> str:
+    """The admin token of ``owner``'s runtime pods, from its Secret
+    ``<name>-admin-token``; created with a fresh random token when absent (a first
+    reconcile, or a Secret deleted by hand: the kubelet then refreshes the pods'
+    mounted copy and the runtime reads it per request).
+
+    Raises:
+        AdminSecretConflict: the Secret exists but is not controlled by ``owner`` (a
+            user's, or that of a deleted resource of the same name not yet collected).
+        ApiException: the API server refused the read or the create.
+    """
+    name = admin_secret_name(owner.name)
+    secret = kube.get_secret(owner.namespace, name)
+    if secret is None:
+        token = secrets.token_urlsafe(ADMIN_TOKEN_BYTES)
+        try:
+            secret = kube.create_secret(build_admin_secret(owner, token))
+        except ApiException as e:
+            if e.status != 409:
+                raise
+            secret = kube.get_secret(owner.namespace, name)  # created meanwhile
+    ref = controller_owner(secret or {})
+    if secret is None or ref is None or ref.get("uid") != owner.uid:
+        raise AdminSecretConflict(
+            f"Secret {name} exists and is not owned by this SpeculativeModel; the operator "
+            f"keeps the runtime's admin token there (delete or rename it)"
+        )
+    try:
+        return base64.b64decode((secret.get("data") or {})[ADMIN_TOKEN_KEY]).decode()
+    except (KeyError, binascii.Error, UnicodeDecodeError) as e:
+        raise AdminSecretConflict(f"Secret {name} has no readable key {ADMIN_TOKEN_KEY!r}") from e
+
+
 def apply_children(
     owner: Owner,
     spec: SpeculativeModelSpec,
@@ -165,13 +213,15 @@ def apply_children(
     settings: OperatorSettings,
 ) -> dict[str, Any]:
     """Apply the ConfigMap, Deployment and Service of ``spec`` (for ``engine: vllm``
-    at the k the stored ``status`` puts in effect) and its autoscaler; remove an
-    autoscaler of the other provider, or both when autoscaling is off.  Returns the
-    live Deployment.
+    at the k the stored ``status`` puts in effect), with ``settings.network_policy``
+    its NetworkPolicy, and its autoscaler; remove an autoscaler of the other provider,
+    or both when autoscaling is off.  ``engine: specula`` pods mount the admin-token
+    Secret, which is created first (:func:`admin_token`).  Returns the live Deployment.
 
     Raises:
         VllmConfigError: the vLLM arguments would be refused by vLLM.
         AutoscalerUnavailable: ``provider: keda`` without KEDA's CRD.
+        AdminSecretConflict: see :func:`admin_token`.
         ApiException: the API server refused a write.
     """
     children = build_children(
@@ -181,6 +231,13 @@ def apply_children(
         vllm_image=settings.vllm_image,
         speculation=pod_speculation(spec, status),
     )
+    if spec.engine == "specula":
+        admin_token(kube, owner)
+    if settings.network_policy:
+        children.append(build_network_policy(
+            owner, spec.engine, settings.namespace, settings.operator_pod_labels,
+            settings.metrics_namespaces,
+        ))
     applied = [kube.apply(child) for child in children]
     deployment = next(obj for obj in applied if obj.get("kind") == "Deployment")
     wanted = build_autoscaler(owner, spec, settings.utilization_url_base)
@@ -241,7 +298,7 @@ def reconcile(
                 deployment = apply_children(owner, spec, parse_status(live), kube, settings)
             except VllmConfigError as e:
                 problem = Problem(REASON_INVALID_ENGINE_CONFIG, f"vLLM --speculative-config: {e}")
-            except AutoscalerUnavailable as e:
+            except (AutoscalerUnavailable, AdminSecretConflict) as e:
                 apply_error = e
                 problem = Problem(REASON_APPLY_FAILED, str(e))
             except ApiException as e:

@@ -6,7 +6,7 @@ Kept free of kopf so that the pure builders can use the defaults.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from specula import __version__
 from specula.api.render_vllm import DEFAULT_VLLM_IMAGE
@@ -87,6 +87,21 @@ class OperatorSettings:
     ``http://<service_name>.<namespace>.svc:<http_port>``.  Environment:
     ``SPECULA_UTILIZATION_BASE_URL``."""
 
+    network_policy: bool = False
+    """Give every resource a NetworkPolicy (``builders.build_network_policy``) that
+    admits only the operator's pods to the runtime pods' admin and metrics ports.  Off
+    by default for an operator run outside the cluster (its requests come from no pod);
+    the Helm chart turns it on (value ``networkPolicy.enabled``).  Environment:
+    ``SPECULA_NETWORK_POLICY`` (``true``/``false``)."""
+
+    operator_pod_labels: dict[str, str] = field(default_factory=dict)
+    """Labels of the operator's pods (in ``namespace``), the peer the NetworkPolicy
+    admits.  Environment: ``SPECULA_OPERATOR_POD_LABELS`` (``k=v,k=v``)."""
+
+    metrics_namespaces: tuple[str, ...] = ()
+    """Namespaces whose pods may also scrape the runtime pods' ``metrics`` port (a
+    Prometheus).  Environment: ``SPECULA_METRICS_NAMESPACES`` (comma-separated)."""
+
     @property
     def utilization_url_base(self) -> str:
         """Scheme, host and port of the utilization endpoint as the cluster reaches it."""
@@ -127,4 +142,23 @@ class OperatorSettings:
             kwargs["namespace"] = namespace
         if env.get("SPECULA_UTILIZATION_BASE_URL"):
             kwargs["utilization_base_url"] = env["SPECULA_UTILIZATION_BASE_URL"]
+        if env.get("SPECULA_NETWORK_POLICY"):
+            flag = env["SPECULA_NETWORK_POLICY"].strip().lower()
+            if flag not in ("true", "false"):
+                raise ValueError(f"SPECULA_NETWORK_POLICY must be true or false, got {flag!r}")
+            kwargs["network_policy"] = flag == "true"
+        if env.get("SPECULA_OPERATOR_POD_LABELS"):
+            pairs = [p.split("=", 1) for p in env["SPECULA_OPERATOR_POD_LABELS"].split(",") if p]
+            if any(len(p) != 2 or not p[0] for p in pairs):
+                raise ValueError("SPECULA_OPERATOR_POD_LABELS must be k=v[,k=v...]")
+            kwargs["operator_pod_labels"] = {k.strip(): v.strip() for k, v in pairs}
+        if env.get("SPECULA_METRICS_NAMESPACES"):
+            kwargs["metrics_namespaces"] = tuple(
+                ns.strip() for ns in env["SPECULA_METRICS_NAMESPACES"].split(",") if ns.strip()
+            )
+        if kwargs.get("network_policy") and not kwargs.get("operator_pod_labels"):
+            raise ValueError(
+                "SPECULA_NETWORK_POLICY=true needs SPECULA_OPERATOR_POD_LABELS: without "
+                "them the policy would admit no operator to the admin ports"
+            )
         return cls(**kwargs)

@@ -31,6 +31,7 @@ from specula.api.models import (
     TunerStatus,
     TuningHistoryEntry,
 )
+from specula.api.render import ADMIN_PORT
 from specula.operator.status import TUNED, set_condition
 from specula.tuning import (
     Decision,
@@ -70,9 +71,13 @@ class Endpoint:
     """Pod name (the endpoint's ``targetRef``), or its address when it has none."""
     address: str
     http_port: int | None
-    """Port named ``http``: the OpenAI API and the admin API."""
+    """Port named ``http``: the OpenAI API."""
     metrics_port: int | None
     """Port named ``metrics``: ``/metrics`` alone."""
+    admin_port: int | None = ADMIN_PORT
+    """The admin API's port: a port named ``admin`` of the EndpointSlice if it has one,
+    else the runtime's fixed :data:`~specula.api.render.ADMIN_PORT` (the Service, and
+    so its EndpointSlices, never exposes it)."""
 
     def _base(self, port: int) -> str:
         host = f"[{self.address}]" if ":" in self.address else self.address
@@ -86,8 +91,13 @@ class Endpoint:
 
     @property
     def admin_url(self) -> str | None:
-        """``/v1/speculative_config`` on the http port."""
-        return None if self.http_port is None else f"{self._base(self.http_port)}/v1/speculative_config"
+        """``/v1/speculative_config`` on the admin port."""
+        port = self.admin_port
+        return None if port is None else f"{self._base(port)}/v1/speculative_config"
+
+
+ADMIN_PORT_NAME = "admin"
+"""EndpointSlice port name that, where present, gives the admin port."""
 
 
 def ready_endpoints(
@@ -116,6 +126,7 @@ def ready_endpoints(
                 address=addresses[0],
                 http_port=ports.get(http_port_name),
                 metrics_port=ports.get(metrics_port_name),
+                admin_port=ports.get(ADMIN_PORT_NAME, ADMIN_PORT),
             ))
     return [out[k] for k in sorted(out)]
 

@@ -11,6 +11,7 @@ resource's own ``spec.tuning.interval`` is enforced here from ``status.tuner``
   decide, ``PUT`` the new k to the pods that need it (``Auto``), write status (with
   ``status.autoscaling`` when the resource autoscales), post Events.
 
+Admin requests carry the resource's token from its Secret (:func:`reconcile.admin_token`).
 ``engine: vllm`` pods have no admin API: they are only scraped, and in ``Auto`` mode
 the k decided goes into their pod template (:func:`reconcile.apply_children`), so the
 Deployment rolls them; no window is taken while a rollout is in progress.
@@ -36,7 +37,9 @@ from specula.operator.autoscaling import UtilizationSink, autoscaling_status
 from specula.operator.engine import rollout_in_progress
 from specula.operator.kube import ApiException, Kube
 from specula.operator.reconcile import (
+    AdminSecretConflict,
     AutoscalerUnavailable,
+    admin_token,
     apply_children,
     lock_for,
     owner_of,
@@ -71,6 +74,16 @@ def _fresh(kube: Kube, body: dict[str, Any]) -> dict[str, Any] | None:
 def _endpoints(kube: Kube, body: dict[str, Any]) -> list[pure.Endpoint]:
     meta = body["metadata"]
     return pure.ready_endpoints(kube.list_endpoint_slices(meta["namespace"], meta["name"]))
+
+
+def _token(kube: Kube, body: dict[str, Any]) -> str | None:
+    """The admin token of ``body``'s pods; ``None`` (the pods then refuse, and the
+    readings say so) when its Secret belongs to someone else."""
+    try:
+        return admin_token(kube, owner_of(body))
+    except AdminSecretConflict as e:
+        log.warning("%s/%s: %s", body["metadata"]["namespace"], body["metadata"]["name"], e)
+        return None
 
 
 def _unchanged(patch: dict[str, Any], status: SpeculativeModelStatus | None) -> bool:
@@ -206,11 +219,12 @@ def tune(
         _idle_until[key] = now + spec.tuning.interval_s
     else:
         _idle_until.pop(key, None)
-    readings = client.read_all(endpoints, admin_api=not vllm)
+    token = _token(kube, body) if endpoints and not vllm else None
+    readings = client.read_all(endpoints, admin_api=not vllm, token=token)
     evaluation = pure.evaluate(spec, current, readings, now, _rfc3339(now), in_place=not vllm)
     failures: dict[str, str] = {}
     if evaluation.to_apply and evaluation.target_config is not None:
-        failures = client.put_all(evaluation.to_apply, evaluation.target_config)
+        failures = client.put_all(evaluation.to_apply, evaluation.target_config, token)
     if vllm and spec.tuning.mode == "Auto" and evaluation.decision is not None:
         # Every window, not only on a change: a reconcile that read the status just
         # before this window's write may have rendered the previous k; re-applying
@@ -276,7 +290,7 @@ def _retry_pending(
         retried = [DEPLOYMENT_PENDING]
     else:
         endpoints = [e for e in _endpoints(kube, body) if e.pod in pending]
-        failures = client.put_all(endpoints, config)
+        failures = client.put_all(endpoints, config, _token(kube, body) if endpoints else None)
         retried = [e.pod for e in endpoints]
     return _write(
         kube, body, live, settings,
@@ -304,9 +318,11 @@ def _off(
             # In Off mode the children render the spec's k.
             failures = _roll(body, spec, current or SpeculativeModelStatus(), kube, settings)
         else:
+            endpoints = _endpoints(kube, body)
             failures = client.put_all(
-                _endpoints(kube, body),
+                endpoints,
                 {"num_speculative_tokens": spec.speculator.num_speculative_tokens},
+                _token(kube, body) if endpoints else None,
             )
     return _write(
         kube, body, live, settings,

@@ -63,10 +63,14 @@ OPERATOR_RULES = (
     | _triples("autoscaling", ["horizontalpodautoscalers"], [*_WRITE, "delete"])
     | _triples("discovery.k8s.io", ["endpointslices"], ["list", "watch"])
     | _triples("", ["pods"], ["list", "watch"])
+    | _triples("", ["secrets"], ["get", "create"])
+    | _triples("networking.k8s.io", ["networkpolicies"], ["get", "create", "patch"])
     | _triples("", ["events"], ["create"])
     | _triples("events.k8s.io", ["events"], ["create"])
 )
-"""Least privilege: exactly the operator's calls within the namespaces it watches."""
+"""Least privilege: exactly the operator's calls within the namespaces it watches.  Secrets:
+``get`` and ``create`` only (its own admin-token Secrets, by name; no ``list`` or
+``watch``, which would expose every Secret of the namespace)."""
 CRD_WATCH = _triples("apiextensions.k8s.io", ["customresourcedefinitions"], ["list", "watch"])
 """kopf lists and watches CRDs to notice its resources appear or change."""
 NAMESPACE_WATCH = _triples("", ["namespaces"], ["list", "watch"])

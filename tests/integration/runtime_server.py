@@ -118,11 +118,28 @@ class RuntimeServer:
     served_model_name: str = "tiny"
     port: int = 0
     metrics_port: int = 0
+    admin_port: int = 0
     proc: subprocess.Popen | None = None
     log_path: Path = field(init=False)
+    token_file: Path = field(init=False)
+    """The admin token, as the pod's mounted Secret holds it (:meth:`use_token`)."""
 
     def __post_init__(self) -> None:
         self.log_path = self.workdir / "runtime.log"
+        self.token_file = self.workdir / "admin-token"
+        self.token_file.write_text("token-before-any-resource")
+
+    def use_token(self, token: str) -> None:
+        """Replace the admin token, as the kubelet does when the Secret behind the pod's
+        mount changes (the server reads it per request)."""
+        self.token_file.write_text(token)
+
+    @property
+    def admin_url(self) -> str:
+        return f"http://{self.host}:{self.admin_port}/v1/speculative_config"
+
+    def _admin_headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.token_file.read_text().strip()}"}
 
     @property
     def host(self) -> str:
@@ -134,7 +151,7 @@ class RuntimeServer:
 
     def start(self, timeout: float = 120) -> None:
         # A namespace of its own: the pod's ports are free there.
-        self.port, self.metrics_port = 8000, 9090
+        self.port, self.metrics_port, self.admin_port = 8000, 9090, 8001
         config = self.workdir / "runtime.json"
         config.write_text(json.dumps({
             "model": f"file://{self.target}",
@@ -145,6 +162,8 @@ class RuntimeServer:
             "host": self.host,
             "port": self.port,
             "metrics_port": self.metrics_port,
+            "admin_port": self.admin_port,
+            "admin_token_file": str(self.token_file),
             "speculator": {
                 "method": "draft_model",
                 "model": f"file://{self.draft}",
@@ -172,14 +191,14 @@ class RuntimeServer:
         stop_process(self.proc, grace=20)
 
     def speculative_config(self) -> dict:
-        response = httpx.get(f"{self.base_url}/v1/speculative_config", timeout=5)
+        response = httpx.get(self.admin_url, headers=self._admin_headers(), timeout=5)
         response.raise_for_status()
         return response.json()
 
     def set_num_speculative_tokens(self, k: int) -> None:
         response = httpx.put(
-            f"{self.base_url}/v1/speculative_config",
-            json={"num_speculative_tokens": k}, timeout=10,
+            self.admin_url, json={"num_speculative_tokens": k},
+            headers=self._admin_headers(), timeout=10,
         )
         response.raise_for_status()
 

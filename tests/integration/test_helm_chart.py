@@ -5,6 +5,7 @@ values.schema.json against bad values.  No cluster needed."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -206,10 +207,36 @@ def test_default_settings_equal_the_operators_defaults(rendered):
     (runtime image of this version, its Service name and namespace included)."""
     objects = rendered["default-values.yaml"]
     env = operator_env(objects)
-    assert OperatorSettings.from_env(env) == OperatorSettings()
+    # But one: in the cluster the chart turns on the NetworkPolicies (off for an operator
+    # run outside the cluster, whose requests come from no pod), admitting its own pods.
+    assert OperatorSettings.from_env(env) == dataclasses.replace(
+        OperatorSettings(),
+        network_policy=True,
+        operator_pod_labels={
+            "app.kubernetes.io/name": "specula",
+            "app.kubernetes.io/instance": "specula",
+            "app.kubernetes.io/component": "operator",
+        },
+    )
+    pod = one(objects, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    assert OperatorSettings.from_env(env).operator_pod_labels.items() <= pod.items()
     service = one(objects, "Service")
     assert env["SPECULA_OPERATOR_SERVICE"] == service["metadata"]["name"]
     assert env["SPECULA_HTTP_PORT"] == str(service["spec"]["ports"][0]["port"])
+
+
+def test_network_policy_value_switches_the_setting_and_its_rbac(helm: Helm):
+    def render(*sets: str) -> tuple[OperatorSettings, set]:
+        objects = helm.template(sets=sets)
+        role = one(objects, "ClusterRole")
+        return OperatorSettings.from_env(operator_env(objects)), rules_table(role["rules"])
+
+    settings, rules = render("networkPolicy.metricsNamespaces={monitoring}")
+    assert settings.network_policy and settings.metrics_namespaces == ("monitoring",)
+    assert ("networking.k8s.io", "networkpolicies", "patch") in rules
+    settings, rules = render("networkPolicy.enabled=false")
+    assert not settings.network_policy
+    assert not {r for r in rules if r[1] == "networkpolicies"}
 
 
 def test_custom_values_reach_the_operator(rendered):

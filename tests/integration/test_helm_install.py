@@ -307,6 +307,22 @@ def test_cluster_wide_release_runs_the_operator_within_its_rbac(
         image = dep.spec.template.spec.containers[0].image
         assert image == f"{RUNTIME_REPOSITORY}:{app_version}"
         wait_reconciled(custom, namespace, "chart-sm")
+        # The admin-token Secret and the NetworkPolicy (on by default in the chart),
+        # both owned by the resource, written under the chart's RBAC.
+        uid = sm["metadata"]["uid"]
+        secret = core.read_namespaced_secret("chart-sm-admin-token", namespace)
+        assert [r.uid for r in secret.metadata.owner_references] == [uid]
+        assert len(secret.data["token"]) > 40
+        policy = client.NetworkingV1Api(admin).read_namespaced_network_policy("chart-sm", namespace)
+        assert [r.uid for r in policy.metadata.owner_references] == [uid]
+        operator_peer = policy.spec.ingress[1]._from[0]
+        assert operator_peer.namespace_selector.match_labels == {
+            "kubernetes.io/metadata.name": RELEASE_NAMESPACE
+        }
+        assert operator_peer.pod_selector.match_labels[
+            "app.kubernetes.io/component"] == "operator"
+        assert {p.port for p in policy.spec.ingress[1].ports} == {"admin", "metrics"}
+        assert policy.spec.ingress[0]._from is None  # the model port: open
         # A deleted child comes back (watch on ConfigMaps, create).
         core.delete_namespaced_config_map(cm.metadata.name, namespace)
         wait_for(lambda: children.config_maps(), timeout=30, message="ConfigMap recreated")

@@ -2,6 +2,11 @@
 decides k, applies it through the admin API (``Auto``) or only records it
 (``Recommend``), and keeps its state on the object across an operator restart.
 
+The server's admin API listens on a port of its own and checks the resource's token,
+which the operator generates into the Secret ``<name>-admin-token``; the test hands
+that Secret's token to the server as the kubelet would by mounting it.  Nothing the
+operator writes or logs carries the token.
+
 No kubelet runs pods here, so the test points the resource's Service at the server by
 writing an EndpointSlice itself (the operator reads endpoints from EndpointSlices).
 The tiny draft agrees with the target about half the time; the decisions come from
@@ -12,6 +17,7 @@ recorded.
 
 from __future__ import annotations
 
+import base64
 import json
 from collections.abc import Iterator
 
@@ -70,6 +76,34 @@ def _tuned_sm(name: str, mode: str, k: int) -> dict:
     })
 
 
+def _mount_admin_token(core_v1, namespace: str, name: str, server: RuntimeServer) -> str:
+    """The token of the operator's Secret for ``name``, put where the server reads it
+    (the kubelet's job for a real pod); returns it."""
+    secret = wait_for(
+        lambda: next(iter(
+            s for s in core_v1.list_namespaced_secret(namespace).items
+            if s.metadata.name == f"{name}-admin-token"
+        ), None),
+        timeout=30, message=f"Secret {name}-admin-token",
+    )
+    (owner,) = secret.metadata.owner_references
+    assert (owner.kind, owner.name, owner.controller) == ("SpeculativeModel", name, True)
+    token = base64.b64decode(secret.data["token"]).decode()
+    assert len(token) >= 32
+    server.use_token(token)
+    return token
+
+
+def _assert_token_kept_secret(core_v1, apps_v1, namespace: str, token: str, *logs: str) -> None:
+    """No ConfigMap, no pod template (env literals included) and no log line holds it."""
+    for cm in core_v1.list_namespaced_config_map(namespace).items:
+        assert token not in json.dumps(cm.data or {}), cm.metadata.name
+    for dep in apps_v1.list_namespaced_deployment(namespace).items:
+        assert token not in json.dumps(dep.to_dict(), default=str), dep.metadata.name
+    for log in logs:
+        assert token not in log
+
+
 def _point_service_at(discovery_v1, namespace: str, name: str, server: RuntimeServer) -> None:
     discovery_v1.create_namespaced_endpoint_slice(
         namespace,
@@ -104,6 +138,7 @@ def test_recommend_mode_measures_and_records_without_applying(
     k = 3
     runtime_server.set_num_speculative_tokens(k)
     create_sm(custom_objects, namespace, _tuned_sm(name, "Recommend", k))
+    _mount_admin_token(core_v1, namespace, name, runtime_server)
     _point_service_at(discovery_v1, namespace, name, runtime_server)
     try:
         with Traffic(runtime_server) as traffic:
@@ -141,7 +176,7 @@ def test_recommend_mode_measures_and_records_without_applying(
 
 
 def test_auto_mode_applies_decisions_and_keeps_state_across_restart(
-    operator, custom_objects, core_v1, discovery_v1, namespace, runtime_server
+    operator, custom_objects, core_v1, apps_v1, discovery_v1, namespace, runtime_server
 ):
     name = "tuned-auto"
     start_k = 2
@@ -159,6 +194,7 @@ def test_auto_mode_applies_decisions_and_keeps_state_across_restart(
     rendered = json.loads(config.data["runtime.json"])["speculator"]
     assert rendered["num_speculative_tokens"] == start_k
     assert rendered["max_num_speculative_tokens"] == SERVER_MAX_K
+    token = _mount_admin_token(core_v1, namespace, name, runtime_server)
     _point_service_at(discovery_v1, namespace, name, runtime_server)
     try:
         with Traffic(runtime_server) as traffic:
@@ -237,6 +273,11 @@ def test_auto_mode_applies_decisions_and_keeps_state_across_restart(
             assert sm["status"]["tuningHistory"][0] == first
             assert not traffic.errors, traffic.errors[:3]
 
+        # The token reached the pod only through the Secret.
+        _assert_token_kept_secret(
+            core_v1, apps_v1, namespace, token, operator.log_path.read_text(errors="replace"),
+            runtime_server.log_path.read_text(errors="replace"),
+        )
         reasons = {e.reason for e in _events(core_v1, namespace, name)}
         assert first["reason"] in reasons, reasons
         tuned = condition(get_sm(custom_objects, namespace, name), "Tuned")

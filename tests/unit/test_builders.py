@@ -131,6 +131,7 @@ def test_container_command_image_ports_and_probes():
     assert container["ports"] == [
         {"name": "http", "containerPort": 8000, "protocol": "TCP"},
         {"name": "metrics", "containerPort": 9090, "protocol": "TCP"},
+        {"name": "admin", "containerPort": 8001, "protocol": "TCP"},
     ]
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert container[probe]["httpGet"] == {"path": "/health", "port": "http"}
@@ -238,9 +239,10 @@ def test_scheduling_env_and_service_account():
         {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
     ]
     assert pod["serviceAccountName"] == "llm-runtime"
-    # hf:// checkpoints: the cache's HF_HOME and offline mode come first; the spec's own
-    # HF_TOKEN is kept as written.
+    # HOME on the writable emptyDir, then for hf:// checkpoints the cache's HF_HOME and
+    # offline mode; the spec's own HF_TOKEN is kept as written.
     assert container_of(deployment)["env"] == [
+        {"name": "HOME", "value": "/tmp"},
         {"name": "HF_HOME", "value": "/var/cache/specula/huggingface"},
         {"name": "HF_HUB_OFFLINE", "value": "1"},
         {"name": "LOG_LEVEL", "value": "debug"},
@@ -254,7 +256,9 @@ def test_optional_pod_fields_omitted_when_unset():
     for key in ("nodeSelector", "tolerations", "serviceAccountName"):
         assert key not in pod
     # Only what hf:// checkpoints need (the default spec's URIs are hf://).
-    assert [v["name"] for v in container_of(deployment)["env"]] == ["HF_HOME", "HF_HUB_OFFLINE"]
+    assert [v["name"] for v in container_of(deployment)["env"]] == [
+        "HOME", "HF_HOME", "HF_HUB_OFFLINE"
+    ]
 
 
 def test_service_ports():

@@ -73,7 +73,7 @@ def test_vllm_pods_run_vllm_serve_with_the_rendered_config():
         {"name": "HF_HOME", "value": "/cache/huggingface"},
     ]
     mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
-    assert mounts == {"dshm": "/dev/shm", "cache": "/cache"}
+    assert mounts == {"dshm": "/dev/shm", "tmp": "/tmp", "cache": "/cache"}
     assert deployment["spec"]["strategy"] == {
         "type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1},
     }

@@ -121,10 +121,16 @@ def test_ready_endpoints_from_slices():
     assert [e.pod for e in eps] == ["fd00::5", "sm-a", "sm-b"]
     a = eps[1]
     assert a.metrics_url == "http://10.0.0.1:9090/metrics"
-    assert a.admin_url == "http://10.0.0.1:8000/v1/speculative_config"
+    # The Service has no admin port: the pod's fixed one.
+    assert a.admin_url == "http://10.0.0.1:8001/v1/speculative_config"
     v6 = eps[0]
     assert v6.metrics_url == "http://[fd00::5]:8000/metrics"  # no metrics port: http's
-    assert Endpoint("p", "10.0.0.9", None, None).admin_url is None
+    assert Endpoint("p", "10.0.0.9", None, None, None).admin_url is None
+    named = tuner.ready_endpoints([{
+        "ports": [{"name": "http", "port": 8000}, {"name": "admin", "port": 18001}],
+        "endpoints": [{"addresses": ["10.0.0.3"]}],
+    }])
+    assert named[0].admin_url == "http://10.0.0.3:18001/v1/speculative_config"
 
 
 def test_is_due():

@@ -54,6 +54,18 @@ app.kubernetes.io/part-of: specula
 app.kubernetes.io/component: operator
 {{- end }}
 
+{{/*
+The operator pod's selector labels as `k=v,k=v` (SPECULA_OPERATOR_POD_LABELS): the peer
+the runtime pods' NetworkPolicies admit to their admin and metrics ports.
+*/}}
+{{- define "specula.operatorSelectorString" -}}
+{{- $pairs := list }}
+{{- range $k, $v := (include "specula.operatorSelectorLabels" . | fromYaml) }}
+{{- $pairs = append $pairs (printf "%s=%s" $k $v) }}
+{{- end }}
+{{- join "," $pairs }}
+{{- end }}
+
 {{/* Labels of the operator's objects. */}}
 {{- define "specula.operatorLabels" -}}
 {{ include "specula.labels" . }}
@@ -143,6 +155,17 @@ specula/operator (kube.py, kopf's watches and patches) and nothing more.
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["list", "watch"]
+# The admin-token Secret of each resource: read by the tuner, created once (never
+# listed, watched, updated or deleted: the garbage collector removes it with its owner).
+- apiGroups: [""]
+  resources: ["secrets"]
+  verbs: ["get", "create"]
+{{- if .Values.networkPolicy.enabled }}
+# Each resource's NetworkPolicy, written by server-side apply.
+- apiGroups: ["networking.k8s.io"]
+  resources: ["networkpolicies"]
+  verbs: ["get", "create", "patch"]
+{{- end }}
 # Tuning decisions are recorded as Events.
 - apiGroups: [""]
   resources: ["events"]
