@@ -7,7 +7,8 @@ Prints one JSON line per completion request: ``{"ok": true, "text": ...}`` or
 ``{"ok": false, "error": ...}``, after a first line ``{"model": NAME}``.  Without
 ``loop`` it sends one request; with it, it sends requests back to back, each on a
 new connection (as independent clients would), until the file ``/tmp/stop`` exists,
-then prints ``{"done": N}`` and exits 0.
+then prints ``{"done": N}`` and exits 0.  ``$API_KEY``, when set (from the resource's
+API-key Secret), is sent as ``Authorization: Bearer``.
 """
 
 import json
@@ -18,10 +19,11 @@ import httpx
 
 base, prompt, max_tokens = sys.argv[1], sys.argv[2], int(sys.argv[3])
 loop = len(sys.argv) > 4 and sys.argv[4] == "loop"
+headers = {"Authorization": f"Bearer {os.environ['API_KEY']}"} if os.environ.get("API_KEY") else {}
 model = None
 while model is None:
     try:
-        model = httpx.get(base + "/v1/models", timeout=30).json()["data"][0]["id"]
+        model = httpx.get(base + "/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
     except Exception as exc:  # noqa: BLE001 - reported, then retried only when looping
         print(json.dumps({"ok": False, "error": f"models: {exc!r}"}), flush=True)
         if not loop:
@@ -31,7 +33,7 @@ body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature
 sent = 0
 while True:
     try:
-        response = httpx.post(base + "/v1/completions", json=body, timeout=60)
+        response = httpx.post(base + "/v1/completions", json=body, headers=headers, timeout=60)
         if response.status_code == 200:
             line = {"ok": True, "text": response.json()["choices"][0]["text"]}
         else:

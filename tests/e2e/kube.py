@@ -54,6 +54,10 @@ def describe_pods(cluster: LocalCluster, namespace: str) -> str:
     return out
 
 
+API_KEY_SECRET = "api-key"
+"""Secret (key ``key``) holding the API key of the test's resources, in their namespace."""
+
+
 def start_client(cluster: LocalCluster, namespace: str, name: str, base_url: str, prompt: str,
                  max_tokens: int, loop: bool) -> None:
     """A pod of the operator image running :mod:`client_script` against ``base_url``."""
@@ -73,6 +77,9 @@ def start_client(cluster: LocalCluster, namespace: str, name: str, base_url: str
                 "image": OPERATOR_IMAGE,
                 "imagePullPolicy": "Never",
                 "command": args,
+                # The resource's API key, from its Secret where the test made one.
+                "env": [{"name": "API_KEY", "valueFrom": {"secretKeyRef": {
+                    "name": API_KEY_SECRET, "key": "key", "optional": True}}}],
                 "securityContext": {"allowPrivilegeEscalation": False,
                                     "capabilities": {"drop": ["ALL"]}},
             }],

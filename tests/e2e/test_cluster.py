@@ -11,14 +11,17 @@ like the steps of a user's session; each asserts its own step.
 
 from __future__ import annotations
 
+import base64
 import json
 import subprocess
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from specula.api.render import ADMIN_PORT
 from specula.devcluster.cluster import NODE_NAME, LocalCluster
 from specula.devcluster.control_plane import wait_for
 from specula.devcluster.helm import CHART, RELEASE, RELEASE_NAMESPACE, Helm
@@ -26,7 +29,15 @@ from specula.devcluster.host import NODE_IP
 from specula.devcluster.hub import HubRepo, HubServer
 from specula.devcluster.images import RUNTIME_CPU_IMAGE
 
-from .kube import apply, describe_pods, finish_client, get, ready_pods, start_client
+from .kube import (
+    API_KEY_SECRET,
+    apply,
+    describe_pods,
+    finish_client,
+    get,
+    ready_pods,
+    start_client,
+)
 
 # The first test also waits for the session's node: its builds (tens of minutes on a cold
 # machine, when `make test-e2e` runs alone) and a multi-GB image import. Each step of a test
@@ -35,6 +46,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(3600)]
 
 NS = "e2e"
 SM = "demo"
+API_KEY = "e2e-api-key-0123456789"
+"""The resource's API key (in Secret :data:`kube.API_KEY_SECRET`)."""
 SELECTOR = f"app.kubernetes.io/instance={SM},app.kubernetes.io/component=runtime"
 CLAIM = "demo-models"
 PROMPT = "def fibonacci(n):\n"
@@ -57,6 +70,7 @@ def sm_object(k: int = 2) -> dict:
             },
             "replicas": 1,
             "maxNumSeqs": 8,
+            "apiKeySecret": {"name": API_KEY_SECRET, "key": "key"},
             "resources": {"gpu": {"count": 0}, "memory": "2Gi"},
             "tuning": {
                 "mode": "Auto",
@@ -182,6 +196,9 @@ def test_demo_model_from_pvc_passes_its_probes(
     cluster: LocalCluster, installed, demo_checkpoints: Path
 ) -> None:
     cluster.kubectl("create", "namespace", NS)
+    apply(cluster, {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+                    "metadata": {"name": API_KEY_SECRET, "namespace": NS},
+                    "stringData": {"key": API_KEY}})
     apply(cluster, *volume_objects(demo_checkpoints))
     apply(cluster, sm_object())
     pods = wait_serving(cluster, 1)
@@ -209,11 +226,67 @@ def test_completions_through_service_equal_target_greedy(
     assert expected_text, "the target produced no tokens"
 
 
-def _runtime_k(pod: dict) -> int:
-    with urllib.request.urlopen(
-        f"http://{pod['status']['podIP']}:8000/v1/speculative_config", timeout=10
-    ) as response:
-        return json.load(response)["num_speculative_tokens"]
+def _admin_token(cluster: LocalCluster) -> str:
+    secret = get(cluster, "secret", f"{SM}-admin-token", "-n", NS)
+    return base64.b64decode(secret["data"]["token"]).decode()
+
+
+def _http(url: str, token: str | None = None, body: dict | None = None) -> tuple[int, dict]:
+    """``(status, JSON body)`` of a GET (or a POST of ``body``) with an optional bearer."""
+    headers = {"Content-Type": "application/json"}
+    if token is not None:
+        headers["Authorization"] = f"Bearer {token}"
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(url, data=data, headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.load(response)
+    except urllib.error.HTTPError as e:
+        return e.code, json.load(e)
+
+
+def _runtime_k(cluster: LocalCluster, pod: dict) -> int:
+    # The pod's admin port, straight from the node (whose bridge network plugin does not
+    # enforce the NetworkPolicy), with the resource's token.
+    status, body = _http(f"http://{pod['status']['podIP']}:{ADMIN_PORT}/v1/speculative_config",
+                         _admin_token(cluster))
+    assert status == 200, body
+    return body["num_speculative_tokens"]
+
+
+def test_runtime_pod_is_hardened_and_refuses_without_credentials(
+    cluster: LocalCluster, installed
+) -> None:
+    (pod,) = ready_pods(cluster, NS, SELECTOR)
+    spec = pod["spec"]
+    assert spec["automountServiceAccountToken"] is False
+    for c in spec["containers"]:
+        ctx = c["securityContext"]
+        assert ctx["readOnlyRootFilesystem"] is True and ctx["capabilities"]["drop"] == ["ALL"]
+    ip, token = pod["status"]["podIP"], _admin_token(cluster)
+    admin = f"http://{ip}:{ADMIN_PORT}/v1/speculative_config"
+    for credentials in (None, "wrong-token"):
+        status, body = _http(admin, credentials)
+        assert status == 401 and body["error"]["code"] == "invalid_api_key", body
+    # The model port has no admin route, and the Service no admin port.
+    assert _http(f"http://{ip}:8000/v1/speculative_config", token)[0] == 404
+    svc = get(cluster, "service", SM, "-n", NS)
+    assert ADMIN_PORT not in {p["targetPort"] for p in svc["spec"]["ports"]}
+    assert "admin" not in {p["name"] for p in svc["spec"]["ports"]}
+    # The API key guards the OpenAI routes, not the probes' and scrapers'.
+    assert _http(f"http://{ip}:8000/v1/models")[0] == 401
+    with urllib.request.urlopen(f"http://{ip}:8000/health", timeout=10) as response:
+        assert response.status == 200
+    with urllib.request.urlopen(f"http://{ip}:9090/metrics", timeout=10) as response:
+        assert response.status == 200
+    policy = get(cluster, "networkpolicy", SM, "-n", NS)
+    assert {p["port"] for p in policy["spec"]["ingress"][1]["ports"]} == {"admin", "metrics"}
+    # The key is nowhere in the pod spec (env literals included) or the ConfigMap.
+    secret = get(cluster, "secret", API_KEY_SECRET, "-n", NS)
+    key = base64.b64decode(secret["data"]["key"]).decode()
+    assert key not in json.dumps(pod["spec"])
+    assert key not in json.dumps(get(cluster, "configmap", SM, "-n", NS)["data"])
+    assert token not in json.dumps(get(cluster, "configmap", SM, "-n", NS)["data"])
 
 
 def test_tuner_scrapes_pods_and_applies_k(cluster: LocalCluster, installed) -> None:
@@ -248,7 +321,7 @@ def test_tuner_scrapes_pods_and_applies_k(cluster: LocalCluster, installed) -> N
         assert [p["metadata"]["name"] for p in pods] == [pod_before], "the pods rolled"
         k_status = sm_status(cluster)["speculation"]["numSpeculativeTokens"]
         assert entry["to"] != k_now
-        assert _runtime_k(pods[0]) == k_status
+        assert _runtime_k(cluster, pods[0]) == k_status
         table = cluster.kubectl("get", "sm", "-n", NS).stdout
         header, row = table.splitlines()[:2]
         for column in ("K", "ACCEPT-LEN", "READY"):
@@ -265,21 +338,17 @@ def test_tuner_scrapes_pods_and_applies_k(cluster: LocalCluster, installed) -> N
 def test_scale_adds_a_serving_pod(cluster: LocalCluster, installed, expected_text: str) -> None:
     cluster.kubectl("scale", f"sm/{SM}", "-n", NS, "--replicas=2")
     pods = wait_serving(cluster, 2)
+    key = API_KEY
     for pod in pods:
-        body = json.dumps({"model": _model_name(pod), "prompt": PROMPT,
-                           "max_tokens": MAX_TOKENS, "temperature": 0}).encode()
-        request = urllib.request.Request(
-            f"http://{pod['status']['podIP']}:8000/v1/completions", data=body,
-            headers={"Content-Type": "application/json"},
-        )
-        with urllib.request.urlopen(request, timeout=60) as response:
-            assert json.load(response)["choices"][0]["text"] == expected_text
-
-
-def _model_name(pod: dict) -> str:
-    with urllib.request.urlopen(f"http://{pod['status']['podIP']}:8000/v1/models",
-                                timeout=10) as response:
-        return json.load(response)["data"][0]["id"]
+        base = f"http://{pod['status']['podIP']}:8000"
+        status, models = _http(f"{base}/v1/models", key)
+        assert status == 200, models
+        status, body = _http(f"{base}/v1/completions", key, {
+            "model": models["data"][0]["id"], "prompt": PROMPT, "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+        })
+        assert status == 200, body
+        assert body["choices"][0]["text"] == expected_text
 
 
 def _assert_all_served(lines: list[dict], expected_text: str) -> None:
