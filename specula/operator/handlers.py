@@ -104,6 +104,10 @@ def configure(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
     # checks again only every `cancellation_polling` seconds (default 60) when a tick is
     # still running, which held deletions for a minute.
     settings.background.cancellation_polling = 1.0
+    for image in ours.unpinned_images:
+        logging.getLogger(__name__).warning(
+            "default image %s is not pinned by digest (@sha256:...)", image
+        )
 
 
 def _status_lookup(memo: Any):

@@ -103,6 +103,13 @@ class OperatorSettings:
     Prometheus).  Environment: ``SPECULA_METRICS_NAMESPACES`` (comma-separated)."""
 
     @property
+    def unpinned_images(self) -> list[str]:
+        """Default images not pinned by digest (``@sha256:``): a tag can be moved to other
+        content, so the operator warns about them at start-up.  Not refused: images
+        built and imported locally (the development node) have no registry digest."""
+        return [i for i in (self.runtime_image, self.vllm_image) if "@sha256:" not in i]
+
+    @property
     def utilization_url_base(self) -> str:
         """Scheme, host and port of the utilization endpoint as the cluster reaches it."""
         if self.utilization_base_url:

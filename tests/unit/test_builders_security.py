@@ -177,3 +177,9 @@ def test_network_policy_settings_from_env():
         OperatorSettings.from_env({"SPECULA_NETWORK_POLICY": "true"})
     with pytest.raises(ValueError, match="true or false"):
         OperatorSettings.from_env({"SPECULA_NETWORK_POLICY": "yes"})
+
+
+def test_unpinned_default_images_are_listed_for_a_warning():
+    pinned = "registry.example.com/vllm-openai:v1@sha256:" + "0" * 64
+    settings = OperatorSettings(runtime_image="specula-runtime:0.1.0", vllm_image=pinned)
+    assert settings.unpinned_images == ["specula-runtime:0.1.0"]
