@@ -1,20 +1,27 @@
-"""Trace-driven simulator of the speculation tuner.
+"""Trace-driven simulator of the speculation tuner, on the measured H100 step times.
 
-Replays the workload traces of ``bench/tuning/traces.py`` against the documented
-ground-truth cost curves of ``bench/tuning/model.py``: two simulated pods expose
-Prometheus text every 30 s interval, the tuner (``specula.tuning``, ``Auto`` mode,
-default settings, then again with per-batch-size schedules) reads it and changes k or
-the schedule; goodput of every interval is computed from the true model.  Compares the tuner with static k = 3 and with the oracle-best fixed k
-of each trace (the best static k in hindsight), and writes
-``bench/results/tuning.json`` and the "Tuning simulator" section of
+Replays the workload traces of ``bench/tuning/traces.py``: two simulated pods run each
+30 s interval at the configuration in effect, with step times from the engine's measured
+H100 table (``bench/tuning/model.py``: two sessions of ``bench/step_costs.py``, linear in
+B between measured batch sizes, 2 % noise) and binomial acceptance, and expose
+Prometheus text; the tuner (``specula.tuning`` in ``Auto`` mode with the settings the
+operator derives from a ``SpeculativeModel`` whose ``spec.tuning`` sets only ``mode:
+Auto`` and ``maxSpeculativeTokens: 8`` — the CRD's defaults: 30 s interval, 2 min
+cooldown, 5 % minimum gain — and the fitted default step-time prior) reads it and changes
+k.  The truth is the measured table and the tuner's prior the smooth fit of it, so the
+prior's error is part of the test.  Then again with per-batch-size schedules
+(``apply_schedule``).  The figures are those of open issue 13 (see
+``bench/tuning/metrics.py`` for their definitions).
+
+Run: ``.venv/bin/python bench/tuning_sim.py [--write] [--dump FILE]`` (pure Python,
+seeded, two processes; a few minutes).  ``--write`` stores the ``sim`` key of
+``bench/results/tuning.json`` (other keys kept) and the "Tuning simulator" section of
 ``bench/RESULTS.md``.
-
-Run: ``.venv/bin/python bench/tuning_sim.py`` (pure Python, seeded, two processes;
-~1-2 minutes).
 """
 
 from __future__ import annotations
 
+import argparse
 import datetime as dt
 import json
 import platform
@@ -23,17 +30,20 @@ import resource
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
-from tuning.model import true_goodput  # noqa: E402
+from tuning import metrics as M  # noqa: E402
+from tuning.model import MEASUREMENTS, true_goodput  # noqa: E402
 from tuning.pods import INTERVAL_S, MAX_K, SimPod, k_for_batch  # noqa: E402
 from tuning.traces import TRACES, Trace, expand  # noqa: E402
 
+from specula.api.models import SpeculativeModelSpec  # noqa: E402
+from specula.operator.tuner import tuning_settings  # noqa: E402
 from specula.tuning import (  # noqa: E402
     RuntimeMetrics,
     TuningSettings,
@@ -42,33 +52,61 @@ from specula.tuning import (  # noqa: E402
     window_delta,
 )
 
-INITIAL_K = 3
-CONVERGED_FRACTION = 0.95
+RESULTS_JSON = HERE / "results" / "tuning.json"
+RESULTS_MD = HERE / "RESULTS.md"
+MIN_HEADROOM = 0.05
+HIGH_HEADROOM = 0.15
 GOALS = {
-    "stationary_fraction_of_oracle": (">=", 0.95),
-    "shifting_gain_over_best_static": (">=", 0.10),
+    "stationary_fraction_of_best_fixed": (">=", 0.97),
+    "min_headroom_captured": (">=", 0.70),
+    "min_headroom_captured_per_interval": (">=", 0.70),
+    "min_gain_over_best_static_high_headroom": (">=", 0.10),
+    "max_intervals_to_converge": ("<=", 5),
+    "min_near_optimal_after_convergence": (">=", 0.90),
+    "flaps_per_100": ("<=", 1.0),
+    "stationary_probe_fraction": ("<=", 0.05),
     "k0_case_loss": ("<=", 0.02),
-    "flaps": ("<=", 0),
-    "intervals_to_converge": ("<=", 10),
 }
+# Keys of the simulator's earlier report format, stored at the top level of tuning.json.
+OLD_KEYS = ("command", "date", "hardware", "runtime_s", "cpu_s", "cost_curves", "settings",
+            "summary", "goals", "summary_schedule", "goals_schedule", "notes", "traces",
+            "traces_schedule")
+
+
+def shipped_settings() -> tuple[TuningSettings, int]:
+    """The operator's settings for a resource that sets only ``mode: Auto`` and
+    ``maxSpeculativeTokens: 8`` (k starts at the CRD's default 3)."""
+    spec = SpeculativeModelSpec.model_validate({
+        "model": {"uri": "hf://meta-llama/Llama-3.1-8B-Instruct"},
+        "speculator": {"method": "eagle3", "model": {"uri": "hf://example/eagle3-head"}},
+        "tuning": {"mode": "Auto", "maxSpeculativeTokens": 8},
+    })
+    return tuning_settings(spec), spec.speculator.num_speculative_tokens
 
 
 Config = tuple[int, tuple[tuple[int, int, int], ...] | None]
 """(k, schedule): a single k when the schedule is ``None``."""
 
 
-def run_tuner(trace: Trace, settings: TuningSettings) -> tuple[list[Config], list[dict]]:
+def config_key(config: Config) -> str:
+    k, schedule = config
+    return str(k) if schedule is None else str([list(r) for r in schedule])
+
+
+def run_tuner(
+    trace: Trace, settings: TuningSettings, initial_k: int
+) -> tuple[list[Config], list[dict]]:
     """Configuration in effect per interval and the applied changes."""
     intervals = expand(trace)
     pods = [SimPod("pod-0"), SimPod("pod-1")]
     rng = random.Random(f"pods:{trace.name}:{trace.seed}")
-    state = TuningState.initial(INITIAL_K, settings)
+    state = TuningState.initial(initial_k, settings)
     t0 = 1_700_000_000.0
     prev = {p.name: RuntimeMetrics.from_prometheus_text(p.exposition()) for p in pods}
-    ks, changes = [], []
+    configs, changes = [], []
     for t, iv in enumerate(intervals):
         k, schedule = state.num_speculative_tokens, state.schedule
-        ks.append((k, schedule))
+        configs.append((k, schedule))
         for p in pods:
             if trace.restart_pod_at == t and p.name == "pod-1":
                 p.restart()
@@ -81,29 +119,14 @@ def run_tuner(trace: Trace, settings: TuningSettings) -> tuple[list[Config], lis
         decision = decide(state, window, settings, t0 + (t + 1) * INTERVAL_S)
         state = decision.state
         if decision.apply:
-            changes.append(
-                {"interval": t + 1, "from": k, "to": decision.num_speculative_tokens,
-                 "from_config": config_key((k, schedule)),
-                 "to_config": config_key((decision.state.num_speculative_tokens, decision.state.schedule)),
-                 "reason": decision.reason,
-                 "predicted_gain": round(decision.predicted_gain or 0.0, 4),
-                 **({"schedule": decision.num_speculative_tokens_per_batch_size}
-                    if decision.num_speculative_tokens_per_batch_size is not None else {})}
-            )
-    return ks, changes
-
-
-def config_key(config: Config) -> str:
-    k, schedule = config
-    return str(k) if schedule is None else str([list(r) for r in schedule])
-
-
-def count_flaps(changes: list[dict]) -> int:
-    """A -> B -> A pairs of consecutive changes (configurations compared whole)."""
-    return sum(
-        1 for a, b in zip(changes, changes[1:], strict=False)
-        if a["from_config"] == b["to_config"] and a["to_config"] == b["from_config"]
-    )
+            changes.append({
+                "interval": t + 1,
+                "from": config_key((k, schedule)),
+                "to": config_key((state.num_speculative_tokens, state.schedule)),
+                "reason": decision.reason,
+                "predicted_gain": round(decision.predicted_gain or 0.0, 4),
+            })
+    return configs, changes
 
 
 def config_goodput(iv, cost, config: Config) -> float:
@@ -115,91 +138,58 @@ def config_goodput(iv, cost, config: Config) -> float:
     )
 
 
-def evaluate(trace: Trace, settings: TuningSettings) -> dict:
+def evaluate(trace: Trace, settings: TuningSettings, initial_k: int) -> dict:
     intervals = expand(trace)
-    g = [
-        [true_goodput(iv.alphas, trace.cost, iv.batch_mix, k) for k in range(MAX_K + 1)]
-        for iv in intervals
-    ]
-    n = len(g)
-    mean_k = [sum(row[k] for row in g) / n for k in range(MAX_K + 1)]
-    oracle_k = max(range(MAX_K + 1), key=lambda k: mean_k[k])
-    configs, changes = run_tuner(trace, settings)
-    ks = [k for k, _ in configs]
-    got = [config_goodput(iv, trace.cost, cfg) for iv, cfg in zip(intervals, configs, strict=True)]
-    tuner = sum(got) / n
-    dynamic = sum(max(row) for row in g) / n
-    # Per-step oracle: every batch size of every interval at its own best k (what a
-    # perfect per-batch-size schedule, re-decided every interval, would reach).
-    per_step = sum(
+    g = [[true_goodput(iv.alphas, trace.cost, iv.batch_mix, k) for k in range(MAX_K + 1)]
+         for iv in intervals]
+    configs, changes = run_tuner(trace, settings, initial_k)
+    got = [config_goodput(iv, trace.cost, c) for iv, c in zip(intervals, configs, strict=True)]
+    # Per-step oracle: every batch size of every interval at its own best k (a perfect
+    # per-batch-size schedule re-decided every interval).
+    per_step = [
         sum(max(true_goodput(iv.alphas, trace.cost, ((b, f),), k) for k in range(MAX_K + 1))
             for b, f in iv.batch_mix)
         for iv in intervals
-    ) / n
-    # Per-interval (time-weighted) view: every interval counts the same, whatever its load.
-    rel_tuner = sum(x / max(row) for row, x in zip(g, got, strict=True)) / n
-    rel_static = [sum(row[k] / max(row) for row in g) / n for k in range(MAX_K + 1)]
-
-    converge = []
-    start = 0
-    for i, phase in enumerate(trace.phases):
-        idx = list(range(start, start + phase.intervals))
-        start += phase.intervals
-        phase_mean = [sum(g[j][k] for j in idx) / len(idx) for k in range(MAX_K + 1)]
-        best = max(range(MAX_K + 1), key=lambda k: phase_mean[k])
-        near = {k for k in range(MAX_K + 1) if phase_mean[k] >= CONVERGED_FRACTION * phase_mean[best]}
-        cache: dict[Config, bool] = {}
-
-        def is_near(cfg: Config, idx=idx, best_g=phase_mean[best], cache=cache) -> bool:
-            # A configuration is near-optimal when its goodput over the whole phase is
-            # within 5 % of the phase's best fixed k (for a single k: k in `near`).
-            if cfg not in cache:
-                mean = sum(config_goodput(intervals[j], trace.cost, cfg) for j in idx) / len(idx)
-                cache[cfg] = mean >= CONVERGED_FRACTION * best_g
-            return cache[cfg]
-
-        # Converged: from this interval on, the configuration in effect stays near-optimal.
-        first = len(idx)
-        for m in range(len(idx), 0, -1):
-            if is_near(configs[idx[m - 1]]):
-                first = m - 1
-            else:
-                break
-        converge.append({"phase": i, "profile": phase.profile, "batch_size": phase.batch_size,
-                         "best_k": best, "near_optimal_k": sorted(near),
-                         "intervals_to_converge": first})
+    ]
+    ch = [M.Change(c["interval"], c["from"], c["to"], c["reason"]) for c in changes]
+    means = M.column_means(g)
+    k_fixed = M.best_fixed_k(g)
+    n = len(g)
+    conv = M.convergence(got, g, trace.phase_lengths)
+    for c, p in zip(conv, trace.phases, strict=True):
+        c.update(profile=p.profile, batch_size=p.batch_size)
+    cap = M.captured_throughput(got, g)
+    cap_iv = M.captured_per_interval(got, g)
     return {
         "name": trace.name,
         "kind": trace.kind,
-        "cost_curve": trace.cost_name,
-        "phases": [asdict(p) for p in trace.phases],
+        "phases": [{"profile": p.profile, "batch_size": p.batch_size, "intervals": p.intervals,
+                    "spread": [list(x) for x in p.spread]} for p in trace.phases],
         "intervals": n,
         "pod_restart_at": trace.restart_pod_at,
         "goodput_tokens_per_s": {
-            "tuner": round(tuner, 1),
-            "static_k3": round(mean_k[3], 1),
-            "oracle_fixed": round(mean_k[oracle_k], 1),
-            "no_speculation": round(mean_k[0], 1),
-            "dynamic_oracle": round(dynamic, 1),
-            "per_step_oracle": round(per_step, 1),
+            "tuner": round(sum(got) / n, 1),
+            "best_fixed": round(means[k_fixed], 1),
+            "static_k3": round(means[3], 1),
+            "no_speculation": round(means[0], 1),
+            "per_interval_oracle": round(M.oracle_mean(g), 1),
+            "per_step_oracle": round(sum(per_step) / n, 1),
         },
-        "oracle_fixed_k": oracle_k,
-        "tuner_over_oracle_fixed": round(tuner / mean_k[oracle_k], 4),
-        "tuner_over_static_k3": round(tuner / mean_k[3], 4),
-        "tuner_over_no_speculation": round(tuner / mean_k[0], 4),
-        "dynamic_oracle_over_oracle_fixed": round(dynamic / mean_k[oracle_k], 4),
-        "per_step_oracle_over_oracle_fixed": round(per_step / mean_k[oracle_k], 4),
-        "tuner_over_per_step_oracle": round(tuner / per_step, 4),
-        "per_interval_view": {
-            "tuner_fraction_of_dynamic_oracle": round(rel_tuner, 4),
-            "best_static_fraction_of_dynamic_oracle": round(max(rel_static), 4),
-            "best_static_k": max(range(MAX_K + 1), key=lambda k: rel_static[k]),
-        },
-        "flaps": count_flaps(changes),
+        "best_fixed_k": k_fixed,
+        "fraction_of_best_fixed": round(M.fraction_of_best_fixed(got, g), 4),
+        "gain_over_best_static": round(M.fraction_of_best_fixed(got, g) - 1.0, 4),
+        "headroom": round(M.headroom(g), 4),
+        "per_step_headroom": round(sum(per_step) / n / means[k_fixed] - 1.0, 4),
+        "headroom_captured": None if cap is None else round(cap, 4),
+        "headroom_captured_per_interval": None if cap_iv is None else round(cap_iv, 4),
+        "best_static_per_interval_k": M.best_static_per_interval(g)[0],
+        "loss_against_k0": round(M.loss_against_k0(got, g), 4),
+        "flaps": M.count_flaps(ch),
+        "probes": M.probes(ch),
         "changes": changes,
-        "k_trajectory": ks,
-        "schedules_in_effect": sorted({str([list(r) for r in sc]) for _, sc in configs if sc}),
-        "convergence": converge,
+        "convergence": conv,
+        "k_trajectory": [k for k, _ in configs],
+        "schedules_in_effect": sorted({config_key(c) for c in configs if c[1] is not None}),
     }
 
 
@@ -207,32 +197,107 @@ def summarise(results: list[dict]) -> dict:
     def by(kind: str) -> list[dict]:
         return [r for r in results if r["kind"] == kind]
 
+    eligible = [r for r in results if r["headroom"] >= MIN_HEADROOM]
+    high = [r for r in results if r["headroom"] >= HIGH_HEADROOM]
+    conv = [(r["name"], i, c) for r in results for i, c in enumerate(r["convergence"])]
+    after = [c["near_optimal_after"] for _, _, c in conv if c["near_optimal_after"] is not None]
+    total = sum(r["intervals"] for r in results)
+    stationary = by("stationary")
     return {
-        "stationary_fraction_of_oracle": min(r["tuner_over_oracle_fixed"] for r in by("stationary")),
-        "shifting_gain_over_best_static": round(
-            min(r["tuner_over_oracle_fixed"] for r in by("shifting")) - 1.0, 4
-        ),
-        "k0_case_loss": round(max(1.0 - r["tuner_over_no_speculation"] for r in by("k0")), 4),
-        "flaps": sum(r["flaps"] for r in by("stationary")),
-        "intervals_to_converge": max(
-            c["intervals_to_converge"] for r in results for c in r["convergence"]
-        ),
-        "intervals_to_converge_by_kind": {
-            kind: max(c["intervals_to_converge"] for r in by(kind) for c in r["convergence"])
-            for kind in ("stationary", "shifting", "k0")
-        },
-        "shifting_dynamic_oracle_headroom_min": round(
-            min(r["dynamic_oracle_over_oracle_fixed"] for r in by("shifting")) - 1.0, 4
-        ),
-        "flaps_all_traces": sum(r["flaps"] for r in results),
-        "shifting_gain_over_best_static_per_interval_view": round(
-            min(
-                r["per_interval_view"]["tuner_fraction_of_dynamic_oracle"]
-                / r["per_interval_view"]["best_static_fraction_of_dynamic_oracle"]
-                for r in by("shifting")
-            ) - 1.0, 4
-        ),
+        "stationary_fraction_of_best_fixed": min(r["fraction_of_best_fixed"] for r in stationary),
+        "min_headroom_captured": min((r["headroom_captured"] for r in eligible), default=None),
+        "min_headroom_captured_per_interval": min(
+            (r["headroom_captured_per_interval"] for r in eligible
+             if r["headroom_captured_per_interval"] is not None), default=None),
+        "headroom_traces": {r["name"]: r["headroom"] for r in eligible},
+        "min_gain_over_best_static_high_headroom": min(
+            (r["gain_over_best_static"] for r in high), default=None),
+        "high_headroom_traces": [r["name"] for r in high],
+        "max_intervals_to_converge": max(c["intervals_to_converge"] for *_, c in conv),
+        "phases_over_5_intervals": [
+            f"{name} phase {i}" for name, i, c in conv if c["intervals_to_converge"] > 5],
+        "min_near_optimal_after_convergence": round(min(after), 4) if after else None,
+        "mean_near_optimal_after_convergence": (
+            round(sum(after) / len(after), 4) if after else None),
+        "flaps": sum(r["flaps"] for r in results),
+        "flaps_per_100": round(100.0 * sum(r["flaps"] for r in results) / total, 3),
+        "stationary_probes": sum(r["probes"] for r in stationary),
+        "stationary_probe_fraction": round(
+            sum(r["probes"] for r in stationary) / sum(r["intervals"] for r in stationary), 4),
+        "k0_case_loss": round(max(r["loss_against_k0"] for r in by("k0")), 4),
+        "intervals": total,
     }
+
+
+def reading(runs: dict, summaries: dict, vs: dict) -> list[str]:
+    """The reading of the figures; numbers are taken from them so they cannot go stale."""
+    s = summaries["single_k"]
+    by_name = {r["name"]: r for r in runs["single_k"]}
+    stationary = sorted((r["fraction_of_best_fixed"], r["name"]) for r in runs["single_k"]
+                        if r["kind"] == "stationary")
+    smooth = [x for x in stationary if not x[1].startswith("bursty")]
+    captured = ", ".join(f"{n} {r['headroom_captured']:.2f} / {r['headroom_captured_per_interval']:.2f}"
+                         for n, r in by_name.items() if r["headroom"] >= MIN_HEADROOM)
+    gains = ", ".join(f"{n} {r['gain_over_best_static']:+.1%}" for n, r in by_name.items()
+                      if r["kind"] == "shifting")
+    heads = ", ".join(f"{n} {r['headroom']:+.1%}" for n, r in by_name.items()
+                      if r["kind"] == "shifting")
+    wins = ", ".join(f"{n} {v['gain']:+.1%}" for n, v in vs.items() if v["gain"] > 0.005)
+    losses = ", ".join(f"{n} {v['gain']:+.1%}" for n, v in vs.items() if v["gain"] < -0.005)
+    slow = ", ".join(s["phases_over_5_intervals"]) or "none"
+    return [
+        "Reading (headline: one k per decision, the shipped defaults):",
+        "",
+        f"- Stationary: the worst trace reaches {stationary[0][0]:.3f} of the best fixed k "
+        f"({stationary[0][1]}); without the bursty trace the worst is {smooth[0][0]:.3f} "
+        f"({smooth[0][1]}), goal 0.97 met there.  `bursty-code` spends half of every "
+        "interval at batch 8 and half at 128: the tuner weighs a window's batch sizes by "
+        "their steps (`BatchDistribution`), the simulator by their time, and with steps of "
+        "7 ms at batch 8 and 17-40 ms at batch 128 the two disagree on which k is best; the "
+        "tuner settles on k = 5-6 where k = 3 is 5 % better.  Time-weighting the window "
+        "(what a fixed concurrency over time implies) is the fix; it is not made here.",
+        f"- Shifting: headroom (per-interval oracle over the best fixed k): {heads}.  Tuner "
+        f"over the best fixed k: {gains}.  Headroom captured, throughput-weighted / per "
+        f"interval, on every trace with >= 5 % headroom: {captured}: goal 0.70 met on all.  "
+        "The absolute +10 % holds on the two traces with >= 15 % headroom "
+        f"({', '.join(s['high_headroom_traces'])}): min "
+        f"{s['min_gain_over_best_static_high_headroom']:+.1%}.",
+        f"- Convergence: first near-optimal interval at most {s['max_intervals_to_converge']} "
+        f"intervals after a shift; phases over 5: {slow}.  After converging "
+        f"{s['mean_near_optimal_after_convergence']:.0%} of intervals are near-optimal on "
+        f"average, the worst phase {s['min_near_optimal_after_convergence']:.0%} (`bursty-shift` "
+        "phase 2, the step-weighting above).  Goal (<= 5, >= 90 %) not met in those phases.",
+        f"- Flaps (A->B->A within 10 intervals, all traces): {s['flaps']} in {s['intervals']} "
+        f"intervals, {s['flaps_per_100']} per 100 (goal <= 1, not met).  Nearly all are "
+        "exploration probes the next window reverted: a probe of an unmeasured k that does "
+        "not pay is by construction an A->B->A.  Probes are "
+        f"{s['stationary_probe_fraction']:.1%} of stationary intervals (goal <= 5 %, met).",
+        f"- k = 0 case (a draft from another domain, acceptance ~0.1): loss "
+        f"{s['k0_case_loss']:.1%} against no speculation (goal <= 2 %, met).",
+        "- Tuner changes made for these goals (principled, not fitted to the traces): a "
+        "confirmed one-step move continues while the next k is a probable improvement at "
+        "all (the 5 % hysteresis stopped walks one step short: 4.6 % lost on `foreign-b32` "
+        "at k = 1); past such a move the next unmeasured k is probed (the prior is off by up "
+        "to ~7 % between neighbouring k: 5.5 % lost on `prose-b128` at k = 2); a load move "
+        "to another batch bucket drops the blacklist of reverted k (a probe reverted at "
+        "batch 128 kept `mixed-day` at k = 1 for 20 intervals of code at batch 16).",
+        f"- Per-batch-size schedules against one k: gains {wins or 'none'}; losses "
+        f"{losses or 'none'}.  A perfect schedule (per-step oracle) would add at most "
+        f"{max(v['per_step_oracle_over_per_interval_oracle'] for v in vs.values()):+.1%} over "
+        "the per-interval oracle, on the bursty traces where the batch varies within an "
+        "interval (< 1 % elsewhere), and the tuner's schedules do not realise it there: the "
+        "same step-weighting of the window that misleads one k picks the schedule's k at the "
+        "window's batch sizes.  They lose where the load moves to batch sizes whose part of "
+        "the schedule is an extrapolation (acceptance and step time) that the tuner must "
+        "first see fail.  On measured curves schedules do not win yet; they stay opt-in.",
+    ]
+
+
+def met(value: float | None, goal: tuple[str, float]) -> bool | None:
+    if value is None:
+        return None
+    op, bound = goal
+    return value >= bound if op == ">=" else value <= bound
 
 
 def hardware() -> dict:
@@ -244,202 +309,87 @@ def hardware() -> dict:
                 break
     except OSError:
         pass
-    return {"cpu": cpu, "python": platform.python_version(), "platform": platform.platform()}
+    return {"cpu": cpu, "python": platform.python_version()}
 
 
-def met(value: float, goal: tuple[str, float]) -> bool:
-    op, bound = goal
-    return value >= bound if op == ">=" else value <= bound
-
-
-def render_markdown(report: dict) -> str:
-    s = report["summary"]
-    lines = [
-        "## Tuning simulator",
-        "",
-        f"Command: `{report['command']}`  ",
-        f"Date: {report['date']}  ",
-        f"Hardware: {report['hardware']['cpu']}, Python {report['hardware']['python']} "
-        f"(pure Python, two processes, {report['runtime_s']:.0f} s wall, "
-        f"{report['cpu_s']:.0f} s CPU on a shared machine)",
-        "",
-        "Trace-driven simulation of `specula.tuning` in `Auto` mode with default settings "
-        "(30 s interval, 60 s cooldown, 5 % minimum gain at P >= 0.95, k in [0, 8], start "
-        "at k = 3), and again with per-batch-size schedules (`apply_schedule=True`; the "
-        "simulated pods execute them step by step, each batch size at its own k), two pods "
-        "exposing Prometheus text, binomial acceptance noise and "
-        "window-to-window acceptance jitter.  **Cost curves are documented roofline "
-        "defaults (`bench/tuning/model.py`), not GPU measurements**: the GPU engine's "
-        "measured step-time curves do not exist yet.",
-        "",
-        "| figure | value | goal | met |",
-        "|---|---|---|---|",
-    ]
-    s2 = report["summary_schedule"]
-    lines[-2:] = [
-        "| figure | one k (default) | goal | met | schedule (`apply_schedule`) | met |",
-        "|---|---|---|---|---|---|",
-    ]
-    for key, goal in GOALS.items():
-        lines.append(
-            f"| `{key}` | {s[key]} | {goal[0]} {goal[1]} | {'yes' if met(s[key], goal) else 'no'} "
-            f"| {s2[key]} | {'yes' if met(s2[key], goal) else 'no'} |"
-        )
-    lines += [
-        "",
-        "| trace | kind | oracle k | tuner / oracle-fixed | tuner / static k=3 | "
-        "tuner / no-spec | per-interval oracle / oracle-fixed | per-step oracle / oracle-fixed "
-        "| flaps | changes | max converge | schedule: tuner / oracle-fixed |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r, r2 in zip(report["traces"], report["traces_schedule"], strict=True):
-        lines.append(
-            f"| {r['name']} | {r['kind']} | {r['oracle_fixed_k']} | {r['tuner_over_oracle_fixed']:.3f} "
-            f"| {r['tuner_over_static_k3']:.3f} | {r['tuner_over_no_speculation']:.3f} "
-            f"| {r['dynamic_oracle_over_oracle_fixed']:.3f} | {r['per_step_oracle_over_oracle_fixed']:.3f} "
-            f"| {r['flaps']} | {len(r['changes'])} "
-            f"| {max(c['intervals_to_converge'] for c in r['convergence'])} "
-            f"| {r2['tuner_over_oracle_fixed']:.3f} |"
-        )
-    lines += ["", *report["notes"], ""]
-    return "\n".join(lines)
-
-
-def write_markdown_section(path: Path, section: str) -> None:
-    text = path.read_text() if path.exists() else "# Benchmark results\n"
-    heading = "## Tuning simulator"
-    if heading in text:
-        before, rest = text.split(heading, 1)
-        nxt = rest.find("\n## ")
-        after = rest[nxt + 1 :] if nxt >= 0 else ""
-        text = before + section + ("\n" + after if after else "")
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    path.write_text(text.rstrip("\n") + "\n")
-
-
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--write", action="store_true",
+                        help="store the sim key of tuning.json and the RESULTS.md section")
+    parser.add_argument("--dump", type=Path, help="write the whole report to this file")
+    parser.add_argument("--only", nargs="*", help="trace names (default: all)")
+    parser.add_argument("--variants", nargs="*", default=["single_k", "schedule"])
+    args = parser.parse_args(argv)
     started = time.monotonic()
-    variants = {
-        "single_k": TuningSettings(mode="Auto"),
-        "schedule": TuningSettings(mode="Auto", apply_schedule=True),
-    }
-    jobs = [(name, t) for name in variants for t in TRACES]
+    base, initial_k = shipped_settings()
+    variants = {"single_k": base, "schedule": replace(base, apply_schedule=True)}
+    variants = {k: v for k, v in variants.items() if k in args.variants}
+    traces = [t for t in TRACES if not args.only or t.name in args.only]
+    jobs = [(name, t) for name in variants for t in traces]
     # Traces are independent and seeded: two processes halve the wall time.
     with ProcessPoolExecutor(max_workers=2) as pool:
-        done = list(pool.map(evaluate, [t for _, t in jobs], [variants[n] for n, _ in jobs]))
-    runs = {name: [r for (n, _), r in zip(jobs, done, strict=True) if n == name] for name in variants}
-    results = runs["single_k"]
-    summary = summarise(results)
-    summary_sched = summarise(runs["schedule"])
+        done = list(pool.map(evaluate, [t for _, t in jobs], [variants[n] for n, _ in jobs],
+                             [initial_k] * len(jobs)))
+    runs = {name: [r for (n, _), r in zip(jobs, done, strict=True) if n == name]
+            for name in variants}
+    summaries = {name: summarise(rs) for name, rs in runs.items()}
+    usage = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    s = summaries.get("single_k") or next(iter(summaries.values()))
     report = {
-        "command": ".venv/bin/python bench/tuning_sim.py",
+        "command": ".venv/bin/python bench/tuning_sim.py --write",
         "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "hardware": hardware(),
-        "runtime_s": None,
-        "cpu_s": None,
-        "cost_curves": "documented roofline defaults (bench/tuning/model.py); GPU engine "
-        "measurements do not exist yet",
-        "settings": {k: v for k, v in asdict(variants["single_k"]).items() if not isinstance(v, dict)},
-        "summary": summary,
-        "goals": {k: {"op": op, "bound": b, "met": met(summary[k], (op, b))} for k, (op, b) in GOALS.items()},
-        "summary_schedule": summary_sched,
-        "goals_schedule": {
-            k: {"op": op, "bound": b, "met": met(summary_sched[k], (op, b))}
-            for k, (op, b) in GOALS.items()
+        "runtime_s": round(time.monotonic() - started, 1),
+        "cpu_s": round(sum(u.ru_utime + u.ru_stime for u in usage), 1),
+        "truth": "engine step times measured on an H100 (" + ", ".join(MEASUREMENTS)
+                 + "), mean of the sessions' per-cell medians, linear in batch size; "
+                 "2 % step-time noise; binomial acceptance",
+        "tuner_prior": "specula.tuning.DEFAULT_COST_PARAMS (the smooth fit of the same cells)",
+        "settings": {k: v for k, v in asdict(base).items() if not isinstance(v, dict)},
+        "initial_k": initial_k,
+        **{key: s[key] for key in ("stationary_fraction_of_best_fixed", "min_headroom_captured",
+                                   "flaps_per_100", "k0_case_loss")},
+        "summary": summaries,
+        "goals": {
+            name: {k: {"op": op, "bound": b, "met": met(sm[k], (op, b))}
+                   for k, (op, b) in GOALS.items()}
+            for name, sm in summaries.items()
         },
-        "notes": build_notes(summary, results, summary_sched, runs["schedule"]),
-        "traces": results,
-        "traces_schedule": runs["schedule"],
+        "traces": runs,
     }
-    report["runtime_s"] = round(time.monotonic() - started, 1)
-    usage = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    report["cpu_s"] = round(sum(u.ru_utime + u.ru_stime for u in usage), 1)
-    out = HERE / "results" / "tuning.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1) + "\n")
-    write_markdown_section(HERE / "RESULTS.md", render_markdown(report))
-    print(json.dumps({"single_k": summary, "schedule": summary_sched}, indent=1))
+    if "schedule" in runs and "single_k" in runs:
+        report["schedule_vs_single_k"] = {
+            a["name"]: {
+                "gain": round(b["goodput_tokens_per_s"]["tuner"]
+                              / a["goodput_tokens_per_s"]["tuner"] - 1.0, 4),
+                "per_step_oracle_over_per_interval_oracle": round(
+                    a["goodput_tokens_per_s"]["per_step_oracle"]
+                    / a["goodput_tokens_per_s"]["per_interval_oracle"] - 1.0, 4),
+            }
+            for a, b in zip(runs["single_k"], runs["schedule"], strict=True)
+        }
+    if "schedule" in runs and "single_k" in runs:
+        report["reading"] = reading(runs, summaries, report["schedule_vs_single_k"])
+    if args.dump:
+        args.dump.write_text(json.dumps(report, indent=1) + "\n")
+    print(json.dumps(summaries, indent=1))
     for name, rs in runs.items():
         print(f"-- {name}")
         for r in rs:
             print(
-                f"{r['name']:22s} {r['kind']:10s} oracle_k={r['oracle_fixed_k']} "
-                f"tuner/oracle={r['tuner_over_oracle_fixed']:.3f} tuner/k3={r['tuner_over_static_k3']:.3f} "
-                f"tuner/k0={r['tuner_over_no_speculation']:.3f} dyn/oracle={r['dynamic_oracle_over_oracle_fixed']:.3f} "
-                f"step/oracle={r['per_step_oracle_over_oracle_fixed']:.3f} "
-                f"flaps={r['flaps']} changes={len(r['changes'])} "
-                f"conv={[c['intervals_to_converge'] for c in r['convergence']]}"
+                f"{r['name']:18s} {r['kind']:10s} k*={r['best_fixed_k']} "
+                f"frac={r['fraction_of_best_fixed']:.3f} head={r['headroom']:+.3f} "
+                f"cap={r['headroom_captured']} cap_iv={r['headroom_captured_per_interval']} "
+                f"k0loss={r['loss_against_k0']:+.3f} flaps={r['flaps']} probes={r['probes']} "
+                f"changes={len(r['changes'])} conv={[c['intervals_to_converge'] for c in r['convergence']]} "
+                f"after={[None if c['near_optimal_after'] is None else round(c['near_optimal_after'], 2) for c in r['convergence']]}"
             )
     print(f"runtime {report['runtime_s']} s, cpu {report['cpu_s']} s")
+    if args.write:
+        from tuning.report import write_results
+
+        write_results(report, RESULTS_JSON, RESULTS_MD, OLD_KEYS, GOALS)
     return 0
-
-
-def build_notes(
-    summary: dict, results: list[dict], summary_sched: dict, results_sched: list[dict]
-) -> list[str]:
-    """Reading of the figures, computed from them so they cannot go stale."""
-    shifting = [r for r in results if r["kind"] == "shifting"]
-    gains = ", ".join(f"{r['name']} {r['tuner_over_oracle_fixed'] - 1:+.1%}" for r in shifting)
-    headroom = ", ".join(
-        f"{r['name']} {r['dynamic_oracle_over_oracle_fixed'] - 1:+.1%}" for r in shifting
-    )
-    step_headroom = ", ".join(
-        f"{r['name']} {r['per_step_oracle_over_oracle_fixed'] - 1:+.1%}" for r in shifting
-    )
-    captured = ", ".join(
-        f"{r['name']} {(r['tuner_over_oracle_fixed'] - 1) / max(r['dynamic_oracle_over_oracle_fixed'] - 1, 1e-9):.0%}"
-        for r in shifting
-    )
-    slow = [
-        f"{r['name']} phase {c['phase']} ({c['profile']}, batch {c['batch_size']}): {c['intervals_to_converge']}"
-        for r in results for c in r["convergence"] if c["intervals_to_converge"] > 10
-    ]
-    sched_vs = ", ".join(
-        f"{a['name']} {b['tuner_over_oracle_fixed'] / a['tuner_over_oracle_fixed'] - 1:+.1%}"
-        for a, b in zip(results, results_sched, strict=True) if a["kind"] == "shifting"
-    )
-    return [
-        "Reading (headline figures: default settings, one k per decision):",
-        "",
-        f"- Tuner vs the best fixed k in hindsight on shifting traces: {gains}.",
-        f"- Headroom: a per-interval oracle (best k re-chosen every interval with perfect "
-        f"knowledge) beats the best fixed k by only {headroom}; a per-step oracle (best k "
-        f"for every batch size of every interval, i.e. a perfect schedule) by {step_headroom}. "
-        "Goodput (tokens/s) is dominated by the high-load phases and the best fixed k is the "
-        "one that suits them, so on traces whose headroom is below 10 % no tuner, single-k "
-        "or schedule, can reach `shifting_gain_over_best_static` >= 0.10.  Share of the "
-        f"per-interval headroom the tuner captures: {captured}.",
-        "- The step-time knee is fitted (`StepCostModel.fit`: the knee scale by profile least "
-        "squares with a prior on log scale, the slopes by non-negative least squares).  Steps "
-        "at a high batch are all compute-bound, which does not show the memory-bound floor, "
-        "so the step time of a lower k there stays an extrapolation; right after the load "
-        "moves to another bucket the tuner therefore probes a neighbouring k whose predicted "
-        "goodput is within `explore_cost_margin` (this found k = 2 at batch 96 on "
-        "`code-prose-load`, which the previous tuner never tried).",
-        "- Convergence (intervals until the configuration stays within 5 % of the phase's "
-        f"best fixed k): stationary {summary['intervals_to_converge_by_kind']['stationary']}, "
-        f"shifting {summary['intervals_to_converge_by_kind']['shifting']}, k=0 traces "
-        f"{summary['intervals_to_converge_by_kind']['k0']}.  Phases above 10: "
-        + ("; ".join(slow) if slow else "none") + ".",
-        f"- `flaps` counts A->B->A on stationary traces; over all traces it is "
-        f"{summary['flaps_all_traces']} (probes that were reverted, moves back after a "
-        "workload shift).",
-        "- Per-batch-size schedules (`apply_schedule=True`, second table): "
-        f"stationary {summary_sched['stationary_fraction_of_oracle']}, shifting "
-        f"{summary_sched['shifting_gain_over_best_static']:+.4f}, k=0 loss "
-        f"{summary_sched['k0_case_loss']}, flaps {summary_sched['flaps']}, convergence "
-        f"{summary_sched['intervals_to_converge']}; against one k per decision: {sched_vs}. "
-        "In these traces a window's batch sizes span only 0.75x-1.25x of the phase's, so a "
-        "schedule can gain little within a window (per-step oracle close to per-interval "
-        "oracle); its promise is to be right at once when the load moves, but the parts of "
-        "the schedule for batch sizes not in use are model extrapolations (acceptance and "
-        "step time), and when they are wrong the tuner must first see the new load, as with "
-        "one k.  It stays opt-in (off by default) until it wins on measured curves.",
-        "- Per-interval view (every interval weighs the same, whatever its load): "
-        f"tuner vs best static {summary['shifting_gain_over_best_static_per_interval_view']:+.1%} "
-        "(minimum over shifting traces).",
-    ]
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import math
 import random
 from dataclasses import dataclass, field
 
-from tuning.model import RooflineCost
+from .model import TableCost
 
 INTERVAL_S = 30.0
 STEP_NOISE_SD = 0.02
@@ -63,7 +63,7 @@ class SimPod:
     def run_interval(
         self,
         rng: random.Random,
-        cost: RooflineCost,
+        cost: TableCost,
         alphas: tuple[float, ...],
         batch_mix: tuple[tuple[int, float], ...],
         k: int,

@@ -1,21 +1,28 @@
 """Workload traces: phases of acceptance profile x load, one interval = one scrape window.
 
-Every trace starts at the operator's default k = 3.  Per interval the acceptance
-profile gets a common logit shift ~ N(0, 0.15) (window-to-window variation of the
-request mix), and each pod's time is split 25/50/25 over 0.75x / 1x / 1.25x the
-phase's batch size, so no window is perfectly clean.  The random draws of a trace are
-made once and shared by every strategy, so comparisons are paired.
+Every trace starts at the CRD's default k = 3.  Per interval the acceptance profile gets a
+common logit shift ~ N(0, ``Trace.jitter_sd``) (window-to-window variation of the request
+mix), and each pod's busy time is split over batch sizes around the phase's: by default
+25/50/25 % over 0.75x / 1x / 1.25x, so no window is perfectly clean; a ``bursty`` phase
+splits it 50/50 between 1/16 of its batch size and the whole of it (requests arriving in
+bursts: the batch varies within an interval).  The random draws of a trace are made once
+and shared by every strategy, so comparisons are paired.
 """
 
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from tuning.model import GPU_8B, GPU_8B_SLOW_DRAFT, PROFILES, RooflineCost, jittered
+from .model import PROFILES, TableCost, jittered, measured_h100
 
 MAX_BATCH = 128
 LOGIT_JITTER_SD = 0.15
+AROUND = ((0.75, 0.25), (1.0, 0.5), (1.25, 0.25))
+"""Default spread of a window's busy time over batch sizes: (factor, time fraction)."""
+BURSTY = ((1 / 16, 0.5), (1.0, 0.5))
+"""Half the time at 1/16 of the phase's batch size, half at all of it."""
+H100 = measured_h100()
 
 
 @dataclass(frozen=True)
@@ -23,6 +30,8 @@ class Phase:
     profile: str
     batch_size: int
     intervals: int
+    spread: tuple[tuple[float, float], ...] = AROUND
+    """(factor of ``batch_size``, fraction of busy time) of every interval."""
 
 
 @dataclass(frozen=True)
@@ -31,11 +40,16 @@ class Trace:
     kind: str
     """``stationary``, ``shifting`` or ``k0`` (no speculation is the best fixed k)."""
     phases: tuple[Phase, ...]
-    cost: RooflineCost = GPU_8B
-    cost_name: str = "GPU_8B"
+    cost: TableCost = field(default=H100, repr=False)
     restart_pod_at: int | None = None
     """Interval at which pod 1 restarts (its counters reset to zero)."""
     seed: int = 0
+    jitter_sd: float = LOGIT_JITTER_SD
+    profiles: dict[str, tuple[float, ...]] = field(default_factory=lambda: PROFILES, repr=False)
+
+    @property
+    def phase_lengths(self) -> list[int]:
+        return [p.intervals for p in self.phases]
 
 
 @dataclass(frozen=True)
@@ -47,10 +61,10 @@ class Interval:
     """(batch size, fraction of busy time)."""
 
 
-def batch_mix(batch_size: int) -> tuple[tuple[int, float], ...]:
-    sizes = [max(1, min(MAX_BATCH, round(batch_size * f))) for f in (0.75, 1.0, 1.25)]
+def batch_mix(batch_size: int, spread: tuple[tuple[float, float], ...] = AROUND) -> tuple[tuple[int, float], ...]:
     mix: dict[int, float] = {}
-    for b, w in zip(sizes, (0.25, 0.5, 0.25), strict=True):
+    for f, w in spread:
+        b = max(1, min(MAX_BATCH, round(batch_size * f)))
         mix[b] = mix.get(b, 0.0) + w
     return tuple(sorted(mix.items()))
 
@@ -60,20 +74,20 @@ def expand(trace: Trace) -> list[Interval]:
     out = []
     for i, phase in enumerate(trace.phases):
         for _ in range(phase.intervals):
-            shift = rng.gauss(0.0, LOGIT_JITTER_SD)
+            shift = rng.gauss(0.0, trace.jitter_sd) if trace.jitter_sd > 0 else 0.0
             out.append(
                 Interval(
                     phase=i,
                     profile=phase.profile,
-                    alphas=jittered(PROFILES[phase.profile], shift),
-                    batch_mix=batch_mix(phase.batch_size),
+                    alphas=jittered(trace.profiles[phase.profile], shift),
+                    batch_mix=batch_mix(phase.batch_size, phase.spread),
                 )
             )
     return out
 
 
-def _p(profile: str, batch: int, n: int) -> Phase:
-    return Phase(profile, batch, n)
+def _p(profile: str, batch: int, n: int, spread: tuple[tuple[float, float], ...] = AROUND) -> Phase:
+    return Phase(profile, batch, n, spread)
 
 
 TRACES: tuple[Trace, ...] = (
@@ -107,14 +121,30 @@ TRACES: tuple[Trace, ...] = (
         "code-translate", "shifting",
         (_p("code", 16, 50), _p("mismatch", 64, 50), _p("code", 16, 50)),
     ),
-    # Speculation does not pay: a draft from another domain with an expensive draft model.
+    # Daily cycle: batch 1 -> 64 -> 1 while acceptance falls 0.85 -> 0.5 at the peak (the
+    # daytime mix is broader) and comes back.
     Trace(
-        "mismatch-slow-b32", "k0", (_p("mismatch", 32, 120),),
-        cost=GPU_8B_SLOW_DRAFT, cost_name="GPU_8B_SLOW_DRAFT",
+        "daily-cycle", "shifting",
+        (_p("a85", 1, 30), _p("a75", 8, 20), _p("a65", 32, 20), _p("a50", 64, 40),
+         _p("a65", 32, 20), _p("a75", 8, 20), _p("a85", 1, 30)),
     ),
+    # Mismatched domain: at low load the users the draft was trained for; the load peaks
+    # come from another domain where acceptance collapses.
     Trace(
-        "mismatch-slow-load", "k0",
-        (_p("mismatch", 8, 40), _p("mismatch", 128, 40), _p("mismatch", 2, 40)),
-        cost=GPU_8B_SLOW_DRAFT, cost_name="GPU_8B_SLOW_DRAFT",
+        "mismatched-domain", "shifting",
+        (_p("code", 4, 40), _p("mismatch", 64, 40), _p("code", 8, 40), _p("mismatch", 128, 40)),
+    ),
+    # Speculation does not pay: a draft from another domain.
+    Trace("foreign-b32", "k0", (_p("foreign", 32, 120),)),
+    Trace(
+        "foreign-load", "k0",
+        (_p("foreign", 16, 40), _p("foreign", 128, 40), _p("foreign", 32, 40)),
+    ),
+    # Batch varying within every interval (bursty arrivals): where per-batch-size
+    # schedules can win, since one k must serve batch 4-8 and batch 64-128 at once.
+    Trace("bursty-code", "stationary", (_p("code", 128, 120, BURSTY),)),
+    Trace(
+        "bursty-shift", "shifting",
+        (_p("chat", 64, 40, BURSTY), _p("code", 128, 40, BURSTY), _p("prose", 128, 40, BURSTY)),
     ),
 )

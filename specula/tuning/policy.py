@@ -26,7 +26,13 @@ the evidence, and:
 A change that the next window **confirms** (measured goodput at least what the
 previous configuration would have given) ends the cooldown at once and, if it was an
 exploration, gives its token back: a confirmed improvement needs no second window of
-caution, so a climb of several steps takes one interval per step, not two.
+caution, so a climb of several steps takes one interval per step, not two.  A confirmed
+one-step ``HigherGoodput`` move **continues** in its direction while the next k beats the
+current one at all with probability >= ``probability_threshold`` (the hysteresis was paid
+by the decision to move; otherwise the walk stops one step short wherever the last step
+gains less than ``min_gain``), and the next k that way, if its step time is unmeasured
+at this load, may be probed as after a load move.  A load move to another batch bucket
+drops the blacklist of reverted k (their verdicts were measured at the old load).
 
 **Schedules** (``TuningSettings.apply_schedule``): the configuration is a per-batch-size
 schedule ``[[start, end, k], ...]`` and each step drafts the k of its batch size.  The
@@ -256,6 +262,16 @@ def decide(
             f"(need {s.min_steps:.0f} and {s.min_drafts:.0f})",
         )
 
+    # The load has just moved to another batch bucket (evidence from buckets this window
+    # did not run in, few windows at the current k on this one): the verdicts of reverted
+    # k were measured at the old load, so they are dropped.
+    main_bucket = max(steps_by_bucket.items(), key=lambda kv: kv[1])[0]
+    here = sum(n for b, k, n, _, _ in state.step_times if b == main_bucket and k == k_cur)
+    moved = any(b not in steps_by_bucket and n >= s.min_steps for b, _, n, _, _ in state.step_times)
+    new_load = moved and here <= s.new_load_windows * steps_by_bucket[main_bucket]
+    if new_load and state.blacklist:
+        state = replace(state, blacklist={})
+
     cost = StepCostModel.fit(state.cost_observations(), prior=s.cost_prior)
     points = batches.points
     allowed = [k for k in range(lo_k, hi_k + 1) if k == k_cur or k not in state.blacklist]
@@ -367,6 +383,7 @@ def decide(
     }
     k_top = max(max(ks) for ks in cands.values())
     wins = dict.fromkeys(cands, 0)
+    wins_any = dict.fromkeys(cands, 0)
     for _ in range(s.monte_carlo_samples):
         alphas = estimate.sample(rng, k_top)
         e, prod, lengths = 1.0, 1.0, [1.0]
@@ -385,11 +402,35 @@ def decide(
         for key in cands:
             if g[key] > bar:
                 wins[key] += 1
+            if g[key] > g["cur"]:
+                wins_any[key] += 1
     prob = {key: wins[key] / s.monte_carlo_samples for key in cands}
+    prob_any = {key: wins_any[key] / s.monte_carlo_samples for key in cands}
     g_cand = {key: ks_goodput(ks, means, cost, batches) for key, ks in cands.items()}
 
     if sched_best is None:
         winners = [k for k in known if k != k_cur and prob[k] >= s.probability_threshold]
+        prev_k = state.previous_num_speculative_tokens
+        if not winners and confirmed and state.last_reason == "HigherGoodput" and prev_k is not None:
+            # A move that went one step because its gain was small continues in the same
+            # direction while the next k is a probable improvement at all: the hysteresis
+            # was paid by the decision to move, and the measured step confirmed it.
+            # Without this the walk stops one step short wherever the last step gains
+            # less than min_gain.
+            nxt = k_cur + (1 if k_cur > prev_k else -1)
+            if nxt in known and prob_any[nxt] >= s.probability_threshold:
+                gain = g_mean[nxt] / g_cur - 1.0
+                return out(
+                    "HigherGoodput",
+                    f"k {k_cur}->{nxt}: continues the confirmed move from k={prev_k}, "
+                    f"predicted {gain:+.1%} goodput (P(gain > 0) = {prob_any[nxt]:.2f})",
+                    nxt,
+                    predicted_gain=gain,
+                    probability=prob_any[nxt],
+                    schedule=recommended,
+                    predicted_goodput_tokens_per_second=g_mean[nxt],
+                    model_cur=g_cur,
+                )
         if winners:
             target = max(winners, key=lambda k: (g_mean[k], -k))
             gain = g_mean[target] / g_cur - 1.0
@@ -448,17 +489,21 @@ def decide(
     # been seen — its position undrafted (acceptance is the prior) or its step time
     # unmeasured at this load (cost is an extrapolation) — so no amount of waiting
     # would make the gain probable.
-    main_bucket = max(steps_by_bucket.items(), key=lambda kv: kv[1])[0]
     measured_k = {
         k for b, k, n, _, _ in state.step_times if b == main_bucket and n >= s.min_steps / 5
     }
-    # Steps measured at the current k on this bucket, in windows: few means the load
-    # has just moved here, and the neighbours' step times are extrapolations.
-    # Only after the load *moved* (evidence from buckets this window did not run in):
-    # a fresh tuner does not probe k it predicts worse.
-    here = sum(n for b, k, n, _, _ in state.step_times if b == main_bucket and k == k_cur)
-    moved = any(b not in steps_by_bucket and n >= s.min_steps for b, _, n, _, _ in state.step_times)
-    new_load = moved and here <= s.new_load_windows * steps_by_bucket[main_bucket]
+    # Right after the load moved (``new_load`` above) the neighbours' step times are
+    # extrapolations; a fresh tuner does not probe k it predicts worse, except past a
+    # move the last window confirmed (below).
+    # The direction of a model-driven move the last window confirmed: the optimum may
+    # lie further that way, where the prior (off by up to ~7 % between neighbouring k on
+    # the machine it was fitted to, bench/fit_costs.py) sees none.
+    prev_k = state.previous_num_speculative_tokens
+    onward = (
+        (1 if k_cur > prev_k else -1)
+        if confirmed and state.last_reason == "HigherGoodput" and prev_k is not None
+        and prev_k != k_cur else 0
+    )
     for direction in (1, -1):
         side = [k for k in allowed if (k - k_cur) * direction > 0]
         if not auto or not side or state.explore_tokens < 1.0:
@@ -469,7 +514,8 @@ def decide(
             # At a new load a neighbour of known acceptance but unmeasured step time
             # is probed if the model puts it within its extrapolation error.
             if not (
-                new_load and nxt in allowed and nxt <= depth and nxt not in measured_k
+                (new_load or direction == onward) and nxt in allowed and nxt <= depth
+                and nxt not in measured_k
                 and g_mean[nxt] >= (1.0 - s.explore_cost_margin) * g_cur
             ):
                 continue
