@@ -647,7 +647,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     import torch
+
+    # Before the model loads: a missing server or operator dependency fails at once.
+    import uvicorn  # noqa: F401
     from engine_e2e import LLAMA_8B, TINY, TINY_DRAFT, make_engine, write_checkpoints
+
+    import specula.operator.tuning  # noqa: F401
+    import specula.runtime.server.app  # noqa: F401
 
     device = "cpu" if args.dry_run else "cuda"
     phases = PHASES if not args.dry_run else (Phase(1, 0.85), Phase(8, 0.15))
