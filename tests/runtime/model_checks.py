@@ -91,7 +91,7 @@ def check_runner_against_hf(runner, hf, vocab: int, lens: tuple[int, int]) -> No
     torch.testing.assert_close(out, hf_logits(hf, seqs[0] + spec)[-4:], atol=ATOL, rtol=0)
     # Keep the first two, reject the rest: overwrite positions from there on.
     seqs[0] += spec[:2]
-    manager.truncate(0, len(seqs[0]))
+    manager.resize(0, len(seqs[0]))
     fresh = torch.randint(0, vocab, (2,), generator=gen).tolist()
     manager.append_slots(0, 2)
     out = forward([0], [2], fresh)

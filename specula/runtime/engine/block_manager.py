@@ -9,7 +9,7 @@ owns an ordered list of blocks, its *block table*: its token ``t`` lives in bloc
 Admission keeps a *watermark* of free blocks (vLLM's ``watermark``): a new request is
 admitted only if the blocks left after its allocation stay above it, so that running
 requests can still grow by a few blocks before anything must be preempted. Growing a
-running request (:meth:`BlockManager.append_slots`, one decode token or the ``k + 1``
+running request (:meth:`BlockManager.resize`, one decode token or the ``k + 1``
 tokens of a verification step) may use the reserve.
 
 Pure Python: no torch, no device; the model runner turns block tables and slots into
@@ -23,8 +23,7 @@ from collections.abc import Hashable
 
 class NoFreeBlocksError(RuntimeError):
     """The pool has fewer free blocks than an allocation needs; the scheduler should
-    have checked :meth:`BlockManager.can_allocate` / :meth:`BlockManager.can_append_slots`
-    and preempted first."""
+    have checked :meth:`BlockManager.can_allocate` and preempted first."""
 
 
 def cdiv(a: int, b: int) -> int:
@@ -68,9 +67,6 @@ class BlockManager:
         """Blocks that hold ``num_tokens`` tokens."""
         return cdiv(num_tokens, self.block_size)
 
-    def has_request(self, request_id: Hashable) -> bool:
-        return request_id in self._tables
-
     def block_table(self, request_id: Hashable) -> list[int]:
         """The request's block ids, in token order (a copy).
 
@@ -88,38 +84,10 @@ class BlockManager:
         """
         return self._num_tokens[request_id]
 
-    def slot(self, request_id: Hashable, position: int) -> int:
-        """Slot id of token ``position`` of the request.
-
-        Raises:
-            KeyError: unknown request. IndexError: ``position`` outside its tokens.
-        """
-        if not 0 <= position < self._num_tokens[request_id]:
-            raise IndexError(
-                f"position {position} outside [0, {self._num_tokens[request_id]}) "
-                f"of request {request_id!r}"
-            )
-        block = self._tables[request_id][position // self.block_size]
-        return block * self.block_size + position % self.block_size
-
-    def slots(self, request_id: Hashable, start: int, end: int) -> list[int]:
-        """Slot ids of tokens ``[start, end)`` of the request."""
-        return [self.slot(request_id, p) for p in range(start, end)]
-
     def can_allocate(self, num_tokens: int) -> bool:
         """Whether a new request of ``num_tokens`` tokens fits above the watermark."""
         needed = self.num_blocks_needed(num_tokens)
         return self.num_free_blocks - needed >= self.watermark_blocks
-
-    def num_new_blocks(self, request_id: Hashable, num_new_tokens: int) -> int:
-        """Blocks :meth:`append_slots` would take for ``num_new_tokens`` more tokens."""
-        total = self._num_tokens[request_id] + num_new_tokens
-        return max(0, self.num_blocks_needed(total) - len(self._tables[request_id]))
-
-    def can_append_slots(self, request_id: Hashable, num_new_tokens: int) -> bool:
-        """Whether the request can grow by ``num_new_tokens`` (1 for decode, ``k + 1``
-        for verification); the watermark reserve may be used."""
-        return self.num_new_blocks(request_id, num_new_tokens) <= self.num_free_blocks
 
     # -- updates ---------------------------------------------------------------------
 
@@ -164,24 +132,12 @@ class BlockManager:
             raise ValueError(f"num_new_tokens={num_new_tokens} must be >= 0")
         start = self._num_tokens[request_id]
         self.resize(request_id, start + num_new_tokens)
-        return self.slots(request_id, start, start + num_new_tokens)
-
-    def truncate(self, request_id: Hashable, num_tokens: int) -> None:
-        """Shrink the request to its first ``num_tokens`` tokens, returning blocks it no
-        longer needs: after verification, the slots of rejected draft tokens.
-
-        Raises:
-            KeyError: unknown request. ValueError: ``num_tokens`` outside
-            ``[0, num_tokens(request_id)]``.
-        """
-        held = self._num_tokens[request_id]
-        if not 0 <= num_tokens <= held:
-            raise ValueError(f"cannot truncate request {request_id!r} from {held} to {num_tokens}")
-        self.resize(request_id, num_tokens)
+        table, bs = self._tables[request_id], self.block_size
+        return [table[p // bs] * bs + p % bs for p in range(start, start + num_new_tokens)]
 
     def resize(self, request_id: Hashable, num_tokens: int) -> int:
         """Hold exactly the blocks for ``num_tokens`` tokens: take new blocks or return
-        those past them (:meth:`append_slots` / :meth:`truncate`).
+        those past them (after verification, the slots of rejected draft tokens).
 
         Returns:
             the index in the block table of the first block taken (``len(table)`` when
