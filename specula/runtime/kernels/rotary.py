@@ -152,15 +152,13 @@ def rotary_embedding(
     assert query.ndim == 3 and query.stride(-1) == 1
     assert query.dtype in (torch.float16, torch.bfloat16, torch.float32)
     assert cos_sin_cache.ndim == 2 and cos_sin_cache.stride(-1) == 1
-    num_tokens, num_heads, head_dim = query.shape
+    num_tokens, _, head_dim = query.shape
     rotary_dim = cos_sin_cache.shape[1]
     assert rotary_dim % 2 == 0 and rotary_dim <= head_dim
     assert positions.shape[0] == num_tokens
-    num_kv_heads = 1
     if key is not None:
         assert key.ndim == 3 and key.stride(-1) == 1 and key.dtype == query.dtype
         assert key.shape[0] == num_tokens and key.shape[2] == head_dim
-        num_kv_heads = key.shape[1]
     if num_tokens == 0:
         return
     if use_reference(query):
@@ -169,32 +167,54 @@ def rotary_embedding(
         if key is not None:
             key.copy_(k)
         return
+    launch_rotary(positions, query, key, cos_sin_cache)
+
+
+def launch_rotary(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor | None,
+    cos_sin_cache: torch.Tensor,
+    cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> None:
+    """Launch :func:`_rotary_kernel` on checked arguments; ``cache``: ``(value,
+    key_cache, value_cache, slot_mapping)`` the rotated keys and the values are written to
+    (:mod:`.rotary_cache`)."""
     k = key if key is not None else query
-    # Without WRITE_CACHE the slot mapping, value and cache pointers are never read.
-    _rotary_kernel[(num_tokens,)](
+    half = cos_sin_cache.shape[1] // 2
+    num_heads = query.shape[1]
+    num_kv_heads = 1 if key is None else key.shape[1]
+    if cache is None:
+        # Without WRITE_CACHE the slot mapping, value and cache pointers are never read.
+        value, key_cache, value_cache, slot_mapping = k, k, k, positions
+        strides = (0,) * 8
+    else:
+        value, key_cache, value_cache, slot_mapping = cache
+        strides = (*value.stride()[:2], *key_cache.stride()[:3], *value_cache.stride()[:3])
+    _rotary_kernel[(query.shape[0],)](
         positions,
-        positions,
+        slot_mapping,
         query,
         k,
-        k,
-        k,
-        k,
+        value,
+        key_cache,
+        value_cache,
         cos_sin_cache,
         query.stride(0),
         query.stride(1),
         k.stride(0),
         k.stride(1),
-        *(0,) * 8,
+        *strides,
         cos_sin_cache.stride(0),
         NUM_HEADS=num_heads,
         NUM_KV_HEADS=num_kv_heads,
-        HALF=rotary_dim // 2,
-        BLOCK_SIZE=1,
-        BLOCK_HALF=triton.next_power_of_2(rotary_dim // 2),
+        HALF=half,
+        BLOCK_SIZE=1 if cache is None else key_cache.shape[1],
+        BLOCK_HALF=triton.next_power_of_2(half),
         BLOCK_H=triton.next_power_of_2(num_heads),
         BLOCK_KH=triton.next_power_of_2(num_kv_heads),
         HAS_KEY=key is not None,
-        WRITE_CACHE=False,
+        WRITE_CACHE=cache is not None,
         enable_fp_fusion=True,
     )
 

@@ -15,14 +15,13 @@ directly.
 from __future__ import annotations
 
 import torch
-import triton
 
 from specula.runtime.kernels.dispatch import use_reference
 from specula.runtime.kernels.reshape_and_cache import (
     check_cache_write,
     reshape_and_cache_reference,
 )
-from specula.runtime.kernels.rotary import _rotary_kernel, rotary_embedding_reference
+from specula.runtime.kernels.rotary import launch_rotary, rotary_embedding_reference
 
 
 def rotary_embedding_and_cache(
@@ -61,8 +60,7 @@ def rotary_embedding_and_cache(
     assert query.ndim == 3 and query.dtype == key.dtype
     assert query.dtype in (torch.float16, torch.bfloat16, torch.float32)
     assert query.stride(-1) == 1 and cos_sin_cache.stride(-1) == 1
-    num_tokens, num_heads, head_dim = query.shape
-    num_kv_heads = key.shape[1]
+    num_tokens, _, head_dim = query.shape
     assert key.shape[0] == num_tokens and key.shape[2] == head_dim
     assert cos_sin_cache.ndim == 2 and cos_sin_cache.shape[1] == head_dim and head_dim % 2 == 0
     if num_tokens == 0:
@@ -72,34 +70,8 @@ def rotary_embedding_and_cache(
             positions, query, key, value, key_cache, value_cache, slot_mapping, cos_sin_cache
         )
         return
-    _rotary_kernel[(num_tokens,)](
-        positions,
-        slot_mapping,
-        query,
-        key,
-        value,
-        key_cache,
-        value_cache,
-        cos_sin_cache,
-        query.stride(0),
-        query.stride(1),
-        key.stride(0),
-        key.stride(1),
-        value.stride(0),
-        value.stride(1),
-        *key_cache.stride()[:3],
-        *value_cache.stride()[:3],
-        cos_sin_cache.stride(0),
-        NUM_HEADS=num_heads,
-        NUM_KV_HEADS=num_kv_heads,
-        HALF=head_dim // 2,
-        BLOCK_SIZE=key_cache.shape[1],
-        BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
-        BLOCK_H=triton.next_power_of_2(num_heads),
-        BLOCK_KH=triton.next_power_of_2(num_kv_heads),
-        HAS_KEY=True,
-        WRITE_CACHE=True,
-        enable_fp_fusion=True,
+    launch_rotary(
+        positions, query, key, cos_sin_cache, (value, key_cache, value_cache, slot_mapping)
     )
 
 

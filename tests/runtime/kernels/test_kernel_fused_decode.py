@@ -16,7 +16,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from specula.runtime.kernels import activation, rotary_cache
+from specula.runtime.kernels import activation, rotary
 from specula.runtime.kernels.activation import silu_and_mul, silu_and_mul_reference
 from specula.runtime.kernels.rotary import build_cos_sin_cache
 from specula.runtime.kernels.rotary_cache import (
@@ -101,7 +101,7 @@ CASES = {
         dict(BLOCK=1024),
     ),
     "rotary_and_cache": (
-        rotary_cache._rotary_kernel,
+        rotary._rotary_kernel,
         {
             "positions_ptr": "*i64",
             "slot_mapping_ptr": "*i64",
