@@ -151,7 +151,7 @@ def test_shared_layers_read_the_last_producer_of_their_type(gemma4_shared, hf_mo
     cache = runner.kv_cache
     shapes = [(2, 16), (2, 16), (1, 32), (2, 16)]  # (kv_heads, head_dim)
     assert cache.spec.layer_shapes == config.kv_cache_shapes() == tuple(shapes)
-    assert cache.spec.num_layers == len(cache.key_caches) == len(cache.value_caches) == 4
+    assert len(cache.spec.layer_shapes) == len(cache.key_caches) == len(cache.value_caches) == 4
     for kc, vc, (h, d) in zip(cache.key_caches, cache.value_caches, shapes, strict=True):
         assert kc.shape == vc.shape == (8, BLOCK_SIZE, h, d)
     allocated = sum(t.nbytes for t in cache.key_caches + cache.value_caches)
@@ -206,11 +206,11 @@ def test_kv_bytes_per_block_of_gemma4_e2b():
     sliding, full = 2 * 1 * 256 * bf16, 2 * 1 * 512 * bf16  # K and V, one KV head
     # Layers 0..14 own KV: 12 sliding and 3 full (4, 9, 14); 15..34 read layers 13 and 14.
     spec = KVCacheSpec.from_model_config(config, torch.bfloat16, block)
-    assert spec.num_layers == 15
+    assert len(spec.layer_shapes) == 15
     assert spec.bytes_per_block == block * (12 * sliding + 3 * full) == block * 18432
     unshared = dataclasses.replace(config, num_kv_shared_layers=0)
     unshared_spec = KVCacheSpec.from_model_config(unshared, torch.bfloat16, block)
-    assert unshared_spec.num_layers == 35
+    assert len(unshared_spec.layer_shapes) == 35
     assert unshared_spec.bytes_per_block == block * (28 * sliding + 7 * full) == block * 43008
     assert config.kv_source_layers()[15:20] == (13, 13, 13, 13, 14)
     # A real cache allocates exactly that per block.

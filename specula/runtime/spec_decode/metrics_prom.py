@@ -27,22 +27,13 @@ be aggregated across pods or time windows.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Protocol
 
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from specula.runtime.spec_decode.metrics import SpecDecodingStats
+
 METRIC_PREFIX = "specula:"
-
-
-class SpecDecodingCounters(Protocol):
-    """What the exporter reads; matches ``SpecDecodingStats``."""
-
-    num_spec_tokens: int
-    num_drafts: int
-    num_draft_tokens: int
-    num_accepted_tokens: int
-    num_accepted_tokens_per_pos: list[int]
 
 
 class SpecDecodingProm(Collector):
@@ -56,7 +47,7 @@ class SpecDecodingProm(Collector):
     """
 
     def __init__(
-        self, get_stats: Callable[[], SpecDecodingCounters | None], model_name: str
+        self, get_stats: Callable[[], SpecDecodingStats | None], model_name: str
     ) -> None:
         self._get_stats = get_stats
         self._model_name = model_name
@@ -72,7 +63,7 @@ class SpecDecodingProm(Collector):
             return
         yield from self._families(stats)
 
-    def _families(self, stats: SpecDecodingCounters | None) -> Iterator[Metric]:
+    def _families(self, stats: SpecDecodingStats | None) -> Iterator[Metric]:
         labels = ["model_name"]
         values = [self._model_name]
         scalar = [

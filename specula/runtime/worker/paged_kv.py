@@ -49,11 +49,6 @@ class KVCacheSpec:
         return cls(tuple(config.kv_cache_shapes()), block_size, dtype)
 
     @property
-    def num_layers(self) -> int:
-        """Layers that own storage."""
-        return len(self.layer_shapes)
-
-    @property
     def bytes_per_block(self) -> int:
         """Bytes of one block over all layers, keys and values."""
         itemsize = torch.empty((), dtype=self.dtype).element_size()
@@ -150,14 +145,6 @@ class PagedAttentionMetadata:
     paged cache) and of the remaining ones (context empty). ``None`` otherwise. Token
     rows keep the batch order, decode rows first."""
 
-    @property
-    def num_decode_tokens(self) -> int:
-        """Rows attended through the paged cache: all of a decode or verification
-        batch, none of a prefill, the decode part of a mixed batch."""
-        if self.split is not None:
-            return self.split[0].num_tokens
-        return 0 if self.prefill else self.num_tokens
-
 
 def device_metadata(
     block_table: torch.Tensor,
@@ -185,7 +172,7 @@ def device_metadata(
     """
     device = block_table.device
     num_reqs = len(query_lens)
-    uniform = query_lens[0] if query_lens and all(q == query_lens[0] for q in query_lens) else None
+    uniform = _uniform(query_lens)
     if uniform is not None:
         # No repeat_interleave: with a host int it still reads its output size back.
         positions = starts[:, None] + torch.arange(uniform, device=device)  # [num_reqs, q]
@@ -226,9 +213,7 @@ def mark_prefills(metadata: PagedAttentionMetadata, num_decode: int) -> PagedAtt
     if num_decode == 0:
         metadata.prefill = True
     elif num_decode < metadata.num_reqs:
-        metadata.split = _split_mixed(
-            metadata, [False] * num_decode + [True] * (metadata.num_reqs - num_decode)
-        )
+        metadata.split = _split_mixed(metadata, num_decode)
     return metadata
 
 
@@ -279,22 +264,26 @@ def build_attention_metadata(
     )
     is_prefill = [start == 0 for start in starts]
     metadata.prefill = all(is_prefill)
-    if not metadata.prefill and metadata.uniform_query_len is None:
-        metadata.split = _split_mixed(metadata, is_prefill)
+    # Decode requests first, then prefills: any other order is left unsplit (refused).
+    num_decode = is_prefill.index(True) if True in is_prefill else num_reqs
+    if not metadata.prefill and metadata.uniform_query_len is None and all(is_prefill[num_decode:]):
+        metadata.split = _split_mixed(metadata, num_decode)
     return metadata, positions
 
 
+def _uniform(lens: Sequence[int]) -> int | None:
+    """The one value of ``lens``, ``None`` when empty or when they differ."""
+    return lens[0] if lens and all(q == lens[0] for q in lens) else None
+
+
 def _split_mixed(
-    metadata: PagedAttentionMetadata, is_prefill: Sequence[bool]
+    metadata: PagedAttentionMetadata, num_decode: int
 ) -> tuple[PagedAttentionMetadata, PagedAttentionMetadata] | None:
-    """The ``(decode, prefill)`` parts of a batch whose requests are decode or
-    verification requests of one query length followed by prefills; ``None`` for any
-    other shape (attention then refuses it)."""
-    num_decode = is_prefill.index(True) if True in is_prefill else len(is_prefill)
-    if num_decode == 0 or not all(is_prefill[num_decode:]):
-        return None
+    """The ``(decode, prefill)`` parts of a batch of ``num_decode`` decode or
+    verification requests followed by prefills; ``None`` when the decode requests differ
+    in query length (attention then refuses the batch)."""
     decode_lens = metadata.query_lens_cpu[:num_decode]
-    if any(q != decode_lens[0] for q in decode_lens):
+    if _uniform(decode_lens) is None:
         return None
     n = sum(decode_lens)
     qsl = metadata.query_start_loc
@@ -317,9 +306,7 @@ def _split_mixed(
         query_start_loc=qsl[num_decode:] - n,
         num_reqs=len(prefill_lens),
         num_tokens=metadata.num_tokens - n,
-        uniform_query_len=(
-            prefill_lens[0] if all(q == prefill_lens[0] for q in prefill_lens) else None
-        ),
+        uniform_query_len=_uniform(prefill_lens),
         prefill=True,
         query_lens_cpu=prefill_lens,
     )
