@@ -32,7 +32,8 @@ decode step needs too and which run outside the graph.
 
 Run on the GPU machine::
 
-    PYTHONPATH=. python3 bench/engine_e2e.py [--phases target,methods] [--output FILE]
+    PYTHONPATH=. python3 bench/engine_e2e.py [--phases target,methods] [--batches 1,8,32,128]
+        [--methods eagle3,...] [--output FILE]
 
 Merges into ``bench/results/engine.json`` under ``e2e`` (with command, GPU, versions,
 date) and prints a table. ``--dry-run`` runs tiny shapes on the CPU to check plumbing.
@@ -231,7 +232,7 @@ def run(args) -> dict:
     target = TINY if args.dry_run else LLAMA_8B
     vocab = target["vocab_size"]
     max_tokens = 16 if args.dry_run else 256
-    batches = (1, 2) if args.dry_run else (1, 8, 32, 128)
+    batches = (1, 2) if args.dry_run else tuple(int(b) for b in args.batches.split(","))
     root = Path(tempfile.mkdtemp())
     dirs = write_checkpoints(root, target, TINY_DRAFT if args.dry_run else LLAMA_1B)
     out: dict = {}
@@ -335,6 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--phases", default="target,methods")
     parser.add_argument("--methods", default="", help="comma-separated subset")
+    parser.add_argument("--batches", default="1,8,32,128", help="target-only batch sizes")
     parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT)
     parser.add_argument("--peer", type=Path, default=None, help="peer_vllm.py's JSON")
     parser.add_argument("--dry-run", action="store_true")

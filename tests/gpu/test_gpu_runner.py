@@ -176,3 +176,56 @@ def test_cudagraph_replay_matches_eager(checkpoint, num_reqs, q_len):
         assert replayed.shape == eager.shape == (num_reqs * q_len, runner.config.hidden_size)
         assert torch.isfinite(replayed).all()
         torch.testing.assert_close(replayed, eager, atol=3e-2, rtol=3e-2, msg=f"step {step}")
+
+
+@pytest.mark.parametrize("num_reqs", [1, 32])
+def test_gemv_epilogues_match_the_unfused_kernels(tmp_path, monkeypatch, num_reqs):
+    """Two Llama-3.1-8B-shaped layers and its LM head (random weights), the shapes the
+    GEMV's SwiGLU and argmax epilogues serve: a decode step with them on and off."""
+    import json
+
+    from specula.runtime.kernels.activation import silu_and_mul
+    from specula.runtime.kernels.gemv import linear
+    from specula.runtime.worker import model_runner
+
+    config = dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256,
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=2,
+        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=MAX_MODEL_LEN,
+        rms_norm_eps=1e-5, tie_word_embeddings=False,
+    )
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    torch.manual_seed(0)
+    model = load_model(tmp_path, torch.bfloat16, DEVICE, load_format="dummy")
+    spec = KVCacheSpec.from_model_config(model.config, torch.bfloat16, BLOCK_SIZE)
+    cache = PagedKVCache(spec, 4 * num_reqs, DEVICE)
+    runner, manager = ModelRunner(model, cache, MAX_MODEL_LEN), cache.block_manager(watermark=0.0)
+    ids = list(range(num_reqs))
+    for r in ids:
+        manager.allocate(r, 20)
+    prompts = torch.randint(0, 128256, (num_reqs, 20)).tolist()
+    md, pos, inp = _forward(runner, manager, ids, [20] * num_reqs, prompts)
+    runner.forward(inp, pos, md)
+    for r in ids:
+        manager.append_slots(r, 1)
+    md, pos, inp = _forward(runner, manager, ids, [1] * num_reqs, [[7]] * num_reqs)
+    results = {}
+    for on in (True, False):
+        hidden, _ = runner.forward(inp, pos, md)
+        results[on] = (hidden.clone(), *runner.logits_and_argmax(hidden))
+        # Unfused: the GEMV, then the activation kernel; the logits, then torch.argmax.
+        monkeypatch.setattr(
+            model_runner, "linear_silu_and_mul", lambda x, w, b: silu_and_mul(linear(x, w, b))
+        )
+        monkeypatch.setattr(
+            model_runner, "linear_argmax", lambda x, w: (y := linear(x, w), y.float().argmax(-1))
+        )
+    (h_off, logits_off, idx_off), (h_on, logits_on, idx_on) = results[False], results[True]
+    torch.testing.assert_close(h_on, h_off, atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(logits_on.float(), logits_off.float(), atol=5e-2, rtol=3e-2)
+    assert torch.equal(idx_on, logits_on.argmax(-1))  # exact on the same logits
+    assert torch.equal(idx_off, logits_off.float().argmax(-1))
+    # Across the two paths only a near-tie (the hidden states may differ by rounding)
+    # may pick another token, and then one within rounding of the maximum.
+    best = logits_on.float().max(-1).values
+    assert bool((logits_on.float().gather(1, idx_off[:, None])[:, 0] >= best - 0.1).all())

@@ -371,3 +371,38 @@ def test_gemv_matches_the_library_gemm_on_tuned_shapes():
             for y in (gemv(x, w), linear(x, w)):
                 assert ((y.float() - ref).norm() / ref.norm()).item() < 1e-2
         assert not use_gemv(torch.randn(200, k, device=DEVICE, dtype=torch.bfloat16), w)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 32, 64])
+def test_gate_up_gemv_with_swiglu_epilogue(rows):
+    from specula.runtime.kernels.activation import silu_and_mul
+    from specula.runtime.kernels.gemv import gemv, linear_silu_and_mul
+
+    gen = torch.Generator(DEVICE).manual_seed(rows)
+    w = torch.randn(28672, HIDDEN, device=DEVICE, dtype=torch.bfloat16, generator=gen) * 0.02
+    x = torch.randn(rows, HIDDEN, device=DEVICE, dtype=torch.bfloat16, generator=gen)
+    fused = linear_silu_and_mul(x, w)
+    assert fused.shape == (rows, 14336) and fused.dtype == torch.bfloat16
+    # Same accumulation as the plain GEMV, then the activation kernel's rounding.
+    torch.testing.assert_close(fused, silu_and_mul(gemv(x, w)), **BF16_TOL)
+    ref = silu_and_mul(F.linear(x.float(), w.float()))
+    assert ((fused.float() - ref).norm() / ref.norm()).item() < 1e-2
+
+
+@pytest.mark.parametrize("vocab", [VOCAB, 32000])
+def test_lm_head_gemv_with_argmax_epilogue(vocab):
+    from specula.runtime.kernels.gemv import gemv, linear_argmax, use_gemv
+
+    gen = torch.Generator(DEVICE).manual_seed(vocab)
+    w = torch.randn(vocab, HIDDEN, device=DEVICE, dtype=torch.bfloat16, generator=gen) * 0.02
+    w[vocab - 5] = w[3]  # a tie across programs: the first index wins
+    for rows in (1, 7, 64, 128, 160):
+        x = torch.randn(rows, HIDDEN, device=DEVICE, dtype=torch.bfloat16, generator=gen)
+        x[0] = w[3] * 50
+        logits, idx = linear_argmax(x, w)
+        assert idx.dtype == torch.int64 and idx.shape == (rows,) and int(idx[0]) == 3
+        assert torch.equal(idx, logits.argmax(-1))
+        if use_gemv(x, w):
+            assert torch.equal(logits, gemv(x, w))  # the epilogue leaves the logits as they were
+        ref = F.linear(x.float(), w.float())
+        assert ((logits.float() - ref).norm() / ref.norm()).item() < 1e-2

@@ -155,8 +155,9 @@ class InputBatch:
         self.top_p[rows_t] = to_device([q.params.top_p for q in new], torch.float32, dev)
         self.top_k[rows_t] = to_device([max(q.params.top_k, 0) for q in new], torch.int64, dev)
         self.seeds[rows_t] = to_device([q.seed for q in new], torch.int64, dev)
-        self.num_draft_tokens[rows_t] = 0
-        self.num_computed_tokens[rows_t] = 0
+        # index_fill_, not ``[rows_t] = 0``: that copies the host scalar synchronously.
+        self.num_draft_tokens.index_fill_(0, rows_t, 0)
+        self.num_computed_tokens.index_fill_(0, rows_t, 0)
         if self.token_ids is not None:
             flat_rows = [q.row for q in new for _ in q.token_ids]
             flat_cols = [i for q in new for i in range(len(q.token_ids))]

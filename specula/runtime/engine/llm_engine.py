@@ -521,24 +521,24 @@ class LLMEngine(SpeculativeSettings):
         parts_out, parts_acc, parts_ver = [], [], []
         if nd:
             s_d = sampling.select(slice(0, nd)) if prefill else sampling
-            logits = self.runner.compute_logits(hidden[: nd * q])  # [nd * q, V]
+            logits, argmax = self.runner.logits_and_argmax(hidden[: nd * q])  # [nd * q, V]
             if k > 0:
                 out_d, acc_d = verify(
-                    ib, logits, idx_d, k, s_d, keys[:nd], self.synthetic_acceptance_rate
+                    ib, logits, idx_d, k, s_d, keys[:nd], self.synthetic_acceptance_rate, argmax
                 )
                 ver_d = ib.num_draft_tokens[idx_d].clamp(max=k)
                 parts_acc.append(torch.minimum(acc_d, ver_d))
                 parts_ver.append(ver_d)
             else:
-                out_d = sample(logits, s_d, keys[:nd], STREAM_TARGET)[0][:, None]
+                out_d = sample(logits, s_d, keys[:nd], STREAM_TARGET, argmax)[0][:, None]
                 parts_acc.append(self._zeros[:nd])
                 parts_ver.append(self._zeros[:nd])
             parts_out.append(out_d)  # [nd, q]
         if prefill:
             last_rows = metadata.query_start_loc[nd + 1 :].long() - 1
-            logits = self.runner.compute_logits(hidden[last_rows])
+            logits, argmax = self.runner.logits_and_argmax(hidden[last_rows])
             s_p = sampling.select(slice(nd, num_reqs)) if nd else sampling
-            first = sample(logits, s_p, keys[nd:], STREAM_TARGET)[0]  # [num_prefill]
+            first = sample(logits, s_p, keys[nd:], STREAM_TARGET, argmax)[0]  # [num_prefill]
             if nd and q > 1:  # one width for the batch: pad the prefills' rows
                 first = torch.cat([first[:, None], self._zeros[: len(prefill), None].expand(-1, q - 1)], 1)
             else:
@@ -606,9 +606,12 @@ class LLMEngine(SpeculativeSettings):
                 k_next = 0
             else:
                 ib.draft_token_ids[idx, :k_next] = draft.draft_token_ids
-                ib.num_draft_tokens[idx] = (
-                    k_next if draft.num_draft_tokens is None else draft.num_draft_tokens
-                )
+                if draft.num_draft_tokens is None:
+                    # Not ``[idx] = k_next``: indexed assignment of a host scalar copies it
+                    # to the device synchronously, which made the host wait for the step.
+                    ib.num_draft_tokens.index_fill_(0, idx, k_next)
+                else:
+                    ib.num_draft_tokens[idx] = draft.num_draft_tokens
                 if draft.draft_probs is not None and ib.draft_probs is not None:
                     ib.draft_probs[idx, :k_next] = draft.draft_probs
 

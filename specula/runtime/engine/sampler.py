@@ -119,7 +119,8 @@ def compute_probs(logits: torch.Tensor, sampling: SamplingMetadata) -> torch.Ten
     from the raw logits instead.
 
     Args:
-        logits: [num_reqs, num_positions, vocab_size] float32.
+        logits: [num_reqs, num_positions, vocab_size], float32 or the model's dtype
+            (computed in float32).
 
     Returns:
         [num_reqs, num_positions, vocab_size] float32 probabilities.
@@ -127,7 +128,7 @@ def compute_probs(logits: torch.Tensor, sampling: SamplingMetadata) -> torch.Ten
     assert logits.ndim == 3 and logits.shape[0] == sampling.num_reqs
     greedy = sampling.is_greedy
     temp = torch.where(greedy, torch.ones_like(sampling.temperature), sampling.temperature)
-    logits = logits / temp[:, None, None]
+    logits = logits.float() / temp[:, None, None]
     if sampling.needs_top_k or sampling.needs_top_p:
         logits = _apply_top_k_top_p(logits, sampling, greedy)
     return logits.softmax(dim=-1)
@@ -158,21 +159,27 @@ def _apply_top_k_top_p(
 
 
 def sample(
-    logits: torch.Tensor, sampling: SamplingMetadata, keys: torch.Tensor, stream: int
+    logits: torch.Tensor,
+    sampling: SamplingMetadata,
+    keys: torch.Tensor,
+    stream: int,
+    argmax: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Sample one token per request.
 
     Args:
-        logits: [num_reqs, vocab_size] float32 raw logits.
+        logits: [num_reqs, vocab_size] raw logits, float32 or the model's dtype.
         keys: [num_reqs] int64 draw keys (see the module docstring).
         stream: the draw stream (:data:`STREAM_TARGET`, :data:`STREAM_DRAFT` + step).
+        argmax: [num_reqs] int64 ``logits.argmax(-1)`` when the caller has it (the LM
+            head's fused argmax); computed here otherwise.
 
     Returns:
         ``(token_ids [num_reqs] int64, probs [num_reqs, vocab_size] | None)``: greedy rows
         take the argmax; ``probs`` (the distribution each random row sampled from) is
         ``None`` when every request is greedy.
     """
-    greedy_ids = logits.argmax(dim=-1)
+    greedy_ids = logits.argmax(dim=-1) if argmax is None else argmax
     if sampling.all_greedy:
         return greedy_ids, None
     probs = compute_probs(logits[:, None, :], sampling)[:, 0]  # [num_reqs, vocab_size]

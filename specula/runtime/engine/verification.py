@@ -27,17 +27,19 @@ def verify(
     sampling: SamplingMetadata,
     keys: torch.Tensor,
     synthetic_acceptance_rate: float | None = None,
+    argmax: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Verify the ``k`` drafts of the requests at rows ``idx`` of ``input_batch``.
 
     Args:
-        logits: [num_reqs * (k + 1), vocab_size] float32, the target's at each request's
-            last token and drafts.
+        logits: [num_reqs * (k + 1), vocab_size] float32 or the model's dtype, the
+            target's at each request's last token and drafts.
         idx: [num_reqs] int64 rows.
         sampling: the requests' settings (greedy ones match the argmax exactly).
         keys: [num_reqs] int64 draw keys of the step.
         synthetic_acceptance_rate: accept each draft with this probability given the
             ones before it, instead of verifying (benchmarks).
+        argmax: [num_reqs * (k + 1)] int64 ``logits.argmax(-1)`` if already computed.
 
     Returns:
         ``(output [num_reqs, k + 1] int64, num_accepted [num_reqs] int64)``: row ``i``
@@ -46,7 +48,8 @@ def verify(
     """
     r = idx.shape[0]
     drafts = input_batch.draft_token_ids[idx, :k].reshape(-1)  # [r * k]
-    argmax = logits.argmax(dim=-1)
+    if argmax is None:
+        argmax = logits.argmax(dim=-1)
     if synthetic_acceptance_rate is not None:
         return _synthetic(
             drafts.view(r, k), argmax.view(r, k + 1), sampling, keys, synthetic_acceptance_rate

@@ -5,6 +5,15 @@ arithmetic is small, so the kernel is built for memory bandwidth. Each program o
 ``tl.dot``), and walks the whole reduction dimension with pipelined weight loads; no split
 of the reduction, so no second pass and a deterministic result. The launch configuration
 per weight shape and row tile comes from ``bench/gemv.py`` on an H100.
+
+Two epilogues each save a decode step a launch and a round trip through memory:
+
+- SwiGLU (:func:`linear_silu_and_mul`): a program accumulates ``BLOCK_N`` gate columns and
+  the matching up columns (weight rows ``n`` and ``n + N``) and stores ``silu(gate) *
+  up``, rounded as the unfused GEMM then :func:`~.activation.silu_and_mul` round it.
+- argmax (:func:`linear_argmax`, a greedy LM head): each program also writes its rows'
+  maxima and their first columns; one program per row merges them into ``torch.argmax``'s
+  answer on the rounded logits. :func:`argmax` does the same after the library GEMM.
 """
 
 from __future__ import annotations
@@ -14,6 +23,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from specula.runtime.kernels.activation import silu_and_mul
 from specula.runtime.kernels.dispatch import use_reference
 
 DEFAULT_CONFIG = (32, 256, 4, 4)
@@ -46,17 +56,22 @@ def block_m(rows: int) -> int:
 def _gemv_kernel(
     y_ptr,  # [M, N]
     x_ptr,  # [M, K]
-    w_ptr,  # [N, K]
+    w_ptr,  # [N, K]; SILU_MUL: [2N, K], gate rows then up rows
+    part_max_ptr,  # ARGMAX: [M, num_programs] float32, each program's row maxima
+    part_idx_ptr,  # ARGMAX: [M, num_programs] int32, their columns
     M,
     N,
     K,
     stride_ym,
     stride_xm,
     stride_wn,
+    up_offset,  # SILU_MUL: N * stride_wn, the up rows' offset
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN: tl.constexpr,
+    SILU_MUL: tl.constexpr,
+    ARGMAX: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -65,17 +80,102 @@ def _gemv_kernel(
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
     w_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
+        w_mask = (offs_n[None, :] < N) & (k0 + offs_k[:, None] < K)
         if EVEN:
             w = tl.load(w_ptrs)
         else:
-            w = tl.load(w_ptrs, mask=(offs_n[None, :] < N) & (k0 + offs_k[:, None] < K), other=0.0)
+            w = tl.load(w_ptrs, mask=w_mask, other=0.0)
         x = tl.load(x_ptrs, mask=(offs_m[:, None] < M) & (k0 + offs_k[None, :] < K), other=0.0)
         acc = tl.dot(x, w, acc)  # [BLOCK_M, BLOCK_K] @ [BLOCK_K, BLOCK_N]
+        if SILU_MUL:
+            if EVEN:
+                w_up = tl.load(w_ptrs + up_offset)
+            else:
+                w_up = tl.load(w_ptrs + up_offset, mask=w_mask, other=0.0)
+            acc_up = tl.dot(x, w_up, acc_up)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    dtype = y_ptr.dtype.element_ty
+    y = acc.to(dtype)
+    if SILU_MUL:  # the rounding of gate_up_proj, then of silu_and_mul
+        g = y.to(tl.float32)
+        silu = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+        y = (silu * acc_up.to(dtype).to(tl.float32)).to(dtype)
     y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+    tl.store(y_ptrs, y, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+    if ARGMAX:
+        v = tl.where(offs_n[None, :] < N, y.to(tl.float32), float("-inf"))
+        best = tl.argmax(v, axis=1, tie_break_left=True)  # [BLOCK_M]
+        parts = offs_m * tl.num_programs(0) + pid
+        tl.store(part_max_ptr + parts, tl.max(v, axis=1), mask=offs_m < M)
+        tl.store(part_idx_ptr + parts, pid * BLOCK_N + best, mask=offs_m < M)
+
+
+@triton.jit
+def _argmax_kernel(
+    max_ptr,  # [M, num_chunks] float32: each chunk's maximum
+    idx_ptr,  # [M, num_chunks] int32/int64: its first column
+    x_ptr,  # [M, N] values (logits, or the partial maxima of a first pass)
+    x_idx_ptr,  # HAS_IDX: [M, N] int32 columns of x's values, increasing along a row
+    N,
+    stride_x,
+    BLOCK: tl.constexpr,
+    HAS_IDX: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    offs = chunk * BLOCK + tl.arange(0, BLOCK)
+    v = tl.load(x_ptr + row * stride_x + offs, mask=offs < N, other=float("-inf"))
+    v = v.to(tl.float32)
+    if HAS_IDX:
+        i = tl.load(x_idx_ptr + row * stride_x + offs, mask=offs < N, other=2147483647)
+    else:
+        i = offs
+    # The first column holding the maximum: the least index among the values equal to it.
+    best = tl.min(tl.where(v == tl.max(v, axis=0), i, 2147483647), axis=0)
+    out = row * tl.num_programs(1) + chunk
+    tl.store(max_ptr + out, tl.max(v, axis=0))
+    tl.store(idx_ptr + out, best.to(idx_ptr.dtype.element_ty))
+
+
+_ARGMAX_BLOCK = 4096
+"""Columns per program of :func:`argmax`'s first pass."""
+
+
+def _merge_argmax(part_max: torch.Tensor, part_idx: torch.Tensor) -> torch.Tensor:
+    """[M, P] partial maxima and their columns -> [M] int64, in one program per row."""
+    m, p = part_max.shape
+    idx = torch.empty(m, dtype=torch.int64, device=part_max.device)
+    _argmax_kernel[(m, 1)](
+        part_max, idx, part_max, part_idx, p, p, BLOCK=triton.next_power_of_2(p), HAS_IDX=True
+    )
+    return idx
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(-1)`` (the first index of each row's maximum) in two passes: programs
+    of :data:`_ARGMAX_BLOCK` columns, then one per row over their partials, instead of
+    ``torch.argmax``'s one block per row.
+
+    Args:
+        x: [M, N] floating point, last dim contiguous.
+
+    Returns:
+        [M] int64.
+    """
+    assert x.ndim == 2 and x.stride(1) == 1 and x.is_floating_point()
+    m, n = x.shape
+    if m == 0 or n == 0 or use_reference(x):
+        return x.argmax(dim=-1)
+    chunks = triton.cdiv(n, _ARGMAX_BLOCK)
+    part_max = torch.empty(m, chunks, dtype=torch.float32, device=x.device)
+    part_idx = torch.empty(m, chunks, dtype=torch.int32, device=x.device)
+    _argmax_kernel[(m, chunks)](
+        part_max, part_idx, x, x, n, x.stride(0), BLOCK=_ARGMAX_BLOCK, HAS_IDX=False
+    )
+    return _merge_argmax(part_max, part_idx)
 
 
 def use_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -91,40 +191,58 @@ def use_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def gemv(
-    x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int, int] | None = None
-) -> torch.Tensor:
-    """``x @ weight.T`` with the kernel.
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    config: tuple[int, int, int, int] | None = None,
+    *,
+    silu_mul: bool = False,
+    with_argmax: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``x @ weight.T`` with the kernel, optionally with one of the module's epilogues.
 
     Args:
         x: [M, K] bfloat16/float16, last dim contiguous.
-        weight: [N, K] of ``x.dtype``, last dim contiguous (an ``nn.Linear`` weight).
+        weight: [N, K] of ``x.dtype``, last dim contiguous (an ``nn.Linear`` weight);
+            with ``silu_mul`` [2N, K], the gate rows then the up rows.
         config: ``(BLOCK_N, BLOCK_K, num_warps, num_stages)``; default the tuned entry of
-            the weight's shape and row tile, else :data:`DEFAULT_CONFIG`.
+            the weight's shape and row tile, else :data:`DEFAULT_CONFIG`. With
+            ``silu_mul`` a program covers ``BLOCK_N / 2`` columns of each half.
+        silu_mul: return ``silu(x @ gate.T) * (x @ up.T)`` [M, N] (SwiGLU, Shazeer,
+            arXiv 2002.05202).
+        with_argmax: also return the first index of each row's maximum, [M] int64.
 
     Returns:
-        [M, N] in ``x.dtype`` (float32 accumulation).
+        [M, N] in ``x.dtype`` (float32 accumulation), with ``with_argmax`` and the argmax.
 
     Raises:
-        AssertionError: shapes, dtypes or layouts do not match the above.
+        AssertionError: shapes, dtypes or layouts do not match the above, or both
+            epilogues asked for.
     """
     assert x.ndim == 2 and weight.ndim == 2 and x.shape[1] == weight.shape[1]
     assert x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float16)
-    assert x.stride(1) == 1 and weight.stride(1) == 1
+    assert x.stride(1) == 1 and weight.stride(1) == 1 and not (silu_mul and with_argmax)
     m, k = x.shape
-    n = weight.shape[0]
+    n = weight.shape[0] // 2 if silu_mul else weight.shape[0]
+    assert not silu_mul or weight.shape[0] == 2 * n
+    if m == 0 or use_reference(x):  # the torch reference: the library GEMM
+        y = silu_and_mul(F.linear(x, weight)) if silu_mul else F.linear(x, weight)
+        return (y, y.argmax(dim=-1)) if with_argmax else y
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    if m == 0:
-        return y
-    if use_reference(x):
-        return y.copy_(gemv_reference(x, weight))
     bm = block_m(m)
-    block_n, block_k, warps, stages = config or CONFIGS.get((n, k), {}).get(bm, DEFAULT_CONFIG)
-    _gemv_kernel[(triton.cdiv(n, block_n),)](
-        y, x, weight, m, n, k, y.stride(0), x.stride(0), weight.stride(0),
-        BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k,
-        EVEN=(k % block_k == 0 and n % block_n == 0), num_warps=warps, num_stages=stages,
+    block_n, block_k, warps, stages = config or CONFIGS.get(tuple(weight.shape), {}).get(
+        bm, DEFAULT_CONFIG
     )
-    return y
+    block_n //= 2 if silu_mul else 1
+    grid = triton.cdiv(n, block_n)
+    parts = (torch.empty(m, grid, dtype=torch.float32, device=x.device),
+             torch.empty(m, grid, dtype=torch.int32, device=x.device)) if with_argmax else (y, y)
+    _gemv_kernel[(grid,)](
+        y, x, weight, *parts, m, n, k, y.stride(0), x.stride(0), weight.stride(0),
+        n * weight.stride(0), BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k,
+        EVEN=(k % block_k == 0 and n % block_n == 0), SILU_MUL=silu_mul, ARGMAX=with_argmax,
+        num_warps=warps, num_stages=stages,
+    )
+    return (y, _merge_argmax(*parts)) if with_argmax else y
 
 
 def gemv_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -138,3 +256,27 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if bias is None and use_gemv(x, weight):
         return gemv(x, weight)
     return F.linear(x, weight, bias)
+
+
+def linear_silu_and_mul(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``silu_and_mul(F.linear(x, weight, bias))`` (a fused ``gate_up_proj`` and its
+    activation): ``x`` [M, K], ``weight`` [2N, K] gate rows then up rows; returns
+    [M, N]. One :func:`gemv` with the SwiGLU epilogue where :func:`use_gemv` says so,
+    else the library GEMM and the activation kernel."""
+    if bias is None and use_gemv(x, weight):
+        return gemv(x, weight, silu_mul=True)
+    return silu_and_mul(linear(x, weight, bias))
+
+
+def linear_argmax(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(logits, logits.argmax(-1))`` of ``logits = F.linear(x, weight)`` (an LM head
+    and its greedy tokens): ``x`` [M, K], ``weight`` [V, K]; returns ``([M, V] in
+    ``x.dtype``, [M] int64)``, the argmax the first index of each row's maximum. One
+    :func:`gemv` with the argmax epilogue where :func:`use_gemv` says so, else the
+    library GEMM and :func:`argmax`."""
+    if use_gemv(x, weight):
+        return gemv(x, weight, with_argmax=True)
+    logits = linear(x, weight)
+    return logits, argmax(logits)

@@ -327,4 +327,10 @@ class Gemma4Runner(Gemma4PagedLayers):
         soft-capped as :meth:`Gemma4ForCausalLM.compute_logits`."""
         return self.model.compute_logits(hidden)
 
+    def logits_and_argmax(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(compute_logits(hidden), its argmax [num_positions] int64)``, as
+        :meth:`ModelRunner.logits_and_argmax` returns them."""
+        logits = self.compute_logits(hidden)
+        return logits, logits.argmax(dim=-1)
+
     last_token_indices = staticmethod(ModelRunner.last_token_indices)

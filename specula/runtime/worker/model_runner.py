@@ -7,10 +7,11 @@ of the modules, so one checkpoint load serves both the CPU engine and this path.
 
 Per decoder layer: fused residual add + RMSNorm, the qkv GEMM, (Qwen3: RMSNorm of each
 query and key head), rotary in place fused with the cache write, paged attention,
-``o_proj``, fused residual add + RMSNorm, the gate/up GEMM, SiLU-and-multiply,
-``down_proj`` (vLLM's decoder structure, with the residual carried beside the hidden
-state so each add fuses into the next norm). At batch 1 a step is bound by reading the
-weights; every small kernel adds a fixed launch latency on top, hence the fusions.
+``o_proj``, fused residual add + RMSNorm, the gate/up GEMM with SiLU-and-multiply (one
+kernel at small batch), ``down_proj`` (vLLM's decoder structure, with the residual
+carried beside the hidden state so each add fuses into the next norm). At batch 1 a
+step is bound by reading the weights; every small kernel adds a fixed launch latency on
+top, hence the fusions.
 
 Attention reads the paged cache for decode (one query token per request) and
 verification (``k + 1`` per request, causal among themselves). A prefill (every
@@ -28,8 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from specula.runtime.engine.block_manager import cdiv
-from specula.runtime.kernels.activation import silu_and_mul
-from specula.runtime.kernels.gemv import linear
+from specula.runtime.kernels.gemv import linear, linear_argmax, linear_silu_and_mul
 from specula.runtime.kernels.layernorm import fused_add_rms_norm, rms_norm
 from specula.runtime.kernels.paged_attention import paged_attention
 from specula.runtime.kernels.rotary import build_cos_sin_cache
@@ -270,7 +270,8 @@ class ModelRunner:
 
     @staticmethod
     def _mlp(mlp: LlamaMLP, hidden: torch.Tensor) -> torch.Tensor:
-        return _proj(mlp.down_proj, silu_and_mul(_proj(mlp.gate_up_proj, hidden)))
+        gate_up = mlp.gate_up_proj
+        return _proj(mlp.down_proj, linear_silu_and_mul(hidden, gate_up.weight, gate_up.bias))
 
     # -- forward ---------------------------------------------------------------------
 
@@ -337,6 +338,14 @@ class ModelRunner:
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_positions, hidden_size] -> [num_positions, vocab_size] float32 logits."""
         return self.model.compute_logits(hidden)
+
+    @torch.no_grad()
+    def logits_and_argmax(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[num_positions, hidden_size] -> ``(logits [num_positions, vocab_size] in the
+        model's dtype, greedy tokens [num_positions] int64)``: the LM head with the argmax
+        fused in (:func:`~specula.runtime.kernels.gemv.linear_argmax`), so a greedy step
+        neither copies the logits to float32 nor scans them again."""
+        return linear_argmax(hidden, self.model.lm_head_weight)
 
     @staticmethod
     def last_token_indices(metadata: PagedAttentionMetadata) -> torch.Tensor:

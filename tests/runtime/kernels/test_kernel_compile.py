@@ -14,7 +14,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from specula.runtime.kernels import draft_inputs, layernorm, paged_attention, rotary
+from specula.runtime.kernels import draft_inputs, gemv, layernorm, paged_attention, rotary
 from specula.runtime.kernels import rejection_sampler as rs
 from specula.runtime.kernels import reshape_and_cache as rc
 
@@ -45,6 +45,29 @@ CASES = {
         paged_attention._merge_splits_kernel,
         {"out_ptr": "*bf16", "partial_out_ptr": "*fp32", "partial_lse_ptr": "*fp32"},
         dict(HEAD_DIM=128, BLOCK_D=128, NUM_SPLITS=5, BLOCK_S=8),
+    ),
+    # The GEMV's epilogues at Llama-3.1-8B's gate_up_proj and LM head (bench/gemv.py configs).
+    "gemv_silu_mul": (
+        gemv._gemv_kernel,
+        {"y_ptr": "*bf16", "x_ptr": "*bf16", "w_ptr": "*bf16", "part_max_ptr": "*bf16",
+         "part_idx_ptr": "*bf16", "up_offset": "i64"},
+        dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, EVEN=True, SILU_MUL=True, ARGMAX=False),
+    ),
+    "gemv_argmax": (
+        gemv._gemv_kernel,
+        {"y_ptr": "*bf16", "x_ptr": "*bf16", "w_ptr": "*bf16", "part_max_ptr": "*fp32",
+         "part_idx_ptr": "*i32"},
+        dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=512, EVEN=False, SILU_MUL=False, ARGMAX=True),
+    ),
+    "argmax_first_pass": (
+        gemv._argmax_kernel,
+        {"max_ptr": "*fp32", "idx_ptr": "*i32", "x_ptr": "*bf16", "x_idx_ptr": "*bf16"},
+        dict(BLOCK=4096, HAS_IDX=False),
+    ),
+    "argmax_merge": (
+        gemv._argmax_kernel,
+        {"max_ptr": "*fp32", "idx_ptr": "*i64", "x_ptr": "*fp32", "x_idx_ptr": "*i32"},
+        dict(BLOCK=2048, HAS_IDX=True),
     ),
     "reshape_and_cache": (
         rc._reshape_and_cache_kernel,

@@ -340,6 +340,49 @@ def test_gemv(interpreted):
     interpreted(check_gemv)
 
 
+def check_gemv_epilogues() -> None:
+    from specula.runtime.kernels.activation import silu_and_mul
+    from specula.runtime.kernels.gemv import argmax, gemv, gemv_reference
+
+    gen = torch.Generator().manual_seed(2)
+    for m, n, k, cfg in ((1, 64, 256, (32, 128, 4, 3)), (5, 40, 200, (32, 128, 4, 3)),
+                         (16, 96, 256, (64, 128, 4, 3))):
+        # float16: the interpreter's bfloat16 dot products are not exact.
+        x = torch.randn(m, k, generator=gen).half()
+        w = (torch.randn(2 * n, k, generator=gen) * 0.05).half()
+        # SwiGLU epilogue: exactly the rounding of the unfused GEMV, then activation.
+        fused = gemv(x, w, cfg, silu_mul=True)
+        assert fused.shape == (m, n) and fused.dtype == torch.float16
+        torch.testing.assert_close(fused, silu_and_mul(gemv(x, w, cfg)), atol=0, rtol=0)
+        ref = silu_and_mul(gemv_reference(x.float(), w.float()))
+        assert ((fused.float() - ref).norm() / ref.norm()).item() < 2e-3
+        # Argmax epilogue: the logits unchanged, and the first index of each row's maximum,
+        # ties (repeated weight rows) across programs and within one included.
+        w = w[:n].clone()
+        w[n - 3] = w[7]
+        w[9] = w[7]
+        logits, idx = gemv(x, w, cfg, with_argmax=True)
+        torch.testing.assert_close(logits, gemv(x, w, cfg), atol=0, rtol=0)
+        assert idx.dtype == torch.int64 and torch.equal(idx, logits.float().argmax(-1))
+        ref = gemv_reference(x.float(), w.float())
+        assert ((logits.float() - ref).norm() / ref.norm()).item() < 2e-3
+        x[0] = w[7]  # row 0's maximum is at the repeated rows: the first one wins
+        assert int(gemv(x, w, cfg, with_argmax=True)[1][0]) == 7
+    # The two-pass argmax of logits the library GEMM computed: ties within a chunk,
+    # across chunks, and a constant row.
+    logits = torch.randn(4, 9000, generator=gen).half()
+    logits[1, 8500] = logits[1, 30] = logits[1, 4500] = 50.0
+    logits[2, 4097] = logits[2, 4099] = 50.0
+    logits[3] = 1.0
+    idx = argmax(logits)
+    assert idx.dtype == torch.int64 and idx.tolist()[1:] == [30, 4097, 0]
+    assert torch.equal(idx, logits.argmax(-1))
+
+
+def test_gemv_epilogues(interpreted):
+    interpreted(check_gemv_epilogues)
+
+
 def test_linear_takes_the_library_gemm_off_cuda_and_for_untuned_shapes():
     from specula.runtime.kernels.gemv import CONFIGS, linear, use_gemv
 
@@ -349,3 +392,20 @@ def test_linear_takes_the_library_gemm_off_cuda_and_for_untuned_shapes():
     small = torch.randn(3, 8).bfloat16(), torch.randn(4, 8).bfloat16()
     assert not use_gemv(*small)
     torch.testing.assert_close(linear(*small), torch.nn.functional.linear(*small))
+
+
+def test_epilogue_launchers_take_the_references_off_cuda():
+    from specula.runtime.kernels.activation import silu_and_mul_reference
+    from specula.runtime.kernels.gemv import linear_argmax, linear_silu_and_mul
+
+    gen = torch.Generator().manual_seed(3)
+    x, w = torch.randn(3, 8, generator=gen), torch.randn(10, 8, generator=gen)
+    ref = torch.nn.functional.linear(x, w)
+    torch.testing.assert_close(linear_silu_and_mul(x, w), silu_and_mul_reference(ref))
+    bias = torch.randn(10, generator=gen)
+    torch.testing.assert_close(
+        linear_silu_and_mul(x, w, bias), silu_and_mul_reference(ref + bias)
+    )
+    logits, idx = linear_argmax(x, w)
+    torch.testing.assert_close(logits, ref)
+    assert torch.equal(idx, ref.argmax(-1))
