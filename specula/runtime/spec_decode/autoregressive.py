@@ -35,6 +35,7 @@ import torch
 
 from specula.runtime.engine.sampler import STREAM_DRAFT, SamplingMetadata, sample
 from specula.runtime.kernels.draft_inputs import prepare_draft_inputs
+from specula.runtime.kernels.gemv import argmax
 from specula.runtime.spec_decode.base import DraftOutput, ProposeInputs
 from specula.runtime.spec_decode.draft_model_base import DraftModelSpeculator
 from specula.runtime.worker.cudagraph import (
@@ -85,7 +86,7 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
 
     def draft_argmax(self, hidden: torch.Tensor) -> torch.Tensor:
         """Greedy drafts ``[n]`` int64 target ids from ``hidden [n, H]``."""
-        return self.compute_draft_logits(hidden).argmax(dim=-1)
+        return argmax(self.compute_draft_logits(hidden))  # two passes, not one block per row
 
     def sample_draft(
         self, hidden: torch.Tensor, sampling: SamplingMetadata, keys: torch.Tensor, step: int

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from specula.runtime.kernels.gemv import linear
+from specula.runtime.kernels.gemv import linear_argmax
 from specula.runtime.models.llama_eagle3 import Eagle3LlamaForCausalLM, load_eagle3_draft
 from specula.runtime.models.speculators_format import share_target_weights
 from specula.runtime.spec_decode.autoregressive import AutoRegressiveSpeculator
@@ -49,5 +49,5 @@ class EagleSpeculator(AutoRegressiveSpeculator):
 
     def draft_argmax(self, hidden: torch.Tensor) -> torch.Tensor:
         """Argmax over the draft vocabulary, mapped to target ids through ``d2t``."""
-        logits = linear(hidden, self.model.lm_head.weight)  # [n, draft_vocab_size]
-        return self.model.draft_to_target[logits.argmax(dim=-1)]
+        # The LM head with its argmax fused in ([n, draft_vocab_size] logits unused).
+        return self.model.draft_to_target[linear_argmax(hidden, self.model.lm_head.weight)[1]]
