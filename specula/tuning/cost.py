@@ -165,6 +165,13 @@ class StepTimeHistogram:
             out[bucket] = out.get(bucket, 0.0) + s.count
         return out
 
+    def seconds_by_bucket(self) -> dict[str, float]:
+        """Summed step seconds per batch bucket, over all k."""
+        out: dict[str, float] = {}
+        for (bucket, _), s in self.series.items():
+            out[bucket] = out.get(bucket, 0.0) + s.sum_s
+        return out
+
     def to_dict(self) -> list[list]:
         return [[b, k, s.count, s.sum_s] for (b, k), s in sorted(self.series.items())]
 

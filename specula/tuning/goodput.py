@@ -7,9 +7,27 @@ recovered token included) and ``T(B, k)`` the step time (Leviathan et al., arXiv
 goodput is per batch).  ``k = 0`` is plain decoding: ``E(0) = 1`` and ``T(B, 0)`` the
 step without a draft.
 
-Over a workload whose steps have varying batch sizes, goodput is total tokens over
-total time: ``sum_b w_b * b * E(k) / sum_b w_b * T(b, k)`` with ``w_b`` the fraction of
-steps at batch ``b`` — not the mean of per-batch goodputs.
+Over a window whose steps have varying batch sizes, goodput is total tokens over total
+busy time, with the time at each batch size held by the workload, not by the engine:
+
+- the batch size at any moment is the number of requests the clients keep in flight,
+  which the step time does not change (to first order), so a window of ``W`` busy
+  seconds spends ``tau_b * W`` of them at batch ``b`` whatever k the engine drafts
+  (``tau_b``: the fraction of busy time at ``b``, measured as the step-time histogram's
+  seconds per batch bucket, at whatever k ran);
+- at a candidate k a step at ``b`` takes ``T(b, k)``, so the window runs ``n_b(k) =
+  tau_b * W / T(b, k)`` steps there, emitting ``n_b(k) * b * E(k)`` tokens in
+  ``n_b(k) * T(b, k) = tau_b * W`` seconds;
+- hence ``G(k) = sum_b n_b(k) b E(k) / sum_b n_b(k) T(b, k) = sum_b tau_b * b * E(k) /
+  T(b, k) / sum_b tau_b``: the busy-time-weighted mean of the per-batch goodputs.
+
+Each batch size's steps are thus weighted by the time they take at the candidate k
+(``n_b(k)`` above), not by the steps counted at the k that ran: holding step counts
+fixed (``sum_b w_b b E(k) / sum_b w_b T(b, k)``) assumes the slower steps of a larger k
+buy more steps at the batch sizes where they are slowest, and with half the time at
+batch 8 and half at batch 128 it prefers a k about 2 larger than the one of best goodput.
+A per-batch-size schedule drafting ``k_b`` at ``b`` is the same sum with ``E(k_b)`` and
+``T(b, k_b)`` (:func:`ks_goodput`).
 """
 
 from __future__ import annotations
@@ -23,9 +41,11 @@ from specula.tuning.cost import StepCostModel, bucket_range
 
 @dataclass(frozen=True)
 class BatchDistribution:
-    """Fractions of engine steps by batch size: ``((batch_size, weight), ...)``.
+    """Fractions of engine-busy time by batch size: ``((batch_size, weight), ...)``.
 
-    Weights need not sum to one; batch sizes may be fractional (bucket means).
+    Weights need not sum to one; batch sizes may be fractional (bucket means).  The
+    weights are shares of time, which the workload fixes, not of steps, which depend on
+    k (module docstring).
     """
 
     points: tuple[tuple[float, float], ...]
@@ -35,20 +55,33 @@ class BatchDistribution:
         return cls(((float(batch_size), 1.0),))
 
     @classmethod
-    def from_bucket_steps(
-        cls, steps_by_bucket: dict[str, float], mean_batch_size: float | None = None
+    def from_buckets(
+        cls,
+        steps_by_bucket: dict[str, float],
+        seconds_by_bucket: dict[str, float],
+        mean_batch_size: float | None = None,
     ) -> BatchDistribution:
-        """Distribution from step counts per runtime batch bucket, each bucket at the
-        batch size :func:`bucket_representatives` gives it.
+        """Distribution of one window: each runtime batch bucket weighted by its busy
+        seconds, at the batch size :func:`bucket_representatives` gives it (from the
+        step counts).
+
+        Args:
+            steps_by_bucket: steps per bucket label in the window.
+            seconds_by_bucket: summed step seconds per bucket label in the window.
+            mean_batch_size: the window's mean batch size (steps-weighted), if known.
 
         Raises:
             ValueError: no steps.
         """
         reps = bucket_representatives(steps_by_bucket, mean_batch_size)
-        return cls(tuple(sorted((reps[b], n) for b, n in steps_by_bucket.items() if n > 0)))
+        return cls(tuple(sorted(
+            (reps[b], max(seconds_by_bucket.get(b, 0.0), 0.0))
+            for b, n in steps_by_bucket.items() if n > 0
+        )))
 
     @property
     def mean(self) -> float:
+        """Time-weighted mean batch size."""
         wsum = sum(w for _, w in self.points)
         return sum(b * w for b, w in self.points) / wsum
 
@@ -80,15 +113,17 @@ def bucket_representatives(
 def goodput(
     k: int, alphas: Sequence[float], cost: StepCostModel, batches: BatchDistribution
 ) -> float:
-    """Tokens per second of steps distributed as ``batches`` drafting k tokens.
+    """Tokens per second of a workload whose busy time is distributed as ``batches``,
+    every step drafting k tokens: ``sum_b tau_b b E(k) / T(b, k) / sum_b tau_b`` (module
+    docstring).
 
     Args:
         alphas: conditional acceptance per position (at least k of them).
+
+    Raises:
+        ZeroDivisionError: all weights are zero.
     """
-    e = expected_accepted_length(alphas, k)
-    tokens = sum(w * b * e for b, w in batches.points)
-    seconds = sum(w * cost.predict(b, k) for b, w in batches.points)
-    return tokens / seconds
+    return ks_goodput((k,) * len(batches.points), alphas, cost, batches)
 
 
 def best_k(
@@ -198,18 +233,21 @@ def schedule_k(schedule: Sequence[Sequence[int]], batch_size: int) -> int:
 def ks_goodput(
     ks: Sequence[int], alphas: Sequence[float], cost: StepCostModel, batches: BatchDistribution
 ) -> float:
-    """Tokens per second when the step at ``batches.points[i]`` drafts ``ks[i]`` tokens
-    (a per-batch-size schedule evaluated on a batch distribution).
+    """Tokens per second when the steps at ``batches.points[i]`` draft ``ks[i]`` tokens
+    (a per-batch-size schedule evaluated on a batch distribution): the busy-time-weighted
+    mean of ``b * E(k_b) / T(b, k_b)`` (module docstring).
 
     Raises:
         ValueError: ``ks`` and the points differ in length.
+        ZeroDivisionError: all weights are zero.
     """
     if len(ks) != len(batches.points):
         raise ValueError(f"{len(ks)} k for {len(batches.points)} batch sizes")
-    pairs = list(zip(batches.points, ks, strict=True))
-    tokens = sum(w * b * expected_accepted_length(alphas, k) for (b, w), k in pairs)
-    seconds = sum(w * cost.predict(b, k) for (b, w), k in pairs)
-    return tokens / seconds
+    total = sum(w for _, w in batches.points)
+    return sum(
+        w * b * expected_accepted_length(alphas, k) / cost.predict(b, k)
+        for (b, w), k in zip(batches.points, ks, strict=True)
+    ) / total
 
 
 def schedule_breakpoints(max_batch_size: int) -> list[int]:

@@ -8,7 +8,8 @@ the evidence, and:
    measured before the change, scaled by the model's ratio of the previous k's goodput
    now and then (which removes load and acceptance drift common to both).  Worse by more
    than ``revert_tolerance`` -> ``Revert``, and the abandoned k is blacklisted for
-   ``blacklist_s`` so the tuner cannot flap back to it.
+   ``blacklist_s`` so the tuner cannot flap back to it (doubled per exploration in a row
+   that did not pay, up to ``2 ** max_probe_backoff`` times).
 2. Respects the **cooldown** after a change.
 3. Moves to a k whose goodput beats the current one by ``min_gain`` with posterior
    probability >= ``probability_threshold`` (Monte Carlo over the per-position Beta
@@ -44,11 +45,13 @@ sizes it moves one step from the schedule in effect unless its gain is >= ``big_
 it is applied under the same probability, ``min_gain``, cooldown, verification and
 revert rules, all evaluated on the window's batch-size distribution.  Explorations set
 the next k on the window's batch-size ranges.  ``num_speculative_tokens`` then names
-the k at the window's most frequent batch size (for history and status).
+the k at the batch size of most of the window's busy time (for history and status).
 
-Goodput is SmartSpec's objective (arXiv 2406.14066); the acceptance model is
-Leviathan et al.'s (arXiv 2211.17192) with per-position rates.  The state is returned
-with the decision and must be stored (``TuningState.to_dict``); the function itself is
+Goodput is SmartSpec's objective (arXiv 2406.14066), over the window's busy time by batch
+size (each batch size weighted by the time its steps take at the candidate k, see
+:mod:`specula.tuning.goodput`); the acceptance model is Leviathan et al.'s (arXiv
+2211.17192) with per-position rates.  The state is returned with the decision and must
+be stored (``TuningState.to_dict``); the function itself is
 pure and deterministic given (state, window, settings, now).
 """
 
@@ -82,8 +85,8 @@ class Decision:
 
     - ``apply`` and ``num_speculative_tokens_per_batch_size`` is not ``None``: send
       ``{"num_speculative_tokens_per_batch_size": <it>}`` to every pod
-      (``num_speculative_tokens`` is then the schedule's k at the window's most frequent
-      batch size, for history and status only);
+      (``num_speculative_tokens`` is then the schedule's k at the batch size of most
+      of the window's busy time, for history and status only);
     - ``apply`` and ``num_speculative_tokens_per_batch_size`` is ``None``: send
       ``{"num_speculative_tokens": num_speculative_tokens}``;
     - not ``apply``: send nothing.  ``num_speculative_tokens`` (and, with schedules,
@@ -182,7 +185,9 @@ def decide(
     )
     steps_by_bucket = window.step_times.steps_by_bucket()
     batches = (
-        BatchDistribution.from_bucket_steps(steps_by_bucket, window.mean_batch_size)
+        BatchDistribution.from_buckets(
+            steps_by_bucket, window.step_times.seconds_by_bucket(), window.mean_batch_size
+        )
         if steps_by_bucket else None
     )
     dom = (
@@ -326,9 +331,14 @@ def decide(
             tolerance = s.explore_revert_tolerance if explored else s.revert_tolerance
             if measured < (1.0 - tolerance) * expected:
                 bad = cur_ks[dom] if cur_ks[dom] != prev_ks[dom] else None
+                # Failed probes in a row back off: each doubles how long the k stays out.
+                backoff = 2 ** min(state.probe_failures if explored else 0, s.max_probe_backoff)
                 state = replace(
                     state,
-                    blacklist={**state.blacklist, **({bad: now + s.blacklist_s} if bad is not None else {})},
+                    blacklist={
+                        **state.blacklist,
+                        **({bad: now + s.blacklist_s * backoff} if bad is not None else {}),
+                    },
                     probe_failures=state.probe_failures + (1 if explored else 0),
                 )
                 return out(
@@ -374,13 +384,15 @@ def decide(
 
     # Probability of beating the current configuration by min_gain, over posterior draws.
     rng = random.Random(s.seed * 1_000_003 + state.decisions)
-    per_point = [w * b for b, w in points]
-    tokens_per_step = sum(per_point)
-    flat = {key for key, ks in cands.items() if len(set(ks)) == 1}
-    seconds = {
-        key: sum(w * cost.predict(b, k) for (b, w), k in zip(points, ks, strict=True))
+    # Goodput of candidate ks over the window is sum_i tau_i b_i E(k_i) / T(b_i, k_i) /
+    # sum tau (busy-time weights, see specula.tuning.goodput): only E varies between
+    # posterior draws, so each point's tau_i b_i / T(b_i, k_i) is computed once.
+    total_time = sum(w for _, w in points)
+    rates = {
+        key: [w * b / cost.predict(b, k) / total_time for (b, w), k in zip(points, ks, strict=True)]
         for key, ks in cands.items()
     }
+    flat = {key: sum(r) for key, r in rates.items() if len(set(cands[key])) == 1}
     k_top = max(max(ks) for ks in cands.values())
     wins = dict.fromkeys(cands, 0)
     wins_any = dict.fromkeys(cands, 0)
@@ -393,9 +405,9 @@ def decide(
             lengths.append(e)
         g = {
             key: (
-                tokens_per_step * lengths[ks[0]] if key in flat
-                else sum(t * lengths[k] for t, k in zip(per_point, ks, strict=True))
-            ) / seconds[key]
+                flat[key] * lengths[ks[0]] if key in flat
+                else sum(r * lengths[k] for r, k in zip(rates[key], ks, strict=True))
+            )
             for key, ks in cands.items()
         }
         bar = (1.0 + s.min_gain) * g["cur"]
@@ -504,6 +516,10 @@ def decide(
         if confirmed and state.last_reason == "HigherGoodput" and prev_k is not None
         and prev_k != k_cur else 0
     )
+    # Each probe in a row that did not pay showed the model's "worse" right: the margin
+    # within which a predicted loss is still probed halves with each (the same back-off
+    # as the blacklist's), and a probe that pays restores it.
+    margin = s.explore_cost_margin / 2 ** min(state.probe_failures, s.max_probe_backoff)
     for direction in (1, -1):
         side = [k for k in allowed if (k - k_cur) * direction > 0]
         if not auto or not side or state.explore_tokens < 1.0:
@@ -516,7 +532,7 @@ def decide(
             if not (
                 (new_load or direction == onward) and nxt in allowed and nxt <= depth
                 and nxt not in measured_k
-                and g_mean[nxt] >= (1.0 - s.explore_cost_margin) * g_cur
+                and g_mean[nxt] >= (1.0 - margin) * g_cur
             ):
                 continue
             target = nxt
@@ -525,7 +541,11 @@ def decide(
             # doubling reaches the model's best k in log2 steps.
             far = min(target, max(k_cur + 1, 2 * k_cur))
             nxt = far if far in allowed else nxt
-        if nxt not in allowed:
+        if nxt not in allowed or (onward and nxt == prev_k):
+            # Never straight back to the k a model-driven move just left: the window
+            # has just measured the move beating it, and a probe back would be judged
+            # by the same comparison (a revert, i.e. a flap, unless that window was the
+            # outlier).
             continue
         if not (nxt > depth or nxt not in measured_k):
             continue

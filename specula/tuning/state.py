@@ -68,8 +68,13 @@ class TuningSettings:
     """Right after the load moved to another batch bucket, a neighbouring k whose
     acceptance is known but whose step time there is unmeasured is probed once when its
     predicted goodput is within this fraction of the current k's: the step time of an
-    unmeasured (bucket, k) is an extrapolation (the memory-bound floor cannot be seen
-    from compute-bound steps), wrong by about this much."""
+    unmeasured (bucket, k) is an extrapolation from the measured k of that bucket, whose
+    error is the prior's error in the step-time ratio of neighbouring k.  On the H100 fit
+    of the default prior that ratio is off by 1.6 % in the median, 6.9 % at the 90th
+    percentile and over 10 % only in the two pairs around the off-trend B = 64, k = 6
+    cell, of the 48 neighbouring pairs (``bench/results/tuning.json`` ``cost_fit.errors``).
+    The margin halves with each probe in a row that did not pay (``probe_failures``, up
+    to ``2 ** max_probe_backoff`` times): those probes showed the prediction right."""
     new_load_windows: float = 2.0
     """The load counts as new while the current k has at most this many windows' worth
     of steps measured on the window's main bucket."""
@@ -81,7 +86,11 @@ class TuningSettings:
     (sometimes against a predicted loss, to measure a step time), so it is kept only if
     it does about as well as the k it left."""
     blacklist_s: float = 600.0
-    """A reverted-from k is not chosen again for this long (prevents flapping)."""
+    """A reverted-from k is not chosen again for this long (prevents flapping).  After
+    an exploration reverted while earlier ones had not paid either (``probe_failures``
+    in a row), this doubles per failure, up to ``2 ** max_probe_backoff`` times: at a load
+    where probes keep failing, the next one is a probable revert too.  A load move to
+    another batch bucket drops the blacklist."""
     min_steps: float = 50.0
     """Fewer engine steps in a window: not enough data, no decision."""
     min_drafts: float = 100.0
@@ -107,7 +116,8 @@ class TuningSettings:
     did not pay is not re-probed every few minutes."""
     max_probe_backoff: int = 3
     """After each probe that did not pay (reverted, or left again), the half-life above
-    doubles, up to ``2 ** max_probe_backoff`` times; a probe that paid resets it."""
+    doubles, up to ``2 ** max_probe_backoff`` times, and so does the blacklist of the k
+    it reverted (``blacklist_s``); a probe that paid resets it."""
     apply_schedule: bool = False
     """Decide a per-batch-size schedule (``num_speculative_tokens_per_batch_size``)
     instead of one k: each engine step then drafts the k of its batch size, so load

@@ -101,9 +101,37 @@ def test_goodput_formula():
     alphas = [0.8, 0.7]
     g = goodput(2, alphas, cost, BatchDistribution.single(4))
     assert g == pytest.approx(4 * (1 + 0.8 + 0.56) / cost.predict(4, 2))
+    # Equal busy time at batch 1 and 32: the mean of the two batch sizes' goodputs.
     mixed = BatchDistribution(((1.0, 1.0), (32.0, 1.0)))
-    want = (1 + 32) * 1.8 / (cost.predict(1, 1) + cost.predict(32, 1))
+    want = (1 * 1.8 / cost.predict(1, 1) + 32 * 1.8 / cost.predict(32, 1)) / 2
     assert goodput(1, alphas, cost, mixed) == pytest.approx(want)
+
+
+def test_window_goodput_holds_the_time_at_each_batch_size():
+    # A workload that keeps 15 s at batch 8 and 15 s at batch 128 of every 30 s runs, at
+    # each k, 15 / T(b, k) steps at b: goodput is those steps' tokens over the 30 s.
+    cost = StepCostModel()
+    alphas = [0.85] * 8
+    mix = BatchDistribution(((8.0, 15.0), (128.0, 15.0)))
+    for k in range(9):
+        e = 1 + sum(0.85 ** (j + 1) for j in range(k))
+        tokens = sum(15.0 / cost.predict(b, k) * b * e for b in (8, 128))
+        assert goodput(k, alphas, cost, mix) == pytest.approx(tokens / 30.0)
+    # Holding the step counts seen at one k fixed instead favours a larger k: slower
+    # steps at batch 128 would buy more of them.
+    steps = {b: 15.0 / cost.predict(b, 3) for b in (8, 128)}
+    by_steps = {
+        k: sum(steps[b] * b for b in steps) * (1 + sum(0.85 ** (j + 1) for j in range(k)))
+        / sum(steps[b] * cost.predict(b, k) for b in steps)
+        for k in range(9)
+    }
+    k_time = best_k(alphas, cost, mix, range(9))[0]
+    assert max(by_steps, key=by_steps.get) > k_time
+
+
+def test_window_distribution_weights_buckets_by_seconds():
+    mix = BatchDistribution.from_buckets({"5-8": 2000, "65-128": 500}, {"5-8": 15.0, "65-128": 15.0})
+    assert [w for _, w in mix.points] == [15.0, 15.0]
 
 
 def test_bucket_representatives_match_mean_batch():

@@ -224,3 +224,37 @@ def test_settings_validation():
 def test_out_of_bounds_k_is_clamped():
     d = decide(TuningState.initial(12, AUTO), window(12, [0.9] * 16), AUTO, T0)
     assert d.reason == "Bounds" and d.num_speculative_tokens == AUTO.max_speculative_tokens
+
+
+def test_failed_probes_in_a_row_lengthen_the_blacklist():
+    d0 = decide(TuningState.initial(3, AUTO), window(3, [0.9] * 8, batch=1), AUTO, T0)
+    assert d0.reason == "Explore" and d0.num_speculative_tokens == 6
+    slowdown = (1.0 + d0.predicted_gain) / 0.9
+    for failures, factor in ((0, 1), (1, 2), (2, 4), (7, 2**AUTO.max_probe_backoff)):
+        state = replace(d0.state, probe_failures=failures)
+        d1 = decide(state, window(6, [0.9] * 8, batch=1, slowdown=slowdown), AUTO, T0 + 30)
+        assert d1.reason == "Revert"
+        assert d1.state.blacklist[6] == pytest.approx(T0 + 30 + AUTO.blacklist_s * factor)
+        assert d1.state.probe_failures == failures + 1
+
+
+def test_no_probe_straight_back_to_the_k_a_confirmed_move_left():
+    # k=1 after a model-driven move from k=2; position 1 has no evidence (undrafted), so
+    # the prior's acceptance makes deeper k look better and a probe to k=2 is due...
+    alphas = [0.7] * 8
+    base = replace(
+        TuningState.initial(1, AUTO),
+        previous_num_speculative_tokens=2,
+        last_change_time=T0 - 30,
+        last_decision_time=T0 - 30,
+        last_reason="HigherGoodput",
+    )
+    plain = decide(base, window(1, alphas), AUTO, T0 + 120)
+    assert plain.reason == "Explore" and plain.num_speculative_tokens == 2
+    # ... unless the window has just confirmed the move (measured at least what k=2
+    # would have given): then k=2 is not probed straight back.
+    pending = replace(
+        base, pending_verification=True, pre_change_goodput=1.0, pre_change_model_goodput=1e9
+    )
+    d = decide(pending, window(1, alphas), AUTO, T0)
+    assert not (d.reason == "Explore" and d.num_speculative_tokens == 2)
