@@ -42,24 +42,20 @@ def check_k(k: int, max_k: int, *, param: str = K_PARAM, where: str = "") -> Non
         SpeculativeConfigError: ``k`` negative (``invalid_value``) or above ``max_k``
             (``above_max``; the message names the maximum).
     """
+
+    def refused(reason: str, code: str = "invalid_value") -> SpeculativeConfigError:
+        message = f"{where}num_speculative_tokens {reason}"
+        return SpeculativeConfigError(message, param=param, code=code)
+
     if isinstance(k, bool) or not isinstance(k, int):
-        raise SpeculativeConfigError(
-            f"{where}num_speculative_tokens must be an integer, got {k!r}",
-            param=param,
-            code="invalid_value",
-        )
+        raise refused(f"must be an integer, got {k!r}")
     if k < 0:
-        raise SpeculativeConfigError(
-            f"{where}num_speculative_tokens {k} outside [0, {max_k}]",
-            param=param,
-            code="invalid_value",
-        )
+        raise refused(f"{k} outside [0, {max_k}]")
     if k > max_k:
-        raise SpeculativeConfigError(
-            f"{where}num_speculative_tokens {k} outside [0, {max_k}] (the maximum is the "
-            f"value the engine was started with, max_num_speculative_tokens={max_k})",
-            param=param,
-            code="above_max",
+        raise refused(
+            f"{k} outside [0, {max_k}] (the maximum is the value the engine was started "
+            f"with, max_num_speculative_tokens={max_k})",
+            "above_max",
         )
 
 

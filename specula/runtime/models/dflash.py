@@ -76,9 +76,7 @@ class DFlashDraftModel(nn.Module):
             self.lm_head = nn.Linear(hidden, draft_vocab_size, bias=False)
             # Draft id i is target id i + d2t[i] (the speculators / EAGLE-3 convention).
             self.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.long))
-        self.rotary = RotaryEmbedding(
-            config.head_dim, config.rope_theta, config.rope_scaling, device
-        )
+        self.rotary = RotaryEmbedding.from_config(config, device)
 
     def context_features(self, aux_hidden_states: torch.Tensor) -> torch.Tensor:
         """``[num_tokens, num_aux_layers * hidden_size]`` target states ->

@@ -9,6 +9,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from specula.runtime.models.config import ModelConfig
+
 
 class RMSNorm(nn.Module):
     """Root-mean-square layer norm (arXiv 1910.07467), computed in float32 like HF Llama."""
@@ -98,6 +100,11 @@ class RotaryEmbedding:
         elif rope_type != "default":
             raise ValueError(f"rope_type {rope_type!r} is not supported")
         self.inv_freq = inv_freq  # [head_dim // 2], float32
+
+    @classmethod
+    def from_config(cls, config: ModelConfig, device: torch.device) -> RotaryEmbedding:
+        """The embedding of ``config``'s ``head_dim``, ``rope_theta`` and ``rope_scaling``."""
+        return cls(config.head_dim, config.rope_theta, config.rope_scaling, device)
 
 
 LOAD_FORMATS = ("auto", "dummy")

@@ -81,9 +81,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = None
         else:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.rotary = RotaryEmbedding(
-            config.head_dim, config.rope_theta, config.rope_scaling, device
-        )
+        self.rotary = RotaryEmbedding.from_config(config, device)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:

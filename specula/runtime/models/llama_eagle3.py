@@ -121,9 +121,7 @@ class Eagle3LlamaForCausalLM(nn.Module):
             "draft_to_target", torch.arange(eagle.draft_vocab_size), persistent=False
         )
         """[draft_vocab_size] target id of each draft id (``i + d2t[i]``)."""
-        self.rotary = RotaryEmbedding(
-            config.head_dim, config.rope_theta, config.rope_scaling, device
-        )
+        self.rotary = RotaryEmbedding.from_config(config, device)
         self.missing_target_weights: set[str] = set()
         """Parameters the checkpoint lacked, to be shared from the target."""
 

@@ -80,9 +80,7 @@ class MTPForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.mtp_layers = nn.ModuleList([MTPLayer(config)])
-        self.rotary = RotaryEmbedding(
-            config.head_dim, config.rope_theta, config.rope_scaling, device
-        )
+        self.rotary = RotaryEmbedding.from_config(config, device)
         self.missing_target_weights: set[str] = set()
         """Parameters the checkpoint lacked, to be shared from the target."""
 
