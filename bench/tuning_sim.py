@@ -204,7 +204,8 @@ def summarise(results: list[dict]) -> dict:
     total = sum(r["intervals"] for r in results)
     stationary = by("stationary")
     return {
-        "stationary_fraction_of_best_fixed": min(r["fraction_of_best_fixed"] for r in stationary),
+        "stationary_fraction_of_best_fixed": min(
+            (r["fraction_of_best_fixed"] for r in stationary), default=None),
         "min_headroom_captured": min((r["headroom_captured"] for r in eligible), default=None),
         "min_headroom_captured_per_interval": min(
             (r["headroom_captured_per_interval"] for r in eligible
@@ -223,8 +224,9 @@ def summarise(results: list[dict]) -> dict:
         "flaps_per_100": round(100.0 * sum(r["flaps"] for r in results) / total, 3),
         "stationary_probes": sum(r["probes"] for r in stationary),
         "stationary_probe_fraction": round(
-            sum(r["probes"] for r in stationary) / sum(r["intervals"] for r in stationary), 4),
-        "k0_case_loss": round(max(r["loss_against_k0"] for r in by("k0")), 4),
+            sum(r["probes"] for r in stationary) / sum(r["intervals"] for r in stationary), 4)
+        if stationary else None,
+        "k0_case_loss": round(max(r["loss_against_k0"] for r in by("k0")), 4) if by("k0") else None,
         "intervals": total,
     }
 
@@ -235,7 +237,6 @@ def reading(runs: dict, summaries: dict, vs: dict) -> list[str]:
     by_name = {r["name"]: r for r in runs["single_k"]}
     stationary = sorted((r["fraction_of_best_fixed"], r["name"]) for r in runs["single_k"]
                         if r["kind"] == "stationary")
-    smooth = [x for x in stationary if not x[1].startswith("bursty")]
     captured = ", ".join(f"{n} {r['headroom_captured']:.2f} / {r['headroom_captured_per_interval']:.2f}"
                          for n, r in by_name.items() if r["headroom"] >= MIN_HEADROOM)
     gains = ", ".join(f"{n} {r['gain_over_best_static']:+.1%}" for n, r in by_name.items()
@@ -245,17 +246,23 @@ def reading(runs: dict, summaries: dict, vs: dict) -> list[str]:
     wins = ", ".join(f"{n} {v['gain']:+.1%}" for n, v in vs.items() if v["gain"] > 0.005)
     losses = ", ".join(f"{n} {v['gain']:+.1%}" for n, v in vs.items() if v["gain"] < -0.005)
     slow = ", ".join(s["phases_over_5_intervals"]) or "none"
+    conv_rows = [(r["name"], i, c) for r in runs["single_k"] for i, c in enumerate(r["convergence"])]
+    below = sorted(
+        (c["near_optimal_after"], f"{n} phase {i}") for n, i, c in conv_rows
+        if c["near_optimal_after"] is not None and c["near_optimal_after"] < 0.9
+    )
+    below_txt = ", ".join(f"{name} {v:.0%}" for v, name in below) or "none"
     return [
         "Reading (headline: one k per decision, the shipped defaults):",
         "",
         f"- Stationary: the worst trace reaches {stationary[0][0]:.3f} of the best fixed k "
-        f"({stationary[0][1]}); without the bursty trace the worst is {smooth[0][0]:.3f} "
-        f"({smooth[0][1]}), goal 0.97 met there.  `bursty-code` spends half of every "
-        "interval at batch 8 and half at 128: the tuner weighs a window's batch sizes by "
-        "their steps (`BatchDistribution`), the simulator by their time, and with steps of "
-        "7 ms at batch 8 and 17-40 ms at batch 128 the two disagree on which k is best; the "
-        "tuner settles on k = 5-6 where k = 3 is 5 % better.  Time-weighting the window "
-        "(what a fixed concurrency over time implies) is the fix; it is not made here.",
+        f"({stationary[0][1]}); the bursty trace (half of every interval at batch 8, half at "
+        f"128) now reaches {dict((n, f) for f, n in stationary).get('bursty-code', 0):.3f}.  "
+        "The tuner weighs a window's batch sizes by the busy time each takes at the "
+        "candidate k (`specula/tuning/goodput.py`: the workload holds the time at each "
+        "batch size, so goodput is the time-weighted mean of per-batch goodputs); it "
+        "weighed them by the steps counted at the current k before, which favoured k = 5-6 "
+        "where k = 3 is 5 % better (0.952 of the best fixed k).",
         f"- Shifting: headroom (per-interval oracle over the best fixed k): {heads}.  Tuner "
         f"over the best fixed k: {gains}.  Headroom captured, throughput-weighted / per "
         f"interval, on every trace with >= 5 % headroom: {captured}: goal 0.70 met on all.  "
@@ -263,33 +270,38 @@ def reading(runs: dict, summaries: dict, vs: dict) -> list[str]:
         f"({', '.join(s['high_headroom_traces'])}): min "
         f"{s['min_gain_over_best_static_high_headroom']:+.1%}.",
         f"- Convergence: first near-optimal interval at most {s['max_intervals_to_converge']} "
-        f"intervals after a shift; phases over 5: {slow}.  After converging "
+        f"intervals after a shift (phases over 5: {slow}).  After converging "
         f"{s['mean_near_optimal_after_convergence']:.0%} of intervals are near-optimal on "
-        f"average, the worst phase {s['min_near_optimal_after_convergence']:.0%} (`bursty-shift` "
-        "phase 2, the step-weighting above).  Goal (<= 5, >= 90 %) not met in those phases.",
+        f"average; phases below 90 %: {below_txt}.  In `mixed-day` phase 1 (code at batch "
+        "6-10) the tuner holds k = 6 for five intervals between two probes, and k = 6 is "
+        "0.947 of the phase's best k = 8 on average, so window-to-window acceptance jitter "
+        "puts it below the 0.95 line; the goal (>= 90 %) is not met there.  The 5 % minimum "
+        "gain (the CRD's hysteresis) lets the tuner stay at any k within about 5 % of the "
+        "best, the same distance as the 0.95 line, so a phase whose second-best k sits "
+        "there can fall either side of it.",
         f"- Flaps (A->B->A within 10 intervals, all traces): {s['flaps']} in {s['intervals']} "
-        f"intervals, {s['flaps_per_100']} per 100 (goal <= 1, not met).  Nearly all are "
-        "exploration probes the next window reverted: a probe of an unmeasured k that does "
-        "not pay is by construction an A->B->A.  Probes are "
-        f"{s['stationary_probe_fraction']:.1%} of stationary intervals (goal <= 5 %, met).",
+        f"intervals, {s['flaps_per_100']} per 100 (goal <= 1).  Nearly all are exploration "
+        "probes the next window reverted (a probe of an unmeasured k that does not pay is by "
+        "construction an A->B->A).  Fewer needless probes: each probe in a row that did not "
+        "pay halves the margin within which a predicted loss is still probed and doubles "
+        "the blacklist of the k it reverted (a paying probe resets both), and no probe goes "
+        "straight back to the k a confirmed model-driven move just left.  Probes are "
+        f"{s['stationary_probe_fraction']:.1%} of stationary intervals (goal <= 5 %).",
         f"- k = 0 case (a draft from another domain, acceptance ~0.1): loss "
-        f"{s['k0_case_loss']:.1%} against no speculation (goal <= 2 %, met).",
-        "- Tuner changes made for these goals (principled, not fitted to the traces): a "
+        f"{s['k0_case_loss']:.1%} against no speculation (goal <= 2 %).",
+        "- Earlier tuner changes for these goals (principled, not fitted to the traces): a "
         "confirmed one-step move continues while the next k is a probable improvement at "
         "all (the 5 % hysteresis stopped walks one step short: 4.6 % lost on `foreign-b32` "
         "at k = 1); past such a move the next unmeasured k is probed (the prior is off by up "
         "to ~7 % between neighbouring k: 5.5 % lost on `prose-b128` at k = 2); a load move "
-        "to another batch bucket drops the blacklist of reverted k (a probe reverted at "
-        "batch 128 kept `mixed-day` at k = 1 for 20 intervals of code at batch 16).",
+        "to another batch bucket drops the blacklist of reverted k.",
         f"- Per-batch-size schedules against one k: gains {wins or 'none'}; losses "
         f"{losses or 'none'}.  A perfect schedule (per-step oracle) would add at most "
         f"{max(v['per_step_oracle_over_per_interval_oracle'] for v in vs.values()):+.1%} over "
         "the per-interval oracle, on the bursty traces where the batch varies within an "
-        "interval (< 1 % elsewhere), and the tuner's schedules do not realise it there: the "
-        "same step-weighting of the window that misleads one k picks the schedule's k at the "
-        "window's batch sizes.  They lose where the load moves to batch sizes whose part of "
-        "the schedule is an extrapolation (acceptance and step time) that the tuner must "
-        "first see fail.  On measured curves schedules do not win yet; they stay opt-in.",
+        "interval (< 1 % elsewhere).  Schedules lose where the load moves to batch sizes "
+        "whose part of the schedule is an extrapolation (acceptance and step time) that the "
+        "tuner must first see fail.  They stay opt-in.",
     ]
 
 
