@@ -101,7 +101,7 @@ class LoopConfig:
     """Engine seconds per interval (``None``: ``interval_steps``)."""
     interval_steps: int | None = None
     static_ks: tuple[int, ...] = tuple(range(9))
-    static_intervals: int = 3
+    static_intervals: int = 5
     """Intervals each static k runs per phase (the first is the phase's prefill)."""
     start_k: int = 3
     """``speculator.numSpeculativeTokens``: the k the tuner starts from."""
@@ -621,16 +621,25 @@ def compare(h: Harness, write: Callable[[dict], None] = lambda _: None) -> dict[
     return out
 
 
-def warm_up(h: Harness) -> None:
-    """A few steps at the largest batch and at k = 0 and the largest k (first launches
-    of kernels outside the captured graphs)."""
+def warm_up(h: Harness, steps: int = 6) -> None:
+    """A few steps at every k for every phase's batch size, before anything is timed.
+
+    The first step at a new batch size or k compiles kernels for its shapes (Triton's
+    JIT); in a real 30 s window that is noise, in an interval of about a second it is a
+    large part of the interval.  Without this the tuner's first probe of a k measured
+    the compilation (an H100 run reverted a k=1 probe at batch 16 that way and then
+    could not reach k=0), and the first interval of each new batch size was slowed."""
     cfg = h.cfg
-    big = max(range(len(cfg.phases)), key=lambda p: cfg.phases[p].batch)
-    for k in (cfg.max_k, 0):
-        h.put_k(k)
-        h.start_phase(f"warmup{k}", big)
-        _call(h.loop, lambda e: e.grant(steps=20))
-        h.gate.idle.wait(600)
+    first_phase = {}
+    for p, phase in enumerate(cfg.phases):
+        first_phase.setdefault(phase.batch, p)
+    for batch, p in sorted(first_phase.items()):
+        for k in range(cfg.max_k, -1, -1):
+            h.put_k(k)
+            h.start_phase(f"warmup-b{batch}-k{k}", p)
+            _call(h.loop, lambda e: e.grant(steps=steps))
+            if not h.gate.idle.wait(600):
+                raise RuntimeError("the engine did not finish its warm-up")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -640,7 +649,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--interval-engine-s", type=float, default=1.25)
     parser.add_argument("--interval-steps", type=int, default=None,
                         help="intervals of this many steps instead of engine seconds")
-    parser.add_argument("--static-intervals", type=int, default=3)
+    parser.add_argument("--static-intervals", type=int, default=5)
     parser.add_argument("--static-ks", default="0,2,4,6,8,1,3,5,7",
                         help="static k in the order they run (a cut run keeps a spread)")
     parser.add_argument("--dry-run", action="store_true")
