@@ -246,9 +246,9 @@ def test_gemv_epilogues_match_the_unfused_kernels(tmp_path, monkeypatch, num_req
 def test_norm_prologue_matches_the_norm_kernels_in_the_decode_graph(
     tmp_path, monkeypatch, num_reqs
 ):
-    """The decode graph with each add + RMSNorm inside the GEMV after it
-    (``SPECULA_FUSED_NORM_GEMV=1``), and with the norm kernels; the residual streams
-    (EAGLE-3's auxiliary hidden states, written by the GEMV) too."""
+    """The decode graph with each add + RMSNorm inside the GEMV after it, and with the norm
+    kernels (``SPECULA_FUSED_NORM_GEMV=0``); the residual streams (EAGLE-3's auxiliary
+    hidden states, written by the GEMV) too."""
     from specula.runtime.kernels import gemv
 
     runner, inp, pos, md = _llama8b_decode(tmp_path, num_reqs)

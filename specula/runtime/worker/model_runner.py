@@ -9,9 +9,8 @@ Per decoder layer: fused residual add + RMSNorm, the qkv GEMM, (Qwen3: RMSNorm o
 query and key head), rotary in place fused with the cache write, paged attention,
 ``o_proj``, fused residual add + RMSNorm, the gate/up GEMM with SiLU-and-multiply,
 ``down_proj`` (vLLM's decoder structure, with the residual carried beside the hidden
-state so each add fuses into the next norm). At small batch the GEMV does the
-SiLU-and-multiply after its gate/up product, and with ``SPECULA_FUSED_NORM_GEMV=1`` each
-add + RMSNorm in the projection after it
+state so each add fuses into the next norm). At small batch the GEMV does each add +
+RMSNorm in the projection after it and the SiLU-and-multiply after its gate/up product
 (:func:`~specula.runtime.kernels.gemv.rms_norm_linear`). At batch 1 a step is bound by
 reading the weights; every small kernel adds a fixed launch latency on top, hence the
 fusions.
@@ -331,6 +330,7 @@ class ModelRunner:
         hidden = model.embed_tokens(input_ids)  # [num_tokens, hidden_size]
         residual: torch.Tensor | None = None
         for i, layer in enumerate(layers):
+            # Each norm runs inside the projection after it where the GEMV serves it.
             attn, ln = layer.self_attn, layer.input_layernorm
             qkv, residual = rms_norm_linear(
                 hidden, residual, ln.weight, ln.eps, attn.qkv_proj.weight, attn.qkv_proj.bias
