@@ -178,11 +178,15 @@ def test_cudagraph_replay_matches_eager(checkpoint, num_reqs, q_len):
         torch.testing.assert_close(replayed, eager, atol=3e-2, rtol=3e-2, msg=f"step {step}")
 
 
-def _llama8b_decode(tmp_path, num_reqs: int):
-    """Two Llama-3.1-8B-shaped layers and its LM head (random weights) after a prefill
-    of ``num_reqs`` 20-token prompts: ``(runner, input_ids, positions, metadata)`` of the
-    next decode step."""
+@pytest.mark.parametrize("num_reqs", [1, 32])
+def test_gemv_epilogues_match_the_unfused_kernels(tmp_path, monkeypatch, num_reqs):
+    """Two Llama-3.1-8B-shaped layers and its LM head (random weights), the shapes the
+    GEMV's SwiGLU and argmax epilogues serve: a decode step with them on and off."""
     import json
+
+    from specula.runtime.kernels.activation import silu_and_mul
+    from specula.runtime.kernels.gemv import linear
+    from specula.runtime.worker import model_runner
 
     config = dict(
         architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256,
@@ -205,31 +209,16 @@ def _llama8b_decode(tmp_path, num_reqs: int):
     for r in ids:
         manager.append_slots(r, 1)
     md, pos, inp = _forward(runner, manager, ids, [1] * num_reqs, [[7]] * num_reqs)
-    return runner, inp, pos, md
-
-
-@pytest.mark.parametrize("num_reqs", [1, 32])
-def test_gemv_epilogues_match_the_unfused_kernels(tmp_path, monkeypatch, num_reqs):
-    """The shapes the GEMV's SwiGLU and argmax epilogues serve: a decode step with them on
-    and off."""
-    from specula.runtime.kernels import gemv
-    from specula.runtime.kernels.activation import silu_and_mul
-    from specula.runtime.worker import model_runner
-
-    runner, inp, pos, md = _llama8b_decode(tmp_path, num_reqs)
     results = {}
     for on in (True, False):
         hidden, _ = runner.forward(inp, pos, md)
         results[on] = (hidden.clone(), *runner.logits_and_argmax(hidden))
-        # Unfused: the norm, the GEMV, then the activation kernel; the logits, then
-        # torch.argmax.
-        monkeypatch.setattr(gemv, "FUSED_NORM", False)
+        # Unfused: the GEMV, then the activation kernel; the logits, then torch.argmax.
         monkeypatch.setattr(
-            gemv, "linear_silu_and_mul", lambda x, w, b: silu_and_mul(gemv.linear(x, w, b))
+            model_runner, "linear_silu_and_mul", lambda x, w, b: silu_and_mul(linear(x, w, b))
         )
         monkeypatch.setattr(
-            model_runner, "linear_argmax",
-            lambda x, w: (y := gemv.linear(x, w), y.float().argmax(-1)),
+            model_runner, "linear_argmax", lambda x, w: (y := linear(x, w), y.float().argmax(-1))
         )
     (h_off, logits_off, idx_off), (h_on, logits_on, idx_on) = results[False], results[True]
     torch.testing.assert_close(h_on, h_off, atol=3e-2, rtol=3e-2)
@@ -240,36 +229,3 @@ def test_gemv_epilogues_match_the_unfused_kernels(tmp_path, monkeypatch, num_req
     # may pick another token, and then one within rounding of the maximum.
     best = logits_on.float().max(-1).values
     assert bool((logits_on.float().gather(1, idx_off[:, None])[:, 0] >= best - 0.1).all())
-
-
-@pytest.mark.parametrize("num_reqs", [1, 8])
-def test_norm_prologue_matches_the_norm_kernels_in_the_decode_graph(
-    tmp_path, monkeypatch, num_reqs
-):
-    """The decode graph with each add + RMSNorm inside the GEMV after it, and with the norm
-    kernels (``SPECULA_FUSED_NORM_GEMV=0``); the residual streams (EAGLE-3's auxiliary
-    hidden states, written by the GEMV) too."""
-    from specula.runtime.kernels import gemv
-
-    runner, inp, pos, md = _llama8b_decode(tmp_path, num_reqs)
-    results = {}
-    for on in (True, False):
-        monkeypatch.setattr(gemv, "FUSED_NORM", on)
-        graphs = CUDAGraphManager(
-            runner, max_num_reqs=num_reqs, capture_sizes=[num_reqs], aux_layer_ids=(0, 1, 2)
-        )
-        graphs.capture()
-        hidden, aux, ran = graphs.run(inp, pos, md)
-        assert ran is not None
-        results[on] = hidden.clone(), aux.clone()
-        eager, eager_aux = runner.forward(inp, pos, md, aux_layer_ids=(0, 1, 2))
-        torch.testing.assert_close(results[on][0], eager, atol=3e-2, rtol=3e-2)
-        torch.testing.assert_close(results[on][1], eager_aux, atol=3e-2, rtol=3e-2)
-        del graphs
-    (h_on, aux_on), (h_off, aux_off) = results[True], results[False]
-    assert torch.isfinite(h_on).all()
-    # Layer 0's residual is the embedding: exact; later ones differ only by the
-    # rounding of the normalised values (the mean square summed in another order).
-    torch.testing.assert_close(aux_on, aux_off, atol=3e-2, rtol=3e-2)
-    assert torch.equal(aux_on[:, :4096], aux_off[:, :4096])
-    torch.testing.assert_close(h_on, h_off, atol=3e-2, rtol=3e-2)

@@ -406,39 +406,3 @@ def test_lm_head_gemv_with_argmax_epilogue(vocab):
             assert torch.equal(logits, gemv(x, w))  # the epilogue leaves the logits as they were
         ref = F.linear(x.float(), w.float())
         assert ((logits.float() - ref).norm() / ref.norm()).item() < 1e-2
-
-
-@pytest.mark.parametrize("rows", [1, 5, 16, 32])
-@pytest.mark.parametrize("proj", ["qkv", "gate_up"])
-def test_gemv_norm_prologue_matches_the_norm_kernels(rows, proj):
-    from specula.runtime.kernels.gemv import gemv, linear, linear_silu_and_mul, rms_norm_linear
-
-    gen = torch.Generator(DEVICE).manual_seed(rows)
-    silu = proj == "gate_up"
-    n = 28672 if silu else 6144
-    w = torch.randn(n, HIDDEN, device=DEVICE, dtype=torch.bfloat16, generator=gen) * 0.02
-    x, res = (torch.randn(rows, HIDDEN, device=DEVICE, dtype=torch.bfloat16, generator=gen)
-              for _ in range(2))
-    g = (1 + 0.1 * torch.randn(HIDDEN, device=DEVICE, generator=gen)).bfloat16()
-    project = linear_silu_and_mul if silu else linear
-    for residual in (res, None):  # later layers, and the first layer's input norm
-        y, res_out = rms_norm_linear(x, residual, g, 1e-5, w, silu_mul=silu)
-        if residual is None:
-            normed, summed = rms_norm(x, g, 1e-5), x
-            assert res_out is x
-        else:
-            normed, summed = fused_add_rms_norm(x, residual, g, 1e-5)
-            assert torch.equal(res_out, summed)
-        assert y.shape == (rows, n // 2 if silu else n) and y.dtype == torch.bfloat16
-        # Only the normalised values' rounding may move (the mean square's summation
-        # order); the product is otherwise the unfused GEMV's.
-        torch.testing.assert_close(y, project(normed, w), atol=2e-2, rtol=2**-6)
-        ref = F.linear(rms_norm_reference(summed.float(), g.float(), 1e-5)[0], w.float())
-        ref = F.silu(ref[:, : n // 2]) * ref[:, n // 2 :] if silu else ref
-        assert ((y.float() - ref).norm() / ref.norm()).item() < 1e-2
-    # The identity weight's rows: the normalised values as the norm kernel rounds them.
-    eye = torch.eye(HIDDEN, device=DEVICE, dtype=torch.bfloat16)
-    y = gemv(x, eye, norm=(g, 1e-5), residual=res, residual_out=torch.empty_like(x))
-    normed = fused_add_rms_norm(x, res, g, 1e-5)[0]
-    assert (y != normed).float().mean().item() < 1e-3
-    torch.testing.assert_close(y, normed, atol=0, rtol=2**-7)

@@ -14,20 +14,9 @@ Two epilogues each save a decode step a launch and a round trip through memory:
 - argmax (:func:`linear_argmax`, a greedy LM head): each program also writes its rows'
   maxima and their first columns; one program per row merges them into ``torch.argmax``'s
   answer on the rounded logits. :func:`argmax` does the same after the library GEMM.
-
-And a prologue (:func:`rms_norm_linear`) saves a decoder layer's two add + RMSNorm
-kernels: the programs load ``x + residual`` (or ``x`` alone), first over the whole row
-for its float32 mean square, then tile by tile normalised and scaled by the norm weight
-before the dot, rounded where :func:`~.layernorm.fused_add_rms_norm` rounds; program 0
-also writes the new residual stream. Each program recomputes the statistics: a row of
-``K = 4096`` bfloat16 is 8 KB, little beside the weight at these row counts.
-``SPECULA_FUSED_NORM_GEMV=0`` in the environment (read at import) turns the prologue off:
-the norm kernel, then the GEMV.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import torch.nn.functional as F
@@ -36,10 +25,6 @@ import triton.language as tl
 
 from specula.runtime.kernels.activation import silu_and_mul
 from specula.runtime.kernels.dispatch import use_reference
-from specula.runtime.kernels.layernorm import fused_add_rms_norm, rms_norm, rms_norm_reference
-
-FUSED_NORM = os.environ.get("SPECULA_FUSED_NORM_GEMV", "1") != "0"
-"""Whether :func:`rms_norm_linear` fuses the norm into the GEMV (``SPECULA_FUSED_NORM_GEMV``)."""
 
 DEFAULT_CONFIG = (32, 256, 4, 4)
 """``(BLOCK_N, BLOCK_K, num_warps, num_stages)`` when none is given or tuned."""
@@ -74,10 +59,6 @@ def _gemv_kernel(
     w_ptr,  # [N, K]; SILU_MUL: [2N, K], gate rows then up rows
     part_max_ptr,  # ARGMAX: [M, num_programs] float32, each program's row maxima
     part_idx_ptr,  # ARGMAX: [M, num_programs] int32, their columns
-    res_ptr,  # RESIDUAL: [M, K] residual stream, added to x before the norm
-    res_out_ptr,  # RESIDUAL: [M, K] x + residual, written by program 0
-    norm_w_ptr,  # NORM_K: [K] RMSNorm weight
-    eps,  # NORM_K: added to the mean square
     M,
     N,
     K,
@@ -85,17 +66,12 @@ def _gemv_kernel(
     stride_xm,
     stride_wn,
     up_offset,  # SILU_MUL: N * stride_wn, the up rows' offset
-    stride_rm,
-    stride_rom,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN: tl.constexpr,
     SILU_MUL: tl.constexpr,
     ARGMAX: tl.constexpr,
-    NORM_K: tl.constexpr,  # 0: x as given; K: RMSNorm each row of x first
-    NORM_BLOCK: tl.constexpr,  # NORM_K: columns per step of the statistics pass
-    RESIDUAL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -103,26 +79,6 @@ def _gemv_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
     w_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
-    dtype = y_ptr.dtype.element_ty
-    if NORM_K > 0:
-        # Whole rows first, unrolled so that their loads overlap: the mean square in
-        # float32 of x + residual rounded to the activation dtype, as the norm kernel.
-        sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        for c0 in tl.static_range(0, NORM_K, NORM_BLOCK):
-            offs_c = c0 + tl.arange(0, NORM_BLOCK)
-            mask = (offs_m[:, None] < M) & (offs_c[None, :] < NORM_K)
-            h = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_c[None, :], mask=mask, other=0.0)
-            if RESIDUAL:
-                hr = tl.load(res_ptr + offs_m[:, None] * stride_rm + offs_c[None, :], mask=mask,
-                             other=0.0)
-                h = (h.to(tl.float32) + hr.to(tl.float32)).to(dtype)
-                rows_out = tl.where(pid == 0, M, 0)  # program 0 writes the sum
-                tl.store(res_out_ptr + offs_m[:, None] * stride_rom + offs_c[None, :], h,
-                         mask=(offs_m[:, None] < rows_out) & (offs_c[None, :] < NORM_K))
-            hf = h.to(tl.float32)
-            sq += tl.sum(hf * hf, axis=1)
-        rstd = tl.rsqrt(sq / NORM_K + eps)[:, None]  # [BLOCK_M, 1]
-        r_ptrs = res_ptr + offs_m[:, None] * stride_rm + offs_k[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -131,16 +87,7 @@ def _gemv_kernel(
             w = tl.load(w_ptrs)
         else:
             w = tl.load(w_ptrs, mask=w_mask, other=0.0)
-        x_mask = (offs_m[:, None] < M) & (k0 + offs_k[None, :] < K)
-        x = tl.load(x_ptrs, mask=x_mask, other=0.0)
-        if NORM_K > 0:  # layernorm's rounding: the sum, then the normalised value
-            if RESIDUAL:
-                r = tl.load(r_ptrs, mask=x_mask, other=0.0)
-                x = (x.to(tl.float32) + r.to(tl.float32)).to(dtype)
-                r_ptrs += BLOCK_K
-            g = tl.load(norm_w_ptr + k0 + offs_k, mask=k0 + offs_k < K, other=0.0)
-            normed = (x.to(tl.float32) * rstd).to(dtype).to(tl.float32)
-            x = (g.to(tl.float32)[None, :] * normed).to(dtype)
+        x = tl.load(x_ptrs, mask=(offs_m[:, None] < M) & (k0 + offs_k[None, :] < K), other=0.0)
         acc = tl.dot(x, w, acc)  # [BLOCK_M, BLOCK_K] @ [BLOCK_K, BLOCK_N]
         if SILU_MUL:
             if EVEN:
@@ -150,6 +97,7 @@ def _gemv_kernel(
             acc_up = tl.dot(x, w_up, acc_up)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    dtype = y_ptr.dtype.element_ty
     y = acc.to(dtype)
     if SILU_MUL:  # the rounding of gate_up_proj, then of silu_and_mul
         g = y.to(tl.float32)
@@ -249,12 +197,8 @@ def gemv(
     *,
     silu_mul: bool = False,
     with_argmax: bool = False,
-    norm: tuple[torch.Tensor, float] | None = None,
-    residual: torch.Tensor | None = None,
-    residual_out: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """``x @ weight.T`` with the kernel, optionally with one of the module's epilogues
-    and the RMSNorm prologue.
+    """``x @ weight.T`` with the kernel, optionally with one of the module's epilogues.
 
     Args:
         x: [M, K] bfloat16/float16, last dim contiguous.
@@ -266,11 +210,6 @@ def gemv(
         silu_mul: return ``silu(x @ gate.T) * (x @ up.T)`` [M, N] (SwiGLU, Shazeer,
             arXiv 2002.05202).
         with_argmax: also return the first index of each row's maximum, [M] int64.
-        norm: ``(norm_weight [K] of x.dtype, eps)``: multiply by the RMSNorm (Llama
-            convention, :func:`~.layernorm.rms_norm`) of ``x`` (+ ``residual``) instead.
-        residual, residual_out: with ``norm``, [M, K] like ``x``: the residual stream
-            added to ``x`` before the norm, and the buffer the sum is written to (not
-            ``residual`` or ``x``: other programs still read those).
 
     Returns:
         [M, N] in ``x.dtype`` (float32 accumulation), with ``with_argmax`` and the argmax.
@@ -285,18 +224,7 @@ def gemv(
     m, k = x.shape
     n = weight.shape[0] // 2 if silu_mul else weight.shape[0]
     assert not silu_mul or weight.shape[0] == 2 * n
-    if norm is not None:
-        assert norm[0].shape == (k,) and norm[0].dtype == x.dtype and norm[0].is_contiguous()
-    if residual is not None:
-        assert norm is not None and residual_out is not None
-        for t in (residual, residual_out):
-            assert t.shape == x.shape and t.dtype == x.dtype and t.stride(1) == 1
-        assert residual_out.data_ptr() not in (x.data_ptr(), residual.data_ptr())
     if m == 0 or use_reference(x):  # the torch reference: the library GEMM
-        if norm is not None:
-            x, summed = rms_norm_reference(x, *norm, residual=residual)
-            if summed is not None:
-                residual_out.copy_(summed)
         y = silu_and_mul(F.linear(x, weight)) if silu_mul else F.linear(x, weight)
         return (y, y.argmax(dim=-1)) if with_argmax else y
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
@@ -308,17 +236,11 @@ def gemv(
     grid = triton.cdiv(n, block_n)
     parts = (torch.empty(m, grid, dtype=torch.float32, device=x.device),
              torch.empty(m, grid, dtype=torch.int32, device=x.device)) if with_argmax else (y, y)
-    res, res_out = (residual, residual_out) if residual is not None else (x, x)
-    norm_w, eps = norm if norm is not None else (x, 0.0)
     _gemv_kernel[(grid,)](
-        y, x, weight, *parts, res, res_out, norm_w, eps, m, n, k, y.stride(0), x.stride(0),
-        weight.stride(0), n * weight.stride(0), res.stride(0), res_out.stride(0),
-        BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k,
+        y, x, weight, *parts, m, n, k, y.stride(0), x.stride(0), weight.stride(0),
+        n * weight.stride(0), BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k,
         EVEN=(k % block_k == 0 and n % block_n == 0), SILU_MUL=silu_mul, ARGMAX=with_argmax,
-        NORM_K=k if norm is not None else 0,
-        # 4096 elements a step: 32 float32 registers a thread at 4 warps.
-        NORM_BLOCK=min(triton.next_power_of_2(k), max(16, 4096 // bm)),
-        RESIDUAL=residual is not None, num_warps=warps, num_stages=stages,
+        num_warps=warps, num_stages=stages,
     )
     return (y, _merge_argmax(*parts)) if with_argmax else y
 
@@ -358,42 +280,3 @@ def linear_argmax(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, 
         return gemv(x, weight, with_argmax=True)
     logits = linear(x, weight)
     return logits, argmax(logits)
-
-
-def rms_norm_linear(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    norm_weight: torch.Tensor,
-    eps: float,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    *,
-    silu_mul: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """A decoder layer's residual add and RMSNorm, then a projection (``silu_mul``: the
-    gate/up projection and its SwiGLU, as :func:`linear_silu_and_mul`): one :func:`gemv`
-    with the norm prologue where :func:`use_gemv` says so and :data:`FUSED_NORM` is on,
-    else :func:`~.layernorm.fused_add_rms_norm` (:func:`~.layernorm.rms_norm` without a
-    residual) and the projection.
-
-    Args:
-        x: [M, K] the sublayer output (or the embeddings, with ``residual=None``).
-        residual: [M, K] like ``x``, or ``None``: ``x`` is the residual stream.
-        norm_weight, eps: the RMSNorm's, Llama convention; ``norm_weight`` [K].
-        weight, bias: the projection's, ``weight`` [N, K] ([2N, K] with ``silu_mul``).
-
-    Returns:
-        ``(y [M, N], residual_out [M, K])``, ``residual_out`` = ``x + residual`` (``x``
-        itself when ``residual`` is ``None``).
-    """
-    if FUSED_NORM and bias is None and use_gemv(x, weight):
-        residual_out = x if residual is None else torch.empty_like(x)
-        y = gemv(x, weight, silu_mul=silu_mul, norm=(norm_weight, eps), residual=residual,
-                 residual_out=None if residual is None else residual_out)
-        return y, residual_out
-    if residual is None:
-        normed, residual = rms_norm(x, norm_weight, eps), x
-    else:
-        normed, residual = fused_add_rms_norm(x, residual, norm_weight, eps)
-    project = linear_silu_and_mul if silu_mul else linear
-    return project(normed, weight, bias), residual

@@ -7,13 +7,11 @@ of the modules, so one checkpoint load serves both the CPU engine and this path.
 
 Per decoder layer: fused residual add + RMSNorm, the qkv GEMM, (Qwen3: RMSNorm of each
 query and key head), rotary in place fused with the cache write, paged attention,
-``o_proj``, fused residual add + RMSNorm, the gate/up GEMM with SiLU-and-multiply,
-``down_proj`` (vLLM's decoder structure, with the residual carried beside the hidden
-state so each add fuses into the next norm). At small batch the GEMV does each add +
-RMSNorm in the projection after it and the SiLU-and-multiply after its gate/up product
-(:func:`~specula.runtime.kernels.gemv.rms_norm_linear`). At batch 1 a step is bound by
-reading the weights; every small kernel adds a fixed launch latency on top, hence the
-fusions.
+``o_proj``, fused residual add + RMSNorm, the gate/up GEMM with SiLU-and-multiply (one
+kernel at small batch), ``down_proj`` (vLLM's decoder structure, with the residual
+carried beside the hidden state so each add fuses into the next norm). At batch 1 a
+step is bound by reading the weights; every small kernel adds a fixed launch latency on
+top, hence the fusions.
 
 Attention reads the paged cache for decode (one query token per request) and
 verification (``k + 1`` per request, causal among themselves). A prefill (every
@@ -31,12 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from specula.runtime.engine.block_manager import cdiv
-from specula.runtime.kernels.gemv import (
-    linear,
-    linear_argmax,
-    linear_silu_and_mul,
-    rms_norm_linear,
-)
+from specula.runtime.kernels.gemv import linear, linear_argmax, linear_silu_and_mul
 from specula.runtime.kernels.layernorm import fused_add_rms_norm, rms_norm
 from specula.runtime.kernels.paged_attention import paged_attention
 from specula.runtime.kernels.rotary import build_cos_sin_cache
@@ -252,21 +245,10 @@ class ModelRunner:
         metadata: PagedAttentionMetadata,
     ) -> torch.Tensor:
         # hidden: [num_tokens, hidden_size]
-        qkv = _proj(attn.qkv_proj, hidden)
-        return self._qkv_attention(attn, qkv, positions, layer_idx, metadata)
-
-    def _qkv_attention(
-        self,
-        attn: LlamaAttention,
-        qkv: torch.Tensor,
-        positions: torch.Tensor,
-        layer_idx: int,
-        metadata: PagedAttentionMetadata,
-    ) -> torch.Tensor:
-        # qkv: [num_tokens, q_size + 2 * kv_size]
-        n = qkv.shape[0]
+        n = hidden.shape[0]
         num_heads, num_kv_heads, head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        qkv = _proj(attn.qkv_proj, hidden)  # [num_tokens, q_size + 2 * kv_size]
         q = qkv[:, :q_size].view(n, num_heads, head_dim)
         k = qkv[:, q_size : q_size + kv_size].view(n, num_kv_heads, head_dim)
         v = qkv[:, q_size + kv_size :].view(n, num_kv_heads, head_dim)
@@ -330,20 +312,18 @@ class ModelRunner:
         hidden = model.embed_tokens(input_ids)  # [num_tokens, hidden_size]
         residual: torch.Tensor | None = None
         for i, layer in enumerate(layers):
-            # Each norm runs inside the projection after it where the GEMV serves it.
-            attn, ln = layer.self_attn, layer.input_layernorm
-            qkv, residual = rms_norm_linear(
-                hidden, residual, ln.weight, ln.eps, attn.qkv_proj.weight, attn.qkv_proj.bias
-            )
+            ln = layer.input_layernorm
+            if residual is None:
+                residual = hidden
+                hidden = rms_norm(hidden, ln.weight, ln.eps)
+            else:
+                hidden, residual = fused_add_rms_norm(hidden, residual, ln.weight, ln.eps)
             if i in aux_layer_ids:
                 captured[i] = residual
-            hidden = self._qkv_attention(attn, qkv, positions, i, metadata)
-            mlp, ln = layer.mlp, layer.post_attention_layernorm
-            hidden, residual = rms_norm_linear(
-                hidden, residual, ln.weight, ln.eps, mlp.gate_up_proj.weight,
-                mlp.gate_up_proj.bias, silu_mul=True,
-            )
-            hidden = _proj(mlp.down_proj, hidden)
+            hidden = self._attention(layer.self_attn, hidden, positions, i, metadata)
+            ln = layer.post_attention_layernorm
+            hidden, residual = fused_add_rms_norm(hidden, residual, ln.weight, ln.eps)
+            hidden = self._mlp(layer.mlp, hidden)
         norm = model.norm
         if residual is None:  # no layers
             hidden = rms_norm(hidden, norm.weight, norm.eps)

@@ -51,37 +51,14 @@ CASES = {
         gemv._gemv_kernel,
         {"y_ptr": "*bf16", "x_ptr": "*bf16", "w_ptr": "*bf16", "part_max_ptr": "*bf16",
          "part_idx_ptr": "*bf16", "up_offset": "i64"},
-        dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, EVEN=True, SILU_MUL=True, ARGMAX=False,
-             NORM_K=0, NORM_BLOCK=256, RESIDUAL=False),
+        dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, EVEN=True, SILU_MUL=True, ARGMAX=False),
     ),
     "gemv_argmax": (
         gemv._gemv_kernel,
         {"y_ptr": "*bf16", "x_ptr": "*bf16", "w_ptr": "*bf16", "part_max_ptr": "*fp32",
          "part_idx_ptr": "*i32"},
-        dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=512, EVEN=False, SILU_MUL=False, ARGMAX=True,
-             NORM_K=0, NORM_BLOCK=256, RESIDUAL=False),
+        dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=512, EVEN=False, SILU_MUL=False, ARGMAX=True),
     ),
-    # The add + RMSNorm prologue: gate_up_proj with SwiGLU, qkv_proj (statistics steps
-    # wider than the weight tile), and the first layer's qkv_proj (no residual).
-    "gemv_norm_silu_mul": (
-        gemv._gemv_kernel,
-        {"y_ptr": "*bf16", "x_ptr": "*bf16", "w_ptr": "*bf16", "part_max_ptr": "*bf16",
-         "part_idx_ptr": "*bf16", "res_ptr": "*bf16", "res_out_ptr": "*bf16",
-         "norm_w_ptr": "*bf16", "eps": "fp32", "up_offset": "i64"},
-        dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, EVEN=True, SILU_MUL=True, ARGMAX=False,
-             NORM_K=4096, NORM_BLOCK=256, RESIDUAL=True),
-    ),
-    **{
-        name: (
-            gemv._gemv_kernel,
-            {"y_ptr": "*bf16", "x_ptr": "*bf16", "w_ptr": "*bf16", "part_max_ptr": "*bf16",
-             "part_idx_ptr": "*bf16", "res_ptr": "*bf16", "res_out_ptr": "*bf16",
-             "norm_w_ptr": "*bf16", "eps": "fp32"},
-            dict(BLOCK_M=bm, BLOCK_N=64, BLOCK_K=128, EVEN=True, SILU_MUL=False,
-                 ARGMAX=False, NORM_K=4096, NORM_BLOCK=4096 // bm, RESIDUAL=residual),
-        )
-        for name, bm, residual in (("gemv_norm_qkv", 16, True), ("gemv_norm_first", 32, False))
-    },
     "argmax_first_pass": (
         gemv._argmax_kernel,
         {"max_ptr": "*fp32", "idx_ptr": "*i32", "x_ptr": "*bf16", "x_idx_ptr": "*bf16"},
@@ -131,8 +108,7 @@ CASES = {
 }
 
 
-NUM_WARPS = {"rejection_sample_random": 8, "fused_add_rms_norm_gemma": 8,
-             "gemv_norm_silu_mul": 8, "gemv_norm_qkv": 8}
+NUM_WARPS = {"rejection_sample_random": 8, "fused_add_rms_norm_gemma": 8}
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -383,63 +383,6 @@ def test_gemv_epilogues(interpreted):
     interpreted(check_gemv_epilogues)
 
 
-def check_gemv_norm_prologue() -> None:
-    from specula.runtime.kernels.gemv import gemv, gemv_reference
-    from specula.runtime.kernels.layernorm import fused_add_rms_norm, rms_norm, rms_norm_reference
-
-    gen = torch.Generator().manual_seed(4)
-    # Rows of one, several and a full tile; K in one masked statistics step (200), two
-    # (384, the second masked), four (1024); N not a multiple of BLOCK_N; with SwiGLU.
-    for m, n, k, cfg, silu in ((1, 64, 256, (32, 128, 4, 3), False),
-                               (5, 40, 200, (32, 128, 4, 3), False),
-                               (16, 48, 384, (32, 128, 4, 3), True),
-                               (3, 64, 1024, (64, 256, 4, 3), True)):
-        x = torch.randn(m, k, generator=gen).half()
-        res = torch.randn(m, k, generator=gen).half()
-        g = (1 + 0.1 * torch.randn(k, generator=gen)).half()
-        w = (torch.randn(2 * n if silu else n, k, generator=gen) * 0.05).half()
-        res_out = torch.full_like(x, float("nan"))
-        fused = gemv(x, w, cfg, silu_mul=silu, norm=(g, 1e-5), residual=res,
-                     residual_out=res_out)
-        normed, summed = fused_add_rms_norm(x, res, g, 1e-5)
-        assert torch.equal(res_out, summed)  # written whole, by one program
-        unfused = gemv(normed, w, cfg, silu_mul=silu)
-        torch.testing.assert_close(fused, unfused, atol=2e-3, rtol=2e-3)
-        ref = gemv_reference(*(t.float() for t in (rms_norm_reference(x, g, 1e-5,
-                                                                      residual=res)[0], w)))
-        if silu:
-            ref = torch.nn.functional.silu(ref[:, :n]) * ref[:, n:]
-        assert ((fused.float() - ref).norm() / ref.norm()).item() < 2e-3
-        # The first layer: no residual. An identity weight returns the normalised rows,
-        # rounded as the norm kernel rounds them.
-        eye = torch.eye(k).half()
-        y = gemv(x, eye, cfg, norm=(g, 1e-5))
-        torch.testing.assert_close(y, rms_norm(x, g, 1e-5), atol=0, rtol=2**-10)
-        y = gemv(x, eye, cfg, norm=(g, 1e-5), residual=res, residual_out=res_out)
-        torch.testing.assert_close(y, normed, atol=0, rtol=2**-10)
-
-
-def test_gemv_norm_prologue(interpreted):
-    interpreted(check_gemv_norm_prologue)
-
-
-def test_rms_norm_linear_is_the_unfused_ops_off_cuda():
-    from specula.runtime.kernels.activation import silu_and_mul_reference
-    from specula.runtime.kernels.gemv import rms_norm_linear
-    from specula.runtime.kernels.layernorm import rms_norm_reference
-
-    gen = torch.Generator().manual_seed(5)
-    x, res = torch.randn(3, 8, generator=gen), torch.randn(3, 8, generator=gen)
-    g, w = torch.randn(8, generator=gen), torch.randn(10, 8, generator=gen)
-    y, res_out = rms_norm_linear(x, res, g, 1e-6, w)
-    normed, summed = rms_norm_reference(x, g, 1e-6, residual=res)
-    assert torch.equal(res_out, summed) and torch.equal(y, torch.nn.functional.linear(normed, w))
-    y, res_out = rms_norm_linear(x, None, g, 1e-6, w, silu_mul=True)
-    normed = rms_norm_reference(x, g, 1e-6)[0]
-    assert res_out is x
-    assert torch.equal(y, silu_and_mul_reference(torch.nn.functional.linear(normed, w)))
-
-
 def test_linear_takes_the_library_gemm_off_cuda_and_for_untuned_shapes():
     from specula.runtime.kernels.gemv import CONFIGS, linear, use_gemv
 
