@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import copy
 import datetime as dt
 import json
@@ -61,8 +62,8 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -78,17 +79,41 @@ TICK_INTERVAL_S = 30.0
 @dataclass(frozen=True)
 class Phase:
     batch: int
-    """Requests in the engine throughout the phase."""
+    """Requests in the engine throughout the phase (a bursty phase: while high)."""
     acceptance: float
     """Synthetic per-position (conditional) acceptance rate."""
     intervals: int | None = None
     """Tuned intervals of this phase (``None``: ``LoopConfig.intervals_per_phase``)."""
+    low_batch: int | None = None
+    """Bursty phase: the client count alternates between ``batch`` and this every
+    ``burst_steps`` engine steps (``None``: steady)."""
+    burst_steps: int = 12
+
+    @property
+    def batches(self) -> tuple[int, ...]:
+        """The batch sizes the phase runs at."""
+        return (self.batch,) if self.low_batch is None else (self.low_batch, self.batch)
+
+    def label(self) -> str:
+        if self.low_batch is None:
+            return f"B={self.batch}, acceptance {self.acceptance:g}"
+        return (f"B={self.low_batch}<->{self.batch} every {self.burst_steps} steps, "
+                f"acceptance {self.acceptance:g}")
 
 
 PHASES = (Phase(1, 0.85), Phase(64, 0.5), Phase(16, 0.15), Phase(32, 0.8))
 """The issue's table."""
 K0_PHASE = 2
 """Index of the phase where k = 0 should win (acceptance 0.15)."""
+
+SCHEDULE_PHASES = (
+    Phase(64, 0.8, low_batch=8, burst_steps=12),
+    Phase(16, 0.8),
+    Phase(64, 0.6, low_batch=8, burst_steps=12),
+)
+"""``--per-batch-size`` (issue 13, section 4): the batch varies within every interval
+(8 <-> 64 every 12 steps), then the load moves to a batch size the bursty phase never
+ran (16), then the bursty load returns at a lower acceptance."""
 
 
 @dataclass(frozen=True)
@@ -126,6 +151,7 @@ class RequestStream:
         self.issued = 0
 
     def next(self) -> tuple[str, list[int], Any]:
+        """The next request: its id, prompt and sampling parameters."""
         from specula.runtime.engine.sampling_params import SamplingParams
 
         i = self.issued
@@ -148,6 +174,11 @@ class ClosedLoopEngine:
     change happens on the loop's thread between two steps.  ``clock`` is what the loop
     times steps with (``time.perf_counter``); ``step_cost(batch, k)``, when given,
     advances a logical clock by that many seconds per step (deterministic tests).
+
+    A bursty phase (``low_batch``) alternates the number of clients between ``batch``
+    and ``low_batch`` every ``burst_steps`` steps: going down, the clients of the most
+    recently issued requests leave (their requests are aborted; the tokens they
+    generated count), going up, new clients each send a request.
     """
 
     def __init__(
@@ -165,13 +196,19 @@ class ClosedLoopEngine:
         self._seconds_left = 0.0
         self.idle = threading.Event()
         self.idle.set()
-        self._live: set[str] = set()
+        self._live: dict[str, int] = {}
+        """Request id -> order of issue."""
         self._stream: RequestStream | None = None
         self._batch = 0
+        self._burst: tuple[int, int, int] | None = None
+        """(high, low, steps) of a bursty phase."""
+        self._phase_steps = 0
         self.steps = 0
         self.engine_s = 0.0
         self.k_steps: Counter[int] = Counter()
         """Decode steps per k used."""
+        self.k_steps_by_batch: Counter[tuple[int, int]] = Counter()
+        """Decode steps per (batch size, k used)."""
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):
@@ -183,12 +220,15 @@ class ClosedLoopEngine:
         return int(self._engine.generation_tokens_total)
 
     # Called on the loop thread (through EngineLoop.call).
-    def start_phase(self, stream: RequestStream, batch: int, acceptance: float) -> None:
+    def start_phase(self, stream: RequestStream, batch: int, acceptance: float,
+                    low_batch: int | None = None, burst_steps: int = 0) -> None:
         for rid in sorted(self._live):
             self._engine.abort_request(rid)
         self._live.clear()
         self._engine.synthetic_acceptance_rate = acceptance
         self._stream, self._batch = stream, batch
+        self._burst = (batch, low_batch, burst_steps) if low_batch is not None else None
+        self._phase_steps = 0
         self._top_up()
 
     def grant(self, steps: int | None = None, seconds: float | None = None) -> None:
@@ -201,7 +241,21 @@ class ClosedLoopEngine:
         while len(self._live) < self._batch:
             rid, prompt, params = self._stream.next()
             self._engine.add_request(rid, prompt, params)
-            self._live.add(rid)
+            self._live[rid] = self._stream.issued
+
+    def _burst_turn(self) -> None:
+        """Bursty phase: every ``burst_steps`` steps the client count switches."""
+        if self._burst is None:
+            return
+        high, low, every = self._burst
+        self._phase_steps += 1
+        if self._phase_steps % every:
+            return
+        self._batch = low if self._batch == high else high
+        leaving = sorted(self._live, key=self._live.__getitem__)[self._batch:]
+        for rid in leaving:
+            self._engine.abort_request(rid)
+            del self._live[rid]
 
     def has_unfinished_requests(self) -> bool:
         granted = self._steps_left > 0 or self._seconds_left > 0
@@ -212,7 +266,8 @@ class ClosedLoopEngine:
         outputs = self._engine.step()
         for out in outputs:
             if out.finished:
-                self._live.discard(out.request_id)
+                self._live.pop(out.request_id, None)
+        self._burst_turn()
         self._top_up()
         batch = self._engine.last_step_num_reqs
         k = self._engine.last_step_num_speculative_tokens
@@ -234,6 +289,7 @@ class ClosedLoopEngine:
         self.engine_s += elapsed
         if batch > 0:
             self.k_steps[k] += 1
+            self.k_steps_by_batch[batch, k] += 1
         return outputs
 
 
@@ -305,12 +361,46 @@ def speculative_model(cfg: LoopConfig) -> dict[str, Any]:
                      "generation": 1, "resourceVersion": "1"},
         "spec": {
             "model": {"uri": "file:///models/target"},
+            # The engine's max_num_seqs: the range a per-batch-size schedule covers.
+            "maxNumSeqs": max(b for p in cfg.phases for b in p.batches),
             "speculator": {"method": "eagle3", "model": {"uri": "file:///models/eagle3"},
                            "numSpeculativeTokens": cfg.start_k},
             "tuning": {"mode": "Auto", "maxSpeculativeTokens": cfg.max_k,
                        "interval": f"{TICK_INTERVAL_S:g}s", "cooldown": cfg.cooldown},
         },
     }
+
+
+@contextlib.contextmanager
+def per_batch_size(kube: InMemoryKube) -> Iterator[str]:
+    """Per-batch-size schedules on for the resource in ``kube`` while in the block.
+
+    Through the CRD (``spec.tuning.perBatchSize: true``) where the operator's spec
+    model has that field; otherwise (an operator without it) through the same settings
+    path, ``TuningSettings.apply_schedule``, set on what the operator's
+    :func:`specula.operator.tuner.tuning_settings` builds from the spec.  Yields which
+    of the two is in use."""
+    from specula.operator import tuner as pure
+    from specula.operator.reconcile import parse_spec
+
+    tuning = kube.body["spec"]["tuning"]
+    tuning["perBatchSize"] = True
+    spec, problem = parse_spec(kube.body)
+    if (spec is not None and problem is None
+            and getattr(spec.tuning, "per_batch_size", None) is True
+            and pure.tuning_settings(spec).apply_schedule):
+        try:
+            yield "spec.tuning.perBatchSize"
+        finally:
+            tuning.pop("perBatchSize", None)
+        return
+    tuning.pop("perBatchSize")
+    original = pure.tuning_settings
+    pure.tuning_settings = lambda s: replace(original(s), apply_schedule=True)
+    try:
+        yield "TuningSettings.apply_schedule"
+    finally:
+        pure.tuning_settings = original
 
 
 @dataclass
@@ -395,26 +485,38 @@ class Harness:
         self.loop, self.gate, self.served, self.cfg, self.vocab = loop, gate, served, cfg, vocab
         self.log = log
         self.runs = 0
+        self.schedules_through: str | None = None
 
-    def start_phase(self, tag: str, index: int) -> None:
+    def start_phase(self, tag: str, index: int, batch: int | None = None) -> None:
+        """Start phase ``index``'s request stream (at a steady ``batch`` if given)."""
         phase = self.cfg.phases[index]
         stream = RequestStream(tag, index, self.vocab, self.cfg)
-        _call(self.loop, lambda e: e.start_phase(stream, phase.batch, phase.acceptance))
+        if batch is not None:
+            _call(self.loop, lambda e: e.start_phase(stream, batch, phase.acceptance))
+        else:
+            _call(self.loop, lambda e: e.start_phase(
+                stream, phase.batch, phase.acceptance, phase.low_batch, phase.burst_steps))
 
     def interval(self) -> dict[str, Any]:
         """Run one interval; its tokens, engine seconds, steps and k used."""
         g = self.gate
         tokens, seconds, steps, ks = g.tokens, g.engine_s, g.steps, Counter(g.k_steps)
+        by_batch = Counter(g.k_steps_by_batch)
         cfg = self.cfg
         _call(self.loop, lambda e: e.grant(steps=cfg.interval_steps, seconds=cfg.interval_engine_s))
         if not g.idle.wait(600):
             raise RuntimeError("the engine did not finish its interval")
         used = {k: n - ks.get(k, 0) for k, n in g.k_steps.items() if n - ks.get(k, 0)}
+        per_batch: dict[str, dict[str, int]] = {}
+        for (b, k), n in sorted(g.k_steps_by_batch.items()):
+            if n - by_batch.get((b, k), 0):
+                per_batch.setdefault(str(b), {})[str(k)] = n - by_batch.get((b, k), 0)
         return {
             "tokens": g.tokens - tokens,
             "engine_s": round(g.engine_s - seconds, 6),
             "steps": g.steps - steps,
             "k_steps": {str(k): n for k, n in sorted(used.items())},
+            "k_steps_by_batch": per_batch,
         }
 
     def put_k(self, k: int) -> None:
@@ -438,15 +540,25 @@ class Harness:
             write()
         return phases
 
-    def run_tuned(self, record: Callable[[list[list[dict]]], None] = lambda _: None
-                  ) -> list[list[dict]]:
-        """Every phase with the operator's tuning tick between intervals."""
+    def run_tuned(self, record: Callable[[list[list[dict]]], None] = lambda _: None,
+                  schedules: bool = False) -> list[list[dict]]:
+        """Every phase with the operator's tuning tick between intervals; with
+        ``schedules``, the tuner decides per-batch-size schedules (:func:`per_batch_size`)."""
+        self.put_k(self.cfg.start_k)  # clears a schedule an earlier run left
+        self.served.kube.body = speculative_model(self.cfg)
+        if not schedules:
+            return self._run_tuned(record)
+        with per_batch_size(self.served.kube) as how:
+            self.log(f"per-batch-size schedules on through {how}")
+            self.schedules_through = how
+            return self._run_tuned(record)
+
+    def _run_tuned(self, record: Callable[[list[list[dict]]], None]) -> list[list[dict]]:
         from specula.operator.settings import OperatorSettings
         from specula.operator.tuning import tune
 
         cfg = self.cfg
         kube = self.served.kube
-        kube.body = speculative_model(cfg)
         settings = OperatorSettings()
         clock = {"now": 1_800_000_000.0}
 
@@ -456,9 +568,11 @@ class Harness:
             status = kube.body.get("status") or {}
             tuned = next((c for c in status.get("conditions", []) if c["type"] == "Tuned"), {})
             spec = status.get("speculation") or {}
+            state = (status.get("tuner") or {}).get("state") or {}
             return {
                 "written": update is not None,
                 "k": spec.get("numSpeculativeTokens"),
+                "schedule": state.get("schedule"),
                 "reason": tuned.get("reason"),
                 "message": (tuned.get("message") or "")[:200],
                 "measured_goodput": spec.get("goodputTokensPerSecond"),
@@ -480,9 +594,10 @@ class Harness:
                 rec["tuner"] = tick()
                 phases[-1].append(rec)
                 t = rec["tuner"]
-                self.log(f"tuned phase {p + 1} interval {i + 1}: ran k={rec['k_steps']} "
-                         f"{rec['tokens'] / rec['engine_s']:.1f} tok/s -> k={t['k']} "
-                         f"({t['message'][:90]})")
+                sched = " ".join(f"{a}-{b}:{k}" for a, b, k in t["schedule"] or ())
+                self.log(f"tuned phase {p + 1} interval {i + 1}: ran k={rec['k_steps_by_batch']} "
+                         f"{rec['tokens'] / rec['engine_s']:.1f} tok/s -> k={t['k']}"
+                         f"{' [' + sched + ']' if sched else ''} ({t['message'][:90]})")
                 record(phases)
         return phases
 
@@ -590,6 +705,81 @@ def closed_loop_metrics(
     }
 
 
+def drop_stalls(intervals: Sequence[dict], fraction: float = 0.6) -> list[dict]:
+    """``intervals`` without those whose goodput is below ``fraction`` of the median of
+    the list: on the H100 these were first-use kernel compilations (a bursty phase mixes
+    prefill and decode in shapes a steady warm-up never ran), 2-3x slow and only in the
+    first run of a k at those shapes."""
+    if not intervals:
+        return []
+    rates = sorted(r["tokens"] / r["engine_s"] for r in intervals if r["engine_s"] > 0)
+    median = rates[len(rates) // 2]
+    return [r for r in intervals if r["engine_s"] > 0 and r["tokens"] / r["engine_s"] >= fraction * median]
+
+
+def schedule_metrics(
+    single: Sequence[Sequence[dict]],
+    schedule: Sequence[Sequence[dict]],
+    static: dict[int, Sequence[Sequence[dict]]],
+    settle_intervals: int = 3,
+) -> dict[str, Any]:
+    """The tuner with per-batch-size schedules against the tuner with one k, on the same
+    phases (``--per-batch-size``).
+
+    Returns:
+        ``schedule_over_single_k`` (overall goodput ratio - 1, total tokens over total
+        engine seconds of each run), per phase the ratio over the whole phase
+        (``phase_ratio``), over its first ``settle_intervals`` intervals (``phase_ratio_first``,
+        where the load has just moved) and after them (``phase_ratio_after``), and each
+        tuned run's :func:`closed_loop_metrics` against the static k (no k = 0 phase).
+
+    Raises:
+        ValueError: the runs have different numbers of phases.
+    """
+    if len(single) != len(schedule):
+        raise ValueError("both tuned runs need the same phases")
+
+    def ratio(a: Sequence[dict], b: Sequence[dict]) -> float | None:
+        ra, rb = _rate(a), _rate(b)
+        return round(rb / ra - 1, 4) if a and b and ra > 0 else None
+
+    every_single = [r for ph in single for r in ph]
+    every_schedule = [r for ph in schedule for r in ph]
+    n = settle_intervals
+    return {
+        "schedule_over_single_k": ratio(every_single, every_schedule),
+        "phase_ratio": [ratio(a, b) for a, b in zip(single, schedule, strict=True)],
+        "phase_ratio_first": [ratio(a[:n], b[:n]) for a, b in zip(single, schedule, strict=True)],
+        "phase_ratio_after": [ratio(a[n:], b[n:]) for a, b in zip(single, schedule, strict=True)],
+        "single_k": closed_loop_metrics(single, static, None, settle_intervals),
+        "schedule": closed_loop_metrics(schedule, static, None, settle_intervals),
+    }
+
+
+def schedule_metrics_without_stalls(
+    single: Sequence[Sequence[dict]],
+    schedule: Sequence[Sequence[dict]],
+    static: dict[int, Sequence[Sequence[dict]]],
+    settle_intervals: int = 3,
+) -> dict[str, Any]:
+    """:func:`schedule_metrics` with every run's stalled intervals dropped
+    (:func:`drop_stalls`, per run and phase), and which intervals those were."""
+    dropped = {
+        name: [[i for i, r in enumerate(ph) if r not in drop_stalls(ph)] for ph in run]
+        for name, run in [("tuned", single), ("tuned_schedule", schedule)]
+        + [(f"k={k}", v) for k, v in sorted(static.items())]
+    }
+    return {
+        "dropped_intervals": {n: d for n, d in dropped.items() if any(d)},
+        **schedule_metrics(
+            [drop_stalls(ph) for ph in single],
+            [drop_stalls(ph) for ph in schedule],
+            {k: [drop_stalls(ph) for ph in v] for k, v in static.items()},
+            settle_intervals,
+        ),
+    }
+
+
 # ---- building and running ---------------------------------------------------------------
 
 
@@ -621,6 +811,37 @@ def compare(h: Harness, write: Callable[[dict], None] = lambda _: None) -> dict[
     return out
 
 
+def compare_schedules(h: Harness, write: Callable[[dict], None] = lambda _: None,
+                      time_left: Callable[[], float] = lambda: float("inf")) -> dict[str, Any]:
+    """The tuner with one k, the tuner with per-batch-size schedules, then the static k
+    in ``cfg.static_ks`` order while ``time_left()`` (seconds) allows another one at the
+    pace of the runs so far; the metrics once all have run (:func:`schedule_metrics`)."""
+    out: dict[str, Any] = {"tuned": [], "tuned_schedule": [], "static": {}, "static_skipped": []}
+    out["tuned"] = h.run_tuned(lambda phases: write(out | {"tuned": phases}))
+    write(out)
+    out["tuned_schedule"] = h.run_tuned(
+        lambda phases: write(out | {"tuned_schedule": phases}), schedules=True)
+    out["schedules_through"] = h.schedules_through
+    write(out)
+    cfg = h.cfg
+    per_interval = []
+    for k in cfg.static_ks:
+        need = cfg.static_intervals * len(cfg.phases) * max(per_interval, default=0.0)
+        if need > time_left():
+            h.log(f"static k={k} skipped: {need:.0f} s needed, {time_left():.0f} s left")
+            out["static_skipped"].append(k)
+            continue
+        t = time.perf_counter()
+        out["static"][str(k)] = h.run_static(k, lambda: write(out))
+        per_interval.append((time.perf_counter() - t) / (cfg.static_intervals * len(cfg.phases)))
+        static = {int(k): v for k, v in out["static"].items()}
+        out["metrics"] = schedule_metrics(out["tuned"], out["tuned_schedule"], static)
+        out["metrics_without_stalls"] = schedule_metrics_without_stalls(
+            out["tuned"], out["tuned_schedule"], static)
+        write(out)
+    return out
+
+
 def warm_up(h: Harness, steps: int = 6) -> None:
     """A few steps at every k for every phase's batch size, before anything is timed.
 
@@ -632,28 +853,54 @@ def warm_up(h: Harness, steps: int = 6) -> None:
     cfg = h.cfg
     first_phase = {}
     for p, phase in enumerate(cfg.phases):
-        first_phase.setdefault(phase.batch, p)
-    for batch, p in sorted(first_phase.items()):
+        for batch in phase.batches:
+            first_phase.setdefault(batch, p)
+    runs = [(p, batch, steps) for batch, p in sorted(first_phase.items())]
+    # A bursty phase also runs its own mix of prefill and decode (new clients arriving
+    # while others decode): an H100 run without this stalled 2-3x in the first
+    # intervals of the first run of each k there.
+    bursty = {(ph.batch, ph.low_batch, ph.burst_steps): p
+              for p, ph in enumerate(cfg.phases) if ph.low_batch is not None}
+    runs += [(p, None, 4 * ph[2]) for ph, p in sorted(bursty.items())]
+    for p, batch, n in runs:
         for k in range(cfg.max_k, -1, -1):
             h.put_k(k)
-            h.start_phase(f"warmup-b{batch}-k{k}", p)
-            _call(h.loop, lambda e: e.grant(steps=steps))
+            h.start_phase(f"warmup-p{p}-b{batch}-k{k}", p, batch)
+            _call(h.loop, lambda e, n=n: e.grant(steps=n))
             if not h.gate.idle.wait(600):
                 raise RuntimeError("the engine did not finish its warm-up")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--output", type=Path, default=HERE / "results" / "tuning_closed_loop_h100.json")
-    parser.add_argument("--intervals-per-phase", type=int, default=16)
+    parser.add_argument("--output", type=Path, default=None,
+                        help="default bench/results/tuning_closed_loop_h100.json "
+                             "(--per-batch-size: tuning_closed_loop_schedule_h100.json)")
+    parser.add_argument("--per-batch-size", action="store_true",
+                        help="the tuner with one k and with per-batch-size schedules on "
+                             "bursty and steady phases (SCHEDULE_PHASES), and the static k")
+    parser.add_argument("--intervals-per-phase", type=int, default=None,
+                        help="default 16 (--per-batch-size: 10)")
     parser.add_argument("--interval-engine-s", type=float, default=1.25)
     parser.add_argument("--interval-steps", type=int, default=None,
                         help="intervals of this many steps instead of engine seconds")
-    parser.add_argument("--static-intervals", type=int, default=5)
-    parser.add_argument("--static-ks", default="0,2,4,6,8,1,3,5,7",
-                        help="static k in the order they run (a cut run keeps a spread)")
+    parser.add_argument("--static-intervals", type=int, default=None,
+                        help="default 5 (--per-batch-size: 4)")
+    parser.add_argument("--static-ks", default=None,
+                        help="static k in the order they run (a cut run keeps a spread); "
+                             "default 0,2,4,6,8,1,3,5,7 (--per-batch-size: 4,3,5,6,2,0,7,8,1)")
+    parser.add_argument("--prompt-len", type=int, default=None,
+                        help="prompt tokens per request; default 128 (--per-batch-size: 32, "
+                             "so that the clients arriving in a burst prefill little)")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="--per-batch-size: skip the static k that would end past this "
+                             "many seconds from the start")
     parser.add_argument("--dry-run", action="store_true")
     args = parser.parse_args(argv)
+    sched = args.per_batch_size
+    if args.output is None:
+        name = "tuning_closed_loop_schedule_h100.json" if sched else "tuning_closed_loop_h100.json"
+        args.output = HERE / "results" / name
 
     import torch
 
@@ -665,16 +912,22 @@ def main(argv: list[str] | None = None) -> int:
     import specula.runtime.server.app  # noqa: F401
 
     device = "cpu" if args.dry_run else "cuda"
-    phases = PHASES if not args.dry_run else (Phase(1, 0.85), Phase(8, 0.15))
+    if sched:
+        phases = SCHEDULE_PHASES if not args.dry_run else (
+            Phase(8, 0.8, low_batch=2, burst_steps=6), Phase(4, 0.8))
+    else:
+        phases = PHASES if not args.dry_run else (Phase(1, 0.85), Phase(8, 0.15))
+    static_ks = args.static_ks or ("4,3,5,6,2,0,7,8,1" if sched else "0,2,4,6,8,1,3,5,7")
     cfg = LoopConfig(
         phases=phases,
-        intervals_per_phase=args.intervals_per_phase,
+        intervals_per_phase=args.intervals_per_phase or (10 if sched else 16),
         interval_engine_s=None if args.interval_steps else args.interval_engine_s,
         interval_steps=args.interval_steps,
-        static_ks=tuple(int(k) for k in args.static_ks.split(",")),
-        static_intervals=args.static_intervals,
-        k0_phase=K0_PHASE if not args.dry_run else 1,
-        **({} if not args.dry_run else {"prompt_len": 16, "max_tokens": (16, 48)}),
+        static_ks=tuple(int(k) for k in static_ks.split(",")),
+        static_intervals=args.static_intervals or (4 if sched else 5),
+        k0_phase=None if sched else K0_PHASE if not args.dry_run else 1,
+        prompt_len=args.prompt_len or (16 if args.dry_run else 32 if sched else 128),
+        **({} if not args.dry_run else {"max_tokens": (16, 48)}),
     )
     target, draft = (TINY, TINY_DRAFT) if args.dry_run else (LLAMA_8B, LLAMA_8B)
     t0 = time.perf_counter()
@@ -688,6 +941,7 @@ def main(argv: list[str] | None = None) -> int:
                  else "tiny Llama, float32",
         "speculator": "eagle3: 1 decoder layer, draft vocabulary 32000, synthetic acceptance",
         "config": asdict(cfg),
+        "phases": [ph.label() for ph in phases],
         "logical_time": (
             f"one interval = {cfg.interval_engine_s or cfg.interval_steps} "
             f"{'engine seconds' if cfg.interval_engine_s else 'engine steps'} = "
@@ -705,18 +959,26 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         dirs = write_checkpoints(Path(tmp), target, draft)
-        batches = tuple(sorted({p.batch for p in phases}))
+        batches = tuple(sorted({b for p in phases for b in p.batches}))
         engine = make_engine(dirs, "eagle3", cfg.max_k, batches, device, phases[0].acceptance)
         h = start(engine, cfg, log=lambda s: print(f"[{time.perf_counter() - t0:6.1f}s] {s}",
                                                    flush=True))
         meta["engine_startup_s"] = round(time.perf_counter() - t0, 1)
         try:
             warm_up(h)
-            result = compare(h, write)
+            if sched:
+                budget = args.budget_s if args.budget_s is not None else float("inf")
+                result = compare_schedules(h, write, lambda: budget - (time.perf_counter() - t0))
+            else:
+                result = compare(h, write)
         finally:
             h.loop.stop()
             h.served.close()
     m = result["metrics"]
+    if sched:
+        print(json.dumps({k: m[k] for k in ("schedule_over_single_k", "phase_ratio",
+                                            "phase_ratio_first", "phase_ratio_after")}))
+        m = m["schedule"]
     print(json.dumps({k: m[k] for k in ("gain_over_best_static", "oracle_headroom_captured",
                                         "k0_phase_loss", "worst_phase_fraction_after_3",
                                         "verdict", "best_static_k", "phase_best_static_k")}))

@@ -23,6 +23,7 @@ from bench.tuning_closed_loop import (
     start,
     static_phase_goodput,
 )
+from specula.operator.tuner import ready_endpoints
 from specula.runtime.server import engine_loop
 
 pytestmark = pytest.mark.runtime
@@ -166,3 +167,49 @@ def test_closed_loop_moves_k_and_measures(harness):
     assert m["k0_phase_loss"] == pytest.approx(1 - down_rate / k0_rate, abs=1e-4)
     assert m["phase_best_static_k"] == [2, 0]
     assert math.isfinite(m["gain_over_best_static"])
+
+
+def test_schedule_run_follows_batch_size(tmp_path: Path, monkeypatch):
+    """``run_tuned(schedules=True)`` on a bursty phase (2 <-> 8 clients every 10 steps):
+    the tuner PUTs per-batch-size schedules, and in every interval the engine drafts, at
+    each batch size, the k the schedule in effect gives it."""
+    from specula.tuning.goodput import schedule_k
+
+    clock = LogicalClock()
+    monkeypatch.setattr(engine_loop, "time", types.SimpleNamespace(perf_counter=clock.now))
+    cfg = LoopConfig(
+        phases=(Phase(BATCH, 1.0, intervals=4, low_batch=2, burst_steps=10),),
+        interval_engine_s=None,
+        interval_steps=60,
+        start_k=1,
+        max_k=4,
+        prompt_len=8,
+        max_tokens=(24, 40),
+        k0_phase=None,
+    )
+    dirs = write_checkpoints(tmp_path, TINY, TINY_DRAFT)
+    engine = make_engine(dirs, "eagle3", cfg.max_k, (2, BATCH), "cpu", 1.0)
+    gate = ClosedLoopEngine(engine, clock=clock.now, step_cost=step_cost, advance=clock.advance)
+    h = start(engine, cfg, gate, log=lambda _: None)
+    try:
+        (phase,) = h.run_tuned(schedules=True)
+        (reading,) = h.served.client.read_all(ready_endpoints(h.served.kube.slices))
+        config = reading.speculative_config
+    finally:
+        h.loop.stop()
+        h.served.close()
+    assert h.schedules_through is not None
+    schedules = [rec["tuner"]["schedule"] for rec in phase]
+    assert all(s for s in schedules)
+    # The pod runs the last schedule the tuner decided.
+    assert config["num_speculative_tokens_per_batch_size"] == schedules[-1]
+    # Both batch sizes ran, and each ran the k of the schedule in effect (the one
+    # decided after the interval before; a step in flight at the PUT may keep the old k).
+    for before, rec in zip(schedules, phase[1:], strict=False):
+        by_batch = rec["k_steps_by_batch"]
+        assert {"2", str(BATCH)} <= set(by_batch)
+        for batch, ks in by_batch.items():
+            main_k = max(ks, key=ks.__getitem__)
+            assert int(main_k) == schedule_k(before, int(batch)), (batch, ks, before)
+    # Every draft accepted: the tuner raised k.
+    assert max(k for s in schedules for _, _, k in s) > cfg.start_k
