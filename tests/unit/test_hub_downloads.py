@@ -57,8 +57,9 @@ def test_hf_checkpoint_gets_a_download_init_container_and_a_shared_cache():
              "valueFrom": {"secretKeyRef": {"name": "hf", "key": "hf-token"}}}
     home = {"name": "HF_HOME", "value": f"{MODEL_CACHE_DIR}/huggingface"}
     endpoint = {"name": "HF_ENDPOINT", "value": "http://hub.local"}
-    assert init["env"] == [home, token, endpoint]
-    assert main["env"] == [home, token, {"name": "HF_HUB_OFFLINE", "value": "1"}, endpoint]
+    tmp_home = {"name": "HOME", "value": "/tmp"}  # the root filesystem is read-only
+    assert init["env"] == [tmp_home, home, token, endpoint]
+    assert main["env"] == [tmp_home, home, token, {"name": "HF_HUB_OFFLINE", "value": "1"}, endpoint]
     cache = next(v for v in pod["volumes"] if v["name"] == "model-cache")
     assert cache == {"name": "model-cache", "persistentVolumeClaim": {"claimName": "hf-cache"}}
     init_mount = next(m for m in init["volumeMounts"] if m["name"] == "model-cache")
@@ -79,7 +80,8 @@ def test_no_download_without_an_hf_checkpoint():
     pod = pod_spec(spec(model={"uri": "pvc://models/target"}))
     assert "initContainers" not in pod
     assert all(v["name"] != "model-cache" for v in pod["volumes"])
-    assert "env" not in pod["containers"][0]
+    # Only HOME on the writable /tmp emptyDir: no Hugging Face settings.
+    assert pod["containers"][0]["env"] == [{"name": "HOME", "value": "/tmp"}]
 
 
 def test_vllm_uses_the_same_cache_claim_and_token():
