@@ -210,14 +210,25 @@ def openapi_schema() -> dict[str, Any]:
 
 
 def printer_columns() -> list[dict[str, Any]]:
-    """``kubectl get sm`` columns: Method, K, Accept-Len, Ready, Replicas, Age."""
+    """``kubectl get sm`` columns: Method, K, Accept-Len, Ready, Replicas, Age; with
+    ``-o wide`` also K-Per-Batch, the per-batch-size schedule in effect (blank while
+    one k is)."""
     return [
         {"name": "Method", "type": "string", "jsonPath": ".spec.speculator.method"},
         {
             "name": "K",
             "type": "integer",
-            "description": "Speculative tokens per step in effect",
+            "description": "Speculative tokens per step in effect (under a per-batch-size "
+            "schedule: its k at the batch size the last window mostly ran at)",
             "jsonPath": ".status.speculation.numSpeculativeTokens",
+        },
+        {
+            "name": "K-Per-Batch",
+            "type": "string",
+            "priority": 1,
+            "description": "Per-batch-size schedule in effect, [[start, end, k], ...] "
+            "(tuning.perBatchSize)",
+            "jsonPath": ".status.speculation.numSpeculativeTokensPerBatchSize",
         },
         {
             "name": "Accept-Len",

@@ -235,6 +235,11 @@ def k_fits_mtp_layers(k: int, n_predict: int | None) -> bool:
 
 TuningMode = Literal["Off", "Recommend", "Auto"]
 
+PER_BATCH_SIZE_NEEDS_AUTO = (
+    "tuning.perBatchSize applies to tuning.mode Auto only: Off and Recommend apply "
+    "nothing (Recommend records the best schedule in status.speculation.schedule anyway)"
+)
+
 
 class TuningSpec(ApiModel):
     """How the operator tunes k (``num_speculative_tokens``) from the pods' acceptance
@@ -266,6 +271,15 @@ class TuningSpec(ApiModel):
                     "fieldPath": ".interval",
                     "reason": "FieldValueInvalid",
                 },
+                {
+                    "rule": (
+                        "!has(self.perBatchSize) || !self.perBatchSize"
+                        " || (has(self.mode) && self.mode == 'Auto')"
+                    ),
+                    "message": PER_BATCH_SIZE_NEEDS_AUTO,
+                    "fieldPath": ".perBatchSize",
+                    "reason": "FieldValueForbidden",
+                },
             ]
         }
     )
@@ -289,6 +303,18 @@ class TuningSpec(ApiModel):
     min_gain: float = Field(default=0.05, ge=0.0, le=1.0)
     """Predicted goodput gain (fraction) a change must bring with 95% posterior
     probability; hysteresis against flapping."""
+    per_batch_size: bool = False
+    """``Auto`` mode only: apply a per-batch-size schedule instead of one k (vLLM's
+    ``num_speculative_tokens_per_batch_size``, ``[[start, end, k], ...]``), so that
+    each engine step drafts the k that is best at its own batch size.  The tuner
+    decides the schedule under the same probability, ``minGain``, cooldown and revert
+    rules as a single k; ``engine: specula`` pods take it through their admin API,
+    ``engine: vllm`` pods through ``--speculative-config`` (a new schedule rolls them).
+    Off by default: in the tuning simulator a schedule wins only where the batch size
+    varies within an interval (+1% goodput on the bursty-shift trace) and loses
+    0.6-6.2% where the load moves between intervals (``bench/RESULTS.md``).  The
+    schedule applied is in ``status.speculation.numSpeculativeTokensPerBatchSize``;
+    the best one is recommended in ``status.speculation.schedule`` in every mode."""
 
     @model_validator(mode="after")
     def _min_le_max(self) -> TuningSpec:
@@ -299,6 +325,8 @@ class TuningSpec(ApiModel):
                 f"minSpeculativeTokens ({self.min_speculative_tokens}) must not exceed "
                 f"maxSpeculativeTokens ({self.max_speculative_tokens})"
             )
+        if self.per_batch_size and self.mode != "Auto":
+            raise ValueError(f"{PER_BATCH_SIZE_NEEDS_AUTO} (mode is {self.mode})")
         return self
 
     @property

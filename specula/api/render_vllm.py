@@ -117,7 +117,10 @@ def render_speculative_config(
     the spec's k); ``None`` when the pods must not speculate (k = 0 everywhere).
 
     With a schedule, ``num_speculative_tokens`` is the schedule's largest k: vLLM caps
-    every range's k at it (``build_dynamic_sd_schedule_lookup``).
+    every range's k at it (``build_dynamic_sd_schedule_lookup``).  A schedule with one
+    k at every batch size is rendered as that k alone: the same steps, without vLLM's
+    dynamic-k path, and the pods are not rolled when ``tuning.perBatchSize`` turns it
+    on before the tuner has decided anything.
 
     Raises:
         VllmConfigError: vLLM would refuse the result (see the module docstring).
@@ -125,7 +128,11 @@ def render_speculative_config(
     spec_k = spec.speculator.num_speculative_tokens
     speculation = speculation or PodSpeculation(spec_k)
     schedule = speculation.schedule
-    k = max(r[2] for r in schedule) if schedule else speculation.num_speculative_tokens
+    if schedule and len({r[2] for r in schedule}) == 1:
+        schedule = None
+        k = speculation.schedule[0][2]
+    else:
+        k = max(r[2] for r in schedule) if schedule else speculation.num_speculative_tokens
     if k <= 0:
         return None
     speculator = spec.speculator

@@ -41,7 +41,15 @@ class SpeculationStatus(ApiModel):
     model_config = ConfigDict(extra="ignore")
 
     num_speculative_tokens: int | None = None
-    """k in effect on the pods."""
+    """k in effect on the pods; under a per-batch-size schedule, its k at the batch
+    size the last window mostly ran at."""
+    num_speculative_tokens_per_batch_size: (
+        list[Annotated[list[int], Field(min_length=3, max_length=3)]] | None
+    ) = Field(default=None, max_length=32)
+    """Per-batch-size schedule in effect on the pods, ``[[start, end, k], ...]``
+    (inclusive ranges of the number of requests in a step, the first from 1; above the
+    last range its k), as ``tuning.perBatchSize`` applies it; unset while one k is in
+    effect."""
     recommended_num_speculative_tokens: int | None = None
     """k the tuner found best in its last decision (applied only in ``Auto`` mode)."""
     schedule: list[Annotated[list[int], Field(min_length=3, max_length=3)]] | None = Field(
@@ -49,7 +57,8 @@ class SpeculationStatus(ApiModel):
     )
     """Best per-batch-size k for the measured acceptance, ``[[start, end, k], ...]``
     (inclusive ranges of the number of requests in a step, the first from 1), in the
-    form of the runtime's ``num_speculative_tokens_per_batch_size``; a recommendation."""
+    form of the runtime's ``num_speculative_tokens_per_batch_size``; a recommendation
+    (the schedule applied is ``numSpeculativeTokensPerBatchSize``)."""
     acceptance_rate: float | None = None
     """Accepted / proposed draft tokens over the last window with drafts (all pods)."""
     mean_acceptance_length: float | None = None

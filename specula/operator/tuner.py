@@ -20,6 +20,7 @@ counter baselines, the start of the current window, pods still to update) is in
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -42,6 +43,7 @@ from specula.tuning import (
     decide,
     window_delta,
 )
+from specula.tuning.state import Schedule
 
 HISTORY_LENGTH = 10
 """Entries kept in ``status.tuningHistory``."""
@@ -169,7 +171,11 @@ def target_config(state: TuningState) -> dict[str, Any]:
 
 
 def tuning_settings(spec: SpeculativeModelSpec) -> TuningSettings:
-    """The policy settings of a resource (its ``spec.tuning``; the rest stays default)."""
+    """The policy settings of a resource (its ``spec.tuning``; the rest stays default).
+
+    Schedules (``spec.tuning.perBatchSize``) cover batch sizes up to the policy's
+    default bound (256, the range of the tuning simulator's figures) or the pods'
+    ``maxNumSeqs`` if that is larger; rows past a pod's largest step are never used."""
     t = spec.tuning
     return TuningSettings(
         mode=t.mode,
@@ -178,18 +184,51 @@ def tuning_settings(spec: SpeculativeModelSpec) -> TuningSettings:
         interval_s=t.interval_s,
         cooldown_s=t.cooldown_s,
         min_gain=t.min_gain,
+        apply_schedule=t.per_batch_size,
+        max_batch_size=max(spec.pod_max_num_seqs, TuningSettings.max_batch_size),
+    )
+
+
+def _uniform(k: int, max_batch_size: int) -> Schedule:
+    """The schedule that drafts ``k`` at every batch size."""
+    return ((1, max_batch_size, k),)
+
+
+def _in_form(state: TuningState, spec: SpeculativeModelSpec) -> TuningState:
+    """``state`` in the form ``spec.tuning.perBatchSize`` asks for, both the
+    configuration in effect and the revert target: a single k becomes the schedule
+    drafting it at every batch size, and a schedule becomes its k at the batch size the
+    last window mostly ran at (``num_speculative_tokens``).  A change of form also
+    ends the verification of the last change, which compared the old form."""
+    per_batch = spec.tuning.per_batch_size
+    if (state.schedule is not None) == per_batch:
+        return state
+    if not per_batch:
+        return replace(state, schedule=None, previous_schedule=None, pending_verification=False)
+    size = tuning_settings(spec).max_batch_size
+    previous = state.previous_num_speculative_tokens
+    return replace(
+        state,
+        schedule=_uniform(state.num_speculative_tokens, size),
+        previous_schedule=None if previous is None else _uniform(previous, size),
+        pending_verification=False,
     )
 
 
 def load_state(spec: SpeculativeModelSpec, tuner: TunerStatus | None) -> TuningState:
     """The stored state, or a fresh one at the spec's k if there is none or it is
-    unreadable (a newer format, or edited by hand)."""
+    unreadable (a newer format, or edited by hand); in ``Auto`` mode in the form of
+    ``spec.tuning.perBatchSize`` (a schedule or one k), so that turning it on or off
+    changes what the pods are sent at the next window, before any decision."""
+    state = None
     if tuner is not None and tuner.state:
         try:
-            return TuningState.from_dict(tuner.state)
+            state = TuningState.from_dict(tuner.state)
         except (ValueError, TypeError, KeyError):
             pass
-    return TuningState.initial(spec.speculator.num_speculative_tokens, tuning_settings(spec))
+    if state is None:
+        state = TuningState.initial(spec.speculator.num_speculative_tokens, tuning_settings(spec))
+    return _in_form(state, spec) if spec.tuning.mode == "Auto" else state
 
 
 def is_due(tuner: TunerStatus | None, interval_s: float, tick_s: float, now: float) -> bool:
@@ -235,10 +274,20 @@ def _observed_k(readings: list[PodReading]) -> int | None:
     return ks.pop() if len(ks) == 1 else None
 
 
+def _observed_schedule(readings: list[PodReading]) -> list[list[int]] | None:
+    """The schedule every pod reports, if they all report the same one."""
+    found = {
+        json.dumps((r.speculative_config or {}).get("num_speculative_tokens_per_batch_size"))
+        for r in readings
+    }
+    return json.loads(found.pop()) if len(found) == 1 else None
+
+
 def _speculation(
     previous: SpeculationStatus | None,
     decision: Decision,
     k_in_effect: int,
+    schedule_in_effect: list[list[int]] | None,
     measured_pods: int,
     now_rfc3339: str,
 ) -> SpeculationStatus:
@@ -250,6 +299,7 @@ def _speculation(
     )
     update: dict[str, Any] = {
         "num_speculative_tokens": k_in_effect,
+        "num_speculative_tokens_per_batch_size": schedule_in_effect,
         "recommended_num_speculative_tokens": recommended,
         "measured_pods": measured_pods,
     }
@@ -404,6 +454,10 @@ def evaluate(
     baselines.update({pod: m.to_dict() for pod, m in current.items()})
     history, entry = _history(previous.tuning_history, decision, now_rfc3339)
     k_in_effect = target if auto else (observed if observed is not None else new_state.num_speculative_tokens)
+    if auto:
+        schedule_in_effect = config.get("num_speculative_tokens_per_batch_size") if config else None
+    else:
+        schedule_in_effect = _observed_schedule(ok)
     problem = None
     if decision.reason == "InsufficientData":
         problem = (REASON_INSUFFICIENT_DATA, decision.message)
@@ -414,7 +468,9 @@ def evaluate(
             "last_scrape_time": now,
             "pending_pods": [e.pod for e in to_apply],
         }),
-        speculation=_speculation(previous.speculation, decision, k_in_effect, len(ok), now_rfc3339),
+        speculation=_speculation(
+            previous.speculation, decision, k_in_effect, schedule_in_effect, len(ok), now_rfc3339
+        ),
         history=history,
         decision=decision,
         target_num_speculative_tokens=target,
@@ -476,6 +532,21 @@ def _detail(errors: dict[str, str]) -> str:
     return "; ".join(f"{pod}: {err}" for pod, err in sorted(errors.items()))
 
 
+_CLEARABLE_SPECULATION = ("numSpeculativeTokensPerBatchSize", "recommendedNumSpeculativeTokens")
+"""``status.speculation`` fields that the tuner unsets (the schedule when one k is in
+effect again, the recommendation when tuning is ``Off``): a merge patch keeps a field
+it does not name, so these are sent as explicit nulls."""
+
+
+def _speculation_json(speculation: SpeculationStatus | None) -> dict[str, Any] | None:
+    if speculation is None:
+        return None
+    raw: dict[str, Any] = speculation.to_k8s()
+    for key in _CLEARABLE_SPECULATION:
+        raw.setdefault(key, None)
+    return raw
+
+
 def _update(
     current: SpeculativeModelStatus,
     cond: Condition,
@@ -491,7 +562,7 @@ def _update(
     patch = {
         # An explicit null removes the field (JSON merge patch).
         "tuner": _tuner_json(tuner),
-        "speculation": speculation.to_k8s() if speculation is not None else None,
+        "speculation": _speculation_json(speculation),
         "tuningHistory": [e.to_k8s() for e in history] if history else None,
         "conditions": [c.to_k8s() for c in conditions],
     }
@@ -522,8 +593,13 @@ def finish(
         reason, message = evaluation.problem
         cond = _tuned(False, reason, message, generation)
     elif failures:
-        k = evaluation.target_num_speculative_tokens
-        message = f"{len(failures)} pod(s) did not accept k={k}: {_detail(failures)}"
+        config = evaluation.target_config or {}
+        target = (
+            f"schedule {config['num_speculative_tokens_per_batch_size']}"
+            if "num_speculative_tokens_per_batch_size" in config
+            else f"k={evaluation.target_num_speculative_tokens}"
+        )
+        message = f"{len(failures)} pod(s) did not accept {target}: {_detail(failures)}"
         cond = _tuned(False, REASON_APPLY_FAILED, message, generation)
         # One warning per new set of failing pods, not one per window.
         before = current.tuner.pending_pods if current.tuner is not None else []
@@ -559,17 +635,19 @@ def after_retry(
     now_rfc3339: str,
 ) -> StatusUpdate:
     """Status after re-sending the k in effect to the pods of ``status.tuner.pendingPods``
-    between windows; ``failures`` are those that still refused."""
+    between windows; ``failures`` are those that still refused.  ``target`` is that k,
+    or a text naming the schedule in effect."""
+    what = f"k={target}" if isinstance(target, int) else target
     tuner = (current.tuner or TunerStatus()).model_copy(update={"pending_pods": sorted(failures)})
     events: list[Event] = []
     if failures:
         cond = _tuned(
             False, REASON_APPLY_FAILED,
-            f"{len(failures)} pod(s) did not accept k={target}: {_detail(failures)}", generation,
+            f"{len(failures)} pod(s) did not accept {what}: {_detail(failures)}", generation,
         )
     else:
         cond = _tuned(
-            True, REASON_APPLIED, f"k={target} applied to {', '.join(sorted(retried))} on retry",
+            True, REASON_APPLIED, f"{what} applied to {', '.join(sorted(retried))} on retry",
             generation,
         )
         events.append(Event("Normal", REASON_APPLIED, cond.message[:1024]))
@@ -608,7 +686,11 @@ def disabled(
             events.append(Event("Normal", REASON_RESTORED, f"tuning is Off: k={k} restored on all pods"))
         tuner = None
         speculation = (speculation or SpeculationStatus()).model_copy(
-            update={"num_speculative_tokens": k, "recommended_num_speculative_tokens": None}
+            update={
+                "num_speculative_tokens": k,
+                "num_speculative_tokens_per_batch_size": None,
+                "recommended_num_speculative_tokens": None,
+            }
         )
     return _update(current, cond, tuner, speculation, current.tuning_history, events, now_rfc3339)
 

@@ -86,9 +86,16 @@ def _token(kube: Kube, body: dict[str, Any]) -> str | None:
         return None
 
 
+def _without_nulls(value: Any) -> Any:
+    """``value`` with the object members a merge patch would remove (nulls) dropped."""
+    if isinstance(value, dict):
+        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+    return value
+
+
 def _unchanged(patch: dict[str, Any], status: SpeculativeModelStatus | None) -> bool:
     raw = status.to_k8s() if status is not None else {}
-    return all(raw.get(key) == value for key, value in patch.items())
+    return all(raw.get(key) == _without_nulls(value) for key, value in patch.items())
 
 
 def _write(
@@ -282,8 +289,8 @@ def _retry_pending(
         return None
     state = pure.load_state(spec, current.tuner)
     config = pure.target_config(state)
-    target = state.num_speculative_tokens if state.schedule is None else str(
-        config["num_speculative_tokens_per_batch_size"]
+    target = state.num_speculative_tokens if state.schedule is None else (
+        f"schedule {config['num_speculative_tokens_per_batch_size']}"
     )
     if spec.engine == "vllm":
         failures = _roll(body, spec, current, kube, settings)

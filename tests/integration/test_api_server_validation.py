@@ -52,6 +52,16 @@ INVALID_SPECS = [
         ['spec.speculator.model.uri: Invalid value: "http://example.com/draft"'],
         id="bad-draft-uri-scheme",
     ),
+    pytest.param(
+        {"tuning": {"perBatchSize": True}},
+        ["spec.tuning.perBatchSize: Forbidden", "applies to tuning.mode Auto only"],
+        id="per-batch-size-in-default-recommend-mode",
+    ),
+    pytest.param(
+        {"tuning": {"mode": "Off", "perBatchSize": True}},
+        ["spec.tuning.perBatchSize: Forbidden", "applies to tuning.mode Auto only"],
+        id="per-batch-size-with-tuning-off",
+    ),
 ]
 
 
@@ -70,6 +80,26 @@ def test_invalid_spec_is_rejected(
     with pytest.raises(ApiException) as missing:
         get_sm(custom_objects, namespace, name)
     assert missing.value.status == 404
+
+
+def test_per_batch_size_is_accepted_in_auto_mode(control_plane, custom_objects, namespace):
+    name = "per-batch-size"
+    created = create_sm(custom_objects, namespace, sm_body(
+        name, {"tuning": {"mode": "Auto", "perBatchSize": True}}
+    ))
+    try:
+        assert created["spec"]["tuning"]["perBatchSize"] is True
+    finally:
+        delete_sm(custom_objects, namespace, name)
+    # Another name: an operator started by an earlier test may hold the first one's
+    # deletion on its finalizer.
+    defaulted = create_sm(
+        custom_objects, namespace, sm_body(f"{name}-default", {"tuning": {"mode": "Auto"}})
+    )
+    try:
+        assert defaulted["spec"]["tuning"]["perBatchSize"] is False
+    finally:
+        delete_sm(custom_objects, namespace, f"{name}-default")
 
 
 @pytest.mark.parametrize("k", [1, 16])

@@ -12,7 +12,8 @@ writing an EndpointSlice itself (the operator reads endpoints from EndpointSlice
 The tiny draft agrees with the target about half the time; the decisions come from
 the tuning policy (the Auto test moves the bounds past the k in effect so that at
 least one change is certain), the test only checks that they are taken, applied and
-recorded.
+recorded.  With ``tuning.perBatchSize`` the operator sends a per-batch-size schedule
+instead of one k, and sends one k again once it is turned off.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ def runtime_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runtime
         test_host.delete()
 
 
-def _tuned_sm(name: str, mode: str, k: int) -> dict:
+def _tuned_sm(name: str, mode: str, k: int, **tuning) -> dict:
     return sm_body(name, {
         "model": {"dtype": "float32", "maxModelLen": 128},
         "speculator": {"numSpeculativeTokens": k},
@@ -72,6 +73,7 @@ def _tuned_sm(name: str, mode: str, k: int) -> dict:
             "interval": "2s",
             "cooldown": "0s",
             "minGain": 0.01,
+            **tuning,
         },
     })
 
@@ -282,5 +284,77 @@ def test_auto_mode_applies_decisions_and_keeps_state_across_restart(
         assert first["reason"] in reasons, reasons
         tuned = condition(get_sm(custom_objects, namespace, name), "Tuned")
         assert tuned is not None and tuned["reason"] in ("Applied", "InsufficientData"), tuned
+    finally:
+        _cleanup(custom_objects, discovery_v1, namespace, name)
+
+
+def _wide_column(control_plane, namespace: str, name: str, column: str) -> str:
+    """``column`` of ``kubectl get sm -o wide`` (blank when the field is unset)."""
+    out = control_plane.run_kubectl("-n", namespace, "get", "sm", name, "-o", "wide").stdout
+    header, row = out.rstrip("\n").splitlines()
+    columns = header.split()
+    starts = [header.index(c) for c in columns]
+    ends = [*starts[1:], None]
+    values = {c: row[a:b].strip() for c, a, b in zip(columns, starts, ends, strict=True)}
+    return values[column]
+
+
+def test_per_batch_size_puts_a_schedule_and_one_k_once_turned_off(
+    operator, control_plane, custom_objects, core_v1, discovery_v1, namespace, runtime_server
+):
+    name = "tuned-per-batch"
+    start_k = 2
+    runtime_server.set_num_speculative_tokens(SERVER_MAX_K)
+    create_sm(custom_objects, namespace, _tuned_sm(name, "Auto", start_k, perBatchSize=True))
+    _mount_admin_token(core_v1, namespace, name, runtime_server)
+    _point_service_at(discovery_v1, namespace, name, runtime_server)
+    try:
+        with Traffic(runtime_server) as traffic:
+
+            def scheduled() -> tuple[dict, list] | None:
+                # The operator PUTs a schedule (at first the spec's k at every batch
+                # size up to 256; later whatever the
+                # policy decides), and status shows the one the server runs.
+                server = runtime_server.speculative_config()
+                schedule = server.get("num_speculative_tokens_per_batch_size")
+                sm = get_sm(custom_objects, namespace, name)
+                shown = _speculation(sm).get("numSpeculativeTokensPerBatchSize")
+                if schedule and shown == schedule:
+                    return sm, schedule
+                return None
+
+            sm, schedule = wait_for(scheduled, timeout=60, interval=0.3, message=(
+                f"{name}: a schedule in effect on the server and in status"
+            ))
+            assert schedule[0][0] == 1 and schedule[-1][1] == 256, schedule
+            assert all(0 <= k <= SERVER_MAX_K for _, _, k in schedule), schedule
+            assert sm["status"]["tuner"]["state"].get("schedule") == schedule
+            column = _wide_column(control_plane, namespace, name, "K-PER-BATCH")
+            # The API server prints the list as JSON (the policy may have moved on since).
+            assert column.startswith("[[1,") and json.loads(column)[-1][1] == 256, column
+
+            patch_sm(custom_objects, namespace, name, {"spec": {"tuning": {"perBatchSize": False}}})
+
+            def single_k() -> tuple[dict, int] | None:
+                server = runtime_server.speculative_config()
+                sm = get_sm(custom_objects, namespace, name)
+                spec = _speculation(sm)
+                k = server.get("num_speculative_tokens")
+                if (
+                    server.get("num_speculative_tokens_per_batch_size") is None
+                    and isinstance(k, int)
+                    and "numSpeculativeTokensPerBatchSize" not in spec
+                    and spec.get("numSpeculativeTokens") == k
+                ):
+                    return sm, k
+                return None
+
+            sm, k = wait_for(single_k, timeout=60, interval=0.3, message=(
+                f"{name}: one k in effect on the server and in status after perBatchSize: false"
+            ))
+            assert 0 <= k <= SERVER_MAX_K
+            assert sm["status"]["tuner"]["state"].get("schedule") is None
+            assert _wide_column(control_plane, namespace, name, "K-PER-BATCH") == ""
+            assert not traffic.errors, traffic.errors[:3]
     finally:
         _cleanup(custom_objects, discovery_v1, namespace, name)

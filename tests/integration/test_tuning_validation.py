@@ -54,7 +54,7 @@ def test_tuning_defaults_and_bounds_are_accepted(control_plane, custom_objects, 
         created = create_sm(custom_objects, namespace, body)
         assert created["spec"]["tuning"] == {
             "mode": "Recommend", "minSpeculativeTokens": 0, "interval": "30s",
-            "cooldown": "2m", "minGain": 0.05,
+            "cooldown": "2m", "minGain": 0.05, "perBatchSize": False,
         }
     finally:
         delete_sm(custom_objects, namespace, name)

@@ -238,8 +238,24 @@ def test_auto_mode_bounds_pods_by_the_tuning_maximum():
     assert render_runtime_config("m", recommend).speculator.num_speculative_tokens == 3
     assert auto.to_k8s()["tuning"] == {
         "mode": "Auto", "minSpeculativeTokens": 1, "maxSpeculativeTokens": 6,
-        "interval": "30s", "cooldown": "2m", "minGain": 0.05,
+        "interval": "30s", "cooldown": "2m", "minGain": 0.05, "perBatchSize": False,
     }
+
+
+def test_per_batch_size_is_off_by_default_and_needs_auto():
+    assert SpeculativeModelSpec.model_validate(spec_dict()).tuning.per_batch_size is False
+    auto = SpeculativeModelSpec.model_validate(
+        spec_dict(tuning={"mode": "Auto", "perBatchSize": True})
+    )
+    assert auto.tuning.per_batch_size is True
+    assert auto.to_k8s()["tuning"]["perBatchSize"] is True
+    for mode in ("Off", "Recommend"):
+        with pytest.raises(ValidationError, match=r"tuning.perBatchSize applies to tuning.mode Auto"):
+            SpeculativeModelSpec.model_validate(spec_dict(tuning={"mode": mode, "perBatchSize": True}))
+    with pytest.raises(ValidationError, match=r"mode is Recommend"):  # the default mode
+        SpeculativeModelSpec.model_validate(spec_dict(tuning={"perBatchSize": True}))
+    # false is no contradiction in any mode
+    SpeculativeModelSpec.model_validate(spec_dict(tuning={"mode": "Off", "perBatchSize": False}))
 
 
 def test_tuning_status_round_trips():

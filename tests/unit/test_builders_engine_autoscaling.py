@@ -193,8 +193,17 @@ def test_pod_speculation_follows_the_tuner_only_in_auto():
     assert pod_speculation(auto, None) == PodSpeculation(2)
     assert pod_speculation(auto, _status_with_state(5)) == PodSpeculation(5)
     sched = [[1, 8, 4], [9, 256, 1]]
-    assert pod_speculation(auto, _status_with_state(4, sched)) == PodSpeculation(
+    # Without tuning.perBatchSize a stored schedule gives way to its headline k.
+    assert pod_speculation(auto, _status_with_state(4, sched)) == PodSpeculation(4)
+    per_batch = auto.model_copy(
+        update={"tuning": auto.tuning.model_copy(update={"per_batch_size": True})}
+    )
+    assert pod_speculation(per_batch, _status_with_state(4, sched)) == PodSpeculation(
         4, ((1, 8, 4), (9, 256, 1))
+    )
+    # A single k becomes the schedule drafting it at every batch size (up to maxNumSeqs).
+    assert pod_speculation(per_batch, _status_with_state(5)) == PodSpeculation(
+        5, ((1, 256, 5),)
     )
     recommend = make_spec(tuning={"mode": "Recommend"})
     assert pod_speculation(recommend, _status_with_state(5)) == PodSpeculation(3)

@@ -169,9 +169,16 @@ def test_cel_rules(schema):
         " ".join(k_rule["rule"].split())
     )
     tuning = spec["properties"]["tuning"]
-    min_max, interval = tuning["x-kubernetes-validations"]
+    min_max, interval, per_batch = tuning["x-kubernetes-validations"]
     assert "<= self.maxSpeculativeTokens" in min_max["rule"]
     assert "duration(self.interval) >= duration('1s')" in interval["rule"]
+    assert per_batch["fieldPath"] == ".perBatchSize"
+    assert "self.mode == 'Auto'" in per_batch["rule"]
+    assert per_batch["message"].startswith("tuning.perBatchSize applies to tuning.mode Auto")
+    assert tuning["properties"]["perBatchSize"] == {
+        "type": "boolean", "default": False,
+        "description": tuning["properties"]["perBatchSize"]["description"],
+    }
     (name_rule,) = schema["x-kubernetes-validations"]
     assert name_rule["rule"] == "size(self.metadata.name) <= 63"
 
@@ -246,7 +253,15 @@ def test_subresources(version):
 
 def test_printer_columns(version):
     columns = {c["name"]: c for c in version["additionalPrinterColumns"]}
-    assert list(columns) == ["Method", "K", "Accept-Len", "Ready", "Replicas", "Age"]
+    assert list(columns) == [
+        "Method", "K", "K-Per-Batch", "Accept-Len", "Ready", "Replicas", "Age",
+    ]
+    # The schedule only with -o wide: it is long, and blank unless tuning.perBatchSize.
+    assert columns["K-Per-Batch"]["priority"] == 1
+    assert columns["K-Per-Batch"]["jsonPath"] == (
+        ".status.speculation.numSpeculativeTokensPerBatchSize"
+    )
+    assert all("priority" not in c for n, c in columns.items() if n != "K-Per-Batch")
     assert columns["Accept-Len"]["jsonPath"] == ".status.speculation.meanAcceptanceLength"
     assert columns["Accept-Len"]["type"] == "number"
     assert columns["Method"]["jsonPath"] == ".spec.speculator.method"

@@ -431,3 +431,128 @@ def test_window_reports_queue_and_length_of_pods_measured_throughout():
     assert second.window_pods == 1
     assert second.queue == QueueGauges(4, 2)
     assert second.window.counters.num_drafts == 1000
+
+
+# --- per-batch-size schedules (spec.tuning.perBatchSize) ------------------------------
+
+
+def on_schedule(pod: str, k: int, schedule, scale=1.0) -> PodReading:
+    """A pod that drafted at ``k`` and reports running ``schedule``."""
+    base = reading(pod, k, scale)
+    return replace(base, speculative_config={
+        "num_speculative_tokens": None,
+        "num_speculative_tokens_per_batch_size": schedule,
+        "max_num_speculative_tokens": 4,
+    })
+
+
+def test_settings_turn_schedules_on_over_the_pods_batch():
+    s = tuner.tuning_settings(spec("Auto", perBatchSize=True))
+    assert s.apply_schedule and s.max_batch_size == 256  # maxNumSeqs 32 is covered
+    assert not tuner.tuning_settings(spec("Auto")).apply_schedule
+    big = SpeculativeModelSpec.model_validate({
+        **spec("Auto", perBatchSize=True).to_k8s(), "maxNumSeqs": 1024,
+    })
+    assert tuner.tuning_settings(big).max_batch_size == 1024
+
+
+def test_per_batch_size_puts_a_schedule_and_shows_it_in_status():
+    s = spec("Auto", k=2, perBatchSize=True)
+    ev = tuner.evaluate(s, None, [reading("a", 4, configured=4)], NOW, NOW_S)
+    # Before any decision: the spec's k as a schedule over every batch size.
+    assert ev.target_config == {"num_speculative_tokens_per_batch_size": [[1, 256, 2]]}
+    assert [e.pod for e in ev.to_apply] == ["a"]
+    update = tuner.finish(ev, {}, None, 1, NOW_S)
+    assert update.patch["speculation"]["numSpeculativeTokens"] == 2
+    assert update.patch["speculation"]["numSpeculativeTokensPerBatchSize"] == [[1, 256, 2]]
+    status = roundtrip(SpeculativeModelStatus(), update)
+    assert status.speculation.num_speculative_tokens_per_batch_size == [[1, 256, 2]]
+    assert TuningState.from_dict(status.tuner.state).schedule == ((1, 256, 2),)
+
+    # The pod now runs it; the next decision (whatever it is) is a schedule too, sent
+    # only if it differs from the one the pod runs.
+    second = tuner.evaluate(s, status, [on_schedule("a", 2, [[1, 256, 2]], 2.0)], NOW + 10, NOW_S)
+    target = second.target_config["num_speculative_tokens_per_batch_size"]
+    assert (second.to_apply == []) == (target == [[1, 256, 2]])
+    # This window (batch 4) explores k=4 on its batch sizes; larger batches get the
+    # k the model prefers there, which falls with the batch size.
+    assert second.decision.reason == "Explore"
+    assert target[0][:1] + target[0][2:] == [1, 4] and target[-1][1] == 256
+    assert all(a[1] + 1 == b[0] and a[2] > b[2] for a, b in zip(target[:-1], target[1:], strict=True))
+    assert second.speculation.num_speculative_tokens_per_batch_size == (
+        second.target_config["num_speculative_tokens_per_batch_size"]
+    )
+
+
+def test_failing_pods_are_told_the_schedule_they_refused():
+    s = spec("Auto", k=2, perBatchSize=True)
+    ev = tuner.evaluate(s, None, [reading("a", 2)], NOW, NOW_S)
+    update = tuner.finish(ev, {"a": "HTTP 400"}, None, 1, NOW_S)
+    cond = get_condition(update.conditions, TUNED)
+    assert cond.reason == "ApplyFailed"
+    assert "did not accept schedule [[1, 256, 2]]" in cond.message
+    status = roundtrip(SpeculativeModelStatus(), update)
+    retried = tuner.after_retry("schedule [[1, 256, 2]]", ["a"], {}, status, 1, NOW_S)
+    assert get_condition(retried.conditions, TUNED).message.startswith(
+        "schedule [[1, 256, 2]] applied to a"
+    )
+
+
+def test_turning_per_batch_size_off_puts_one_k_back():
+    scheduled = TuningState(
+        num_speculative_tokens=3, schedule=((1, 8, 3), (9, 32, 1)),
+        previous_num_speculative_tokens=2, previous_schedule=((1, 256, 2),),
+        pending_verification=True,
+    )
+    status = SpeculativeModelStatus(
+        tuner=tuner.TunerStatus(state=scheduled.to_dict()),
+        speculation={"numSpeculativeTokens": 3,
+                     "numSpeculativeTokensPerBatchSize": [[1, 8, 3], [9, 32, 1]]},
+    )
+    state = tuner.load_state(spec("Auto", k=2), status.tuner)
+    assert (state.schedule, state.previous_schedule, state.pending_verification) == (
+        None, None, False
+    )
+    ev = tuner.evaluate(
+        spec("Auto", k=2), status, [on_schedule("a", 3, [[1, 8, 3], [9, 32, 1]])], NOW, NOW_S
+    )
+    assert ev.target_config == {"num_speculative_tokens": 3}
+    assert [e.pod for e in ev.to_apply] == ["a"]
+    update = tuner.finish(ev, {}, status, 1, NOW_S)
+    # An explicit null: a merge patch would otherwise keep the old schedule.
+    assert update.patch["speculation"]["numSpeculativeTokensPerBatchSize"] is None
+    after = roundtrip(status, update)
+    assert after.speculation.num_speculative_tokens_per_batch_size is None
+    assert after.speculation.num_speculative_tokens == 3
+
+
+def test_turning_per_batch_size_on_keeps_the_revert_target_in_form():
+    state = TuningState(num_speculative_tokens=3, previous_num_speculative_tokens=2)
+    loaded = tuner.load_state(
+        spec("Auto", k=2, perBatchSize=True), tuner.TunerStatus(state=state.to_dict())
+    )
+    assert loaded.schedule == ((1, 256, 3),)
+    assert loaded.previous_schedule == ((1, 256, 2),)
+    # Recommend mode describes what the pods run; it converts nothing.
+    scheduled = replace(state, schedule=((1, 8, 3), (9, 32, 1)))
+    kept = tuner.load_state(spec("Recommend"), tuner.TunerStatus(state=scheduled.to_dict()))
+    assert kept.schedule == ((1, 8, 3), (9, 32, 1))
+
+
+def test_recommend_mode_reports_the_schedule_the_pods_run():
+    ev = tuner.evaluate(spec("Recommend"), None, [on_schedule("a", 2, [[1, 4, 3], [5, 32, 2]])],
+                        NOW, NOW_S)
+    assert ev.speculation.num_speculative_tokens_per_batch_size == [[1, 4, 3], [5, 32, 2]]
+    mixed = [on_schedule("a", 2, [[1, 256, 2]]), reading("b", 2)]
+    ev = tuner.evaluate(spec("Recommend"), None, mixed, NOW, NOW_S)
+    assert ev.speculation.num_speculative_tokens_per_batch_size is None
+
+
+def test_off_mode_clears_the_schedule_in_status():
+    status = SpeculativeModelStatus(speculation={
+        "numSpeculativeTokens": 3, "numSpeculativeTokensPerBatchSize": [[1, 32, 3]],
+    })
+    update = tuner.disabled(spec("Off", k=2), status, {}, 1, NOW_S)
+    after = roundtrip(status, update)
+    assert after.speculation.num_speculative_tokens == 2
+    assert after.speculation.num_speculative_tokens_per_batch_size is None

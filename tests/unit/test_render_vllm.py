@@ -133,6 +133,18 @@ def test_tuned_k_and_schedule():
     assert config["num_speculative_tokens_per_batch_size"] == [[1, 8, 4], [9, 64, 2], [65, 256, 0]]
 
 
+def test_schedule_of_one_k_renders_as_that_k():
+    """Turning tuning.perBatchSize on makes the k in effect a one-row schedule; vLLM
+    pods keep their arguments (no roll) until the tuner decides a real schedule."""
+    spec = make_spec()
+    assert render_speculative_config(spec, PodSpeculation(3, ((1, 256, 3),))) == (
+        render_speculative_config(spec, PodSpeculation(3))
+    )
+    two_rows = render_speculative_config(spec, PodSpeculation(3, ((1, 8, 3), (9, 256, 3))))
+    assert "num_speculative_tokens_per_batch_size" not in two_rows
+    assert two_rows["num_speculative_tokens"] == 3
+
+
 def test_k_zero_means_no_speculative_config():
     spec = make_spec()
     assert render_speculative_config(spec, PodSpeculation(0)) is None
