@@ -163,7 +163,7 @@ def test_utilization_is_measured_served_and_scaled_on(
         replicas=2, tuning={"interval": "2s"},
     ))
     discovery_v1.create_namespaced_endpoint_slice(namespace, endpoint_slice_body(
-        name, stand_in.address, {"http": stand_in.port, "metrics": stand_in.port},
+        name, stand_in.address, {"http": stand_in.port, "metrics": stand_in.port, "admin": stand_in.port},
     ))
     try:
         def measured() -> dict | None:
