@@ -9,7 +9,11 @@ Runs on kopf's asyncio loop (aiohttp, which kopf itself depends on), on
   measurement;
 - ``GET /metrics`` -> the gauge ``specula_operator_utilization{namespace,name}`` in the
   Prometheus text format, for an HPA through a Prometheus adapter;
-- ``GET /healthz`` -> ``ok``.
+- ``GET /healthz`` -> ``ok``;
+- ``GET /openapi.json`` -> :data:`OPENAPI`, the OpenAPI 3.1 document of these routes.
+
+Every error is JSON, ``{"error": "<message>"}``, aiohttp's own (unknown route, wrong
+method) included.
 
 Values come from the tuner's windows (:class:`UtilizationRegistry`, fed by
 :func:`specula.operator.tuning.tune`); after an operator restart, until the first
@@ -23,6 +27,7 @@ import logging
 import threading
 from collections.abc import Callable
 from datetime import UTC, datetime
+from typing import Any
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Gauge
@@ -71,6 +76,70 @@ class UtilizationRegistry:
             return self._values.get((namespace, name))
 
 
+_ERROR = {
+    "description": "Error",
+    "content": {"application/json": {"schema": {
+        "type": "object", "required": ["error"], "properties": {"error": {"type": "string"}},
+    }}},
+}
+_NAME = {"type": "string", "minLength": 1}
+
+OPENAPI: dict = {
+    "openapi": "3.1.0",
+    "info": {"title": "Specula operator", "version": "v1alpha1"},
+    "paths": {
+        utilization_path("{namespace}", "{name}"): {"get": {
+            "summary": "Utilization of a SpeculativeModel, for KEDA's metrics-api scaler",
+            "parameters": [
+                {"name": p, "in": "path", "required": True, "schema": _NAME}
+                for p in ("namespace", "name")
+            ],
+            "responses": {
+                "200": {"description": "The latest measurement", "content": {
+                    "application/json": {"schema": {
+                        "type": "object",
+                        "required": ["utilization", "lastUpdateTime"],
+                        "properties": {"utilization": {"type": "number"},
+                                       "lastUpdateTime": {"type": ["string", "null"]}},
+                    }},
+                }},
+                "404": {**_ERROR, "description": "No measurement for this resource yet"},
+                "503": {**_ERROR, "description": "The resource's status cannot be read"},
+            },
+        }},
+        "/metrics": {"get": {
+            "summary": "The utilization gauge, Prometheus text format",
+            "responses": {"200": {"description": "Metrics",
+                                  "content": {"text/plain": {"schema": {"type": "string"}}}}},
+        }},
+        "/healthz": {"get": {
+            "summary": "Liveness",
+            "responses": {"200": {"description": "ok",
+                                  "content": {"text/plain": {"schema": {"type": "string"}}}}},
+        }},
+        "/openapi.json": {"get": {
+            "summary": "This document",
+            "responses": {"200": {"description": "OpenAPI 3.1",
+                                  "content": {"application/json": {"schema": {"type": "object"}}}}},
+        }},
+    },
+}
+"""The OpenAPI document of :func:`make_app`'s routes, served at ``/openapi.json``."""
+
+
+@web.middleware
+async def json_errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Answer aiohttp's own errors (404 for an unknown route, 405...) as JSON."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return web.json_response({"error": exc.reason}, status=exc.status,
+                                 headers={k: v for k, v in exc.headers.items()
+                                          if k.lower() == "allow"})
+
+
 def _rfc3339(time: float) -> str:
     return datetime.fromtimestamp(time, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
@@ -113,10 +182,14 @@ def make_app(registry: UtilizationRegistry, lookup: StatusLookup | None = None) 
     async def healthz(_: web.Request) -> web.Response:
         return web.Response(text="ok")
 
-    app = web.Application()
+    async def openapi(_: web.Request) -> web.Response:
+        return web.json_response(OPENAPI)
+
+    app = web.Application(middlewares=[json_errors])
     app.router.add_get(utilization_path("{namespace}", "{name}"), utilization)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/healthz", healthz)
+    app.router.add_get("/openapi.json", openapi)
     return app
 
 

@@ -107,12 +107,16 @@ async def parse_body(raw: Request, model: type[BodyT]) -> BodyT:
     ``application/x-www-form-urlencoded``) and validate it.
 
     Raises:
-        RequestValidationError: malformed JSON or a schema violation (answered 400).
+        RequestValidationError: malformed JSON (lone surrogates included) or a schema
+            violation (answered 400).
     """
     body = await raw.body()
     try:
         data = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        # A `\ud800` escape decodes to a lone surrogate, which neither the tokenizer nor
+        # a UTF-8 answer (an error naming the field) can take: refuse it here.
+        json.dumps(data, ensure_ascii=False).encode()
+    except (json.JSONDecodeError, UnicodeError) as exc:
         raise RequestValidationError(
             [{"type": "json_invalid", "loc": ("body",), "msg": "JSON decode error",
               "ctx": {"error": str(exc)}}]
@@ -121,6 +125,24 @@ async def parse_body(raw: Request, model: type[BodyT]) -> BodyT:
         return model.model_validate(data)
     except ValidationError as exc:
         raise RequestValidationError(exc.errors(include_url=False)) from exc
+
+
+def json_body(model: type[BaseModel]) -> dict[str, Any]:
+    """``openapi_extra`` documenting ``model`` as the JSON body of a route that reads it
+    with :func:`parse_body` (FastAPI documents only the bodies it parses itself); the
+    model's ``$defs`` are inlined, as its ``#/$defs`` references mean nothing in OpenAPI."""
+    schema = model.model_json_schema()
+    defs = schema.pop("$defs", {})
+
+    def inline(node: Any) -> Any:
+        if isinstance(node, dict):
+            if "$ref" in node:
+                return inline(defs[node["$ref"].rsplit("/", 1)[-1]])
+            return {key: inline(value) for key, value in node.items()}
+        return [inline(value) for value in node] if isinstance(node, list) else node
+
+    body = {"required": True, "content": {"application/json": {"schema": inline(schema)}}}
+    return {"requestBody": body}
 
 
 _bearer = HTTPBearer(auto_error=False)
@@ -200,7 +222,8 @@ def create_app(
         name = engine.served_model_name
         return ModelList(data=[ModelCard(id=name, root=name, max_model_len=engine.max_model_len)])
 
-    @app.post("/v1/completions", response_model=None, dependencies=openai)
+    @app.post("/v1/completions", response_model=None, dependencies=openai,
+              openapi_extra=json_body(CompletionRequest))
     async def create_completion(raw: Request) -> CompletionResponse | StreamingResponse:
         request = await parse_body(raw, CompletionRequest)
         tokenizer = state.tokenizer()
@@ -228,7 +251,7 @@ def create_admin_app(app: FastAPI, token: Callable[[], str | None]) -> FastAPI:
         state.ready_engine()
         return JSONResponse(loop.speculative_config)
 
-    @admin.put("/v1/speculative_config")
+    @admin.put("/v1/speculative_config", openapi_extra=json_body(SpeculativeConfigUpdate))
     async def update_speculative_config(raw: Request) -> JSONResponse:
         update = await parse_body(raw, SpeculativeConfigUpdate)
         state.ready_engine()

@@ -50,7 +50,10 @@ class StreamOptions(BaseModel):
     """Send one more chunk before ``[DONE]`` with ``usage`` and no choices."""
 
 
-TokenId = Annotated[int, Field(ge=0)]
+INT64_MAX = 2**63 - 1
+"""Integers reach the engine as int64 tensors; a larger one would kill its step loop, so
+they are refused here (vLLM bounds ``seed`` the same way)."""
+TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
 NonEmptyTokenIds = Annotated[list[TokenId], Field(min_length=1)]
 
 
@@ -73,9 +76,9 @@ class CompletionRequest(BaseModel):
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     """0 samples greedily."""
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=-1)
+    top_k: int = Field(default=0, ge=-1, le=INT64_MAX)
     """0 or -1 disables top-k (vLLM uses -1, OpenAI has no top-k)."""
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-INT64_MAX - 1, le=INT64_MAX)
     stop: str | list[str] | None = None
     """Stop strings; the returned text ends before the first one (it is not included)."""
     stop_token_ids: list[TokenId] | None = None
