@@ -65,10 +65,51 @@ MAX_NAME_LENGTH = 63
 """Children are named after the resource and carry its name as a label value, both
 limited to 63 characters (DNS-1123 label)."""
 
-Quantity = Annotated[int | str, WithJsonSchema({"x-kubernetes-int-or-string": True})]
+QUANTITY_PATTERN = (
+    r"^\+?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))"
+    r"(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
+)
+"""A non-negative Kubernetes resource quantity (``resource.Quantity``'s grammar, the
+pattern controller-gen emits, without the minus sign): ``4``, ``"500m"``, ``"16Gi"``,
+``"1e3"``; ``"64GB"`` or ``"lots"`` would only fail later, when the Deployment is
+written."""
+
+DNS_SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+"""A DNS-1123 subdomain: the names of Secrets, PersistentVolumeClaims and
+ServiceAccounts."""
+
+SECRET_KEY_PATTERN = r"^[-._a-zA-Z0-9]+$"
+"""A key of a Secret's ``data`` (Kubernetes ``IsConfigMapKey``)."""
+
+
+def _check_quantity(value: int | str) -> int | str:
+    negative = isinstance(value, int) and value < 0
+    if negative or (isinstance(value, str) and not re.fullmatch(QUANTITY_PATTERN, value)):
+        raise ValueError(
+            f'must be a non-negative quantity such as 8, "500m" or "16Gi", got {value!r}'
+        )
+    return value
+
+
+Quantity = Annotated[
+    int | str,
+    AfterValidator(_check_quantity),
+    WithJsonSchema({
+        "x-kubernetes-int-or-string": True,
+        "pattern": QUANTITY_PATTERN,
+        "x-kubernetes-validations": [
+            {
+                "rule": "type(self) != int || self >= 0",
+                "message": "must be a non-negative quantity",
+                "reason": "FieldValueInvalid",
+            }
+        ],
+    }),
+]
 """A Kubernetes resource quantity such as ``4``, ``"500m"`` or ``"16Gi"``."""
 
-
+DnsSubdomain = Annotated[str, Field(min_length=1, max_length=253, pattern=DNS_SUBDOMAIN_PATTERN)]
+"""The name of a Secret, PersistentVolumeClaim or ServiceAccount."""
 
 ModelUri = Annotated[str, Field(pattern=MODEL_URI_PATTERN, max_length=2048)]
 
@@ -363,20 +404,44 @@ class ResourcesSpec(ApiModel):
 class Toleration(ApiModel):
     """A pod toleration (Kubernetes ``core/v1`` ``Toleration``)."""
 
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    # The pod validation's rule, checked here so that the resource is
+                    # refused rather than its Deployment.
+                    "rule": "!has(self.operator) || self.operator != 'Exists'"
+                    " || !has(self.value) || self.value == ''",
+                    "message": "tolerations[].value must be empty when operator is Exists",
+                    "fieldPath": ".value",
+                    "reason": "FieldValueInvalid",
+                },
+            ]
+        }
+    )
+
     key: str | None = Field(default=None, max_length=317)
     operator: Literal["Exists", "Equal"] | None = None
     value: str | None = Field(default=None, max_length=63)
     effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
     toleration_seconds: int | None = None
 
+    @model_validator(mode="after")
+    def _exists_has_no_value(self) -> Toleration:
+        if self.operator == "Exists" and self.value:
+            raise ValueError(
+                f"tolerations[].value must be empty when operator is Exists, got {self.value!r}"
+            )
+        return self
+
 
 class SecretKeySelector(ApiModel):
     """A key of a Secret in the resource's namespace (Kubernetes ``SecretKeySelector``)."""
 
-    name: str = Field(min_length=1, max_length=253)
+    name: DnsSubdomain
     """Secret name."""
-    key: str = Field(default="token", min_length=1, max_length=253)
-    """Key within the Secret."""
+    key: str = Field(default="token", min_length=1, max_length=253, pattern=SECRET_KEY_PATTERN)
+    """Key within the Secret (letters, digits, ``-``, ``_`` and ``.``)."""
 
 
 class ModelCacheSpec(ApiModel):
@@ -397,7 +462,7 @@ class ModelCacheSpec(ApiModel):
         }
     )
 
-    claim_name: str | None = Field(default=None, min_length=1, max_length=253)
+    claim_name: DnsSubdomain | None = None
     """PersistentVolumeClaim holding the cache, so that replicas and restarts reuse
     downloads (pods on several nodes need a ``ReadWriteMany`` claim); default: an
     ``emptyDir`` per pod."""
@@ -408,10 +473,31 @@ class ModelCacheSpec(ApiModel):
 class EnvVar(ApiModel):
     """An environment variable of the runtime container (Kubernetes ``core/v1`` ``EnvVar``)."""
 
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    # The pod validation's rule: a non-empty value and a valueFrom
+                    # together are refused when the Deployment is written.
+                    "rule": "!has(self.valueFrom) || !has(self.value) || self.value == ''",
+                    "message": "env[].value and env[].valueFrom are exclusive",
+                    "fieldPath": ".valueFrom",
+                    "reason": "FieldValueInvalid",
+                },
+            ]
+        }
+    )
+
     name: str = Field(min_length=1, max_length=256)
     value: str | None = None
     value_from: FreeForm | None = None
     """``secretKeyRef``, ``configMapKeyRef``, ``fieldRef`` or ``resourceFieldRef``, as in a pod."""
+
+    @model_validator(mode="after")
+    def _value_or_value_from(self) -> EnvVar:
+        if self.value and self.value_from is not None:
+            raise ValueError(f"env[].value and env[].valueFrom are exclusive (env {self.name})")
+        return self
 
 
 class SpeculativeModelSpec(ApiModel):
@@ -493,6 +579,22 @@ class SpeculativeModelSpec(ApiModel):
                     "fieldPath": ".tuning.mode",
                     "reason": "FieldValueInvalid",
                 },
+                {
+                    # Only a GPU count the spec gives: an omitted resources.gpu keeps
+                    # its default of one GPU whatever the tensor-parallel degree.
+                    "rule": (
+                        "!has(self.resources) || !has(self.resources.gpu)"
+                        " || !has(self.resources.gpu.count) || self.resources.gpu.count == 0"
+                        " || !has(self.model.tensorParallelSize)"
+                        " || self.resources.gpu.count >= self.model.tensorParallelSize"
+                    ),
+                    "message": (
+                        "resources.gpu.count must be 0 (no GPU limit) or at least "
+                        "model.tensorParallelSize: each pod holds every shard"
+                    ),
+                    "fieldPath": ".resources.gpu.count",
+                    "reason": "FieldValueInvalid",
+                },
             ]
         }
     )
@@ -528,7 +630,7 @@ class SpeculativeModelSpec(ApiModel):
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
     )
     """Extra environment variables of the runtime container (e.g. ``HF_TOKEN``)."""
-    service_account_name: str | None = Field(default=None, max_length=253)
+    service_account_name: DnsSubdomain | None = None
     """Service account the pods run as."""
     model_cache: ModelCacheSpec | None = None
     """Cache of ``hf://`` checkpoints; default: an ``emptyDir`` per pod.  Only with an
@@ -649,6 +751,16 @@ class SpeculativeModelSpec(ApiModel):
             raise ValueError(
                 "autoscaling needs the tuner's measurements: tuning.mode must be "
                 "Recommend or Auto"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _gpus_hold_the_shards(self) -> SpeculativeModelSpec:
+        gpus, tp = self.resources.gpu.count, self.model.tensor_parallel_size
+        if "gpu" in self.resources.model_fields_set and 0 < gpus < tp:
+            raise ValueError(
+                f"resources.gpu.count ({gpus}) must be 0 (no GPU limit) or at least "
+                f"model.tensorParallelSize ({tp}): each pod holds every shard"
             )
         return self
 

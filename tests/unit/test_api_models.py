@@ -98,6 +98,26 @@ def test_snake_case_construction():
         (lambda s: s["speculator"].update(draftTensorParallelSize=3), "draftTensorParallelSize"),
         (lambda s: s.update(env=[{"name": "A"}, {"name": "A"}]), "env names must be unique"),
         (lambda s: s.update(unknownField=1), "unknownField"),
+        (lambda s: s.update(resources={"cpu": "lots"}), "resources.cpu"),
+        (lambda s: s.update(resources={"memory": "64GB"}), "resources.memory"),
+        (lambda s: s.update(resources={"cpu": -2}), "non-negative quantity"),
+        (
+            lambda s: (s["model"].update(tensorParallelSize=4),
+                       s.update(resources={"gpu": {"count": 2}})),
+            "resources.gpu.count (2) must be 0 (no GPU limit) or at least "
+            "model.tensorParallelSize (4)",
+        ),
+        (lambda s: s.update(apiKeySecret={"name": "My_Secret"}), "apiKeySecret.name"),
+        (lambda s: s.update(apiKeySecret={"name": "k", "key": "a/b"}), "apiKeySecret.key"),
+        (lambda s: s.update(serviceAccountName="Runtime SA"), "serviceAccountName"),
+        (
+            lambda s: s.update(env=[{"name": "A", "value": "x", "valueFrom": {"fieldRef": {}}}]),
+            "env[].value and env[].valueFrom are exclusive",
+        ),
+        (
+            lambda s: s.update(tolerations=[{"key": "k", "operator": "Exists", "value": "v"}]),
+            "tolerations[].value must be empty when operator is Exists",
+        ),
     ],
 )
 def test_invalid_specs_are_rejected(change, fragment):
@@ -114,6 +134,16 @@ def test_methods_without_draft_model(method):
         {"model": {"uri": "hf://a/b"}, "speculator": {"method": method}}
     )
     assert spec.speculator.model is None
+
+
+def test_gpu_count_is_checked_against_tp_only_where_the_spec_gives_it():
+    raw = spec_dict()
+    raw["model"]["tensorParallelSize"] = 2
+    assert SpeculativeModelSpec.model_validate(raw).resources.gpu.count == 1
+    raw["resources"] = {"gpu": {"count": 0}}
+    assert SpeculativeModelSpec.model_validate(raw).resources.gpu.count == 0
+    raw["resources"] = {"gpu": {"count": 2}, "cpu": "7500m", "memory": "64Gi"}
+    assert SpeculativeModelSpec.model_validate(raw).resources.memory == "64Gi"
 
 
 def test_draft_tp_equal_to_target_tp_is_accepted():

@@ -8,6 +8,7 @@ import pytest
 import yaml
 
 from specula.api.crd import crd_manifest, crd_yaml, structural_violations, to_structural
+from specula.api.models import DNS_SUBDOMAIN_PATTERN, QUANTITY_PATTERN
 
 CHECKED_IN = Path(__file__).resolve().parents[2] / "crds" / "speculativemodel.yaml"
 
@@ -111,8 +112,20 @@ def test_field_constraints(schema):
     assert resources["cpu"] == {
         "description": resources["cpu"]["description"],
         "x-kubernetes-int-or-string": True,
+        "pattern": QUANTITY_PATTERN,
+        "x-kubernetes-validations": [{
+            "rule": "type(self) != int || self >= 0",
+            "message": "must be a non-negative quantity",
+            "reason": "FieldValueInvalid",
+        }],
     }
     assert resources["memory"]["x-kubernetes-int-or-string"] is True
+    assert resources["memory"]["pattern"] == QUANTITY_PATTERN
+    for selector in ("apiKeySecret", "hfTokenSecret"):
+        secret = spec_props[selector]["properties"]
+        assert secret["name"]["pattern"] == DNS_SUBDOMAIN_PATTERN
+        assert secret["key"]["pattern"] == "^[-._a-zA-Z0-9]+$"
+    assert spec_props["serviceAccountName"]["pattern"] == DNS_SUBDOMAIN_PATTERN
     assert spec_props["nodeSelector"]["additionalProperties"] == {"type": "string"}
     assert spec_props["tolerations"]["items"]["type"] == "object"
     env = spec_props["env"]
@@ -137,7 +150,15 @@ def test_cel_rules(schema):
         "!has(self.nPredict) || self.numSpeculativeTokens <= self.nPredict"
         " || self.numSpeculativeTokens % self.nPredict == 0",
     ]
-    tp_rule, k_rule, mtp_rule, hub_rule, autoscaling_rule = spec["x-kubernetes-validations"]
+    tp_rule, k_rule, mtp_rule, hub_rule, autoscaling_rule, gpu_rule = (
+        spec["x-kubernetes-validations"]
+    )
+    assert gpu_rule["fieldPath"] == ".resources.gpu.count"
+    assert "self.resources.gpu.count >= self.model.tensorParallelSize" in gpu_rule["rule"]
+    (env_rule,) = spec["properties"]["env"]["items"]["x-kubernetes-validations"]
+    assert env_rule["fieldPath"] == ".valueFrom"
+    (toleration_rule,) = spec["properties"]["tolerations"]["items"]["x-kubernetes-validations"]
+    assert toleration_rule["fieldPath"] == ".value"
     assert "self.model.uri.startsWith('hf://')" in hub_rule["rule"]
     (cache_rule,) = spec["properties"]["modelCache"]["x-kubernetes-validations"]
     assert cache_rule["rule"] == "!has(self.claimName) || !has(self.sizeLimit)"
