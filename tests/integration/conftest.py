@@ -91,6 +91,18 @@ def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlP
         cp.stop()
 
 
+def wait_crd_established(cp: ControlPlane, name: str, timeout: float = 60.0) -> None:
+    """Wait until CRD ``name`` reports ``Established``. (``kubectl wait`` fails at once,
+    instead of waiting, while a just-created CRD has no ``status.conditions`` yet.)"""
+    jsonpath = '{.status.conditions[?(@.type=="Established")].status}'
+    wait_for(
+        lambda: cp.run_kubectl("get", f"crd/{name}", "-o", f"jsonpath={jsonpath}",
+                               check=False).stdout.strip() == "True",
+        timeout=timeout,
+        message=f"CRD {name} Established",
+    )
+
+
 def _install_crd(cp: ControlPlane) -> None:
     if not CRD_FILE.exists():
         pytest.fail(
@@ -102,12 +114,7 @@ def _install_crd(cp: ControlPlane) -> None:
     proc = cp.run_kubectl("apply", "--server-side", "-f", str(CRD_FILE), check=False)
     if proc.returncode != 0:
         pytest.fail(f"CRD rejected by the API server:\n{proc.stderr}{proc.stdout}", pytrace=False)
-    name = yaml.safe_load(CRD_FILE.read_text())["metadata"]["name"]
-    proc = cp.run_kubectl(
-        "wait", "--for=condition=Established", f"crd/{name}", "--timeout=60s", check=False
-    )
-    if proc.returncode != 0:
-        pytest.fail(f"CRD {name} not Established:\n{proc.stderr}{proc.stdout}", pytrace=False)
+    wait_crd_established(cp, yaml.safe_load(CRD_FILE.read_text())["metadata"]["name"])
     # Discovery must list the kind before kubectl and kopf can resolve "sm".
     wait_for(
         lambda: (

@@ -24,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from specula.devcluster.control_plane import REPO_ROOT, ControlPlane, wait_for
 
+from .conftest import wait_crd_established
 from .sm_objects import (
     GROUP,
     PLURAL,
@@ -52,9 +53,7 @@ def keda_crd(control_plane: ControlPlane) -> None:
         pytest.fail(f"hack/keda-crd.sh failed:\n{proc.stderr}", pytrace=False)
     crd = proc.stdout.strip()
     control_plane.run_kubectl("apply", "--server-side", "-f", crd)
-    control_plane.run_kubectl(
-        "wait", "--for=condition=Established", "crd/scaledobjects.keda.sh", "--timeout=60s"
-    )
+    wait_crd_established(control_plane, "scaledobjects.keda.sh")
 
 
 @pytest.fixture(scope="module")
