@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -143,16 +144,24 @@ def test_admin_port_without_token_exits_2_without_loading():
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return _free_ports(1)[0]
+
+
+def _free_ports(n: int) -> list[int]:
+    """``n`` distinct free ports: the sockets are held open together, so the kernel
+    cannot hand the same ephemeral port out twice."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
 
 
 def test_serve_config_file_subprocess(tmp_path: Path, tiny_llama_target: Path, tiny_llama_draft: Path):
     """The pod's setup: model, metrics and admin ports, the admin token in a file (a
     mounted Secret), the API key in ``SPECULA_API_KEY``.  Every unauthenticated request
     is refused: ``bench/results/reliability.json``'s ``admin_api_unauthenticated_refused``."""
-    port, metrics_port, admin_port = _free_port(), _free_port(), _free_port()
+    port, metrics_port, admin_port = _free_ports(3)
     token_file = tmp_path / "admin-token"
     token_file.write_text("first-token\n")
     config = tmp_path / "runtime.json"
