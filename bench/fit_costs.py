@@ -269,6 +269,19 @@ def _r(x: float, n: int = 4) -> float:
     return round(x, n)
 
 
+def _params(params: CostParams) -> dict[str, float]:
+    return {k: float(f"{v:.6g}") for k, v in asdict(params).items()}
+
+
+def _summary(ev: dict, worst: bool = True) -> dict:
+    """The goal figures of an :func:`evaluate` result, rounded."""
+    out = {k: _r(ev[k]) for k in ("median_error", "max_error", "min_cell_fraction_of_best")}
+    if worst:
+        out["worst_goodput_cell"] = {k: _r(v) for k, v in ev["worst_goodput_cell"].items()}
+    out["goodput_cells_below_goal"] = ev["goodput_cells_below_goal"]
+    return out
+
+
 def run(datas: list[dict], names: list[str]) -> dict:
     """The ``"cost_fit"`` block for measured grids (see the module docstring)."""
     cells = combine(datas)
@@ -279,51 +292,16 @@ def run(datas: list[dict], names: list[str]) -> dict:
     # Sensitivity: the plain (non-robust) fixed point, the datasheet start unfitted, and
     # the fitted model judged on the cells' fastest and mean steps instead of medians.
     plain, _, _ = fit(cells, robust=False)
-    ev_plain = evaluate(plain, cells)
-    sens = {"plain_least_squares": {
-        "params": {k: float(f"{v:.6g}") for k, v in asdict(plain).items()},
-        "median_error": _r(ev_plain["median_error"]),
-        "max_error": _r(ev_plain["max_error"]),
-        "min_cell_fraction_of_best": _r(ev_plain["min_cell_fraction_of_best"]),
-        "worst_goodput_cell": {k: _r(v) for k, v in ev_plain["worst_goodput_cell"].items()},
-        "goodput_cells_below_goal": ev_plain["goodput_cells_below_goal"],
-    }}
-    ev_start = evaluate(START, cells)
-    sens["datasheet_start_unfitted"] = {
-        "median_error": _r(ev_start["median_error"]),
-        "max_error": _r(ev_start["max_error"]),
-        "min_cell_fraction_of_best": _r(ev_start["min_cell_fraction_of_best"]),
-        "worst_goodput_cell": {k: _r(v) for k, v in ev_start["worst_goodput_cell"].items()},
-        "goodput_cells_below_goal": ev_start["goodput_cells_below_goal"],
-    }
+    sens = {"plain_least_squares": {"params": _params(plain), **_summary(evaluate(plain, cells))}}
+    sens["datasheet_start_unfitted"] = _summary(evaluate(START, cells))
     for name, data in zip(names, datas, strict=True):
-        ev_f = evaluate(params, load_cells(data))
-        sens[f"judged_on_{name}"] = {
-            "median_error": _r(ev_f["median_error"]),
-            "max_error": _r(ev_f["max_error"]),
-            "min_cell_fraction_of_best": _r(ev_f["min_cell_fraction_of_best"]),
-            "worst_goodput_cell": {k: _r(v) for k, v in ev_f["worst_goodput_cell"].items()},
-            "goodput_cells_below_goal": ev_f["goodput_cells_below_goal"],
-        }
+        sens[f"judged_on_{name}"] = _summary(evaluate(params, load_cells(data)))
         own, _, _ = fit(load_cells(data))
-        ev_own = evaluate(own, load_cells(data))
         sens[f"fitted_to_{name}_alone"] = {
-            "params": {k: float(f"{v:.6g}") for k, v in asdict(own).items()},
-            "median_error": _r(ev_own["median_error"]),
-            "max_error": _r(ev_own["max_error"]),
-            "min_cell_fraction_of_best": _r(ev_own["min_cell_fraction_of_best"]),
-            "goodput_cells_below_goal": ev_own["goodput_cells_below_goal"],
+            "params": _params(own), **_summary(evaluate(own, load_cells(data)), worst=False)
         }
     for stat in ("min_ms", "mean_ms"):
-        other = combine(datas, stat)
-        ev_o = evaluate(params, other)
-        sens[f"judged_on_{stat}"] = {
-            "median_error": _r(ev_o["median_error"]),
-            "max_error": _r(ev_o["max_error"]),
-            "min_cell_fraction_of_best": _r(ev_o["min_cell_fraction_of_best"]),
-            "worst_goodput_cell": {k: _r(v) for k, v in ev_o["worst_goodput_cell"].items()},
-            "goodput_cells_below_goal": ev_o["goodput_cells_below_goal"],
-        }
+        sens[f"judged_on_{stat}"] = _summary(evaluate(params, combine(datas, stat)))
     online = online_check(params, cells)
     worst_online = min(online, key=lambda c: c["fraction_of_best"])
     return {
@@ -336,7 +314,7 @@ def run(datas: list[dict], names: list[str]) -> dict:
                   "MAD scale) on relative residuals, prior weights 1e-6, repeated with its "
                   "own result as the prior to a fixed point (knee scale 1)",
         "iterations": iterations,
-        "params": {k: float(f"{v:.6g}") for k, v in asdict(params).items()},
+        "params": _params(params),
         "knee_tokens": {str(b): round(params.knee_tokens(b)) for b in batches},
         "median_error": _r(ev["median_error"]),
         "max_error": _r(ev["max_error"]),
