@@ -75,26 +75,12 @@ class RecordingSpeculator(PlainDraftModelSpeculator):
         return super().propose(inputs)
 
 
-def _draft_kwargs(ctx: registry.SpeculatorContext) -> dict:
-    """The constructor arguments the registry's draft-model factories pass."""
-    return {
-        "draft_dir": ctx.draft_dir(),
-        "target_config": ctx.target_config,
-        "num_speculative_tokens": ctx.config.max_k,
-        "max_num_seqs": ctx.max_num_seqs,
-        "dtype": ctx.dtype,
-        "device": ctx.device,
-        "draft_sample_method": ctx.config.draft_sample_method,
-        "load_format": ctx.load_format,
-    }
-
-
 @pytest.fixture
 def recording(monkeypatch):
     made: list[RecordingSpeculator] = []
 
     def factory(ctx: registry.SpeculatorContext) -> RecordingSpeculator:
-        spec = RecordingSpeculator(**_draft_kwargs(ctx))
+        spec = RecordingSpeculator(**registry.draft_kwargs(ctx))
         made.append(spec)
         return spec
 
@@ -208,7 +194,7 @@ def test_aux_layer_out_of_range_names_field_and_values(
     monkeypatch.setitem(
         registry.SPECULATOR_FACTORIES,
         "draft_model",
-        lambda ctx: RecordingSpeculator(**_draft_kwargs(ctx)),
+        lambda ctx: RecordingSpeculator(**registry.draft_kwargs(ctx)),
     )
     with pytest.raises(
         ValueError, match=r"aux_hidden_state_layer_ids contains 99.*num_hidden_layers=3"

@@ -61,23 +61,29 @@ def _ngram(ctx: SpeculatorContext) -> BaseSpeculator:
     )
 
 
+def draft_kwargs(ctx: SpeculatorContext) -> dict:
+    """Constructor arguments of a :class:`DraftModelSpeculator` subclass (also for one
+    registered in :data:`SPECULATOR_FACTORIES` from outside this module)."""
+    return {
+        "draft_dir": ctx.draft_dir(),
+        "target_config": ctx.target_config,
+        "num_speculative_tokens": ctx.config.max_k,
+        "max_num_seqs": ctx.max_num_seqs,
+        "dtype": ctx.dtype,
+        "device": ctx.device,
+        "draft_sample_method": ctx.config.draft_sample_method,
+        "load_format": ctx.load_format,
+    }
+
+
 def _draft(package: str, name: str) -> Callable[[SpeculatorContext], BaseSpeculator]:
     """The factory of :class:`DraftModelSpeculator` subclass ``name`` of
     ``specula.runtime.spec_decode.<package>``, imported when the factory is called."""
 
     def factory(ctx: SpeculatorContext) -> BaseSpeculator:
-        draft_dir = ctx.draft_dir()
+        kwargs = draft_kwargs(ctx)
         module = importlib.import_module(f"specula.runtime.spec_decode.{package}")
-        return getattr(module, name)(
-            draft_dir=draft_dir,
-            target_config=ctx.target_config,
-            num_speculative_tokens=ctx.config.max_k,
-            max_num_seqs=ctx.max_num_seqs,
-            dtype=ctx.dtype,
-            device=ctx.device,
-            draft_sample_method=ctx.config.draft_sample_method,
-            load_format=ctx.load_format,
-        )
+        return getattr(module, name)(**kwargs)
 
     return factory
 
