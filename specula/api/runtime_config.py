@@ -135,6 +135,19 @@ class RuntimeConfig(BaseModel):
     load_format: Literal["auto", "dummy"] = "auto"
     """``auto`` reads the checkpoints' weights; ``dummy`` initialises random weights
     from their configs alone, for benchmarks (vLLM's option of the same name)."""
+    max_request_body_bytes: int = Field(default=8 * 2**20, ge=1024)
+    """Largest request body the HTTP API reads; a larger one is answered 413 (before
+    it is read, when ``Content-Length`` says so)."""
+    http_read_timeout_s: float = Field(default=30.0, gt=0)
+    """Time a client has to send a request's headers, and again its body; a slower one
+    (a slow-loris client) has its connection closed, or gets 408 for the body."""
+    max_queued_requests: int = Field(default=256, ge=0)
+    """Requests that may wait beyond the ``max_num_seqs`` being decoded; one more is
+    answered 429 with ``Retry-After`` at once instead of queueing (admission limit)."""
+    drain_timeout_s: float = Field(default=25.0, ge=0)
+    """On SIGTERM, how long the server keeps finishing in-flight completions (answering
+    new ones and ``/health`` 503) before it stops; keep it below the pod's
+    ``terminationGracePeriodSeconds`` (30 s by default)."""
 
     @model_validator(mode="after")
     def _distinct_ports(self) -> RuntimeConfig:

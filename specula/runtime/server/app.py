@@ -4,7 +4,14 @@ Routes:
 
 - ``POST /v1/completions``: OpenAI Completions, ``stream: true`` as server-sent events.
 - ``GET /v1/models``: the one served model, OpenAI list format.
-- ``GET /health``: 200 once the engine is loaded and its loop is alive, else 503.
+- ``GET /health``: 200 once the engine is loaded and its loop is alive; 503 while
+  loading, after the engine loop died, and while draining on SIGTERM.
+
+Limits (:mod:`~specula.runtime.server.limits`): a body beyond ``max_request_body_bytes``
+gets 413, one slower than ``http_read_timeout_s`` 408; a completion that would queue
+beyond ``max_num_seqs + max_queued_requests`` engine requests gets 429 at once, and one
+arriving while the server drains 503, both with ``Retry-After``. A client that hangs
+up (streamed or not) has its engine requests aborted, freeing their KV blocks.
 - ``GET /metrics``: Prometheus text exposition from a per-app registry.
 
 With an API key (``specula serve --api-key``), ``/v1/*`` answers 401 unless the
@@ -45,11 +52,20 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import BaseModel, ValidationError
+from starlette.background import BackgroundTask
 
 from specula.runtime.engine.spec_schedule import SpeculativeConfigError
 from specula.runtime.server import completions
 from specula.runtime.server.engine_loop import EngineDeadError, EngineLoop, EngineState
 from specula.runtime.server.errors import APIError, install_error_handlers
+from specula.runtime.server.limits import (
+    DEFAULT_LIMITS,
+    RETRY_AFTER,
+    Limits,
+    draining_error,
+    read_body,
+    unless_disconnected,
+)
 from specula.runtime.server.metrics import build_registry
 from specula.runtime.server.protocol import (
     ERROR_TYPE_UNAVAILABLE,
@@ -66,8 +82,11 @@ BodyT = TypeVar("BodyT", bound=BaseModel)
 class _ServerState:
     """Per-app state built once the engine is ready."""
 
-    def __init__(self, loop: EngineLoop) -> None:
+    def __init__(self, loop: EngineLoop, limits: Limits) -> None:
         self.loop = loop
+        self.limits = limits
+        self.draining = False
+        """Set on SIGTERM (:class:`~specula.runtime.server.limits.DrainingServer`)."""
         self._tokenizer: Any = None
         self._registry: CollectorRegistry | None = None
 
@@ -89,6 +108,22 @@ class _ServerState:
             self._tokenizer = copy.deepcopy(engine.tokenizer)
         return self._tokenizer
 
+    def admit(self, num_prompts: int) -> None:
+        """Raises:
+            APIError: 503 while draining; 429 when the engine already holds its batch
+                plus ``max_queued_requests`` (a lone request is always admitted).
+        """
+        if self.draining:
+            raise draining_error()
+        engine = self.ready_engine()
+        held = self.loop.num_unfinished
+        capacity = engine.max_num_seqs + self.limits.max_queued_requests
+        if held and held + num_prompts > capacity:
+            raise APIError(429, f"the server is at capacity ({held} requests running or "
+                           "queued); retry later", type=ERROR_TYPE_UNAVAILABLE,
+                           code="rate_limit_exceeded",
+                           headers=RETRY_AFTER)
+
     def registry(self) -> CollectorRegistry | None:
         if self._registry is None and self.loop.state is EngineState.READY:
             assert self.loop.engine is not None
@@ -102,15 +137,16 @@ def _unready_message(loop: EngineLoop) -> str:
     return f"the engine is not running ({loop.state.value}): {loop.error!r}"
 
 
-async def parse_body(raw: Request, model: type[BodyT]) -> BodyT:
+async def parse_body(raw: Request, model: type[BodyT], limits: Limits = DEFAULT_LIMITS) -> BodyT:
     """Parse a JSON body whatever its content type (``curl -d`` sends
     ``application/x-www-form-urlencoded``) and validate it.
 
     Raises:
         RequestValidationError: malformed JSON (lone surrogates included) or a schema
             violation (answered 400).
+        APIError: 413 or 408 (:func:`~specula.runtime.server.limits.read_body`).
     """
-    body = await raw.body()
+    body = await read_body(raw, limits)
     try:
         data = json.loads(body)
         # A `\ud800` escape decodes to a lone surrogate, which neither the tokenizer nor
@@ -177,7 +213,8 @@ def require_bearer(token: Callable[[], str | None], what: str) -> Any:
 
 
 def create_app(
-    loop: EngineLoop, *, manage_loop: bool = True, api_key: str | None = None
+    loop: EngineLoop, *, manage_loop: bool = True, api_key: str | None = None,
+    limits: Limits = DEFAULT_LIMITS,
 ) -> FastAPI:
     """Build the model app around ``loop``.
 
@@ -185,6 +222,7 @@ def create_app(
         loop: the engine loop; not yet started when ``manage_loop``.
         manage_loop: start the loop on app startup and stop it on shutdown.
         api_key: the bearer key ``/v1/*`` requires; ``None`` leaves them open.
+        limits: body size and read time, admission limit.
     """
 
     @contextlib.asynccontextmanager
@@ -199,11 +237,13 @@ def create_app(
 
     app = FastAPI(title="Specula runtime", lifespan=lifespan)
     install_error_handlers(app)
-    state = _ServerState(loop)
+    state = _ServerState(loop, limits)
     app.state.specula = state
 
     @app.get("/health")
     async def health() -> Response:
+        if state.draining:
+            return draining_error().response()
         if loop.state is EngineState.READY:
             return Response(status_code=200)
         return APIError(503, _unready_message(loop), type=ERROR_TYPE_UNAVAILABLE).response()
@@ -225,13 +265,17 @@ def create_app(
     @app.post("/v1/completions", response_model=None, dependencies=openai,
               openapi_extra=json_body(CompletionRequest))
     async def create_completion(raw: Request) -> CompletionResponse | StreamingResponse:
-        request = await parse_body(raw, CompletionRequest)
+        request = await parse_body(raw, CompletionRequest, limits)
         tokenizer = state.tokenizer()
         prep = completions.prepare(request, loop, tokenizer)
+        state.admit(len(prep.prompts))
         if not request.stream:
-            return await completions.complete(prep, loop, tokenizer)
+            return await unless_disconnected(raw, completions.complete(prep, loop, tokenizer))
         run = await completions.start_stream(prep, loop, tokenizer)
-        return StreamingResponse(completions.stream(run), media_type="text/event-stream")
+        # The background task aborts what is left whichever way the response ends (a
+        # client gone before the first chunk never runs the stream's own `finally`).
+        return StreamingResponse(completions.stream(run), media_type="text/event-stream",
+                                 background=BackgroundTask(run.abort_unfinished))
 
     return app
 

@@ -169,7 +169,7 @@ def admin_token_source(
     )
 
 
-def start_admin_listener(admin_app: Any, host: str, port: int) -> None:
+def start_admin_listener(admin_app: Any, host: str, port: int, read_timeout_s: float = 30.0) -> None:
     """Serve ``admin_app`` on ``host:port`` from a daemon thread (its own event loop;
     the engine loop accepts calls from any loop).  The socket is bound here, so a port
     in use fails the start instead of the thread.
@@ -179,9 +179,12 @@ def start_admin_listener(admin_app: Any, host: str, port: int) -> None:
     """
     import uvicorn
 
+    from specula.runtime.server.limits import h11_with_header_timeout
+
     sock = socket.create_server((host, port),
                                 family=socket.AF_INET6 if ":" in host else socket.AF_INET)
-    server = uvicorn.Server(uvicorn.Config(admin_app, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(admin_app, log_level="warning",
+                                           http=h11_with_header_timeout(read_timeout_s)))
     threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True,
                      name="admin-api").start()
     logger.info("serving the admin API on %s:%d", host, port)
@@ -211,6 +214,7 @@ def serve(args: argparse.Namespace) -> int:
     from specula.runtime.engine.llm_engine import create_engine
     from specula.runtime.server.app import create_admin_app, create_app
     from specula.runtime.server.engine_loop import EngineLoop, EngineState
+    from specula.runtime.server.limits import DrainingServer, Limits, h11_with_header_timeout
 
     server: uvicorn.Server | None = None
 
@@ -221,17 +225,22 @@ def serve(args: argparse.Namespace) -> int:
             server.should_exit = True
 
     loop = EngineLoop(lambda: create_engine(config), on_fatal=on_fatal)
-    app = create_app(loop, api_key=getattr(args, "api_key", None) or os.environ.get(API_KEY_ENV))
+    app = create_app(loop, api_key=getattr(args, "api_key", None) or os.environ.get(API_KEY_ENV),
+                     limits=Limits.of(config))
     if config.metrics_port is not None and config.metrics_port != config.port:
         start_metrics_listener(app, config.host, config.metrics_port)
     if config.admin_port is not None and admin_token is not None:
-        start_admin_listener(create_admin_app(app, admin_token), config.host, config.admin_port)
-    server = uvicorn.Server(
-        uvicorn.Config(app, host=config.host, port=config.port, log_level="info")
+        start_admin_listener(create_admin_app(app, admin_token), config.host, config.admin_port,
+                             config.http_read_timeout_s)
+    server = DrainingServer(
+        uvicorn.Config(app, host=config.host, port=config.port, log_level="info",
+                       http=h11_with_header_timeout(config.http_read_timeout_s),
+                       timeout_graceful_shutdown=5),
+        app.state.specula, config.drain_timeout_s,
     )
     logger.info("serving %s on %s:%d", config.model, config.host, config.port)
-    # uvicorn shuts down gracefully on SIGINT/SIGTERM and then re-raises the signal
-    # with the handler it found; a no-op handler lets a requested stop exit with 0.
+    # On SIGTERM/SIGINT the server drains, then shuts down gracefully; uvicorn then
+    # re-raises a second signal with the handler it found: a no-op one exits with 0.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
     server.run()

@@ -147,6 +147,11 @@ class EngineLoop:
         self._ready.wait(timeout_s)
         return self._state is EngineState.READY
 
+    @property
+    def num_unfinished(self) -> int:
+        """Engine requests submitted and not yet finished or aborted (read from any thread)."""
+        return len(self._sinks) + self._pending_adds
+
     def snapshot(self) -> RuntimeSnapshot:
         with self._lock:
             return self._snapshot

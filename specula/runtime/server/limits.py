@@ -1,0 +1,154 @@
+"""What the HTTP side refuses, and how it stops: bodies too large (413) or too slow
+(408), headers too slow (connection closed), requests beyond the queue (429), and the
+drain on SIGTERM (new completions and ``/health`` 503 while in-flight ones finish).
+
+The limits are :class:`~specula.api.runtime_config.RuntimeConfig` fields
+(``max_request_body_bytes``, ``http_read_timeout_s``, ``max_queued_requests``,
+``drain_timeout_s``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import uvicorn
+from starlette.requests import Request
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from specula.api.runtime_config import RuntimeConfig
+from specula.runtime.server.errors import APIError
+from specula.runtime.server.protocol import ERROR_TYPE_UNAVAILABLE
+
+RETRY_AFTER = {"Retry-After": "1"}
+_DEFAULTS = RuntimeConfig.model_fields
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_body_bytes: int = _DEFAULTS["max_request_body_bytes"].default
+    read_timeout_s: float = _DEFAULTS["http_read_timeout_s"].default
+    max_queued_requests: int = _DEFAULTS["max_queued_requests"].default
+
+    @classmethod
+    def of(cls, config: RuntimeConfig) -> Limits:
+        return cls(config.max_request_body_bytes, config.http_read_timeout_s,
+                   config.max_queued_requests)
+
+
+DEFAULT_LIMITS = Limits()
+
+
+async def read_body(raw: Request, limits: Limits) -> bytes:
+    """The body, at most ``max_body_bytes`` read within ``read_timeout_s``.
+
+    Raises:
+        APIError: 413 for a larger body, 408 for a slower one (both close the connection).
+    """
+    close = {"Connection": "close"}
+    too_large = APIError(413, f"the request body exceeds {limits.max_body_bytes} bytes",
+                         code="request_too_large", headers=close)
+    length = raw.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limits.max_body_bytes:
+        raise too_large
+    chunks, size = [], 0
+    try:
+        async with asyncio.timeout(limits.read_timeout_s):
+            async for chunk in raw.stream():
+                size += len(chunk)
+                if size > limits.max_body_bytes:
+                    raise too_large
+                chunks.append(chunk)
+    except TimeoutError:
+        raise APIError(408, f"the request body was not received within "
+                       f"{limits.read_timeout_s:g} s", code="request_timeout",
+                       headers=close) from None
+    return b"".join(chunks)
+
+
+async def unless_disconnected(raw: Request, work: Any) -> Any:
+    """Await ``work`` (a coroutine), cancelling it if the client hangs up first (a
+    whole, non-streamed answer would otherwise keep its batch slot and KV blocks)."""
+    task = asyncio.ensure_future(work)
+    hangup = asyncio.ensure_future(raw.receive())  # after the body: http.disconnect
+    try:
+        await asyncio.wait({task, hangup}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        hangup.cancel()
+    if not task.done():
+        task.cancel()
+        raise APIError(499, "the client closed the connection")
+    return task.result()
+
+
+def h11_with_header_timeout(seconds: float) -> type[H11Protocol]:
+    """uvicorn's h11 protocol with a deadline on each request's headers, counted from the
+    connection (or the first byte after a response): uvicorn has none, so a client
+    sending a byte at a time would hold its connection forever."""
+
+    class Protocol(H11Protocol):
+        _deadline: asyncio.TimerHandle | None = None
+
+        def _between_requests(self) -> bool:
+            return self.cycle is None or self.cycle.response_complete
+
+        def _disarm(self) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+                self._deadline = None
+
+        def _expired(self) -> None:
+            self._deadline = None
+            if self._between_requests():
+                self.timeout_keep_alive_handler()  # closes the connection
+
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            self._deadline = self.loop.call_later(seconds, self._expired)
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if not self._between_requests():
+                self._disarm()
+            elif self._deadline is None:
+                self._deadline = self.loop.call_later(seconds, self._expired)
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+    return Protocol
+
+
+class DrainingServer(uvicorn.Server):
+    """A uvicorn server that drains on SIGTERM/SIGINT: ``state.draining`` is set (new
+    completions and ``/health`` answer 503 with ``Retry-After``, so the readiness probe
+    takes the pod out of its Service) and the listener stays open until the engine has
+    no request left or ``drain_timeout_s`` passed; then uvicorn's own graceful shutdown
+    runs. A second signal stops at once."""
+
+    def __init__(self, config: uvicorn.Config, state: Any, drain_timeout_s: float) -> None:
+        super().__init__(config)
+        self._state = state
+        self._drain_timeout_s = drain_timeout_s
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if self._state.draining:
+            super().handle_exit(sig, frame)
+            return
+        self._state.draining = True
+        threading.Thread(target=self._drain, name="drain", daemon=True).start()
+
+    def _drain(self) -> None:
+        deadline = time.monotonic() + self._drain_timeout_s
+        while self._state.loop.num_unfinished and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.should_exit = True
+
+
+def draining_error() -> APIError:
+    return APIError(503, "the server is shutting down; retry on another replica",
+                    type=ERROR_TYPE_UNAVAILABLE, headers=RETRY_AFTER)
