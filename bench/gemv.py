@@ -7,7 +7,7 @@ the weight (>= 512 MiB in all) that none is served from the 50 MiB L2 cache, as 
 layers are not; time per product = graph time / copies. A sweep over launch
 configurations picks the best per shape; it prints a table and writes JSON.
 
-    PYTHONPATH=. python3 bench/gemv.py [--output FILE] [--quick]
+    PYTHONPATH=. python3 bench/gemv.py [--output FILE] [--quick] [--shapes 1B,8B]
 """
 
 from __future__ import annotations
@@ -30,7 +30,11 @@ SHAPES = {
     "EAGLE-3 qkv (2H in)": (6144, 8192),
     "EAGLE-3 fc": (4096, 12288),
     "EAGLE-3 lm_head": (32000, 4096),
+    "1B qkv_proj": (3072, 2048),
+    "1B o_proj": (2048, 2048),
     "1B gate_up_proj": (16384, 2048),
+    "1B down_proj": (2048, 8192),
+    "1B lm_head": (128256, 2048),
 }
 ROWS = (1, 5, 8, 16, 32, 64, 128, 160)
 
@@ -61,19 +65,23 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--output", type=Path, default=None)
     parser.add_argument("--quick", action="store_true", help="fewer configurations")
+    parser.add_argument("--shapes", default="", help="comma-separated name prefixes (default: all)")
     args = parser.parse_args(argv)
     import torch
     import torch.nn.functional as F
 
     from specula.runtime.kernels.gemv import block_m, gemv
 
-    configs = list(itertools.product((32, 64, 128), (128, 256, 512), (4, 8), (3, 5)))
+    configs = list(itertools.product((16, 32, 64, 128), (128, 256, 512), (4, 8), (3, 5)))
     if args.quick:
         configs = [(32, 256, 4, 4), (64, 256, 4, 4), (64, 128, 8, 3)]
     dev = torch.device("cuda")
     gen = torch.Generator(dev).manual_seed(0)
     results, table = {}, {}
+    prefixes = tuple(p for p in args.shapes.split(",") if p)
     for name, (n, k) in SHAPES.items():
+        if prefixes and not name.startswith(prefixes):
+            continue
         nbytes = n * k * 2
         copies = max(2, math.ceil((512 << 20) / nbytes))
         weights = [torch.randn(n, k, device=dev, dtype=torch.bfloat16, generator=gen) * 0.02

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from specula.runtime.models.registry import load_model
@@ -23,3 +24,6 @@ class PlainDraftModelSpeculator(AutoRegressiveSpeculator):
 
     def build_runner(self, kv_cache, max_model_len: int):
         return create_model_runner(self.model, kv_cache, max_model_len)
+
+    def draft_argmax(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.runner.logits_and_argmax(hidden)[1]  # the LM head's argmax epilogue

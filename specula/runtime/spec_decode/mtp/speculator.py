@@ -3,6 +3,9 @@ drafts autoregressively with the target's embeddings and LM head."""
 
 from __future__ import annotations
 
+import torch
+
+from specula.runtime.kernels.gemv import linear_argmax
 from specula.runtime.models.mtp import MTPForCausalLM, load_mtp_draft, share_target_weights
 from specula.runtime.spec_decode.autoregressive import AutoRegressiveSpeculator
 from specula.runtime.spec_decode.mtp.runner import MTPRunner
@@ -37,3 +40,6 @@ class MTPSpeculator(AutoRegressiveSpeculator):
 
     def build_runner(self, kv_cache, max_model_len: int) -> MTPRunner:
         return MTPRunner(self.model, kv_cache, max_model_len)
+
+    def draft_argmax(self, hidden: torch.Tensor) -> torch.Tensor:
+        return linear_argmax(hidden, self.model.lm_head.weight)[1]  # the argmax epilogue
