@@ -10,6 +10,7 @@ which is what makes reconciling an unchanged resource change nothing.
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 import kubernetes
@@ -22,11 +23,21 @@ MERGE_PATCH = "application/merge-patch+json"
 
 ApiException = kubernetes.client.exceptions.ApiException
 
+log = logging.getLogger(__name__)
+
 KEDA_GROUP, KEDA_VERSION, SCALED_OBJECTS = "keda.sh", "v1alpha1", "scaledobjects"
 
 
 def _json(response: Any) -> dict[str, Any]:
     return json.loads(response.data)
+
+
+def _wrote(kind: str, namespace: str, name: str, live: dict[str, Any]) -> None:
+    """One DEBUG line per write the API server accepted (``--verbose``): what changed
+    when, for a reader of the log and for the fault tests, which stop the operator at
+    these points.  Names only, never content (a Secret's data stays out of the log)."""
+    version = (live.get("metadata") or {}).get("resourceVersion")
+    log.debug("wrote %s %s/%s (resourceVersion %s)", kind, namespace, name, version)
 
 
 class Kube:
@@ -67,9 +78,11 @@ class Kube:
             "_preload_content": False,
         }
         if (api_version, kind) == SCALED_OBJECT:
-            return _json(self._custom.patch_namespaced_custom_object(
+            live = _json(self._custom.patch_namespaced_custom_object(
                 KEDA_GROUP, KEDA_VERSION, namespace, SCALED_OBJECTS, name, manifest, **options
             ))
+            _wrote(kind, namespace, name, live)
+            return live
         patch = {
             ("v1", "ConfigMap"): self._core.patch_namespaced_config_map,
             ("apps/v1", "Deployment"): self._apps.patch_namespaced_deployment,
@@ -80,7 +93,9 @@ class Kube:
         }.get((api_version, kind))
         if patch is None:
             raise ValueError(f"cannot apply {api_version} {kind}")
-        return _json(patch(name, namespace, manifest, **options))
+        live = _json(patch(name, namespace, manifest, **options))
+        _wrote(kind, namespace, name, live)
+        return live
 
     def get_autoscaler(
         self, kind: tuple[str, str], namespace: str, name: str
@@ -171,10 +186,12 @@ class Kube:
         Raises:
             ApiException: 409 if it exists; any other refusal.
         """
-        return _json(self._core.create_namespaced_secret(
+        live = _json(self._core.create_namespaced_secret(
             manifest["metadata"]["namespace"], manifest, field_manager=self.field_manager,
             _preload_content=False,
         ))
+        _wrote("Secret", live["metadata"]["namespace"], live["metadata"]["name"], live)
+        return live
 
     def get_speculative_model(self, namespace: str, name: str) -> dict[str, Any] | None:
         """The SpeculativeModel, or ``None`` if it does not exist.
@@ -210,11 +227,13 @@ class Kube:
         body: dict[str, Any] = {"status": status}
         if resource_version is not None:
             body["metadata"] = {"resourceVersion": resource_version}
-        return _json(self._custom.patch_namespaced_custom_object_status(
+        live = _json(self._custom.patch_namespaced_custom_object_status(
             GROUP, VERSION, namespace, PLURAL, name, body,
             _content_type=MERGE_PATCH,
             _preload_content=False,
         ))
+        _wrote("SpeculativeModel status", namespace, name, live)
+        return live
 
     def list_pods(self, namespace: str, selector: str) -> list[dict[str, Any]]:
         """Pods matching label ``selector``.

@@ -527,6 +527,21 @@ def _tuner_json(tuner: TunerStatus | None) -> dict[str, Any] | None:
     return raw or None
 
 
+def replacing(old: Any, new: Any) -> Any:
+    """A JSON merge patch (RFC 7386) that turns ``old`` into ``new``: ``new`` with an
+    explicit null for every member of ``old`` it lacks, at every depth.  A merge
+    patch keeps the members it does not name, so without these nulls a pod that left
+    ``pendingPods``, a gone pod's baseline or an expired blacklist entry would stay in
+    the stored status forever."""
+    if not isinstance(old, dict) or not isinstance(new, dict):
+        return new
+    out = {key: replacing(old.get(key), value) for key, value in new.items()}
+    for key in old:
+        if key not in new:
+            out[key] = None
+    return out
+
+
 def _detail(errors: dict[str, str]) -> str:
     """``pod: error; ...`` in pod order."""
     return "; ".join(f"{pod}: {err}" for pod, err in sorted(errors.items()))
@@ -559,9 +574,11 @@ def _update(
     """``cond`` set among ``current``'s conditions, and the merge patch of the tuner's
     fields."""
     conditions = set_condition(list(current.conditions), cond, now_rfc3339)
+    new_tuner = _tuner_json(tuner)
     patch = {
-        # An explicit null removes the field (JSON merge patch).
-        "tuner": _tuner_json(tuner),
+        # An explicit null removes the field (JSON merge patch); the tuner's members
+        # that are gone are nulled one by one (`replacing`).
+        "tuner": None if new_tuner is None else replacing(_tuner_json(current.tuner), new_tuner),
         "speculation": _speculation_json(speculation),
         "tuningHistory": [e.to_k8s() for e in history] if history else None,
         "conditions": [c.to_k8s() for c in conditions],

@@ -29,6 +29,8 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
+from pydantic import ValidationError
+
 from specula.api.autoscaling import AutoscalingStatus
 from specula.api.models import SpeculativeModelSpec, SpeculativeModelStatus
 from specula.api.render_vllm import VllmConfigError
@@ -86,16 +88,30 @@ def _token(kube: Kube, body: dict[str, Any]) -> str | None:
         return None
 
 
-def _without_nulls(value: Any) -> Any:
-    """``value`` with the object members a merge patch would remove (nulls) dropped."""
-    if isinstance(value, dict):
-        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
-    return value
+def merge_patch(target: Any, patch: Any) -> Any:
+    """``target`` after the JSON merge patch ``patch`` (RFC 7386), as the API server
+    applies it: objects merge member by member at every depth, null removes a member,
+    anything else replaces."""
+    if not isinstance(patch, dict):
+        return patch
+    out = dict(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            out.pop(key, None)
+        else:
+            out[key] = merge_patch(out.get(key), value)
+    return out
 
 
 def _unchanged(patch: dict[str, Any], status: SpeculativeModelStatus | None) -> bool:
+    """Whether writing ``patch`` would leave ``status`` as it is (compared in the
+    model's form, where an absent list and an empty one are the same)."""
     raw = status.to_k8s() if status is not None else {}
-    return all(raw.get(key) == _without_nulls(value) for key, value in patch.items())
+    try:
+        after = SpeculativeModelStatus.model_validate(merge_patch(raw, patch)).to_k8s()
+    except ValidationError:
+        return False
+    return after == raw
 
 
 def _write(

@@ -10,8 +10,15 @@ advance; gauges of running and waiting requests are constant.  ``/health`` answe
 appended to ``--requests-log`` as ``METHOD PATH``, so a test can check that nothing
 was ``PUT``.
 
+With ``--admin-token-file`` (``specula`` only) the admin API is writable, as the
+runtime's: ``GET`` and ``PUT /v1/speculative_config`` need ``Authorization: Bearer``
+with the file's token (read per request; 401 otherwise), and a ``PUT`` of
+``{"num_speculative_tokens": k}`` changes the k the counters grow at from then on
+(counters stay monotonic).  Its log line is ``PUT /v1/speculative_config k=<k>`` once
+applied, or ``... <status>`` when refused.
+
 Usage: python metrics_server.py --host ADDR --port N --prefix vllm --k 3
-       --alphas 0.8,0.5,0.25 --requests-log FILE
+       --alphas 0.8,0.5,0.25 --requests-log FILE [--admin-token-file FILE]
 """
 
 from __future__ import annotations
@@ -40,17 +47,44 @@ class GrowingCounters:
         self.running = args.running
         self.waiting = args.waiting
         self.step_seconds = args.step_seconds
+        self.all_alphas = [float(a) for a in args.alphas.split(",")]
         self.start = time.monotonic()
         self.labels = {"model_name": "tiny", "engine": "0"} if self.prefix == "vllm" else {}
+        # Totals so far, advanced at the k in effect (a k set through PUT changes the
+        # rate of growth, never a total).
+        self.lock = threading.Lock()
+        self.last = self.start
+        self.total_seconds = {self.k: 0.0}
+        self.draft_tokens = 0.0
+        self.reach_f = [0.0] * len(self.all_alphas)
+
+    def set_k(self, k: int) -> None:
+        with self.lock:
+            self._advance()
+            self.k = k
+            self.alphas = self.all_alphas[:k]
+            self.total_seconds.setdefault(k, 0.0)
+
+    def _advance(self) -> None:
+        now = time.monotonic()
+        elapsed, self.last = now - self.last, now
+        self.total_seconds[self.k] = self.total_seconds.get(self.k, 0.0) + elapsed
+        drafts = self.rate * elapsed
+        self.draft_tokens += drafts * self.k
+        p = 1.0
+        for j, alpha in enumerate(self.alphas):
+            p *= alpha
+            self.reach_f[j] += drafts * p
 
     def collect(self):
-        drafts = math.floor(self.rate * (time.monotonic() - self.start))
-        reach = []
-        p = 1.0
-        for alpha in self.alphas:
-            p *= alpha
-            reach.append(math.floor(drafts * p))
-        accepted = sum(reach)
+        with self.lock:
+            self._advance()
+            seconds = dict(self.total_seconds)
+            drafts = math.floor(self.rate * sum(seconds.values()))
+            draft_tokens = math.floor(self.draft_tokens)
+            reach = [math.floor(r) for r in self.reach_f[: self.k]]
+            reach_all = [math.floor(r) for r in self.reach_f]
+        accepted = sum(reach_all)
         names, values = list(self.labels), list(self.labels.values())
 
         def counter(name: str, value: float):
@@ -59,13 +93,13 @@ class GrowingCounters:
             return family
 
         yield counter("spec_decode_num_drafts", drafts)
-        yield counter("spec_decode_num_draft_tokens", drafts * self.k)
+        yield counter("spec_decode_num_draft_tokens", draft_tokens)
         yield counter("spec_decode_num_accepted_tokens", accepted)
         per_pos = CounterMetricFamily(
             f"{self.prefix}:spec_decode_num_accepted_tokens_per_pos", "per position",
             labels=[*names, "position"],
         )
-        for j, n in enumerate(reach):
+        for j, n in enumerate(reach_all if len(seconds) > 1 else reach):
             per_pos.add_metric([*values, str(j)], n)
         yield per_pos
         yield counter("generation_tokens", drafts + accepted)
@@ -75,16 +109,20 @@ class GrowingCounters:
             gauge.add_metric(values, value)
             yield gauge
         if self.prefix == "specula":
-            steps = drafts // max(self.running, 1)
             histogram = HistogramMetricFamily(
                 "specula:step_duration_seconds", "step time",
                 labels=["batch_bucket", "num_speculative_tokens"],
             )
             bucket = "3-4" if 3 <= self.running <= 4 else str(max(self.running, 1))
-            histogram.add_metric(
-                [bucket, str(self.k)], [("+Inf", steps)], steps * self.step_seconds
-            )
+            for k, secs in sorted(seconds.items()):
+                steps = math.floor(self.rate * secs) // max(self.running, 1)
+                histogram.add_metric(
+                    [bucket, str(k)], [("+Inf", steps)], steps * self.step_seconds
+                )
             yield histogram
+
+
+_UNAUTHORIZED = b'{"error": {"code": "invalid_api_key", "message": "admin token required"}}'
 
 
 def main() -> None:
@@ -99,16 +137,27 @@ def main() -> None:
     parser.add_argument("--waiting", type=int, default=2)
     parser.add_argument("--step-seconds", type=float, default=0.01)
     parser.add_argument("--requests-log", required=True)
+    parser.add_argument("--admin-token-file", default=None)
     args = parser.parse_args()
 
     registry = CollectorRegistry()
-    registry.register(GrowingCounters(args))
+    counters = GrowingCounters(args)
+    registry.register(counters)
     log_lock = threading.Lock()
+    writable = args.admin_token_file is not None and args.prefix == "specula"
+
+    def authorized(header: str | None) -> bool:
+        try:
+            with open(args.admin_token_file) as f:
+                token = f.read().strip()
+        except OSError:
+            return False
+        return bool(token) and header == f"Bearer {token}"
 
     class Handler(BaseHTTPRequestHandler):
-        def _log(self) -> None:
+        def _log(self, suffix: str = "") -> None:
             with log_lock, open(args.requests_log, "a") as f:
-                f.write(f"{self.command} {self.path}\n")
+                f.write(f"{self.command} {self.path}{suffix}\n")
 
         def _send(self, status: int, body: bytes, content_type: str) -> None:
             self.send_response(status)
@@ -124,14 +173,37 @@ def main() -> None:
             elif self.path == "/health":
                 self._send(200, b"", "text/plain")
             elif self.path == "/v1/speculative_config" and args.prefix == "specula":
-                body = json.dumps({"num_speculative_tokens": args.k}).encode()
+                if writable and not authorized(self.headers.get("Authorization")):
+                    self._send(401, _UNAUTHORIZED, "application/json")
+                    return
+                body = json.dumps({"num_speculative_tokens": counters.k}).encode()
                 self._send(200, body, "application/json")
             else:
                 self._send(404, b'{"error": "not found"}', "application/json")
 
         def do_PUT(self) -> None:  # noqa: N802
-            self._log()
-            self._send(405, b'{"error": "read-only stand-in"}', "application/json")
+            if not (writable and self.path == "/v1/speculative_config"):
+                self._log()
+                self._send(405, b'{"error": "read-only stand-in"}', "application/json")
+                return
+            length = int(self.headers.get("Content-Length") or 0)
+            raw = self.rfile.read(length)
+            if not authorized(self.headers.get("Authorization")):
+                self._log(" 401")
+                self._send(401, _UNAUTHORIZED, "application/json")
+                return
+            try:
+                k = json.loads(raw)["num_speculative_tokens"]
+                if not isinstance(k, int) or not 0 <= k <= len(counters.all_alphas):
+                    raise ValueError(k)
+            except (ValueError, KeyError, TypeError):
+                self._log(" 400")
+                self._send(400, b'{"error": {"message": "bad k"}}', "application/json")
+                return
+            counters.set_k(k)
+            self._log(f" k={k}")
+            self._send(200, json.dumps({"num_speculative_tokens": k}).encode(),
+                       "application/json")
 
         def log_message(self, *_: object) -> None:
             pass

@@ -32,6 +32,9 @@ class StandInPod:
     running: int = 4
     waiting: int = 2
     port: int = 8000
+    writable: bool = False
+    """Serve a writable admin API that checks the token :meth:`use_token` set
+    (``--admin-token-file``)."""
     test_host: ServerNamespace = field(default_factory=ServerNamespace)
     proc: subprocess.Popen | None = None
 
@@ -42,6 +45,10 @@ class StandInPod:
     @property
     def requests_log(self) -> Path:
         return self.workdir / f"{self.prefix}-requests.log"
+
+    @property
+    def token_file(self) -> Path:
+        return self.workdir / f"{self.prefix}-admin-token"
 
     @property
     def log_path(self) -> Path:
@@ -57,6 +64,8 @@ class StandInPod:
             "--running", str(self.running), "--waiting", str(self.waiting),
             "--requests-log", str(self.requests_log),
         ]
+        if self.writable:
+            argv += ["--admin-token-file", str(self.token_file)]
         self.proc = spawn(self.test_host.command(argv), self.log_path, env=dict(os.environ))
         wait_for(self._healthy, timeout=30, interval=0.2, message="stand-in pod /health")
 
@@ -71,6 +80,20 @@ class StandInPod:
     def stop(self) -> None:
         stop_process(self.proc, grace=5)
         self.test_host.delete()
+
+    def use_token(self, token: str) -> None:
+        """The admin token the pod accepts from now on (what the kubelet mounts)."""
+        self.token_file.write_text(token)
+
+    def current_k(self) -> int:
+        """k in effect, from ``GET /v1/speculative_config`` with the token."""
+        response = httpx.get(
+            f"http://{self.address}:{self.port}/v1/speculative_config",
+            headers={"Authorization": f"Bearer {self.token_file.read_text().strip()}"},
+            timeout=5,
+        )
+        response.raise_for_status()
+        return int(response.json()["num_speculative_tokens"])
 
     def requests(self) -> list[str]:
         """``METHOD PATH`` of every request received so far."""

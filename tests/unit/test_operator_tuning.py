@@ -12,6 +12,7 @@ from specula.api.models import SpeculativeModelSpec, SpeculativeModelStatus, Tun
 from specula.operator import tuner
 from specula.operator.status import TUNED, Observation, compute_status, get_condition
 from specula.operator.tuner import Endpoint, PodReading
+from specula.operator.tuning import merge_patch
 from specula.tuning import QueueGauges, RuntimeMetrics, TuningState
 
 NOW = 1_800_000_000.0
@@ -83,12 +84,7 @@ def reading(pod, k, scale=1.0, *, configured=None, rate=0.6):
 
 def roundtrip(status: SpeculativeModelStatus, update: tuner.StatusUpdate) -> SpeculativeModelStatus:
     """``status`` after the API server applied ``update.patch`` as a JSON merge patch."""
-    raw = status.to_k8s()
-    for key, value in update.patch.items():
-        if value is None:
-            raw.pop(key, None)
-        else:
-            raw[key] = value
+    raw = merge_patch(status.to_k8s(), update.patch)
     # Everything written must be JSON (the CRD's preserve-unknown-fields included).
     return SpeculativeModelStatus.model_validate(json.loads(json.dumps(raw)))
 
@@ -292,7 +288,9 @@ def test_apply_failure_is_reported_and_retried():
     retried = tuner.after_retry(2, ["a"], {}, status, 7, NOW_S)
     cond = get_condition(retried.conditions, TUNED)
     assert (cond.status, cond.reason) == ("True", "Applied")
-    assert "pendingPods" not in (retried.patch["tuner"] or {})
+    # An explicit null: a merge patch that left the member out would keep ["a"].
+    assert retried.patch["tuner"]["pendingPods"] is None
+    assert roundtrip(status, retried).tuner.pending_pods == []
     assert [(e.type, e.reason) for e in retried.events] == [("Normal", "Applied")]
 
 
@@ -556,3 +554,28 @@ def test_off_mode_clears_the_schedule_in_status():
     after = roundtrip(status, update)
     assert after.speculation.num_speculative_tokens == 2
     assert after.speculation.num_speculative_tokens_per_batch_size is None
+
+
+def test_the_status_patch_removes_tuner_members_that_are_gone():
+    """The tuner's status is written as a JSON merge patch, which keeps every member
+    it does not name: a pod that left pendingPods, a gone pod's baseline and an expired
+    blacklist entry are sent as explicit nulls, so the stored status equals the new."""
+    old = {"pendingPods": ["a"], "baselines": {"a": {"drafts": 1}, "b": {"drafts": 2}},
+           "state": {"blacklist": {"3": 1.0}, "decisions": 4}}
+    new = {"baselines": {"b": {"drafts": 3}}, "state": {"blacklist": {}, "decisions": 5}}
+    patch = tuner.replacing(old, new)
+    assert patch["pendingPods"] is None and patch["baselines"]["a"] is None
+    assert merge_patch(old, patch) == new
+
+
+def test_a_patch_that_changes_nothing_is_not_written():
+    from specula.operator.tuning import _unchanged
+
+    status = SpeculativeModelStatus.model_validate(
+        {"tuner": {"lastScrapeTime": 5.0, "baselines": {"a": {"x": 1}}}}
+    )
+    same = {"tuner": {"lastScrapeTime": 5.0, "pendingPods": None,
+                      "baselines": {"a": {"x": 1}}}}
+    assert _unchanged(same, status)
+    assert not _unchanged({"tuner": {"lastScrapeTime": 6.0}}, status)
+    assert not _unchanged({"tuner": {"baselines": {"a": None}}}, status)
