@@ -132,6 +132,9 @@ class RuntimeConfig(BaseModel):
     may take (vLLM's option of the same name)."""
     enforce_eager: bool = False
     """Run the GPU engine without CUDA graphs (vLLM's option of the same name)."""
+    enable_prefix_caching: bool = True
+    """Reuse the KV blocks of prompt prefixes seen before (vLLM's automatic prefix
+    caching, on by default as there); ``false`` prefills every prompt whole."""
     load_format: Literal["auto", "dummy"] = "auto"
     """``auto`` reads the checkpoints' weights; ``dummy`` initialises random weights
     from their configs alone, for benchmarks (vLLM's option of the same name)."""

@@ -329,6 +329,45 @@ def greedy_rounds_equal_expected(
     return rounds
 
 
+def shared_prefix_prompts(vocab: int, seed: int, prefix_len: int = 40) -> list[list[int]]:
+    """A prompt and four more that share its first ``prefix_len`` tokens: tails of 1, 6
+    and 21 tokens, and the same prompt again (ids avoid eos 0)."""
+    gen = torch.Generator().manual_seed(seed)
+    prefix = torch.randint(1, vocab, (prefix_len,), generator=gen).tolist()
+    tails = [torch.randint(1, vocab, (n,), generator=gen).tolist() for n in (3, 1, 6, 21)]
+    return [prefix + t for t in tails] + [prefix + tails[0]]
+
+
+def prefix_cached_outputs(engine, prompts: list[list[int]], params) -> list[list[int]]:
+    """``prompts[0]`` alone, then the others together (more than ``max_num_seqs`` of
+    them join running batches mid-way), so that the others reuse its cached prompt
+    blocks. Checks that each did reuse every full block of the prefix it shares with
+    ``prompts[0]`` (short of its last token), and returns every output."""
+    bm = engine.scheduler.block_manager
+    first = engine.generate(prompts[:1], params)
+    hits = bm.prefix_cache_hits
+    rest = engine.generate(prompts[1:], params)
+    bs = bm.block_size
+    expected_hits = 0
+    for p in prompts[1:]:
+        common = next(
+            (i for i, (a, b) in enumerate(zip(p, prompts[0], strict=False)) if a != b),
+            min(len(p), len(prompts[0])),
+        )
+        expected_hits += min(common, len(p) - 1) // bs * bs
+    assert expected_hits > 0
+    assert bm.prefix_cache_hits - hits >= expected_hits
+    assert not engine.has_unfinished_requests()
+    return first + rest
+
+
+@pytest.fixture(scope="session")
+def prefix_cached():
+    """:func:`shared_prefix_prompts` and :func:`prefix_cached_outputs`, for tests in
+    other files."""
+    return shared_prefix_prompts, prefix_cached_outputs
+
+
 @pytest.fixture(scope="session")
 def greedy_rounds():
     """The :func:`greedy_rounds_equal_expected` function, for tests in other files."""

@@ -334,6 +334,27 @@ def test_body_without_json_content_type(client):
     assert r.json()["usage"]["completion_tokens"] >= 1
 
 
+def test_prefix_cache_metrics_count_a_repeated_prompt(client):
+    """vLLM's semantics: ``prefix_cache_queries`` counts prompt tokens looked up,
+    ``prefix_cache_hits`` those reused; the same long prompt twice reuses every full
+    block of it but the one holding its last token, and the answer is unchanged."""
+    m = (("model_name", MODEL_NAME),)
+    prompt = "the same system prompt, long enough to fill several KV blocks"
+    before = metrics(client)
+    first = complete(client, prompt=prompt, max_tokens=8, temperature=0)
+    middle = metrics(client)
+    second = complete(client, prompt=prompt, max_tokens=8, temperature=0)
+    after = metrics(client)
+    n = first["usage"]["prompt_tokens"]
+    queries = after[("specula:prefix_cache_queries_total", m)]
+    hits = after[("specula:prefix_cache_hits_total", m)]
+    assert queries - middle[("specula:prefix_cache_queries_total", m)] == n
+    assert middle[("specula:prefix_cache_queries_total", m)] - before.get(
+        ("specula:prefix_cache_queries_total", m), 0) == n
+    assert hits - middle[("specula:prefix_cache_hits_total", m)] == (n - 1) // 16 * 16 > 0
+    assert second["choices"][0]["text"] == first["choices"][0]["text"]
+
+
 def test_metrics_follow_requests(client):
     m = (("model_name", MODEL_NAME),)
     before = metrics(client)

@@ -381,3 +381,15 @@ def test_wrong_weights_fail_at_load(tmp_path, llama_dflash, tiny_llama_target):
         ValueError, match=r"fc.weight: checkpoint shape \(64, 192\) != model shape \(64, 128\)"
     ):
         _engine(tiny_llama_target, draft, k=3)
+
+
+def test_prefix_caching_keeps_greedy_output(
+    tiny_qwen3_target, qwen3_dflash, hf_model, hf_greedy, prefix_cached
+):
+    prompts_for, run = prefix_cached
+    hf = hf_model(tiny_qwen3_target)
+    prompts = prompts_for(VOCAB_SIZE, seed=24)
+    expected = [hf_greedy(hf, p, MAX_TOKENS) for p in prompts]
+    engine = _engine(tiny_qwen3_target, qwen3_dflash, k=4, max_num_seqs=3)
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    assert run(engine, prompts, params) == expected

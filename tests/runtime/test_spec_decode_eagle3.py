@@ -247,3 +247,12 @@ def test_default_aux_layers_when_the_checkpoint_names_none(target, bigram_draft,
     # (2, L // 2, L - 3) for the 3-layer target.
     assert engine.speculator.aux_hidden_state_layers == (2, 1, 0)
     assert engine.aux_hidden_state_layers == (2, 1, 0)
+
+
+def test_prefix_caching_keeps_greedy_output(target, target_hf, bigram_draft, hf_greedy, prefix_cached):
+    prompts_for, run = prefix_cached
+    prompts = prompts_for(VOCAB_SIZE, seed=22)
+    expected = [hf_greedy(target_hf, p, MAX_TOKENS) for p in prompts]
+    engine = make_engine(target, "eagle3", bigram_draft, k=4)
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    assert run(engine, prompts, params) == expected

@@ -234,3 +234,15 @@ def test_backbone_size_mismatch_names_both_values(
     draft = save(tiny_gemma4_assistant(other, seed=15), tiny_tokenizer, tmp_path / "d")
     with pytest.raises(ValueError, match="draft backbone_hidden_size 32 != target hidden_size 64"):
         _engine(target_dir, draft, 2)
+
+
+def test_prefix_caching_keeps_greedy_output(
+    hf_target, target_dir, assistant_dir, hf_greedy, prefix_cached
+):
+    """Gemma4 MTP reads the target's KV, sliding-window layers included: a prompt
+    prefilled after a reused prefix longer than the window still decodes exactly."""
+    prompts_for, run = prefix_cached
+    prompts = prompts_for(hf_target.config.vocab_size, seed=26, prefix_len=2 * SLIDING_WINDOW + 8)
+    expected = [hf_greedy(hf_target, p, 10) for p in prompts]
+    engine = _engine(target_dir, assistant_dir, 4, max_num_seqs=2)
+    assert run(engine, prompts, SamplingParams(max_tokens=10, ignore_eos=True)) == expected

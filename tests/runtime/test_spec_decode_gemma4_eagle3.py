@@ -121,3 +121,12 @@ def test_greedy_on_gpu_in_cuda_graphs(target, head, expected, with_head):
         engine, _prompts(), expected, ks=(0, 3, 8) if with_head else (0,), max_tokens=MAX_TOKENS,
         replayed=("num_prefill_replays", "num_decode_replays") if with_head else (),
     )
+
+
+def test_prefix_caching_keeps_greedy_output(target, target_hf, head, hf_greedy, prefix_cached):
+    prompts_for, run = prefix_cached
+    prompts = prompts_for(target_hf.config.vocab_size, seed=27)
+    expected = [hf_greedy(target_hf, p, MAX_TOKENS) for p in prompts]
+    engine = _engine(target, head, k=4)
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    assert run(engine, prompts, params) == expected

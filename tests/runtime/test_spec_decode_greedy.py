@@ -120,3 +120,24 @@ def test_every_proposal_is_the_drafts_greedy_continuation(
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
     for tokens, drafts in log:
         assert drafts == hf_greedy(draft_hf, tokens, 4), f"context of {len(tokens)}"
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("with_draft", [True, False], ids=["draft_model", "target-only"])
+def test_prefix_caching_keeps_greedy_output(
+    family, with_draft, request, hf_model, make_engine, prefix_cached
+):
+    """Requests that reuse a cached prompt prefix (prefilled after it, alone or in a
+    mixed batch) still emit ``transformers``' greedy tokens; the draft model's KV of
+    the shared blocks is the one written with them."""
+    prompts_for, run = prefix_cached
+    target = request.getfixturevalue(f"tiny_{family}_target")
+    hf = hf_model(target)
+    prompts = prompts_for(hf.config.vocab_size, seed=21)
+    expected = [_hf_greedy(hf, p) for p in prompts]
+    if with_draft:
+        draft = request.getfixturevalue(f"tiny_{family}_draft")
+        engine = make_engine(target, draft, k=4, max_num_seqs=3)
+    else:
+        engine = make_engine(target, max_num_seqs=3)
+    assert run(engine, prompts, SamplingParams(max_tokens=MAX_TOKENS)) == expected

@@ -247,3 +247,12 @@ def test_mismatched_checkpoint_fails_at_load(changes, message, target, bigram_dr
     (draft / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=message):
         make_engine(target, "mtp", draft, k=2)
+
+
+def test_prefix_caching_keeps_greedy_output(target, target_hf, bigram_draft, hf_greedy, prefix_cached):
+    prompts_for, run = prefix_cached
+    prompts = prompts_for(VOCAB_SIZE, seed=23)
+    expected = [hf_greedy(target_hf, p, MAX_TOKENS) for p in prompts]
+    engine = make_engine(target, "mtp", bigram_draft, k=4)
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    assert run(engine, prompts, params) == expected

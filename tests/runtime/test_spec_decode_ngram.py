@@ -186,3 +186,13 @@ def test_sampled_ngram_keeps_target_distribution(
     assert _hf_greedy(hf, prompt, 3) == prompt[4:7]
     engine = _ngram_engine(tiny_llama_target, 3, max_num_seqs=256)
     assert sampled_pvalue(engine, hf, prompt, NUM_SAMPLES) > ALPHA
+
+
+def test_prefix_caching_keeps_greedy_output(tiny_llama_target, hf_model, prefix_cached):
+    prompts_for, run = prefix_cached
+    hf = hf_model(tiny_llama_target)
+    prompts = [_repetitive_prompt(hf, p) for p in prompts_for(hf.config.vocab_size, seed=25)]
+    expected = [_hf_greedy(hf, p, MAX_TOKENS) for p in prompts]
+    engine = _ngram_engine(tiny_llama_target, 4, max_num_seqs=3)
+    assert run(engine, prompts, SamplingParams(max_tokens=MAX_TOKENS)) == expected
+    assert engine.spec_decoding_stats.num_accepted_tokens > 0

@@ -114,3 +114,107 @@ def test_resize_grows_and_shrinks_and_reports_the_first_new_block():
     with pytest.raises(NoFreeBlocksError):
         m.resize("a", 40)
     assert m.num_blocks_held("a") == 2 and m.num_tokens("a") == 6  # unchanged
+
+
+# ---- automatic prefix caching ---------------------------------------------------------
+
+
+def _cached_manager(num_blocks: int = 8) -> BlockManager:
+    return BlockManager(num_blocks=num_blocks, block_size=4, watermark=0.0, enable_prefix_caching=True)
+
+
+def test_full_computed_blocks_are_reused_by_a_later_prompt():
+    m = _cached_manager()
+    a = list(range(1, 11))  # 10 tokens: blocks [1-4], [5-8] full, [9, 10] partial
+    table_a = m.allocate("a", len(a))
+    m.cache_blocks("a", a, num_computed=10)
+    assert m.num_cached_blocks == 2
+    b = a[:8] + [99, 98, 97]
+    cached = m.match_prefix(b)
+    assert cached == table_a[:2]
+    assert m.can_allocate(len(b), cached)
+    table_b = m.allocate("b", len(b), cached)
+    assert table_b[:2] == table_a[:2] and table_b[2] != table_a[2]
+    assert m.num_free_blocks == 8 - 3 - 1  # one fresh block for b
+    m.free("a")
+    assert m.num_free_blocks == 8 - 3  # the shared blocks stay with b
+    m.free("b")
+    assert m.num_free_blocks == 8
+
+
+def test_a_prompt_always_computes_its_last_token_and_partial_blocks_are_not_named():
+    m = _cached_manager()
+    a = list(range(1, 9))  # exactly two blocks
+    m.allocate("a", 8)
+    m.cache_blocks("a", a, num_computed=7)  # the second block is not computed whole
+    assert m.num_cached_blocks == 1
+    m.cache_blocks("a", a, num_computed=8)
+    assert m.num_cached_blocks == 2
+    # The same prompt again reuses one block only: its last token must be computed.
+    assert len(m.match_prefix(a)) == 1
+    assert len(m.match_prefix(a + [50])) == 2
+    # A different first block breaks the chain, whatever follows.
+    assert m.match_prefix([77] + a[1:] + [50]) == []
+
+
+def test_counters_and_no_caching_when_disabled():
+    m = BlockManager(num_blocks=8, block_size=4, watermark=0.0)
+    m.allocate("a", 9)
+    m.cache_blocks("a", list(range(9)), num_computed=9)
+    assert m.match_prefix(list(range(9))) == [] and m.num_cached_blocks == 0
+    m.record_prompt(9, 0)
+    assert (m.prefix_cache_queries, m.prefix_cache_hits) == (0, 0)
+    c = _cached_manager()
+    c.record_prompt(9, 4)
+    assert (c.prefix_cache_queries, c.prefix_cache_hits) == (9, 4)
+
+
+def test_eviction_takes_unnamed_blocks_first_then_least_recently_freed_tail_first():
+    m = _cached_manager(num_blocks=5)
+    a, b = [1, 2, 3, 4, 5, 6, 7, 8, 9], [11, 12, 13, 14, 15]
+    table_a = m.allocate("a", 9)  # 3 blocks, 2 named
+    m.cache_blocks("a", a, 9)
+    table_b = m.allocate("b", 5)  # 2 blocks, 1 named
+    m.cache_blocks("b", b, 5)
+    m.free("a")
+    m.free("b")
+    assert m.num_free_blocks == 5 and m.num_cached_blocks == 3
+    # One unnamed block of each request is free: they go first, nothing is evicted.
+    m.allocate("c", 8)
+    assert m.num_cached_blocks == 3
+    # Then a's blocks (freed first), its tail before its head.
+    m.allocate("d", 4)
+    assert m.match_prefix(a + [0]) == table_a[:1]
+    m.allocate("e", 4)
+    assert m.match_prefix(a + [0]) == []
+    assert m.match_prefix(b + [0]) == table_b[:1]
+
+
+def test_a_cached_free_block_counts_as_taken_when_reused():
+    m = _cached_manager(num_blocks=3)
+    a = [1, 2, 3, 4, 5]
+    m.allocate("a", 5)
+    m.cache_blocks("a", a, 5)
+    m.free("a")
+    cached = m.match_prefix(a)
+    assert len(cached) == 1 and m.num_free_blocks == 3
+    assert m.can_allocate(12, cached)  # the cached block plus the two others
+    assert not m.can_allocate(13, cached)
+    m.allocate("b", 12, cached)
+    assert m.num_free_blocks == 0
+    with pytest.raises(ValueError, match="not all cached"):
+        m.allocate("c", 4, [2])
+
+
+def test_equal_contents_keep_one_name_and_shrinking_returns_private_blocks():
+    m = _cached_manager()
+    a = [1, 2, 3, 4, 5]
+    table_a = m.allocate("a", 5)
+    table_b = m.allocate("b", 5)  # computed the same block before a's was named
+    m.cache_blocks("a", a, 5)
+    m.cache_blocks("b", a, 5)
+    assert m.num_cached_blocks == 1 and m.match_prefix(a) == table_a[:1]
+    m.resize("b", 4)  # rejected draft slots go back
+    assert m.num_blocks_held("b") == 1
+    m.free("b")
+    assert table_b[0] not in m.match_prefix(a)

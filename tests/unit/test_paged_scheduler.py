@@ -131,3 +131,29 @@ def test_invalid_limits():
         PagedScheduler(BlockManager(4, BLOCK), 0, 10)
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         PagedScheduler(BlockManager(4, BLOCK), 1, 0)
+
+
+def test_a_cached_prefix_is_shared_and_only_the_rest_is_prefilled_and_budgeted():
+    bm = BlockManager(20, BLOCK, 0.0, enable_prefix_caching=True)
+    sched = PagedScheduler(bm, max_num_seqs=8, max_num_batched_tokens=12)
+    sched.add(_request("a", 11))  # tokens 1..11: two full blocks
+    _step(sched, accepted=0)
+    bm.cache_blocks("a", sched.running[0].token_ids, sched.running[0].num_computed_tokens)
+    # b and c share a's first 9 tokens; 11 + 11 prompt tokens exceed the budget of 12,
+    # but each prefills only 3 after its 8 cached ones.
+    for rid in ("b", "c"):
+        request = _request(rid, 9)
+        request.token_ids += [50, 51]
+        sched.add(request)
+    out = _step(sched, accepted=0)
+    assert [r.request_id for r in out.prefill] == ["b", "c"]
+    a_blocks = bm.block_table("a")[:2]
+    assert bm.block_table("b")[:2] == a_blocks == bm.block_table("c")[:2]
+    assert (bm.prefix_cache_queries, bm.prefix_cache_hits) == (11 + 11 + 11, 8 + 8)
+    # Preempted and readmitted, a request finds its own blocks again.
+    victim = sched.running[-1]
+    sched._preempt(victim)
+    bm_free = bm.num_free_blocks
+    sched.schedule(K + 1, LOOKAHEAD)
+    assert victim in sched.running and victim.num_computed_tokens == 8
+    assert bm.num_free_blocks < bm_free

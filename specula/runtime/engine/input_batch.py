@@ -157,7 +157,12 @@ class InputBatch:
         self.seeds[rows_t] = to_device([q.seed for q in new], torch.int64, dev)
         # index_fill_, not ``[rows_t] = 0``: that copies the host scalar synchronously.
         self.num_draft_tokens.index_fill_(0, rows_t, 0)
-        self.num_computed_tokens.index_fill_(0, rows_t, 0)
+        if any(q.num_computed_tokens for q in new):  # after a reused prefix
+            self.num_computed_tokens[rows_t] = to_device(
+                [q.num_computed_tokens for q in new], torch.int64, dev
+            )
+        else:
+            self.num_computed_tokens.index_fill_(0, rows_t, 0)
         if self.token_ids is not None:
             flat_rows = [q.row for q in new for _ in q.token_ids]
             flat_cols = [i for q in new for i in range(len(q.token_ids))]

@@ -130,6 +130,8 @@ class LLMEngine(SpeculativeSettings):
         cudagraph_capture_sizes: request counts to capture graphs for (vLLM's option of
             the same name); default 1, 2, 4, 8, then multiples of 8 up to
             ``max_num_seqs``.
+        enable_prefix_caching: reuse the KV blocks of cached prompt prefixes (vLLM's
+            automatic prefix caching; :mod:`~specula.runtime.engine.block_manager`).
         async_scheduling: launch each step before reading the previous one's tokens, so
             the host's scheduling and stop checks overlap the device's work (vLLM's
             option of the same name); :meth:`step` then returns the outputs of the step
@@ -166,6 +168,7 @@ class LLMEngine(SpeculativeSettings):
         load_format: str = "auto",
         synthetic_acceptance_rate: float | None = None,
         cudagraph_capture_sizes: list[int] | None = None,
+        enable_prefix_caching: bool = True,
         async_scheduling: bool | None = None,
     ) -> None:
         if load_format not in LOAD_FORMATS:
@@ -247,7 +250,7 @@ class LLMEngine(SpeculativeSettings):
             else:
                 num_gpu_blocks = cdiv(max_num_seqs * runner_len, block_size)
         self.scheduler = PagedScheduler(
-            BlockManager(num_gpu_blocks, block_size),
+            BlockManager(num_gpu_blocks, block_size, enable_prefix_caching=enable_prefix_caching),
             max_num_seqs,
             max_num_batched_tokens or max(self.max_model_len, 2048),
         )
@@ -320,6 +323,7 @@ class LLMEngine(SpeculativeSettings):
             enforce_eager=config.enforce_eager,
             tensor_parallel_size=config.tensor_parallel_size,
             load_format=config.load_format,
+            enable_prefix_caching=config.enable_prefix_caching,
         )
 
     # ---- requests -------------------------------------------------------------------
@@ -379,6 +383,8 @@ class LLMEngine(SpeculativeSettings):
             "num_preemptions": self.scheduler.num_preemptions,
             "num_free_gpu_blocks": bm.num_free_blocks,
             "num_gpu_blocks": bm.num_blocks,
+            "prefix_cache_queries": bm.prefix_cache_queries,
+            "prefix_cache_hits": bm.prefix_cache_hits,
         }
 
     # ---- stepping -------------------------------------------------------------------
@@ -495,16 +501,18 @@ class LLMEngine(SpeculativeSettings):
 
         # -- inputs and the target forward ----------------------------------------------
         prompt_lens = [len(r.token_ids) for r in prefill]
-        query_lens = [q] * nd + prompt_lens
+        cached = [r.num_computed_tokens for r in prefill]  # a reused prefix
+        query_lens = [q] * nd + [n - c for n, c in zip(prompt_lens, cached, strict=True)]
         starts = ib.num_computed_tokens[idx]
         metadata, positions = device_metadata(ib.block_table[idx], starts, query_lens, self.block_size)
-        mark_prefills(metadata, nd)
+        mark_prefills(metadata, nd, cached)
         parts = []
         if nd:
             last = ib.last_token_ids[idx_d, None]
             parts.append(torch.cat([last, ib.draft_token_ids[idx_d, :k]], 1).reshape(-1))
         if prefill:
-            parts.append(to_device([t for r in prefill for t in r.token_ids], torch.int64, dev))
+            tokens = [t for r in prefill for t in r.token_ids[r.num_computed_tokens :]]
+            parts.append(to_device(tokens, torch.int64, dev))
         input_ids = parts[0] if len(parts) == 1 else torch.cat(parts)
         if self.graphs is not None:
             hidden, aux, descriptor = self.graphs.run(input_ids, positions, metadata)
@@ -557,8 +565,10 @@ class LLMEngine(SpeculativeSettings):
         else:
             committed = starts + num_accepted + 1
         ib.commit(idx, committed, next_tokens, out, num_accepted + 1)
+        bm = self.scheduler.block_manager
         for request in prefill:  # exact: a prefill commits its whole prompt
             request.num_computed_tokens = len(request.token_ids)
+            bm.cache_blocks(request.request_id, request.token_ids, request.num_computed_tokens)
         # The step's only device-to-host copy, queued before the drafting so that the
         # host's stop checks overlap it.
         host = torch.cat([num_accepted[:, None], num_verified[:, None], out], dim=1)
@@ -635,6 +645,9 @@ class LLMEngine(SpeculativeSettings):
                     self.spec_decoding_stats.observe_draft(verified, accepted)
                 request.num_computed_tokens += accepted + 1
                 self._emit(request, tokens[: accepted + 1], emitted)
+                self.scheduler.block_manager.cache_blocks(
+                    request.request_id, request.token_ids, request.num_computed_tokens
+                )
             else:
                 self._emit(request, tokens[:1], emitted)
         if not self.async_scheduling:

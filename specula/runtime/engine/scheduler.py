@@ -10,7 +10,9 @@ slots the whole step may write, so nothing is allocated while the device works:
   ``num_computed_tokens + num_decode_tokens + num_lookahead_tokens``: this step's query
   tokens, then the draft tokens the speculator writes after the last accepted one
   (however many are accepted);
-- an admitted request holds slots for its tokens plus ``num_lookahead_tokens``.
+- an admitted request holds slots for its tokens plus ``num_lookahead_tokens``; the
+  leading full blocks of a cached prefix are shared (:meth:`BlockManager.match_prefix`),
+  its ``num_computed_tokens`` start after them and only the rest is prefilled.
 
 Slots a request holds beyond that (those of rejected drafts) are returned at the next
 schedule. When the running requests' growth does not fit, the newest running requests
@@ -41,8 +43,8 @@ class SchedulerOutput:
     decode: list[Request] = field(default_factory=list)
     """Running requests: one decode token or ``k + 1`` verification tokens each."""
     prefill: list[Request] = field(default_factory=list)
-    """Requests admitted this step (new, or resumed after preemption); every token in
-    their ``token_ids`` is prefilled."""
+    """Requests admitted this step (new, or resumed after preemption); their tokens
+    from ``num_computed_tokens`` on (after a cached prefix) are prefilled."""
     preempted: list[Request] = field(default_factory=list)
     """Requests preempted this step (now at the front of the waiting queue)."""
 
@@ -141,15 +143,19 @@ class PagedScheduler:
         while self.waiting and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             n = len(request.token_ids)
-            if n > budget and (out.prefill or out.decode):
+            cached = bm.match_prefix(request.token_ids)
+            num_new = n - len(cached) * bm.block_size
+            if num_new > budget and (out.prefill or out.decode):
                 break
-            if not bm.can_allocate(n + num_lookahead_tokens):
+            if not bm.can_allocate(n + num_lookahead_tokens, cached):
                 break
             self.waiting.popleft()
-            bm.allocate(request.request_id, n + num_lookahead_tokens)
+            bm.allocate(request.request_id, n + num_lookahead_tokens, cached)
+            bm.record_prompt(n, n - num_new)
+            request.num_computed_tokens = n - num_new
             self.running.append(request)
             out.prefill.append(request)
-            budget -= n
+            budget -= num_new
         return out
 
     # -- removal ---------------------------------------------------------------------

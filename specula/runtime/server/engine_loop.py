@@ -333,6 +333,8 @@ class EngineLoop:
             num_speculative_tokens=k,
             max_num_speculative_tokens=self.engine.max_num_speculative_tokens,
             num_preemptions=int(sched.get("num_preemptions", 0)),
+            prefix_cache_queries=int(sched.get("prefix_cache_queries", 0)),
+            prefix_cache_hits=int(sched.get("prefix_cache_hits", 0)),
             kv_cache_usage=(
                 1.0 - sched["num_free_gpu_blocks"] / sched["num_gpu_blocks"]
                 if sched.get("num_gpu_blocks")

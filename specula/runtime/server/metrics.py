@@ -84,6 +84,10 @@ class RuntimeSnapshot:
     """The largest k the engine accepts (its startup value; 0 without a speculator)."""
     num_preemptions: int = 0
     """Requests preempted (KV blocks freed, recomputed later) since start."""
+    prefix_cache_queries: int = 0
+    """Prompt tokens looked up in the prefix cache since start."""
+    prefix_cache_hits: int = 0
+    """Of those, tokens whose KV was reused from the cache."""
     kv_cache_usage: float = 0.0
     """Fraction of the paged KV cache's blocks in use, in [0, 1] (0 for the one-slot
     engine, whose cache is allocated per slot up front)."""
@@ -139,6 +143,16 @@ class RuntimeProm(Collector):
             "Requests preempted because the KV cache ran out (recomputed when readmitted).",
             labels=labels,
         )
+        prefix_queries = CounterMetricFamily(
+            METRIC_PREFIX + "prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried prompt tokens.",
+            labels=labels,
+        )
+        prefix_hits = CounterMetricFamily(
+            METRIC_PREFIX + "prefix_cache_hits",
+            "Prefix cache hits, in terms of number of cached prompt tokens.",
+            labels=labels,
+        )
         kv_usage = GaugeMetricFamily(
             METRIC_PREFIX + "kv_cache_usage_perc",
             "Fraction of the paged KV cache's blocks in use (1 = full).",
@@ -157,6 +171,8 @@ class RuntimeProm(Collector):
             k_in_effect.add_metric(values, snap.num_speculative_tokens)
             k_max.add_metric(values, snap.max_num_speculative_tokens)
             preemptions.add_metric(values, snap.num_preemptions)
+            prefix_queries.add_metric(values, snap.prefix_cache_queries)
+            prefix_hits.add_metric(values, snap.prefix_cache_hits)
             kv_usage.add_metric(values, snap.kv_cache_usage)
             for (bucket, k), s in sorted(snap.step_times.series.items()):
                 cumulative, acc = [], 0
@@ -166,7 +182,10 @@ class RuntimeProm(Collector):
                     acc += n
                     cumulative.append((le, acc))
                 steps.add_metric([*values, bucket, str(k)], cumulative, s.sum_s)
-        yield from (running, waiting, generated, k_in_effect, k_max, preemptions, kv_usage, steps)
+        yield from (
+            running, waiting, generated, k_in_effect, k_max, preemptions, prefix_queries,
+            prefix_hits, kv_usage, steps,
+        )
 
 
 def build_registry(

@@ -57,6 +57,31 @@ def _causal_sdpa(
     )
 
 
+def _context_sdpa(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    blocks: torch.Tensor,
+    context: int,
+    scale: float,
+    window: int | None,
+) -> torch.Tensor:
+    """A prefill after ``context`` cached tokens: ``q [q_len, heads, head_dim]`` attends
+    causally over the request's first ``context + q_len`` cached keys and values (this
+    forward's written already), read through its block ids ``blocks``."""
+    total = context + q.shape[0]
+    block_size = key_cache.shape[1]
+    ids = blocks[: cdiv(total, block_size)].long()
+    k, v = (c[ids].flatten(0, 1)[:total].transpose(0, 1) for c in (key_cache, value_cache))
+    rows = torch.arange(context, total, device=q.device)[:, None]
+    cols = torch.arange(total, device=q.device)[None, :]
+    mask = (cols <= rows) & (cols > rows - window) if window is not None else cols <= rows
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k, v, attn_mask=mask, scale=scale, enable_gqa=True
+    )
+    return out.transpose(0, 1)
+
+
 def _prefill_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -64,11 +89,14 @@ def _prefill_attention(
     metadata: PagedAttentionMetadata,
     scale: float,
     window: int | None = None,
+    key_cache: torch.Tensor | None = None,
+    value_cache: torch.Tensor | None = None,
 ) -> torch.Tensor:
     # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
     n, num_heads, head_dim = q.shape
     q_len = metadata.uniform_query_len
-    if q_len is not None:
+    context = metadata.context_lens_cpu or (0,) * metadata.num_reqs
+    if q_len is not None and not metadata.context_lens_cpu:
         # Equal prompts: one batched call, [num_reqs, heads, q_len, head_dim].
         b = metadata.num_reqs
         out = _causal_sdpa(
@@ -81,8 +109,16 @@ def _prefill_attention(
         return out.transpose(1, 2).reshape(n, num_heads, head_dim)
     out = torch.empty_like(q)
     start = 0
-    for length in metadata.query_lens_cpu:
+    for i, length in enumerate(metadata.query_lens_cpu):
         end = start + length
+        if context[i]:
+            assert key_cache is not None and value_cache is not None
+            out[start:end] = _context_sdpa(
+                q[start:end], key_cache, value_cache, metadata.block_table[i], context[i],
+                scale, window,
+            )
+            start = end
+            continue
         out[start:end] = _causal_sdpa(
             q[start:end].transpose(0, 1),
             k[start:end].transpose(0, 1),
@@ -127,7 +163,9 @@ def attend(
             mixed batch (decode requests of one query length, then prefills).
     """
     if metadata.prefill:
-        return _prefill_attention(q, k, v, metadata, scale, sliding_window)
+        return _prefill_attention(
+            q, k, v, metadata, scale, sliding_window, key_cache, value_cache
+        )
     if metadata.split is not None:
         decode, prefill = metadata.split
         n = decode.num_tokens
@@ -136,7 +174,9 @@ def attend(
             q[:n], k[:n], v[:n], key_cache, value_cache, decode, scale, num_splits,
             sliding_window,
         )
-        out[n:] = _prefill_attention(q[n:], k[n:], v[n:], prefill, scale, sliding_window)
+        out[n:] = _prefill_attention(
+            q[n:], k[n:], v[n:], prefill, scale, sliding_window, key_cache, value_cache
+        )
         return out
     if metadata.uniform_query_len is None:
         raise ValueError(

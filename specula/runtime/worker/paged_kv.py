@@ -138,6 +138,9 @@ class PagedAttentionMetadata:
     runs on the prompt itself instead of reading the paged cache."""
     query_lens_cpu: tuple[int, ...] = ()
     """Host copy of the query lengths; the prefill path slices requests with it."""
+    context_lens_cpu: tuple[int, ...] = ()
+    """Prefill requests only: each one's cached context before its query tokens (a
+    reused prefix; the prefill path then reads it from the cache); empty: none has one."""
     split: tuple[PagedAttentionMetadata, PagedAttentionMetadata] | None = None
     """A *mixed* batch (continuous batching: running requests decode or verify while new
     ones prefill in the same forward): ``(decode part, prefill part)``, the metadata of
@@ -207,13 +210,20 @@ def device_metadata(
     return metadata, positions
 
 
-def mark_prefills(metadata: PagedAttentionMetadata, num_decode: int) -> PagedAttentionMetadata:
+def mark_prefills(
+    metadata: PagedAttentionMetadata, num_decode: int, context_lens: Sequence[int] = ()
+) -> PagedAttentionMetadata:
     """Say which requests of ``metadata`` prefill: all after the first ``num_decode``
-    (a pure prefill batch, or a mixed one split for attention)."""
+    (a pure prefill batch, or a mixed one split for attention), with ``context_lens``
+    cached tokens before their queries (default none)."""
+    context = tuple(context_lens) if any(context_lens) else ()
     if num_decode == 0:
         metadata.prefill = True
+        metadata.context_lens_cpu = context
     elif num_decode < metadata.num_reqs:
         metadata.split = _split_mixed(metadata, num_decode)
+        if metadata.split is not None:
+            metadata.split[1].context_lens_cpu = context
     return metadata
 
 
