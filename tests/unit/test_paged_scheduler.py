@@ -136,9 +136,8 @@ def test_invalid_limits():
 def test_a_cached_prefix_is_shared_and_only_the_rest_is_prefilled_and_budgeted():
     bm = BlockManager(20, BLOCK, 0.0, enable_prefix_caching=True)
     sched = PagedScheduler(bm, max_num_seqs=8, max_num_batched_tokens=12)
-    sched.add(_request("a", 11))  # tokens 1..11: two full blocks
+    sched.add(_request("a", 11))  # tokens 1..11: two full blocks, named at admission
     _step(sched, accepted=0)
-    bm.cache_blocks("a", sched.running[0].token_ids, sched.running[0].num_computed_tokens)
     # b and c share a's first 9 tokens; 11 + 11 prompt tokens exceed the budget of 12,
     # but each prefills only 3 after its 8 cached ones.
     for rid in ("b", "c"):
@@ -157,3 +156,13 @@ def test_a_cached_prefix_is_shared_and_only_the_rest_is_prefilled_and_budgeted()
     sched.schedule(K + 1, LOOKAHEAD)
     assert victim in sched.running and victim.num_computed_tokens == 8
     assert bm.num_free_blocks < bm_free
+
+
+def test_prompts_admitted_in_one_step_share_their_common_blocks():
+    bm = BlockManager(20, BLOCK, 0.0, enable_prefix_caching=True)
+    sched = PagedScheduler(bm, max_num_seqs=8, max_num_batched_tokens=100)
+    for rid in ("a", "b"):
+        sched.add(_request(rid, 10))
+    out = sched.schedule(K + 1, LOOKAHEAD)
+    assert [r.num_computed_tokens for r in out.prefill] == [0, 8]
+    assert bm.block_table("a")[:2] == bm.block_table("b")[:2]

@@ -565,10 +565,8 @@ class LLMEngine(SpeculativeSettings):
         else:
             committed = starts + num_accepted + 1
         ib.commit(idx, committed, next_tokens, out, num_accepted + 1)
-        bm = self.scheduler.block_manager
         for request in prefill:  # exact: a prefill commits its whole prompt
             request.num_computed_tokens = len(request.token_ids)
-            bm.cache_blocks(request.request_id, request.token_ids, request.num_computed_tokens)
         # The step's only device-to-host copy, queued before the drafting so that the
         # host's stop checks overlap it.
         host = torch.cat([num_accepted[:, None], num_verified[:, None], out], dim=1)

@@ -12,7 +12,8 @@ slots the whole step may write, so nothing is allocated while the device works:
   (however many are accepted);
 - an admitted request holds slots for its tokens plus ``num_lookahead_tokens``; the
   leading full blocks of a cached prefix are shared (:meth:`BlockManager.match_prefix`),
-  its ``num_computed_tokens`` start after them and only the rest is prefilled.
+  its ``num_computed_tokens`` start after them and only the rest is prefilled; its own
+  full prompt blocks are named at once, for prompts admitted after it.
 
 Slots a request holds beyond that (those of rejected drafts) are returned at the next
 schedule. When the running requests' growth does not fit, the newest running requests
@@ -151,6 +152,10 @@ class PagedScheduler:
                 break
             self.waiting.popleft()
             bm.allocate(request.request_id, n + num_lookahead_tokens, cached)
+            # Named now, computed in this step: a prompt admitted after it in the same
+            # step reuses them too (its attention reads the cache after every row of the
+            # forward wrote its keys and values).
+            bm.cache_blocks(request.request_id, request.token_ids, n)
             bm.record_prompt(n, n - num_new)
             request.num_computed_tokens = n - num_new
             self.running.append(request)
