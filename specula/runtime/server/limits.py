@@ -10,6 +10,7 @@ The limits are :class:`~specula.api.runtime_config.RuntimeConfig` fields
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from dataclasses import dataclass
@@ -22,6 +23,8 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from specula.api.runtime_config import RuntimeConfig
 from specula.runtime.server.errors import APIError
 from specula.runtime.server.protocol import ERROR_TYPE_UNAVAILABLE
+
+logger = logging.getLogger(__name__)
 
 RETRY_AFTER = {"Retry-After": "1"}
 _DEFAULTS = RuntimeConfig.model_fields
@@ -143,9 +146,12 @@ class DrainingServer(uvicorn.Server):
         threading.Thread(target=self._drain, name="drain", daemon=True).start()
 
     def _drain(self) -> None:
-        deadline = time.monotonic() + self._drain_timeout_s
-        while self._state.loop.num_unfinished and time.monotonic() < deadline:
+        start = time.monotonic()
+        logger.info("draining: %d requests in the engine", self._state.loop.num_unfinished)
+        while self._state.loop.num_unfinished and time.monotonic() < start + self._drain_timeout_s:
             time.sleep(0.05)
+        logger.info("drained in %.1f s, %d requests left", time.monotonic() - start,
+                    self._state.loop.num_unfinished)
         self.should_exit = True
 
 
