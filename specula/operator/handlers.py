@@ -25,6 +25,7 @@ import threading
 from typing import Any
 
 import kopf
+import urllib3
 from pydantic import ValidationError
 
 from specula.api.autoscaling import AutoscalingStatus
@@ -36,7 +37,7 @@ from specula.operator.builders import (
     MANAGED_BY,
 )
 from specula.operator.http_server import HttpServer, UtilizationRegistry, make_app
-from specula.operator.kube import Kube
+from specula.operator.kube import ApiException, Kube
 from specula.operator.reconcile import (
     RetryLater,
     reconcile,
@@ -149,12 +150,30 @@ def login(**kwargs: Any) -> Any:
     return kopf.login_via_client(**kwargs)
 
 
+TRANSIENT = (ApiException, urllib3.exceptions.HTTPError, OSError)
+"""Errors of a call to the API server that may pass: a refusal (5xx, 409, ...) or no
+answer at all (the API server restarting: ``MaxRetryError``, connection refused).
+Left to kopf, any of them would hold a handler back for its default 60 s."""
+
+
+def _brief(error: BaseException) -> str:
+    if isinstance(error, ApiException):
+        return f"{error.status} {error.reason}"
+    return f"{type(error).__name__}: {str(error)[:300]}"
+
+
 def on_speculative_model(body: kopf.Body, memo: Any, logger: Any, **_: Any) -> None:
-    """Create, update, resume: reconcile the whole resource."""
+    """Create, update, resume: reconcile the whole resource.  A failed API call is
+    retried after ``retry_delay_s``."""
     try:
         status = reconcile(_plain(body), _kube(memo), memo["settings"])
     except RetryLater as e:
         raise kopf.TemporaryError(str(e), delay=e.delay) from e
+    except TRANSIENT as e:
+        delay = memo["settings"].retry_delay_s
+        raise kopf.TemporaryError(
+            f"reconcile failed, retrying in {delay:g} s: {_brief(e)}", delay=delay
+        ) from e
     ready = next((c for c in status.conditions if c.type == "Ready"), None)
     if ready is not None:
         logger.info("reconciled: Ready=%s (%s)", ready.status, ready.reason)
@@ -177,11 +196,20 @@ def on_pod_event(event: dict[str, Any], body: kopf.Body, memo: Any, **_: Any) ->
 
 
 def on_tuning_tick(body: kopf.Body, memo: Any, logger: Any, **_: Any) -> None:
-    """Timer: one tuning tick (see :mod:`specula.operator.tuning`)."""
-    update = tune(
-        _plain(body), _kube(memo), memo["runtime_client"], memo["settings"],
-        utilization=memo["utilization"],
-    )
+    """Timer: one tuning tick (see :mod:`specula.operator.tuning`).  A failed API call
+    ends the tick with a warning; the next tick comes at the usual period (the state
+    is on the object, so nothing is lost)."""
+    try:
+        update = tune(
+            _plain(body), _kube(memo), memo["runtime_client"], memo["settings"],
+            utilization=memo["utilization"],
+        )
+    except TRANSIENT as e:
+        logger.warning(
+            "tuning tick failed, next tick in %g s: %s", memo["settings"].tuning_tick_s,
+            _brief(e),
+        )
+        return
     if update is not None:
         tuned = next((c for c in update.conditions if c.type == "Tuned"), None)
         if tuned is not None:

@@ -7,7 +7,13 @@ Three paths write a resource's status: :func:`reconcile` (after a spec change, t
 kopf), :func:`refresh_status` (after its Deployment changed) and the tuner
 (:mod:`specula.operator.tuning`).  All hold a per-resource lock (:func:`lock_for`) from
 reading the object to writing its status, so a status computed from an older view can
-never overwrite one computed from a newer one, and none drops the others' fields.
+never overwrite one computed from a newer one, and none drops the others' fields.  The
+lock only orders this process: each write is also conditional on the
+``resourceVersion`` of the read it was computed from (a merge patch carrying
+``metadata.resourceVersion``), so a change by anyone else in between (another operator
+replica, a user, kopf's own annotation patches) is a 409 Conflict, and the writer reads
+the object again and recomputes (:func:`log_conflict` logs each), up to
+``status_conflict_retries`` times.
 """
 
 from __future__ import annotations
@@ -158,6 +164,47 @@ def _write_status(
         resource_version=meta.get("resourceVersion") if conditional else None,
     )
     return True
+
+
+def log_conflict(namespace: str, name: str, writer: str, attempt: int, attempts: int) -> None:
+    """One line per 409 on a status write (the object changed since it was read)."""
+    log.info(
+        "status write of %s/%s by %s: 409 Conflict (attempt %d/%d); reading it again",
+        namespace, name, writer, attempt, attempts,
+    )
+
+
+def _write_conditionally(
+    kube: Kube,
+    live: dict[str, Any],
+    body: dict[str, Any],
+    settings: OperatorSettings,
+    build: Callable[[dict[str, Any]], SpeculativeModelStatus],
+) -> SpeculativeModelStatus:
+    """Write the status ``build`` makes from the object as read, conditional on that
+    read's ``resourceVersion``; on 409 read it again and rebuild, up to
+    ``settings.status_conflict_retries`` times.  Returns the status built last.
+
+    Raises:
+        RetryLater: still conflicting after the last attempt (kopf runs the reconcile
+            again after ``retry_delay_s``).
+        ApiException: any other refusal.
+    """
+    meta = body["metadata"]
+    attempts = settings.status_conflict_retries
+    for attempt in range(1, attempts + 1):
+        status = build(live)
+        try:
+            _write_status(kube, live, status, conditional=True)
+            return status
+        except ApiException as e:
+            if e.status != 409:
+                raise
+            log_conflict(meta["namespace"], meta["name"], "reconcile", attempt, attempts)
+        live = _same_object(kube.get_speculative_model(meta["namespace"], meta["name"]), body)
+    raise RetryLater(
+        f"status kept changing under {attempts} conditional writes", settings.retry_delay_s
+    )
 
 
 class AutoscalerUnavailable(Exception):
@@ -312,23 +359,22 @@ def reconcile(
                 kube, owner.namespace, selector, deployment, spec.desired_replicas
             )
 
-        status = compute_status(
-            Observation(
-                generation=generation,
-                selector=selector,
-                desired_replicas=spec.desired_replicas if spec is not None else None,
-                num_speculative_tokens=(
-                    spec.speculator.num_speculative_tokens if spec is not None else None
-                ),
-                deployment=deployment,
-                problem=problem,
-                tuning_mode=spec.tuning.mode if spec is not None else None,
-                pod_problem=pod_problem,
+        observation = Observation(
+            generation=generation,
+            selector=selector,
+            desired_replicas=spec.desired_replicas if spec is not None else None,
+            num_speculative_tokens=(
+                spec.speculator.num_speculative_tokens if spec is not None else None
             ),
-            parse_status(live),
-            now(),
+            deployment=deployment,
+            problem=problem,
+            tuning_mode=spec.tuning.mode if spec is not None else None,
+            pod_problem=pod_problem,
         )
-        _write_status(kube, live, status)
+        status = _write_conditionally(
+            kube, live, body, settings,
+            lambda current: compute_status(observation, parse_status(current), now()),
+        )
     if apply_error is not None:
         reason = getattr(apply_error, "reason", None) or str(apply_error)
         raise RetryLater(f"applying children failed: {reason}", settings.retry_delay_s)
@@ -431,7 +477,7 @@ def refresh_status(
         return None
     namespace = deployment["metadata"]["namespace"]
     with lock_for(namespace, ref["name"]):
-        for _ in range(settings.status_conflict_retries):
+        for attempt in range(1, settings.status_conflict_retries + 1):
             body = _live_owner(kube, deployment)
             if body is None:
                 return None
@@ -464,5 +510,8 @@ def refresh_status(
             except ApiException as e:
                 if e.status != 409:
                     raise
-                log.debug("status of %s/%s changed meanwhile; retrying", namespace, ref["name"])
+                log_conflict(
+                    namespace, ref["name"], "status refresh", attempt,
+                    settings.status_conflict_retries,
+                )
     return None

@@ -44,6 +44,7 @@ from specula.operator.reconcile import (
     admin_token,
     apply_children,
     lock_for,
+    log_conflict,
     owner_of,
     parse_spec,
     parse_status,
@@ -148,6 +149,10 @@ def _write(
             except ApiException as e:
                 if e.status != 409:
                     raise
+                log_conflict(
+                    meta["namespace"], meta["name"], "tuner", attempt + 1,
+                    settings.status_conflict_retries,
+                )
     if update is not None:
         for event in update.events:
             try:

@@ -14,7 +14,8 @@ With ``--admin-token-file`` (``specula`` only) the admin API is writable, as the
 runtime's: ``GET`` and ``PUT /v1/speculative_config`` need ``Authorization: Bearer``
 with the file's token (read per request; 401 otherwise), and a ``PUT`` of
 ``{"num_speculative_tokens": k}`` changes the k the counters grow at from then on
-(counters stay monotonic).  Its log line is ``PUT /v1/speculative_config k=<k>`` once
+(counters stay monotonic); with ``--pause-file``, ``GET /metrics`` is answered only
+once that file is gone (a test holds the operator's tuning window there).  Its log line is ``PUT /v1/speculative_config k=<k>`` once
 applied, or ``... <status>`` when refused.
 
 Usage: python metrics_server.py --host ADDR --port N --prefix vllm --k 3
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -138,6 +140,7 @@ def main() -> None:
     parser.add_argument("--step-seconds", type=float, default=0.01)
     parser.add_argument("--requests-log", required=True)
     parser.add_argument("--admin-token-file", default=None)
+    parser.add_argument("--pause-file", default=None)
     args = parser.parse_args()
 
     registry = CollectorRegistry()
@@ -168,6 +171,11 @@ def main() -> None:
 
         def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
             self._log()
+            if self.path == "/metrics" and args.pause_file:
+                # Held while the file exists (at most 30 s): a test acts meanwhile.
+                deadline = time.monotonic() + 30
+                while os.path.exists(args.pause_file) and time.monotonic() < deadline:
+                    time.sleep(0.005)
             if self.path == "/metrics":
                 self._send(200, generate_latest(registry), "text/plain; version=0.0.4")
             elif self.path == "/health":

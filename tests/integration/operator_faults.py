@@ -469,3 +469,22 @@ def summary(outcomes: list[Outcome]) -> dict[str, Any]:
 
 def write_report(path: Path, outcomes: list[Outcome], **extra: Any) -> None:
     path.write_text(json.dumps({**summary(outcomes), **extra}, indent=2) + "\n")
+
+
+def restart_apiserver(cp, operator: OperatorProcess, down_until: Callable[[], bool]) -> float:
+    """Stop the control plane's kube-apiserver (SIGTERM, as a rolling restart of a
+    static pod does), keep it down until ``down_until()`` is true (the operator has
+    noticed), start it again on the same port and etcd, and wait for ``/readyz``.
+    Returns the seconds it was down."""
+    component = next(c for c in cp.components if c.name == "kube-apiserver")
+    component.stop()
+    t0 = time.monotonic()
+    try:
+        wait_for(down_until, timeout=60, interval=0.1, message="the operator to notice")
+    finally:
+        component.start()
+        wait_for(cp._apiserver_ready, timeout=120, interval=0.3, message="kube-apiserver /readyz")
+    down = time.monotonic() - t0
+    cp.check_alive()  # etcd and kube-controller-manager kept running
+    operator.check_alive()
+    return down

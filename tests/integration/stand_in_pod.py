@@ -47,6 +47,11 @@ class StandInPod:
         return self.workdir / f"{self.prefix}-requests.log"
 
     @property
+    def pause_file(self) -> Path:
+        """While it exists, a writable pod holds its ``GET /metrics`` answers."""
+        return self.workdir / f"{self.prefix}-pause"
+
+    @property
     def token_file(self) -> Path:
         return self.workdir / f"{self.prefix}-admin-token"
 
@@ -65,7 +70,8 @@ class StandInPod:
             "--requests-log", str(self.requests_log),
         ]
         if self.writable:
-            argv += ["--admin-token-file", str(self.token_file)]
+            argv += ["--admin-token-file", str(self.token_file),
+                     "--pause-file", str(self.pause_file)]
         self.proc = spawn(self.test_host.command(argv), self.log_path, env=dict(os.environ))
         wait_for(self._healthy, timeout=30, interval=0.2, message="stand-in pod /health")
 
