@@ -36,6 +36,12 @@ REASON_REPLICA_FAILURE = "ReplicaFailure"
 REASON_PROGRESS_DEADLINE_EXCEEDED = "ProgressDeadlineExceeded"
 REASON_MODEL_DOWNLOAD_FAILED = "ModelDownloadFailed"
 REASON_CONTAINER_FAILED = "ContainerFailed"
+REASON_CONTAINER_RESTARTING = "ContainerRestarting"
+"""A container restarted (its liveness probe failed, or it exited 0) and is not ready
+again yet, or waits in ``CrashLoopBackOff``, with no failed exit to report."""
+REASON_IMAGE_PULL_FAILED = "ImagePullFailed"
+"""A container cannot start: its image cannot be pulled."""
+_IMAGE_PULL_WAITING = ("ErrImagePull", "ImagePullBackOff", "InvalidImageName")
 POD_MESSAGE_LIMIT = 1024
 """Characters of a container's termination message kept in a condition."""
 _DOWNLOAD_CONTAINER = "download"
@@ -107,42 +113,85 @@ class Observation:
     while fewer replicas than desired are ready."""
 
 
-def pod_failure(pods: list[dict[str, Any]]) -> Problem | None:
-    """The first failed container among ``pods`` (init containers first): one that
-    exited non-zero, now or in its last run while it waits to restart.
+def _restarts(cs: dict[str, Any]) -> str:
+    """`` (restarted N times, <waiting reason>)`` for a container that restarted."""
+    count = int(cs.get("restartCount") or 0)
+    if count == 0:
+        return ""
+    waiting = ((cs.get("state") or {}).get("waiting") or {}).get("reason")
+    times = "1 time" if count == 1 else f"{count} times"
+    return f" (restarted {times}{', ' + waiting if waiting else ''})"
 
-    Reason ``ModelDownloadFailed`` for the ``download`` init container (its message
-    says why: missing repository, refused token, full disk), else ``ContainerFailed``;
-    the message is the pod, container, exit code and the container's termination
-    message (``FallbackToLogsOnError``: its last log lines when it wrote none), cut to
-    :data:`POD_MESSAGE_LIMIT` characters.
+
+def _cut(message: str) -> str:
+    if len(message) > POD_MESSAGE_LIMIT:
+        return message[: POD_MESSAGE_LIMIT - 3] + "..."
+    return message
+
+
+def pod_failure(pods: list[dict[str, Any]]) -> Problem | None:
+    """The first problem among ``pods``' containers (init containers first), in order:
+
+    1. one that exited non-zero, now or in its last run while it waits to restart:
+       reason ``ModelDownloadFailed`` for the ``download`` init container (its message
+       says why: missing repository, refused token, full disk), else
+       ``ContainerFailed``; the message is the pod, container, exit code, restarts and
+       the container's termination message (``FallbackToLogsOnError``: its last log
+       lines when it wrote none);
+    2. one that restarted and is not ready (its liveness probe failed and the kubelet
+       stopped it, which a draining runtime survives with exit 0), or waits in
+       ``CrashLoopBackOff``: ``ContainerRestarting``, with the restart count and how
+       its last run ended;
+    3. one that waits for an image that cannot be pulled: ``ImagePullFailed``.
+
+    Messages are cut to :data:`POD_MESSAGE_LIMIT` characters.  A container starting
+    for the first time (not ready, never restarted) is no problem: the rollout says it.
     """
+    candidates: list[tuple[int, Problem]] = []
     for pod in sorted(pods, key=lambda p: (p.get("metadata") or {}).get("name", "")):
         if (pod.get("metadata") or {}).get("deletionTimestamp"):
             continue
+        pod_name = (pod.get("metadata") or {}).get("name")
         status = pod.get("status") or {}
         for statuses in (status.get("initContainerStatuses"), status.get("containerStatuses")):
             for cs in statuses or []:
-                terminated = (cs.get("state") or {}).get("terminated")
-                if not (terminated and terminated.get("exitCode")):
-                    terminated = (cs.get("lastState") or {}).get("terminated")
-                    if not (terminated and terminated.get("exitCode")) or (
-                        cs.get("ready")
-                    ):
-                        continue
                 name = cs.get("name", "")
-                text = (terminated.get("message") or terminated.get("reason") or "").strip()
-                message = (
-                    f"pod {pod['metadata'].get('name')}: container {name} exited "
-                    f"{terminated.get('exitCode')}: {text}"
-                )
-                if len(message) > POD_MESSAGE_LIMIT:
-                    message = message[: POD_MESSAGE_LIMIT - 3] + "..."
-                reason = (
-                    REASON_MODEL_DOWNLOAD_FAILED if name == _DOWNLOAD_CONTAINER
-                    else REASON_CONTAINER_FAILED
-                )
-                return Problem(reason, message)
+                state = cs.get("state") or {}
+                last = (cs.get("lastState") or {}).get("terminated")
+                terminated = state.get("terminated")
+                if not (terminated and terminated.get("exitCode")):
+                    terminated = last
+                    if not (terminated and terminated.get("exitCode")) or cs.get("ready"):
+                        terminated = None
+                if terminated is not None:
+                    text = (terminated.get("message") or terminated.get("reason") or "").strip()
+                    reason = (
+                        REASON_MODEL_DOWNLOAD_FAILED if name == _DOWNLOAD_CONTAINER
+                        else REASON_CONTAINER_FAILED
+                    )
+                    return Problem(reason, _cut(
+                        f"pod {pod_name}: container {name} exited "
+                        f"{terminated.get('exitCode')}{_restarts(cs)}: {text}"
+                    ))
+                if cs.get("ready"):
+                    continue
+                waiting = (state.get("waiting") or {})
+                if int(cs.get("restartCount") or 0) > 0 or waiting.get("reason") == "CrashLoopBackOff":
+                    ended = ""
+                    if last:
+                        how = (last.get("message") or last.get("reason") or "").strip()
+                        ended = f"; last run exited {last.get('exitCode', 0)}"
+                        ended += f": {how}" if how else ""
+                    candidates.append((0, Problem(REASON_CONTAINER_RESTARTING, _cut(
+                        f"pod {pod_name}: container {name} is not ready{_restarts(cs)}{ended}"
+                    ))))
+                elif waiting.get("reason") in _IMAGE_PULL_WAITING:
+                    candidates.append((1, Problem(REASON_IMAGE_PULL_FAILED, _cut(
+                        f"pod {pod_name}: container {name} {waiting['reason']}: "
+                        f"{(waiting.get('message') or '').strip()}"
+                    ))))
+    if candidates:
+        return min(candidates, key=lambda c: c[0])[1]
     return None
 
 

@@ -205,3 +205,56 @@ def test_settings_from_env():
     custom = OperatorSettings.from_env({"SPECULA_RUNTIME_IMAGE": "r:1"})
     assert custom.runtime_image == "r:1"
     assert custom.field_manager == "specula-operator"
+
+
+# --- a runtime container that restarts (issue 14: the engine dies) ---------------------
+
+
+def _runtime_pod(**container) -> dict:
+    return {"metadata": {"name": "p"}, "status": {"containerStatuses": [
+        {"name": "runtime", **container}]}}
+
+
+def test_a_liveness_restart_with_a_clean_exit_is_reported_while_not_ready():
+    from specula.operator.status import REASON_CONTAINER_RESTARTING, pod_failure
+
+    pod = _runtime_pod(ready=False, restartCount=2, state={"running": {}},
+                       lastState={"terminated": {"exitCode": 0, "reason": "Completed"}})
+    problem = pod_failure([pod])
+    assert problem is not None and problem.reason == REASON_CONTAINER_RESTARTING
+    assert problem.message == (
+        "pod p: container runtime is not ready (restarted 2 times); last run exited 0: Completed"
+    )
+    # Ready again: nothing to report.  Never restarted (first start): nothing either.
+    assert pod_failure([_runtime_pod(ready=True, restartCount=2, state={"running": {}})]) is None
+    assert pod_failure([_runtime_pod(ready=False, restartCount=0, state={"running": {}})]) is None
+
+
+def test_crash_loop_back_off_and_failed_exits_carry_the_restarts():
+    from specula.operator.status import (
+        REASON_CONTAINER_FAILED,
+        REASON_CONTAINER_RESTARTING,
+        REASON_IMAGE_PULL_FAILED,
+        pod_failure,
+    )
+
+    looping = _runtime_pod(ready=False, restartCount=5,
+                           state={"waiting": {"reason": "CrashLoopBackOff"}})
+    problem = pod_failure([looping])
+    assert (problem.reason, problem.message) == (
+        REASON_CONTAINER_RESTARTING,
+        "pod p: container runtime is not ready (restarted 5 times, CrashLoopBackOff)",
+    )
+    failed = _runtime_pod(ready=False, restartCount=1,
+                          state={"waiting": {"reason": "CrashLoopBackOff"}},
+                          lastState={"terminated": {"exitCode": 1, "message": "engine died"}})
+    problem = pod_failure([failed])
+    assert (problem.reason, problem.message) == (
+        REASON_CONTAINER_FAILED,
+        "pod p: container runtime exited 1 (restarted 1 time, CrashLoopBackOff): engine died",
+    )
+    pulling = _runtime_pod(ready=False, restartCount=0, state={"waiting": {
+        "reason": "ImagePullBackOff", "message": "Back-off pulling image \"x\""}})
+    problem = pod_failure([pulling])
+    assert problem.reason == REASON_IMAGE_PULL_FAILED
+    assert problem.message == 'pod p: container runtime ImagePullBackOff: Back-off pulling image "x"'
