@@ -27,6 +27,7 @@ from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from specula.runtime.engine.block_manager import cdiv
 from specula.runtime.kernels.gemv import linear, linear_argmax, linear_silu_and_mul
@@ -66,20 +67,24 @@ def _context_sdpa(
     scale: float,
     window: int | None,
 ) -> torch.Tensor:
-    """A prefill after ``context`` cached tokens: ``q [q_len, heads, head_dim]`` attends
-    causally over the request's first ``context + q_len`` cached keys and values (this
-    forward's written already), read through its block ids ``blocks``."""
-    total = context + q.shape[0]
-    block_size = key_cache.shape[1]
-    ids = blocks[: cdiv(total, block_size)].long()
-    k, v = (c[ids].flatten(0, 1)[:total].transpose(0, 1) for c in (key_cache, value_cache))
-    rows = torch.arange(context, total, device=q.device)[:, None]
-    cols = torch.arange(total, device=q.device)[None, :]
-    mask = (cols <= rows) & (cols > rows - window) if window is not None else cols <= rows
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k, v, attn_mask=mask, scale=scale, enable_gqa=True
-    )
-    return out.transpose(0, 1)
+    """Prefills of ``g`` requests after ``context`` cached tokens each: ``q [g, q_len,
+    heads, head_dim]`` attends causally (bottom-right aligned) over each request's first
+    ``context + q_len`` cached keys and values (this forward's written already), read
+    through its block ids ``blocks [g, max_blocks]``; returns ``q``'s shape."""
+    g, q_len, heads, _ = q.shape
+    total = context + q_len
+    ids = blocks[:, : cdiv(total, key_cache.shape[1])].long()
+    k, v = (c[ids].flatten(1, 2)[:, :total].transpose(1, 2) for c in (key_cache, value_cache))
+    if k.shape[1] != heads:  # grouped-query attention: one key head per query group
+        k, v = (t.repeat_interleave(heads // t.shape[1], dim=1) for t in (k, v))
+    if window is None:
+        mask = causal_lower_right(q_len, total)
+    else:
+        rows = torch.arange(context, total, device=q.device)[:, None]
+        cols = torch.arange(total, device=q.device)[None, :]
+        mask = (cols <= rows) & (cols > rows - window)
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask, scale=scale)
+    return out.transpose(1, 2)
 
 
 def _prefill_attention(
@@ -108,16 +113,29 @@ def _prefill_attention(
         )
         return out.transpose(1, 2).reshape(n, num_heads, head_dim)
     out = torch.empty_like(q)
-    start = 0
+    starts = [0]
+    for length in metadata.query_lens_cpu:
+        starts.append(starts[-1] + length)
+    groups: dict[tuple[int, int], list[int]] = {}
     for i, length in enumerate(metadata.query_lens_cpu):
-        end = start + length
-        if context[i]:
-            assert key_cache is not None and value_cache is not None
-            out[start:end] = _context_sdpa(
-                q[start:end], key_cache, value_cache, metadata.block_table[i], context[i],
-                scale, window,
+        if context[i]:  # after a reused prefix: batched by (context, query length)
+            groups.setdefault((context[i], length), []).append(i)
+    for (ctx, length), reqs in groups.items():
+        assert key_cache is not None and value_cache is not None
+        # Sub-batches of at most ~64 Mi elements per gathered (head-expanded) tensor.
+        size = max(1, (64 << 20) // ((ctx + length) * num_heads * head_dim))
+        for c in range(0, len(reqs), size):
+            chunk = reqs[c : c + size]
+            rows = torch.tensor(
+                [r for i in chunk for r in range(starts[i], starts[i + 1])], device=q.device
             )
-            start = end
+            out[rows] = _context_sdpa(
+                q[rows].view(len(chunk), length, num_heads, head_dim), key_cache, value_cache,
+                metadata.block_table[torch.tensor(chunk, device=q.device)], ctx, scale, window,
+            ).reshape(-1, num_heads, head_dim)
+    for i in range(metadata.num_reqs):
+        start, end = starts[i], starts[i + 1]
+        if context[i]:
             continue
         out[start:end] = _causal_sdpa(
             q[start:end].transpose(0, 1),
@@ -126,7 +144,6 @@ def _prefill_attention(
             scale,
             window,
         ).transpose(0, 1)
-        start = end
     return out
 
 
