@@ -357,15 +357,15 @@ def test_random_draws_match_references():
 
 
 def test_gemv_matches_the_library_gemm_on_tuned_shapes():
-    from specula.runtime.kernels.gemv import CONFIGS, gemv, linear, use_gemv
+    from specula.runtime.kernels.gemv import CONFIGS, block_m, gemv, linear, use_gemv
 
     gen = torch.Generator(DEVICE).manual_seed(0)
     for (n, k), tiles in CONFIGS.items():
         w = torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16, generator=gen) * 0.02
         for rows in sorted({1, 5, *(t // 2 + 1 for t in tiles), *tiles}):
             x = torch.randn(rows, k, device=DEVICE, dtype=torch.bfloat16, generator=gen)
-            if not use_gemv(x, w):
-                assert rows > 16
+            if not use_gemv(x, w):  # a row tile where the library GEMM was faster
+                assert block_m(rows) not in tiles
                 continue
             ref = F.linear(x.float(), w.float())
             for y in (gemv(x, w), linear(x, w)):
