@@ -75,15 +75,15 @@ def _context_sdpa(
     total = context + q_len
     ids = blocks[:, : cdiv(total, key_cache.shape[1])].long()
     k, v = (c[ids].flatten(1, 2)[:, :total].transpose(1, 2) for c in (key_cache, value_cache))
-    if k.shape[1] != heads:  # grouped-query attention: one key head per query group
-        k, v = (t.repeat_interleave(heads // t.shape[1], dim=1) for t in (k, v))
     if window is None:
         mask = causal_lower_right(q_len, total)
     else:
         rows = torch.arange(context, total, device=q.device)[:, None]
         cols = torch.arange(total, device=q.device)[None, :]
         mask = (cols <= rows) & (cols > rows - window)
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask, scale=scale)
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k, v, attn_mask=mask, scale=scale, enable_gqa=k.shape[1] != heads
+    )
     return out.transpose(1, 2)
 
 
@@ -113,26 +113,15 @@ def _prefill_attention(
         )
         return out.transpose(1, 2).reshape(n, num_heads, head_dim)
     out = torch.empty_like(q)
+    for ctx, length, rows, tables in metadata.context_groups:  # after a reused prefix
+        assert key_cache is not None and value_cache is not None
+        out[rows] = _context_sdpa(
+            q[rows].view(-1, length, num_heads, head_dim), key_cache, value_cache, tables,
+            ctx, scale, window,
+        ).reshape(-1, num_heads, head_dim)
     starts = [0]
     for length in metadata.query_lens_cpu:
         starts.append(starts[-1] + length)
-    groups: dict[tuple[int, int], list[int]] = {}
-    for i, length in enumerate(metadata.query_lens_cpu):
-        if context[i]:  # after a reused prefix: batched by (context, query length)
-            groups.setdefault((context[i], length), []).append(i)
-    for (ctx, length), reqs in groups.items():
-        assert key_cache is not None and value_cache is not None
-        # Sub-batches of at most ~64 Mi elements per gathered (head-expanded) tensor.
-        size = max(1, (64 << 20) // ((ctx + length) * num_heads * head_dim))
-        for c in range(0, len(reqs), size):
-            chunk = reqs[c : c + size]
-            rows = torch.tensor(
-                [r for i in chunk for r in range(starts[i], starts[i + 1])], device=q.device
-            )
-            out[rows] = _context_sdpa(
-                q[rows].view(len(chunk), length, num_heads, head_dim), key_cache, value_cache,
-                metadata.block_table[torch.tensor(chunk, device=q.device)], ctx, scale, window,
-            ).reshape(-1, num_heads, head_dim)
     for i in range(metadata.num_reqs):
         start, end = starts[i], starts[i + 1]
         if context[i]:

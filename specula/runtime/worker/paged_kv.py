@@ -141,6 +141,10 @@ class PagedAttentionMetadata:
     context_lens_cpu: tuple[int, ...] = ()
     """Prefill requests only: each one's cached context before its query tokens (a
     reused prefix; the prefill path then reads it from the cache); empty: none has one."""
+    context_groups: tuple[tuple[int, int, torch.Tensor, torch.Tensor], ...] = ()
+    """Prefill requests with a context, batched: ``(context, query_len, rows [g *
+    query_len] int64, block_table [g, max_blocks])`` per group of equal lengths, at
+    most :data:`CONTEXT_GROUP_TOKENS` context and query tokens each."""
     split: tuple[PagedAttentionMetadata, PagedAttentionMetadata] | None = None
     """A *mixed* batch (continuous batching: running requests decode or verify while new
     ones prefill in the same forward): ``(decode part, prefill part)``, the metadata of
@@ -217,14 +221,41 @@ def mark_prefills(
     (a pure prefill batch, or a mixed one split for attention), with ``context_lens``
     cached tokens before their queries (default none)."""
     context = tuple(context_lens) if any(context_lens) else ()
+    prefill = metadata
     if num_decode == 0:
         metadata.prefill = True
-        metadata.context_lens_cpu = context
-    elif num_decode < metadata.num_reqs:
-        metadata.split = _split_mixed(metadata, num_decode)
-        if metadata.split is not None:
-            metadata.split[1].context_lens_cpu = context
+    elif num_decode < metadata.num_reqs and (split := _split_mixed(metadata, num_decode)):
+        metadata.split, prefill = split, split[1]
+    if context and prefill.prefill:
+        prefill.context_lens_cpu = context
+        prefill.context_groups = _context_groups(prefill)
     return metadata
+
+
+CONTEXT_GROUP_TOKENS = 1 << 15
+"""Most context and query tokens of one batched attention over reused prefixes."""
+
+
+def _context_groups(metadata: PagedAttentionMetadata) -> tuple:
+    """:attr:`PagedAttentionMetadata.context_groups` of a prefill ``metadata`` (one
+    host-to-device copy each, made once per forward, not per layer)."""
+    starts = [0]
+    for length in metadata.query_lens_cpu:
+        starts.append(starts[-1] + length)
+    by_shape: dict[tuple[int, int], list[int]] = {}
+    for i, (ctx, length) in enumerate(zip(metadata.context_lens_cpu, metadata.query_lens_cpu, strict=True)):
+        if ctx:
+            by_shape.setdefault((ctx, length), []).append(i)
+    groups = []
+    device = metadata.block_table.device
+    for (ctx, length), reqs in by_shape.items():
+        size = max(1, CONTEXT_GROUP_TOKENS // (ctx + length))
+        for c in range(0, len(reqs), size):
+            chunk = reqs[c : c + size]
+            rows = _to_device([r for i in chunk for r in range(starts[i], starts[i + 1])], torch.int64, device)
+            tables = metadata.block_table[_to_device(chunk, torch.int64, device)]
+            groups.append((ctx, length, rows, tables))
+    return tuple(groups)
 
 
 def build_attention_metadata(
