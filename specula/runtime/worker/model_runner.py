@@ -27,7 +27,6 @@ from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from specula.runtime.engine.block_manager import cdiv
 from specula.runtime.kernels.gemv import linear, linear_argmax, linear_silu_and_mul
@@ -58,35 +57,6 @@ def _causal_sdpa(
     )
 
 
-def _context_sdpa(
-    q: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    blocks: torch.Tensor,
-    context: int,
-    scale: float,
-    window: int | None,
-) -> torch.Tensor:
-    """Prefills of ``g`` requests after ``context`` cached tokens each: ``q [g, q_len,
-    heads, head_dim]`` attends causally (bottom-right aligned) over each request's first
-    ``context + q_len`` cached keys and values (this forward's written already), read
-    through its block ids ``blocks [g, max_blocks]``; returns ``q``'s shape."""
-    g, q_len, heads, _ = q.shape
-    total = context + q_len
-    ids = blocks[:, : cdiv(total, key_cache.shape[1])].long()
-    k, v = (c[ids].flatten(1, 2)[:, :total].transpose(1, 2) for c in (key_cache, value_cache))
-    if window is None:
-        mask = causal_lower_right(q_len, total)
-    else:
-        rows = torch.arange(context, total, device=q.device)[:, None]
-        cols = torch.arange(total, device=q.device)[None, :]
-        mask = (cols <= rows) & (cols > rows - window)
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k, v, attn_mask=mask, scale=scale, enable_gqa=k.shape[1] != heads
-    )
-    return out.transpose(1, 2)
-
-
 def _prefill_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -113,12 +83,14 @@ def _prefill_attention(
         )
         return out.transpose(1, 2).reshape(n, num_heads, head_dim)
     out = torch.empty_like(q)
-    for ctx, length, rows, tables in metadata.context_groups:  # after a reused prefix
+    for length, rows, tables, seq_lens in metadata.context_groups:
+        # After a reused prefix: the paged kernel reads the prefix (and this forward's
+        # keys and values, written already) from the cache, as for a verification.
         assert key_cache is not None and value_cache is not None
-        out[rows] = _context_sdpa(
-            q[rows].view(-1, length, num_heads, head_dim), key_cache, value_cache, tables,
-            ctx, scale, window,
-        ).reshape(-1, num_heads, head_dim)
+        out[rows] = paged_attention(
+            q[rows], key_cache, value_cache, tables, seq_lens, scale, length,
+            sliding_window=window,
+        )
     starts = [0]
     for length in metadata.query_lens_cpu:
         starts.append(starts[-1] + length)

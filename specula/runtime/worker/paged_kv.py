@@ -141,10 +141,10 @@ class PagedAttentionMetadata:
     context_lens_cpu: tuple[int, ...] = ()
     """Prefill requests only: each one's cached context before its query tokens (a
     reused prefix; the prefill path then reads it from the cache); empty: none has one."""
-    context_groups: tuple[tuple[int, int, torch.Tensor, torch.Tensor], ...] = ()
-    """Prefill requests with a context, batched: ``(context, query_len, rows [g *
-    query_len] int64, block_table [g, max_blocks])`` per group of equal lengths, at
-    most :data:`CONTEXT_GROUP_TOKENS` context and query tokens each."""
+    context_groups: tuple[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor], ...] = ()
+    """Prefill requests with a context, batched by query length: ``(query_len, rows [g *
+    query_len] int64, block_table [g, max_blocks] int32, seq_lens [g] int32)`` per group,
+    for the paged attention kernel."""
     split: tuple[PagedAttentionMetadata, PagedAttentionMetadata] | None = None
     """A *mixed* batch (continuous batching: running requests decode or verify while new
     ones prefill in the same forward): ``(decode part, prefill part)``, the metadata of
@@ -232,30 +232,26 @@ def mark_prefills(
     return metadata
 
 
-CONTEXT_GROUP_TOKENS = 1 << 15
-"""Most context and query tokens of one batched attention over reused prefixes."""
-
-
 def _context_groups(metadata: PagedAttentionMetadata) -> tuple:
-    """:attr:`PagedAttentionMetadata.context_groups` of a prefill ``metadata`` (one
-    host-to-device copy each, made once per forward, not per layer)."""
+    """:attr:`PagedAttentionMetadata.context_groups` of a prefill ``metadata`` (copied to
+    the device once per forward, not per layer)."""
     starts = [0]
     for length in metadata.query_lens_cpu:
         starts.append(starts[-1] + length)
-    by_shape: dict[tuple[int, int], list[int]] = {}
+    by_len: dict[int, list[int]] = {}
     for i, (ctx, length) in enumerate(zip(metadata.context_lens_cpu, metadata.query_lens_cpu, strict=True)):
         if ctx:
-            by_shape.setdefault((ctx, length), []).append(i)
-    groups = []
+            by_len.setdefault(length, []).append(i)
     device = metadata.block_table.device
-    for (ctx, length), reqs in by_shape.items():
-        size = max(1, CONTEXT_GROUP_TOKENS // (ctx + length))
-        for c in range(0, len(reqs), size):
-            chunk = reqs[c : c + size]
-            rows = _to_device([r for i in chunk for r in range(starts[i], starts[i + 1])], torch.int64, device)
-            tables = metadata.block_table[_to_device(chunk, torch.int64, device)]
-            groups.append((ctx, length, rows, tables))
-    return tuple(groups)
+    return tuple(
+        (
+            length,
+            _to_device([r for i in reqs for r in range(starts[i], starts[i + 1])], torch.int64, device),
+            metadata.block_table[_to_device(reqs, torch.int64, device)],
+            _to_device([metadata.context_lens_cpu[i] + length for i in reqs], torch.int32, device),
+        )
+        for length, reqs in by_len.items()
+    )
 
 
 def build_attention_metadata(
