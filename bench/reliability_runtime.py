@@ -334,7 +334,7 @@ def cmd_rolling(args: argparse.Namespace) -> None:
         for t in threads:
             t.start()
         time.sleep(3)
-        exit_codes, drains = [], []
+        exit_codes, drains, drained_in = [], [], []
         for _ in range(args.rounds):
             for i, old in enumerate(list(servers)):
                 new = Server(ckpt, root)
@@ -343,6 +343,9 @@ def cmd_rolling(args: argparse.Namespace) -> None:
                 t0 = time.monotonic()
                 exit_codes.append(old.stop(signal.SIGTERM))
                 drains.append(round(time.monotonic() - t0, 2))
+                drained_in.extend(line.split("drained in ")[1].strip() for line in
+                                  Path(old.log.name).read_text().splitlines()
+                                  if "drained in " in line)
                 balancer.remove(old.url)
                 servers[i] = new
         time.sleep(3)
@@ -354,7 +357,8 @@ def cmd_rolling(args: argparse.Namespace) -> None:
     result = {"requests": sum(outcomes.values()), "failed": outcomes["failed"],
               "retried_elsewhere": dict(balancer.retries), "replicas": args.replicas,
               "replacements": len(exit_codes), "old_replica_exit_codes": exit_codes,
-              "drain_seconds": drains, "failures": failures[:20]}
+              "sigterm_to_exit_seconds": drains, "drain_log": drained_in,
+              "failures": failures[:20]}
     record({"rolling_update_failed_requests": outcomes["failed"],
             "rolling_update_requests": sum(outcomes.values()),
             "rolling_update_evidence": evidence(
