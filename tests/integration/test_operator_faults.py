@@ -13,6 +13,7 @@ the outcome of each: ``bench/faults_operator.py`` runs all 20 that way.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import time
@@ -207,11 +208,19 @@ def test_operator_keeps_working_across_an_api_server_restart(
     children."""
     own = harness.operator
     log = _Tail(own.log_path)
-    # Down until a tuning tick of the operator has failed for want of an API server.
-    refused = re.compile(r"\[specula-faults/tuned\] tuning tick failed, next tick in")
+    # Down until a tuning tick of the operator has failed for want of an API server;
+    # with SPECULA_APISERVER_OUTAGE=long (bench/faults_operator.py) until kopf has also
+    # given up retrying its watch requests (its retry budget, 1+1+2+3+5+8+13+21 s).
+    long = os.environ.get("SPECULA_APISERVER_OUTAGE") == "long"
+    failed_tick = re.compile(r"\[specula-faults/tuned\] tuning tick failed, next tick in")
+    escalated = re.compile(r"Request attempt #\d+/\d+ failed; escalating: GET .*watch=true")
+    seen = {"tick": False, "escalated": False}
 
     def noticed() -> bool:
-        return any(refused.search(line) for line in log.lines())
+        for line in log.lines():
+            seen["tick"] = seen["tick"] or bool(failed_tick.search(line))
+            seen["escalated"] = seen["escalated"] or bool(escalated.search(line))
+        return seen["tick"] and (seen["escalated"] or not long)
 
     down_s = restart_apiserver(control_plane, own, noticed)
 
@@ -227,8 +236,15 @@ def test_operator_keeps_working_across_an_api_server_restart(
         ["lastScrapeTime"] > sm["status"]["tuner"]["lastScrapeTime"],
         timeout=15, message="a tuning window after the restart",
     )
+    after_s = time.monotonic() - t0
     print(f"kube-apiserver down {down_s:.1f} s; after the restart, spec change reconciled "
-          f"and a tuning window taken in {time.monotonic() - t0:.1f} s")
+          f"and a tuning window taken in {after_s:.1f} s")
+    report = os.environ.get("SPECULA_APISERVER_REPORT")
+    if report:
+        Path(report).write_text(json.dumps({
+            "down_s": round(down_s, 1), "reconciled_and_tuned_after_s": round(after_s, 1),
+            "kopf_watch_retries_escalated": seen["escalated"],
+        }))
 
     # The shared operator (other namespace) works too.
     created = create_sm(custom_objects, namespace, sm_body("after-apiserver-restart"))
