@@ -17,7 +17,7 @@ request's last token, timestamps taken when ``LLMEngine.step`` returns them.
 Each configuration runs in its own process (``--config``; the driver starts them in
 turn) so the GPU is free between them. Run on the GPU machine::
 
-    PYTHONPATH=/tmp/peer-site:. python3 bench/peer_vllm.py --output /tmp/vllm.json
+    PYTHONPATH=$PEER_SITE:. python3 bench/peer_vllm.py --output vllm.json
 
 The JSON (``target_only``/``eagle3`` rows, startup seconds, versions) is what
 ``engine_e2e.py --peer`` reads to report ``vs_vllm``.
