@@ -417,9 +417,39 @@ def hub(cluster: LocalCluster, demo_checkpoints: Path) -> Iterator[HubServer]:
         "specula/demo-target": HubRepo({"main": empty, "e2e": demo_checkpoints / "target"},
                                        token=HUB_TOKEN),
         "specula/demo-draft": HubRepo({"main": demo_checkpoints / "draft"}),
+        **_broken_repos(cluster.workdir / "hub-broken", demo_checkpoints),
     }, host=NODE_IP).start()
     yield server
     server.stop()
+
+
+def _broken_repos(root: Path, demo: Path) -> dict[str, HubRepo]:
+    """Checkpoints that download fine but that only the runtime can refuse: a draft
+    whose vocabulary differs from the target's, a target of an unknown architecture,
+    and a target without its weights."""
+    import shutil
+
+    def edited(name: str, source: Path, edit) -> HubRepo:
+        path = root / name
+        shutil.copytree(source, path, dirs_exist_ok=True)
+        config = json.loads((path / "config.json").read_text())
+        edit(path, config)
+        (path / "config.json").write_text(json.dumps(config))
+        return HubRepo({"main": path})
+
+    def drop_weights(path: Path, _config: dict) -> None:
+        for weights in path.glob("*.safetensors"):
+            weights.unlink()
+
+    return {
+        "specula/draft-other-vocab": edited(
+            "draft-other-vocab", demo / "draft",
+            lambda _p, c: c.update(vocab_size=c["vocab_size"] + 64)),
+        "specula/unknown-architecture": edited(
+            "unknown-architecture", demo / "target",
+            lambda _p, c: c.update(architectures=["NoSuchModelForCausalLM"])),
+        "specula/no-weights": edited("no-weights", demo / "target", drop_weights),
+    }
 
 
 def hf_sm(name: str, hub: HubServer, target: str = "hf://specula/demo-target",
@@ -522,6 +552,45 @@ def test_download_failures_are_reported_in_degraded(
         cluster.kubectl("delete", "pv", f"{NS}-tiny-cache", f"{NS}-hf-cache", "--wait=true",
                         "--timeout=60s", check=False)
         subprocess.run(["umount", str(tiny)], check=False)
+
+
+def test_checkpoints_the_runtime_refuses_are_reported_in_degraded(
+    cluster: LocalCluster, installed, hub: HubServer
+) -> None:
+    """What only the runtime can know (the draft's vocabulary, the architecture, the
+    weights present) reaches ``Degraded`` with the runtime's own message: it exits at
+    load and the operator reads the container's termination message."""
+    cases = {
+        "bad-vocab": ({"draft": "hf://specula/draft-other-vocab"},
+                      "draft model vocab_size"),
+        "bad-arch": ({"target": "hf://specula/unknown-architecture"},
+                     "architecture 'NoSuchModelForCausalLM' is not supported"),
+        "no-weights": ({"target": "hf://specula/no-weights"}, "no *.safetensors files"),
+    }
+    bodies = []
+    for name, (uris, _) in cases.items():
+        body = hf_sm(name, hub, target=uris.get("target", "hf://specula/demo-target"))
+        if "draft" in uris:
+            body["spec"]["speculator"]["model"] = {"uri": uris["draft"]}
+        if "target" in uris:
+            body["spec"]["model"].pop("revision")
+        bodies.append(body)
+    try:
+        apply(cluster, *bodies)
+        for name, (_, text) in cases.items():
+            def degraded(name=name, text=text):
+                conditions = (get(cluster, "sm", name, "-n", NS).get("status") or {}).get(
+                    "conditions", [])
+                found = [c for c in conditions if c["type"] == "Degraded"]
+                return found and found[0]["status"] == "True" and text in found[0][
+                    "message"] and found[0]
+
+            condition = wait_for(degraded, timeout=300, interval=2,
+                                 message=lambda name=name: describe_pods(cluster, NS))
+            assert condition["reason"] in ("ContainerFailed", "ContainerRestarting"), condition
+    finally:
+        cluster.kubectl("delete", "sm", *cases, "-n", NS, "--wait=true", "--timeout=120s",
+                        check=False)
 
 
 def test_delete_and_uninstall_leave_nothing(
