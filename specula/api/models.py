@@ -609,6 +609,10 @@ class SpeculativeModelSpec(ApiModel):
     """The drafter and how many tokens it proposes."""
     replicas: int = Field(default=1, ge=0)
     """Pods serving the model; also the ``scale`` subresource's target."""
+    enable_prefix_caching: bool = True
+    """Reuse the KV blocks of prompt prefixes the pod has seen (automatic prefix caching,
+    on by default in both engines); ``false`` prefills every prompt whole
+    (``--no-enable-prefix-caching`` for ``vllm``)."""
     max_num_seqs: int | None = Field(default=None, ge=1, le=4096)
     """Most requests a pod decodes together in one step (``--max-num-seqs``); also the
     batch at which the operator predicts a pod's capacity.  Default: 32 for

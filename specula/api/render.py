@@ -65,4 +65,5 @@ def render_runtime_config(name: str, spec: SpeculativeModelSpec) -> RuntimeConfi
         admin_port=ADMIN_PORT,
         admin_token_file=f"{ADMIN_TOKEN_DIR}/{ADMIN_TOKEN_KEY}",
         max_num_seqs=spec.pod_max_num_seqs,
+        enable_prefix_caching=spec.enable_prefix_caching,
     )

@@ -259,6 +259,8 @@ def render_vllm_args(
     ]
     if model.max_model_len is not None:
         args += ["--max-model-len", str(model.max_model_len)]
+    if not spec.enable_prefix_caching:
+        args.append("--no-enable-prefix-caching")
     if model.revision is not None:
         args += ["--revision", model.revision]
     config = render_speculative_config(spec, speculation)

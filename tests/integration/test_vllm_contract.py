@@ -221,7 +221,10 @@ def test_cli_flags_are_engine_args(vllm_source):
     args = render_vllm_args("qwen", _spec(maxNumSeqs=64, model={
         "uri": "hf://Qwen/Qwen3-8B", "maxModelLen": 4096, "revision": "main",
     }))
-    flags = {a[2:].replace("-", "_") for a in args if a.startswith("--")}
+    args += render_vllm_args("qwen", _spec(enablePrefixCaching=False))
+    # A --no-X flag is the negative of boolean field X (argparse's BooleanOptionalAction).
+    flags = {a[2:].replace("-", "_").removeprefix("no_") for a in args if a.startswith("--")}
+    assert "enable_prefix_caching" in flags
     # --host and --port belong to the OpenAI frontend, not to the engine.
     assert flags - {"host", "port"} <= fields, (flags - {"host", "port"}) - fields
 

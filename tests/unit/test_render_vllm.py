@@ -101,6 +101,16 @@ def test_default_max_num_seqs_is_explicit_and_optional_flags_absent():
     args = render_vllm_args("m", make_spec())
     assert flag(args, "--max-num-seqs") == "256"
     assert "--max-model-len" not in args and "--revision" not in args
+    assert "--no-enable-prefix-caching" not in args
+
+
+def test_prefix_caching_off_reaches_both_engines():
+    from specula.api.render import render_runtime_config
+
+    assert render_runtime_config("m", make_spec()).enable_prefix_caching is True
+    spec = make_spec(enablePrefixCaching=False)
+    assert "--no-enable-prefix-caching" in render_vllm_args("m", spec)
+    assert render_runtime_config("m", spec).enable_prefix_caching is False
 
 
 def test_ngram_renders_the_runtime_defaults_not_vllms():
