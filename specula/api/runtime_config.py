@@ -147,6 +147,13 @@ class RuntimeConfig(BaseModel):
     max_queued_requests: int = Field(default=256, ge=0)
     """Requests that may wait beyond the ``max_num_seqs`` being decoded; one more is
     answered 429 with ``Retry-After`` at once instead of queueing (admission limit)."""
+    max_n: int = Field(default=16, ge=1, le=1024)
+    """Most samples (``n``) one prompt may ask for; a larger ``n`` is answered 400."""
+    chat_template: str | None = None
+    """Jinja chat template (the text) that ``/v1/chat/completions`` renders messages
+    with, instead of the checkpoint's (``specula serve --chat-template FILE`` reads it
+    from a file); ``None``: the checkpoint's own, and a 400 for chat requests if it
+    has none."""
     drain_timeout_s: float = Field(default=25.0, ge=0)
     """On SIGTERM, how long the server keeps finishing in-flight completions (answering
     new ones and ``/health`` 503) before it stops; keep it below the pod's

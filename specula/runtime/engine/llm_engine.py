@@ -23,6 +23,13 @@ Model Runner V2):
    the proposal, so the host's stop checks overlap the drafting) and applies stop
    conditions.
 
+Log-probabilities (``SamplingParams.logprobs``) are computed on the device for the rows
+that asked only, from the target's logits at each position the step verified (whatever
+the draft proposed: an accepted draft, the bonus or the recovered token is scored under
+the target's processed distribution there), and copied with a second non-blocking copy
+beside the tokens'. Prompt log-probabilities come from the prefill's logits at every
+prompt position.
+
 With asynchronous scheduling (the default on CUDA; vLLM's ``async_scheduling``), step 5
 of one step runs after steps 1-4 of the next are queued: the next step's inputs come
 from the device state, which the device updated itself, so the host's scheduling, input
@@ -53,11 +60,12 @@ import torch
 
 from specula.runtime.engine.block_manager import BlockManager, cdiv
 from specula.runtime.engine.input_batch import InputBatch, to_device
-from specula.runtime.engine.request import Request, RequestOutput
+from specula.runtime.engine.request import Request, RequestOutput, TokenLogprobs
 from specula.runtime.engine.sampler import (
     STREAM_TARGET,
     SamplingMetadata,
     sample,
+    token_logprobs,
 )
 from specula.runtime.engine.sampling_params import SamplingParams
 from specula.runtime.engine.scheduler import PagedScheduler
@@ -308,6 +316,8 @@ class LLMEngine(SpeculativeSettings):
 
         target_dir = resolve_model_uri(config.model, config.revision)
         tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
+        if config.chat_template is not None:
+            tokenizer.chat_template = config.chat_template
         name = config.served_model_name or config.model.rstrip("/").rsplit("/", 1)[-1]
         return cls(
             target_dir,
@@ -410,6 +420,10 @@ class LLMEngine(SpeculativeSettings):
         outputs, self._pending = self._pending, []
         for request, tokens in emitted.items():
             self.generation_tokens_total += len(tokens)
+            logprobs = None
+            if request.params.logprobs is not None:
+                logprobs, request.new_logprobs = request.new_logprobs, []
+            prompt_logprobs, request.new_prompt_logprobs = request.new_prompt_logprobs, None
             outputs.append(
                 RequestOutput(
                     request.request_id,
@@ -417,6 +431,8 @@ class LLMEngine(SpeculativeSettings):
                     request.finished,
                     request.finish_reason,
                     request.stop_reason,
+                    logprobs,
+                    prompt_logprobs,
                 )
             )
         for request in self.scheduler.remove_finished():
@@ -440,9 +456,14 @@ class LLMEngine(SpeculativeSettings):
                     results[out.request_id].extend(out.new_token_ids)
         return [results[i] for i in ids]
 
-    def _emit(self, request: Request, tokens: list[int], emitted: dict[Request, list[int]]) -> None:
+    def _emit(
+        self, request: Request, tokens: list[int], emitted: dict[Request, list[int]],
+        logprobs: list[TokenLogprobs] | None,
+    ) -> None:
         appended = request.append_tokens(tokens, self.tokenizer, self.max_model_len)
         emitted.setdefault(request, []).extend(appended)
+        if logprobs is not None:
+            request.new_logprobs.extend(logprobs[: len(appended)])
 
     def _rows(self, batch: list[Request]) -> torch.Tensor:
         """[num_reqs] int64 device rows of ``batch`` (reused while the batch is unchanged)."""
@@ -527,6 +548,11 @@ class LLMEngine(SpeculativeSettings):
         if prefill:
             keys = torch.cat([keys[:nd], to_device(prompt_lens, torch.int64, dev)])
         parts_out, parts_acc, parts_ver = [], [], []
+        # Log-probabilities: only of the rows that asked, with one width for the batch.
+        num_top = max((t for r in batch for t in (r.params.logprobs, r.params.prompt_logprobs)
+                       if t is not None), default=None)
+        lp_parts: list[torch.Tensor] = []
+        lp_rows: list[tuple[int, bool, int]] = []
         if nd:
             s_d = sampling.select(slice(0, nd)) if prefill else sampling
             logits, argmax = self.runner.logits_and_argmax(hidden[: nd * q])  # [nd * q, V]
@@ -542,11 +568,20 @@ class LLMEngine(SpeculativeSettings):
                 parts_acc.append(self._zeros[:nd])
                 parts_ver.append(self._zeros[:nd])
             parts_out.append(out_d)  # [nd, q]
+            rows = [i for i in range(nd) if batch[i].params.logprobs is not None]
+            if rows:
+                sel = to_device(rows, torch.int64, dev)
+                lp = token_logprobs(logits.view(nd, q, -1)[sel], s_d.select(sel), out_d[sel], num_top)
+                lp_parts.append(lp.flatten(0, 1))  # [len(rows) * q, 1 + 2 * num_top]
+                lp_rows += [(i, False, q) for i in rows]
         if prefill:
             last_rows = metadata.query_start_loc[nd + 1 :].long() - 1
             logits, argmax = self.runner.logits_and_argmax(hidden[last_rows])
             s_p = sampling.select(slice(nd, num_reqs)) if nd else sampling
             first = sample(logits, s_p, keys[nd:], STREAM_TARGET, argmax)[0]  # [num_prefill]
+            if num_top is not None:
+                self._prefill_logprobs(prefill, nd, num_top, logits, first, s_p,
+                                       hidden[nd * q :], query_lens[nd:], lp_parts, lp_rows)
             if nd and q > 1:  # one width for the batch: pad the prefills' rows
                 first = torch.cat([first[:, None], self._zeros[: len(prefill), None].expand(-1, q - 1)], 1)
             else:
@@ -570,9 +605,12 @@ class LLMEngine(SpeculativeSettings):
         # The step's only device-to-host copy, queued before the drafting so that the
         # host's stop checks overlap it.
         host = torch.cat([num_accepted[:, None], num_verified[:, None], out], dim=1)
+        lp_host = torch.cat(lp_parts) if lp_parts else None
         ready = None
         if dev.type == "cuda":
             host = host.to("cpu", non_blocking=True)
+            if lp_host is not None:
+                lp_host = lp_host.to("cpu", non_blocking=True)
             ready = torch.cuda.Event()
             ready.record()
 
@@ -624,7 +662,37 @@ class LLMEngine(SpeculativeSettings):
                     ib.draft_probs[idx, :k_next] = draft.draft_probs
 
         self._draft_k = k_next
-        return _Launched(batch, nd, k, q, k_next, host, ready)
+        return _Launched(batch, nd, k, q, k_next, host, ready, lp_host, lp_rows)
+
+    def _prefill_logprobs(
+        self, prefill: list[Request], nd: int, num_top: int, logits: torch.Tensor,
+        first: torch.Tensor, sampling: SamplingMetadata, hidden: torch.Tensor,
+        query_lens: list[int], parts: list[torch.Tensor], rows: list[tuple[int, bool, int]],
+    ) -> None:
+        """Queue the log-probabilities of the prefills' first tokens (``logits``,
+        ``first``: [num_prefill, vocab_size], [num_prefill]) and, where due, of their
+        prompts (the logits at every prompt position but the last, from ``hidden``, the
+        prefills' rows of the forward)."""
+        dev = self.device
+        asked = [j for j, r in enumerate(prefill) if r.params.logprobs is not None]
+        if asked:
+            sel = to_device(asked, torch.int64, dev)
+            lp = token_logprobs(logits[sel][:, None], sampling.select(sel), first[sel][:, None], num_top)
+            parts.append(lp[:, 0])
+            rows += [(nd + j, False, 1) for j in asked]
+        start = 0
+        for j, request in enumerate(prefill):
+            n = query_lens[j]
+            if request.params.prompt_logprobs is not None and request.num_output_tokens == 0:
+                assert n == len(request.token_ids), "a prompt-logprobs prefill reused a prefix"
+                if n > 1:
+                    prompt_logits = self.runner.compute_logits(hidden[start : start + n - 1])
+                    ids = to_device(request.token_ids[1:], torch.int64, dev)
+                    lp = token_logprobs(prompt_logits[None], sampling.select(slice(j, j + 1)),
+                                        ids[None], num_top)
+                    parts.append(lp[0])  # [n - 1, 1 + 2 * num_top]
+                rows.append((nd + j, True, n - 1))
+            start += n
 
     def _finish(self, step: _Launched, emitted: dict[Request, list[int]]) -> None:
         """Wait for ``step``'s tokens and accepted counts (its one device-to-host copy),
@@ -634,26 +702,52 @@ class LLMEngine(SpeculativeSettings):
         if step.ready is not None:
             step.ready.synchronize()
         rows = step.host.tolist()
+        logprobs, prompt_logprobs = self._read_logprobs(step)
         for i, request in enumerate(step.batch):
             if request.finished or request.row < 0:
                 continue
             accepted, verified, *tokens = rows[i]
+            if i in prompt_logprobs:
+                request.new_prompt_logprobs = [None, *prompt_logprobs[i]]
             if i < step.num_decode:
                 if step.k > 0 and verified > 0:
                     self.spec_decoding_stats.observe_draft(verified, accepted)
                 request.num_computed_tokens += accepted + 1
-                self._emit(request, tokens[: accepted + 1], emitted)
+                self._emit(request, tokens[: accepted + 1], emitted, logprobs.get(i))
                 self.scheduler.block_manager.cache_blocks(
                     request.request_id, request.token_ids, request.num_computed_tokens
                 )
             else:
-                self._emit(request, tokens[:1], emitted)
+                self._emit(request, tokens[:1], emitted, logprobs.get(i))
         if not self.async_scheduling:
             # The drafts were proposed before the host knew which requests finish; the
             # next step verifies no more of them than its own batch size asks for.
             survivors = sum(not r.finished for r in step.batch)
             k = self.num_speculative_tokens_for(survivors) if survivors else 0
             self._draft_k = min(step.num_speculative_tokens, k)
+
+
+    @staticmethod
+    def _read_logprobs(
+        step: _Launched,
+    ) -> tuple[dict[int, list[TokenLogprobs]], dict[int, list[TokenLogprobs]]]:
+        """``step``'s log-probabilities by batch position: of its output tokens, of its
+        prompts."""
+        out: tuple[dict[int, list[TokenLogprobs]], dict[int, list[TokenLogprobs]]] = ({}, {})
+        if step.logprobs is None:
+            return out
+        values = step.logprobs.tolist()
+        num_top = (len(values[0]) - 1) // 2 if values else 0
+        start = 0
+        for i, is_prompt, count in step.logprob_rows:
+            params = step.batch[i].params
+            top = params.prompt_logprobs if is_prompt else params.logprobs
+            out[is_prompt][i] = [
+                TokenLogprobs(row[0], [(int(row[1 + num_top + t]), row[1 + t]) for t in range(top)])
+                for row in values[start : start + count]
+            ]
+            start += count
+        return out
 
 
 @dataclass
@@ -671,7 +765,12 @@ class _Launched:
     host: torch.Tensor
     """[num_reqs, 2 + width] int64 on the host: accepted, verified, tokens."""
     ready: torch.cuda.Event | None
-    """Recorded after the copy (CUDA); ``None``: ``host`` is ready."""
+    """Recorded after the copies (CUDA); ``None``: ``host`` is ready."""
+    logprobs: torch.Tensor | None = None
+    """[num_rows, 1 + 2 * num_top] float32 on the host (:func:`token_logprobs`): the rows
+    of :attr:`logprob_rows`, in order; ``None`` when no request asked."""
+    logprob_rows: list[tuple[int, bool, int]] | None = None
+    """``(batch position, prompt or output, number of rows)`` of each request's block."""
 
 
 def create_engine(config: RuntimeConfig) -> LLMEngine:

@@ -3,9 +3,18 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from specula.runtime.engine.sampling_params import SamplingParams
+
+
+class TokenLogprobs(NamedTuple):
+    """One token's log-probability under the target's processed distribution
+    (:func:`~specula.runtime.engine.sampler.token_logprobs`) and the most likely tokens'
+    ``(token_id, logprob)``, most likely first (``SamplingParams.logprobs`` of them)."""
+
+    logprob: float
+    top: list[tuple[int, float]]
 
 
 @dataclass
@@ -24,6 +33,11 @@ class RequestOutput:
     stop_reason: str | int | None = None
     """The stop string or stop token id that ended the request; ``None`` for eos,
     length, abort, or while running (vLLM's ``CompletionOutput.stop_reason``)."""
+    logprobs: list[TokenLogprobs] | None = None
+    """One per ``new_token_ids`` entry when the request asked (``SamplingParams.logprobs``)."""
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    """With ``SamplingParams.prompt_logprobs``, in the request's first output: one per
+    prompt token, the first ``None`` (nothing predicts it)."""
 
 
 @dataclass(eq=False)
@@ -42,6 +56,10 @@ class Request:
     """Leading tokens whose target KV is cached and valid."""
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    new_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    """Log-probabilities of tokens appended since the last output."""
+    new_prompt_logprobs: list[TokenLogprobs | None] | None = None
+    """Prompt log-probabilities not yet output."""
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -54,6 +72,12 @@ class Request:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def reuses_prefix_cache(self) -> bool:
+        """Whether a prefill may start after cached prefix blocks: not while the prompt's
+        log-probabilities, which need the logits at every prompt position, are due."""
+        return self.params.prompt_logprobs is None or self.num_output_tokens > 0
 
     @property
     def finished(self) -> bool:

@@ -93,8 +93,9 @@ class SamplingMetadata:
             **flags_of(params),
         )
 
-    def select(self, rows: slice) -> SamplingMetadata:
-        """The metadata of a contiguous range of requests (the flags stay conservative)."""
+    def select(self, rows: slice | torch.Tensor) -> SamplingMetadata:
+        """The metadata of a range (or an int64 index tensor) of requests (the flags
+        stay conservative)."""
         return SamplingMetadata(
             self.temperature[rows], self.top_p[rows], self.top_k[rows], self.seeds[rows],
             self.all_greedy, self.needs_top_k, self.needs_top_p,
@@ -111,19 +112,17 @@ def flags_of(params: Sequence[SamplingParams]) -> dict[str, bool]:
     }
 
 
-def compute_probs(logits: torch.Tensor, sampling: SamplingMetadata) -> torch.Tensor:
-    """Turn raw logits into each request's sampling distribution.
-
-    Applies, in this order (as ``transformers`` does): temperature, top-k, top-p. Greedy
-    rows are processed with temperature 1 and no truncation; callers take their argmax
-    from the raw logits instead.
+def process_logits(logits: torch.Tensor, sampling: SamplingMetadata) -> torch.Tensor:
+    """Apply each request's temperature, top-k and top-p, in this order (as
+    ``transformers`` does); truncated tokens get ``-inf``. Greedy rows are processed
+    with temperature 1 and no truncation (their raw logits).
 
     Args:
         logits: [num_reqs, num_positions, vocab_size], float32 or the model's dtype
             (computed in float32).
 
     Returns:
-        [num_reqs, num_positions, vocab_size] float32 probabilities.
+        [num_reqs, num_positions, vocab_size] float32 processed logits.
     """
     assert logits.ndim == 3 and logits.shape[0] == sampling.num_reqs
     greedy = sampling.is_greedy
@@ -131,7 +130,42 @@ def compute_probs(logits: torch.Tensor, sampling: SamplingMetadata) -> torch.Ten
     logits = logits.float() / temp[:, None, None]
     if sampling.needs_top_k or sampling.needs_top_p:
         logits = _apply_top_k_top_p(logits, sampling, greedy)
-    return logits.softmax(dim=-1)
+    return logits
+
+
+def compute_probs(logits: torch.Tensor, sampling: SamplingMetadata) -> torch.Tensor:
+    """Each request's sampling distribution: the softmax of :func:`process_logits`
+    (callers take greedy rows' argmax from the raw logits instead).
+
+    Returns:
+        [num_reqs, num_positions, vocab_size] float32 probabilities.
+    """
+    return process_logits(logits, sampling).softmax(dim=-1)
+
+
+def token_logprobs(
+    logits: torch.Tensor, sampling: SamplingMetadata, token_ids: torch.Tensor, num_top: int
+) -> torch.Tensor:
+    """Log-probabilities of ``token_ids`` and the ``num_top`` most likely tokens under
+    each request's processed distribution (the log-softmax of :func:`process_logits`:
+    vLLM's ``logprobs_mode="processed_logprobs"``; greedy rows: of the raw logits).
+
+    Args:
+        logits: [num_reqs, num_positions, vocab_size].
+        token_ids: [num_reqs, num_positions] int64; negative ids (placeholders) give
+            the log-probability of token 0, which callers drop.
+
+    Returns:
+        [num_reqs, num_positions, 1 + 2 * num_top] float32: the token's log-probability,
+        the top log-probabilities (descending), then their token ids as floats (exact
+        below 2**24, far above any vocabulary).
+    """
+    logprobs = process_logits(logits, sampling).log_softmax(dim=-1)
+    chosen = logprobs.gather(-1, token_ids.clamp(min=0)[..., None])
+    if num_top == 0:
+        return chosen
+    top = logprobs.topk(num_top, dim=-1)
+    return torch.cat([chosen, top.values, top.indices.float()], dim=-1)
 
 
 def _apply_top_k_top_p(

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+MAX_LOGPROBS = 20
+"""The most top log-probabilities a request may ask for per token (OpenAI's bound)."""
+
 
 @dataclass
 class SamplingParams:
@@ -25,6 +28,13 @@ class SamplingParams:
     """Token ids that end generation (the stop token is returned)."""
     ignore_eos: bool = False
     """Keep generating past the end-of-sequence token."""
+    logprobs: int | None = None
+    """Return each generated token's log-probability and the ``logprobs`` (0 to
+    :data:`MAX_LOGPROBS`) most likely tokens' (vLLM's field of the same name); ``None``:
+    none are computed."""
+    prompt_logprobs: int | None = None
+    """The same for every prompt token after the first (0 to :data:`MAX_LOGPROBS`); such
+    a request prefills its whole prompt (no prefix-cache reuse), as in vLLM."""
 
     def validate(self) -> None:
         """Raises ValueError naming the first invalid field."""
@@ -36,5 +46,9 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < -1:
             raise ValueError(f"top_k must be -1, 0 (disabled) or positive, got {self.top_k}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
         if self.stop is not None and any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")

@@ -144,7 +144,7 @@ class PagedScheduler:
         while self.waiting and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             n = len(request.token_ids)
-            cached = bm.match_prefix(request.token_ids)
+            cached = bm.match_prefix(request.token_ids) if request.reuses_prefix_cache else []
             num_new = n - len(cached) * bm.block_size
             if num_new > budget and (out.prefill or out.decode):
                 break
