@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
@@ -433,9 +434,9 @@ BAD_REQUESTS = [
     ("empty_prompt_list", {"prompt": []}, 400, "prompt"),
     ("token_out_of_vocab", {"prompt": [1, 10**9]}, 400, "prompt"),
     ("negative_token", {"prompt": [1, -1]}, 400, "prompt"),
-    ("n_2", {"prompt": "x", "n": 2}, 400, "n"),
-    ("logprobs", {"prompt": "x", "logprobs": 1}, 400, "logprobs"),
-    ("echo", {"prompt": "x", "echo": True}, 400, "echo"),
+    ("n_above_max", {"prompt": "x", "n": 10**4}, 400, "n"),
+    ("logprobs_above_5", {"prompt": "x", "logprobs": 6}, 400, "logprobs"),
+    ("best_of", {"prompt": "x", "best_of": 2}, 400, "best_of"),
     ("temperature_out_of_range", {"prompt": "x", "temperature": 5}, 400, "temperature"),
     ("empty_stop", {"prompt": "x", "stop": [""]}, 400, "stop"),
 ]
@@ -469,6 +470,17 @@ def test_context_error_names_both_lengths(client):
     err = client.post("/v1/completions", json={"prompt": LONG}).json()["error"]
     assert str(len(LONG)) in err["message"] and str(MAX_MODEL_LEN) in err["message"]
     assert err["code"] == "context_length_exceeded"
+
+
+def test_chat_without_a_template_is_refused(server):
+    """The tiny checkpoint has no chat template: a chat completion gets a 400 that says
+    so (``tests/runtime/test_server_openai.py`` serves one with ``--chat-template``)."""
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL_NAME,
+                                       messages=[{"role": "user", "content": "hi"}])
+    assert info.value.code == "no_chat_template"
+    assert "no chat template" in info.value.message and "--chat-template" in info.value.message
 
 
 def test_unknown_route_is_json_404(client):

@@ -79,6 +79,16 @@ def test_max_num_speculative_tokens_flag(tmp_path: Path):
     assert cfg.speculator is not None and cfg.speculator.max_num_speculative_tokens is None
 
 
+def test_chat_template_flag_reads_the_file(tmp_path: Path):
+    path = tmp_path / "template.jinja"
+    path.write_text("{{ messages[0]['content'] }}")
+    cfg = build_runtime_config(_args("--model", "file:///m", "--chat-template", str(path)))
+    assert cfg.chat_template == "{{ messages[0]['content'] }}"
+    assert build_runtime_config(_args("--model", "file:///m")).chat_template is None
+    with pytest.raises(ConfigError, match="cannot read --chat-template"):
+        build_runtime_config(_args("--model", "file:///m", "--chat-template", str(tmp_path / "x")))
+
+
 @pytest.mark.parametrize(
     ("argv", "fragment"),
     [

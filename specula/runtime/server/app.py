@@ -2,7 +2,10 @@
 
 Routes:
 
-- ``POST /v1/completions``: OpenAI Completions, ``stream: true`` as server-sent events.
+- ``POST /v1/completions``: OpenAI Completions (``n``, ``logprobs``, ``echo``),
+  ``stream: true`` as server-sent events.
+- ``POST /v1/chat/completions``: OpenAI Chat Completions through the model's chat
+  template (:mod:`~specula.runtime.server.chat`), streamed the same way.
 - ``GET /v1/models``: the one served model, OpenAI list format.
 - ``GET /health``: 200 once the engine is loaded and its loop is alive; 503 while
   loading, after the engine loop died, and while draining on SIGTERM.
@@ -55,7 +58,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.background import BackgroundTask
 
 from specula.runtime.engine.spec_schedule import SpeculativeConfigError
-from specula.runtime.server import completions
+from specula.runtime.server import chat, completions
 from specula.runtime.server.engine_loop import EngineDeadError, EngineLoop, EngineState
 from specula.runtime.server.errors import APIError, install_error_handlers
 from specula.runtime.server.limits import (
@@ -69,6 +72,8 @@ from specula.runtime.server.limits import (
 from specula.runtime.server.metrics import build_registry
 from specula.runtime.server.protocol import (
     ERROR_TYPE_UNAVAILABLE,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
     ModelCard,
@@ -262,20 +267,30 @@ def create_app(
         name = engine.served_model_name
         return ModelList(data=[ModelCard(id=name, root=name, max_model_len=engine.max_model_len)])
 
+    async def answer(raw: Request, prep: completions.PreparedCompletion, tokenizer: Any) -> Any:
+        state.admit(len(prep.params))
+        if not prep.stream:
+            return await unless_disconnected(raw, completions.complete(prep, loop, tokenizer))
+        started = await completions.start_stream(prep, loop, tokenizer)
+        # The background task aborts what is left whichever way the response ends (a
+        # client gone before the first chunk never runs the stream's own `finally`).
+        return StreamingResponse(completions.stream(started), media_type="text/event-stream",
+                                 background=BackgroundTask(started.abort_unfinished))
+
     @app.post("/v1/completions", response_model=None, dependencies=openai,
               openapi_extra=json_body(CompletionRequest))
     async def create_completion(raw: Request) -> CompletionResponse | StreamingResponse:
         request = await parse_body(raw, CompletionRequest, limits)
         tokenizer = state.tokenizer()
-        prep = completions.prepare(request, loop, tokenizer)
-        state.admit(len(prep.prompts))
-        if not request.stream:
-            return await unless_disconnected(raw, completions.complete(prep, loop, tokenizer))
-        run = await completions.start_stream(prep, loop, tokenizer)
-        # The background task aborts what is left whichever way the response ends (a
-        # client gone before the first chunk never runs the stream's own `finally`).
-        return StreamingResponse(completions.stream(run), media_type="text/event-stream",
-                                 background=BackgroundTask(run.abort_unfinished))
+        return await answer(raw, completions.prepare(request, loop, tokenizer, limits.max_n),
+                         tokenizer)
+
+    @app.post("/v1/chat/completions", response_model=None, dependencies=openai,
+              openapi_extra=json_body(ChatCompletionRequest))
+    async def create_chat_completion(raw: Request) -> ChatCompletionResponse | StreamingResponse:
+        request = await parse_body(raw, ChatCompletionRequest, limits)
+        tokenizer = state.tokenizer()
+        return await answer(raw, chat.prepare(request, loop, tokenizer, limits.max_n), tokenizer)
 
     return app
 

@@ -49,12 +49,13 @@ class ConfigError(ValueError):
 
 
 def build_runtime_config(args: argparse.Namespace) -> RuntimeConfig:
-    """Merge ``--config FILE`` with the flags (flags win) into a ``RuntimeConfig``.
+    """Merge ``--config FILE`` with the flags (flags win) into a ``RuntimeConfig``;
+    ``--chat-template FILE`` puts the file's text in ``chat_template``.
 
     ``--speculator-model`` without a method (in flags or file) means ``draft_model``.
 
     Raises:
-        ConfigError: unreadable file, invalid JSON, a missing model, a speculator flag
+        ConfigError: unreadable file (config or chat template), invalid JSON, a missing model, a speculator flag
             with no speculator method, or a value the pydantic model rejects.
     """
     data: dict[str, Any] = {}
@@ -72,6 +73,12 @@ def build_runtime_config(args: argparse.Namespace) -> RuntimeConfig:
         value = getattr(args, dest, None)
         if value is not None:
             data[key] = value
+    template = getattr(args, "chat_template", None)
+    if template is not None:
+        try:
+            data["chat_template"] = Path(template).read_text()
+        except (OSError, UnicodeError) as exc:
+            raise ConfigError(f"cannot read --chat-template {template}: {exc}") from exc
 
     method = getattr(args, "speculator_method", None)
     draft = getattr(args, "speculator_model", None)

@@ -35,11 +35,12 @@ class Limits:
     max_body_bytes: int = _DEFAULTS["max_request_body_bytes"].default
     read_timeout_s: float = _DEFAULTS["http_read_timeout_s"].default
     max_queued_requests: int = _DEFAULTS["max_queued_requests"].default
+    max_n: int = _DEFAULTS["max_n"].default
 
     @classmethod
     def of(cls, config: RuntimeConfig) -> Limits:
         return cls(config.max_request_body_bytes, config.http_read_timeout_s,
-                   config.max_queued_requests)
+                   config.max_queued_requests, config.max_n)
 
 
 DEFAULT_LIMITS = Limits()

@@ -1,12 +1,13 @@
 """Request and response bodies of the OpenAI-compatible API.
 
-Field names and defaults follow the OpenAI Completions API
-(https://platform.openai.com/docs/api-reference/completions) and vLLM's
+Field names and defaults follow the OpenAI Completions and Chat Completions APIs
+(https://platform.openai.com/docs/api-reference/completions, ``/chat``) and vLLM's
 ``vllm/entrypoints/openai/protocol.py``.  Requests forbid unknown fields: a typo such
 as ``max_token`` is answered with 400 rather than silently ignored.  Fields OpenAI
-defines but this runtime does not implement (``logprobs``, ``echo``, ``n`` > 1,
-``best_of`` > 1, penalties, ``logit_bias``, ``suffix``) are accepted only at their
-no-op values, so a client that sends the default still works.
+defines but this runtime does not implement (``best_of`` other than ``n``, penalties,
+``logit_bias``, ``suffix``) are accepted only at their no-op values, so a client that
+sends the default still works.  ``n`` is bounded by the server's ``max_n`` (checked
+when the request is prepared, as it is a server setting).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+
+from specula.runtime.engine.sampling_params import MAX_LOGPROBS
 
 ERROR_TYPE_INVALID_REQUEST = "invalid_request_error"
 ERROR_TYPE_NOT_FOUND = "not_found_error"
@@ -57,22 +60,18 @@ TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
 NonEmptyTokenIds = Annotated[list[TokenId], Field(min_length=1)]
 
 
-class CompletionRequest(BaseModel):
-    """``POST /v1/completions`` body.
+MAX_COMPLETION_LOGPROBS = 5
+"""The most top log-probabilities ``/v1/completions`` returns per token (OpenAI's bound);
+chat's ``top_logprobs`` goes to ``SamplingParams``' ``MAX_LOGPROBS`` (20)."""
 
-    ``prompt`` is a string, a list of strings (a batch: one choice per prompt), a
-    list of token ids, or a list of token-id lists.
-    """
+
+class GenerationRequest(BaseModel):
+    """The sampling fields both routes share."""
 
     model_config = ConfigDict(extra="forbid", strict=False)
 
     model: str | None = None
     """Served model name; ``None`` means the one model this server serves."""
-    prompt: str | NonEmptyTokenIds | Annotated[list[str], Field(min_length=1)] | Annotated[
-        list[NonEmptyTokenIds], Field(min_length=1)
-    ]
-    max_tokens: int | None = 16
-    """Most tokens to generate per prompt; ``None`` means up to the context length."""
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     """0 samples greedily."""
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
@@ -83,16 +82,14 @@ class CompletionRequest(BaseModel):
     """Stop strings; the returned text ends before the first one (it is not included)."""
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
-    n: int = 1
-    best_of: int | None = None
+    n: int = Field(default=1, ge=1)
+    """Independent samples per prompt (choices ``prompt_index * n + j``); with ``seed``,
+    sample ``j`` is seeded ``seed + j``."""
     stream: bool = False
     stream_options: StreamOptions | None = None
-    echo: bool = False
-    logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
-    suffix: str | None = None
     user: str | None = None
     """Accepted and ignored."""
 
@@ -105,24 +102,12 @@ class CompletionRequest(BaseModel):
         return v
 
     @model_validator(mode="after")
-    def _reject_unsupported(self) -> CompletionRequest:
+    def _reject_unsupported(self) -> GenerationRequest:
         # Each check names the field so the error's ``param`` points at it.
-        if self.max_tokens is not None and self.max_tokens <= 0:
-            raise UnsupportedFieldError("max_tokens", "max_tokens must be at least 1")
-        if self.n != 1:
-            raise UnsupportedFieldError("n", "only n=1 is supported")
-        if self.best_of not in (None, 1):
-            raise UnsupportedFieldError("best_of", "only best_of=1 is supported")
-        if self.echo:
-            raise UnsupportedFieldError("echo", "echo is not supported")
-        if self.logprobs is not None:
-            raise UnsupportedFieldError("logprobs", "logprobs are not supported")
         if self.presence_penalty != 0.0 or self.frequency_penalty != 0.0:
             raise UnsupportedFieldError("presence_penalty", "penalties are not supported")
         if self.logit_bias:
             raise UnsupportedFieldError("logit_bias", "logit_bias is not supported")
-        if self.suffix is not None:
-            raise UnsupportedFieldError("suffix", "suffix is not supported")
         if self.stream_options is not None and not self.stream:
             raise UnsupportedFieldError("stream_options", "stream_options needs stream=true")
         return self
@@ -131,6 +116,83 @@ class CompletionRequest(BaseModel):
         if self.stop is None:
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class CompletionRequest(GenerationRequest):
+    """``POST /v1/completions`` body.
+
+    ``prompt`` is a string, a list of strings (a batch: ``n`` choices per prompt), a
+    list of token ids, or a list of token-id lists.
+    """
+
+    prompt: str | NonEmptyTokenIds | Annotated[list[str], Field(min_length=1)] | Annotated[
+        list[NonEmptyTokenIds], Field(min_length=1)
+    ]
+    max_tokens: int | None = Field(default=16, ge=1)
+    """Most tokens to generate per prompt; ``None`` means up to the context length."""
+    best_of: int | None = None
+    """Accepted only as ``n`` (or 1 with ``n`` 1): every sample is returned."""
+    echo: bool = False
+    """Return the prompt before the completion (with ``logprobs``, the prompt tokens'
+    too, the first ``None``)."""
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
+    """Each token's log-probability and the ``logprobs`` most likely tokens'."""
+    suffix: str | None = None
+
+    @model_validator(mode="after")
+    def _reject_unsupported_completion(self) -> CompletionRequest:
+        if self.best_of not in (None, self.n):
+            raise UnsupportedFieldError("best_of", "only best_of equal to n is supported")
+        if self.suffix is not None:
+            raise UnsupportedFieldError("suffix", "suffix is not supported")
+        return self
+
+
+class TextContentPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    """One message; ``content`` is a string or text parts (joined with newlines)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | Annotated[list[TextContentPart], Field(min_length=1)]
+    name: str | None = None
+    tool_call_id: str | None = None
+
+    def template_input(self) -> dict[str, str]:
+        """The message as chat templates read it (``role``, ``content`` a string)."""
+        content = self.content
+        if not isinstance(content, str):
+            content = "\n".join(part.text for part in content)
+        extra = {"name": self.name, "tool_call_id": self.tool_call_id}
+        return {"role": self.role, "content": content,
+                **{k: v for k, v in extra.items() if v is not None}}
+
+
+class ChatCompletionRequest(GenerationRequest):
+    """``POST /v1/chat/completions`` body: the messages are rendered by the model's chat
+    template (or the server's ``--chat-template``) with the generation prompt added."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: int | None = Field(default=None, ge=1)
+    """Deprecated by OpenAI for ``max_completion_tokens``; ``None``: up to the context."""
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    """Wins over ``max_tokens`` when both are given."""
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    """Most likely tokens per position (needs ``logprobs``)."""
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise UnsupportedFieldError("top_logprobs", "top_logprobs needs logprobs=true")
+        return self
 
 
 class UnsupportedFieldError(ValueError):
@@ -184,11 +246,57 @@ class UsageInfo(BaseModel):
     total_tokens: int
 
 
+class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy completions log-probabilities, one entry per token."""
+
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict[str, float] | None] = []
+    text_offset: list[int] = []
+    """Character offset of each token in the choice's text."""
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     finish_reason: Literal["stop", "length", "abort"] | None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
+
+
+class ChatTopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+    """The token's UTF-8 bytes (a token may hold part of a character)."""
+
+
+class ChatTokenLogprob(ChatTopLogprob):
+    top_logprobs: list[ChatTopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob]
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    finish_reason: Literal["stop", "length", "abort"] | None
+    logprobs: ChatLogprobs | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
 
 
 def _completion_id() -> str:
