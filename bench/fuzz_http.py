@@ -8,8 +8,9 @@ loopback listener of this process.
 
 Targets (``--cases`` each):
 
-- ``model``: the runtime's model app (``/v1/completions``, ``/v1/models``, ``/health``,
-  ``/metrics``) on a tiny random CPU Llama with a draft model;
+- ``model``: the runtime's model app (``/v1/completions``, ``/v1/chat/completions``,
+  ``/v1/models``, ``/health``, ``/metrics``) on a tiny random CPU Llama with a draft
+  model and a chat template;
 - ``model_api_key``: the same with ``--api-key``, requests carrying the key;
 - ``admin``: the admin app (``GET``/``PUT /v1/speculative_config``) with the bearer token;
 - ``operator``: the operator's utilization, metrics and health server.
@@ -60,6 +61,10 @@ ADMIN_TOKEN = "fuzz-admin-token"
 API_KEY = "fuzz-api-key"
 GREEDY_PROMPT = "the quick brown fox"
 GREEDY_TOKENS = 12
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
 
 
 @dataclass
@@ -261,6 +266,7 @@ def build_engine(target: Path, draft: Path, *, max_model_len: int = 64) -> Any:
         dtype="float32",
         max_model_len=max_model_len,
         max_num_seqs=8,
+        chat_template=CHAT_TEMPLATE,
         speculator=SpeculatorRuntimeConfig(
             method="draft_model", model=f"file://{draft}", num_speculative_tokens=3
         ),
