@@ -71,13 +71,21 @@ def test_sampled_logprobs_are_the_tempered_distribution(make_engine, hf_model,
     engine = make_engine(tiny_llama_target, tiny_llama_draft, k=3)
     hf = hf_model(tiny_llama_target)
     prompt = PROMPTS[0]
-    params = SamplingParams(max_tokens=10, temperature=0.7, seed=3, ignore_eos=True, logprobs=0)
+    params = SamplingParams(max_tokens=10, temperature=0.7, seed=3, ignore_eos=True, logprobs=4)
     tokens, logprobs, prompt_lp = _run(engine, prompt, params)
     assert prompt_lp is None
     ref = _hf_logprobs(hf, prompt + tokens, temperature=0.7)
+    ranked_in = 0
     for j, (token, lp) in enumerate(zip(tokens, logprobs, strict=True)):
-        assert lp.top == []
-        assert lp.logprob == pytest.approx(ref[len(prompt) - 1 + j][token].item(), abs=1e-4)
+        row = ref[len(prompt) - 1 + j]
+        assert lp.logprob == pytest.approx(row[token].item(), abs=1e-4)
+        values = [v for _, v in lp.top]
+        assert values == sorted(values, reverse=True)
+        assert [t for t, _ in lp.top] == row.topk(4).indices.tolist()
+        if token in row.topk(4).indices.tolist():
+            ranked_in += 1
+            assert (token, pytest.approx(lp.logprob)) in lp.top
+    assert 0 < ranked_in
     # Asking for log-probabilities changes no token.
     plain = engine.generate([prompt], SamplingParams(max_tokens=10, temperature=0.7, seed=3,
                                                      ignore_eos=True))[0]
