@@ -26,6 +26,17 @@ TERMINATION_LOG = Path("/dev/termination-log")
 container, so it is written only where it exists."""
 
 
+def write_termination_message(message: str) -> None:
+    """Write ``message`` to the kubelet's termination-message file where it exists; the
+    pod's status then carries it (the operator's ``Degraded`` message) instead of the
+    last log lines, whose start a traceback would fill."""
+    if TERMINATION_LOG.exists():
+        try:
+            TERMINATION_LOG.write_text(message)
+        except OSError:
+            pass  # a read-only or foreign file: the log has the reason too
+
+
 class DownloadError(RuntimeError):
     """A checkpoint could not be downloaded; the message is the reason for the user."""
 
@@ -132,9 +143,5 @@ def run_download(args) -> int:
     except DownloadError as exc:
         message = str(exc)
         print(f"specula download: {message}", file=sys.stderr, flush=True)
-        if TERMINATION_LOG.exists():
-            try:
-                TERMINATION_LOG.write_text(message)
-            except OSError:
-                pass  # a read-only or foreign file: stderr has the reason too
+        write_termination_message(message)
         return 1

@@ -441,10 +441,22 @@ def _broken_repos(root: Path, demo: Path) -> dict[str, HubRepo]:
         for weights in path.glob("*.safetensors"):
             weights.unlink()
 
+    def other_vocab(path: Path, config: dict) -> None:
+        # A draft of another tokenizer: 64 more ids, in its config and its weights.
+        from safetensors.torch import load_file, save_file
+
+        config["vocab_size"] += 64
+        for file in path.glob("*.safetensors"):
+            tensors = load_file(file)
+            for name in ("model.embed_tokens.weight", "lm_head.weight"):
+                if name in tensors:
+                    t = tensors[name]
+                    tensors[name] = t.new_zeros(config["vocab_size"], t.shape[1])
+                    tensors[name][: t.shape[0]] = t
+            save_file(tensors, file, metadata={"format": "pt"})
+
     return {
-        "specula/draft-other-vocab": edited(
-            "draft-other-vocab", demo / "draft",
-            lambda _p, c: c.update(vocab_size=c["vocab_size"] + 64)),
+        "specula/draft-other-vocab": edited("draft-other-vocab", demo / "draft", other_vocab),
         "specula/unknown-architecture": edited(
             "unknown-architecture", demo / "target",
             lambda _p, c: c.update(architectures=["NoSuchModelForCausalLM"])),
@@ -562,7 +574,7 @@ def test_checkpoints_the_runtime_refuses_are_reported_in_degraded(
     load and the operator reads the container's termination message."""
     cases = {
         "bad-vocab": ({"draft": "hf://specula/draft-other-vocab"},
-                      "draft model vocab_size"),
+                      "draft model vocab_size 2112 != target vocab_size 2048"),
         "bad-arch": ({"target": "hf://specula/unknown-architecture"},
                      "architecture 'NoSuchModelForCausalLM' is not supported"),
         "no-weights": ({"target": "hf://specula/no-weights"}, "no *.safetensors files"),

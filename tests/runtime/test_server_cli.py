@@ -16,7 +16,13 @@ import httpx
 import pytest
 
 from specula.cli import build_parser
-from specula.runtime.server.cli import ConfigError, admin_token_source, build_runtime_config
+from specula.runtime import download
+from specula.runtime.server.cli import (
+    ConfigError,
+    admin_token_source,
+    build_runtime_config,
+    serve,
+)
 
 pytestmark = pytest.mark.runtime
 
@@ -255,3 +261,21 @@ def test_serve_config_file_subprocess(tmp_path: Path, tiny_llama_target: Path, t
 
 def _bearer(token: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"}
+
+
+def test_a_failed_load_exits_1_and_writes_the_termination_message(tmp_path: Path, monkeypatch):
+    """The kubelet copies the termination-message file into the pod's status: the
+    runtime's own reason, not the start of a traceback, is what the operator reports."""
+    log = tmp_path / "termination-log"
+    log.write_text("")
+    monkeypatch.setattr(download, "TERMINATION_LOG", log)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = build_parser().parse_args(
+        ["serve", "--model", f"file://{tmp_path}/no-such-checkpoint", "--host", "127.0.0.1",
+         "--port", str(port)]
+    )
+    assert serve(args) == 1
+    message = log.read_text()
+    assert message.startswith("engine failed: ") and "no-such-checkpoint" in message, message

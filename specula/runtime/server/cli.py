@@ -25,6 +25,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from specula.api.runtime_config import RuntimeConfig
+from specula.runtime import download
 
 logger = logging.getLogger(__name__)
 
@@ -253,5 +254,10 @@ def serve(args: argparse.Namespace) -> int:
     server.run()
     if loop.state is EngineState.DEAD:
         logger.error("engine failed: %r", loop.error)
+        # The runtime's own reason (a checkpoint it refuses names the field and both
+        # values) reaches the pod's status, and from there the resource's Degraded.
+        download.write_termination_message(
+            f"engine failed: {type(loop.error).__name__}: {loop.error}"
+        )
         return 1
     return 0 if server.started else 1
