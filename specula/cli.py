@@ -42,6 +42,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default=None, choices=["auto", "bfloat16", "float16", "float32"])
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=None, help="reuse the KV blocks of cached prompt prefixes (default on)")
     p.add_argument("--chat-template", default=None, metavar="FILE",
                    help="Jinja chat template for /v1/chat/completions, instead of the model's")
     p.add_argument("--host", default=None)

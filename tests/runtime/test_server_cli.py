@@ -279,3 +279,12 @@ def test_a_failed_load_exits_1_and_writes_the_termination_message(tmp_path: Path
     assert serve(args) == 1
     message = log.read_text()
     assert message.startswith("engine failed: ") and "no-such-checkpoint" in message, message
+
+
+def test_prefix_caching_flag_as_vllm_spells_it():
+    def parse(*flags: str):
+        return build_runtime_config(build_parser().parse_args(["serve", "--model", "file:///m", *flags]))
+
+    assert parse().enable_prefix_caching is True
+    assert parse("--no-enable-prefix-caching").enable_prefix_caching is False
+    assert parse("--enable-prefix-caching").enable_prefix_caching is True

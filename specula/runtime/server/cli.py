@@ -37,6 +37,7 @@ _TOP_LEVEL_FLAGS = {
     "dtype": "dtype",
     "max_model_len": "max_model_len",
     "max_num_seqs": "max_num_seqs",
+    "enable_prefix_caching": "enable_prefix_caching",
     "host": "host",
     "port": "port",
     "admin_port": "admin_port",
