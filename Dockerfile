@@ -53,11 +53,13 @@ RUN (userdel --remove ubuntu 2>/dev/null || true) \
  && groupadd --gid 1000 specula \
  && useradd --uid 1000 --gid 1000 --create-home --shell /usr/sbin/nologin specula
 WORKDIR /opt/specula-build
-COPY pyproject.toml README.md ./
+COPY pyproject.toml ./
 COPY hack/install.sh hack/install.sh
 # The dependencies (PyTorch: gigabytes) in a layer keyed on pyproject.toml alone, so a
-# change of Specula's own code rebuilds only the small layer after it.
+# change of Specula's own code (or of the README the package metadata reads) rebuilds
+# only the small layer after it.
 RUN PYTHON=python3 PIP_NO_CACHE_DIR=1 bash hack/install.sh --deps-only /opt/specula '.[runtime]'
+COPY README.md ./
 COPY specula specula
 RUN PYTHON=python3 PIP_NO_CACHE_DIR=1 bash hack/install.sh /opt/specula --no-deps '.[runtime]' \
  && rm -rf /opt/specula-build
