@@ -72,18 +72,6 @@ MAX_MODEL_LEN = 256
 # ---- servers ---------------------------------------------------------------------------
 
 
-def build_checkpoints(root: Path) -> tuple[Path, Path]:
-    """The runtime tier's tiny Llama target and its 1-layer draft, saved under ``root``."""
-    sys.path.insert(0, str(HERE.parent / "tests" / "runtime"))
-    import conftest
-
-    tokenizer = conftest._train_tokenizer()
-    target = conftest._llama(tokenizer, num_layers=3, seed=0)
-    draft = conftest.derive_draft(target, num_layers=1, noise=0.01, seed=2)
-    return (conftest.save_checkpoint(target, tokenizer, root / "target"),
-            conftest.save_checkpoint(draft, tokenizer, root / "draft"))
-
-
 def free_ports(n: int) -> list[int]:
     with contextlib.ExitStack() as stack:
         socks = [stack.enter_context(socket.socket()) for _ in range(n)]
@@ -224,6 +212,9 @@ def evidence(command: str, result: Any, **extra: Any) -> dict[str, Any]:
 def workspace() -> Iterator[tuple[tuple[Path, Path], Path]]:
     with tempfile.TemporaryDirectory(prefix="specula-reliability-") as tmp:
         root = Path(tmp)
+        sys.path.insert(0, str(HERE.parent))
+        from bench.fuzz_http import build_checkpoints  # the runtime tier's tiny pair
+
         yield build_checkpoints(root), root
 
 
