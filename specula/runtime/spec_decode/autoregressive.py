@@ -38,11 +38,7 @@ from specula.runtime.kernels.draft_inputs import prepare_draft_inputs
 from specula.runtime.kernels.gemv import argmax
 from specula.runtime.spec_decode.base import DraftOutput, ProposeInputs
 from specula.runtime.spec_decode.draft_model_base import DraftModelSpeculator
-from specula.runtime.worker.cudagraph import (
-    BatchExecutionDescriptor,
-    CapturedAttentionState,
-    padded_size,
-)
+from specula.runtime.worker.cudagraph import BatchExecutionDescriptor, CapturedAttentionState
 from specula.runtime.worker.paged_kv import PagedAttentionMetadata
 
 
@@ -228,28 +224,13 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
     def _step_metadata(self, positions: torch.Tensor, valid: torch.Tensor) -> PagedAttentionMetadata:
         """Metadata of one decode step: ``positions [r, q]`` (q query rows per request,
         consecutive), ``valid [r]`` (False: a padding row)."""
-        r, q = positions.shape
-        bs = self.runner.block_size
-        rows = torch.arange(r, device=positions.device)[:, None].expand(r, q)
-        slots = self.block_table[rows, positions // bs].long() * bs + positions % bs
         last = positions[:, -1]
         if self.reads_target_kv:  # attend to the target's positions before the row
-            slots = torch.full_like(slots, -1)
-            seq_lens = torch.where(valid, last, 0)
+            slots, seq_lens = torch.full_like(positions, -1), torch.where(valid, last, 0)
         else:
-            slots = torch.where(valid[:, None], slots, -1)
-            seq_lens = torch.where(valid, last + 1, 0)
-        return PagedAttentionMetadata(
-            slot_mapping=slots.reshape(-1),
-            block_table=self.block_table[:r],
-            seq_lens=seq_lens.to(torch.int32),
-            query_start_loc=torch.arange(r + 1, device=positions.device, dtype=torch.int32) * q,
-            num_reqs=r,
-            num_tokens=r * q,
-            uniform_query_len=q,
-            prefill=False,
-            query_lens_cpu=(q,) * r,
-        )
+            slots, seq_lens = self.slots(positions, valid), torch.where(valid, last + 1, 0)
+        r, q = positions.shape
+        return self.decode_metadata(slots, self.block_table[:r], seq_lens, q)
 
     def _decode(self, r: int, num_steps: int) -> None:
         """Stage 2: ``num_steps`` one-token steps for rows ``0..r-1`` (module docstring)."""
@@ -282,15 +263,11 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
         """Copy the step's per-request inputs into the static buffers; returns the
         number of rows the graphs run (padded)."""
         r = inputs.num_reqs
-        padded = padded_size(self.capture_sizes, r) or r
+        padded = self.load_inputs(inputs)
         self.num_accepted[:r] = inputs.num_accepted
-        self.next_token_ids[:r] = inputs.next_token_ids
         self.cu_num_draft_tokens[:r] = inputs.cu_num_draft_tokens
-        self.start_positions[:r] = inputs.next_positions
         if padded > r:  # padding rows of a graph: no drafts, nothing accepted
-            self.start_positions[r:padded] = -1
             self.num_accepted[r:padded] = 0
-            self.next_token_ids[r:padded] = 0
             k = inputs.descriptor.uniform_query_len - 1 if inputs.descriptor else 0
             steps = torch.arange(1, padded - r + 1, device=self.device, dtype=torch.int32)
             self.cu_num_draft_tokens[r:padded] = inputs.cu_num_draft_tokens[r - 1] + steps * k
@@ -298,7 +275,6 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
             self.keys[:r] = inputs.draw_keys
             for name in ("temperature", "top_p", "top_k", "seeds"):
                 getattr(self.sampling, name)[:r] = getattr(inputs.sampling, name)
-        self.block_table[:r] = inputs.metadata.block_table[:r]
         if not self.conditions_on_hidden_states:
             qsl = inputs.metadata.query_start_loc[: r + 1].long()
             num_drafts = torch.diff(inputs.cu_num_draft_tokens.long(), prepend=qsl[:1] * 0)

@@ -1,4 +1,5 @@
-"""State shared by every speculator that runs a draft network of its own."""
+"""State shared by every speculator that runs a draft network of its own, and the paged
+runner base of the draft heads (EAGLE-3, MTP, DFlash)."""
 
 from __future__ import annotations
 
@@ -10,20 +11,76 @@ from typing import Any
 import torch
 from torch import nn
 
+from specula.runtime.kernels.layernorm import fused_add_rms_norm
 from specula.runtime.models.config import ModelConfig
-from specula.runtime.spec_decode.base import BaseSpeculator
+from specula.runtime.spec_decode.base import BaseSpeculator, ProposeInputs
 from specula.runtime.worker.cudagraph import (
     BatchExecutionDescriptor,
     CapturedAttentionState,
     capture_graph,
     cudagraph_capture_sizes,
+    padded_size,
 )
-from specula.runtime.worker.paged_kv import KVCacheSpec, PagedKVCache
+from specula.runtime.worker.model_runner import ModelRunner
+from specula.runtime.worker.paged_kv import KVCacheSpec, PagedAttentionMetadata, PagedKVCache
 
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
 """``greedy``: drafts are the draft's argmax (one-hot proposals for the verifier);
 ``probabilistic``: drafts are sampled under each request's sampling settings and their
 distributions go to the verifier (vLLM's ``draft_sample_method``)."""
+
+
+class DraftRunner(ModelRunner):
+    """A draft head's forward with the sublayers of the target's :class:`ModelRunner`,
+    over a paged KV cache of its own with as many blocks as the target's, indexed by the
+    *target's* block tables and slot mappings (one block manager for both, as vLLM
+    allocates draft layers in the target's KV-cache groups): a draft forward over the
+    slots of a verification forward then reads that forward's attention metadata
+    unchanged, which attention-state reuse (vLLM PR #40410) relies on.
+
+    Args:
+        model: the head on its device, in eval mode, in the cache's dtype.
+        kv_cache: one key/value pair per draft layer (``num_layers``).
+        max_model_len: as for the target runner.
+        weight: a parameter of the head in its dtype, on its device.
+
+    Raises:
+        ValueError: target weights the head shares not bound yet
+            (``model.missing_target_weights``), or a cache that does not match the head.
+    """
+
+    def __init__(
+        self, model: nn.Module, kv_cache: PagedKVCache, max_model_len: int, num_layers: int,
+        weight: torch.Tensor,
+    ) -> None:
+        if getattr(model, "missing_target_weights", None):
+            raise ValueError(f"bind the target's {sorted(model.missing_target_weights)} first")
+        self.model = model
+        self.setup_paged(
+            model.config, kv_cache, num_layers, model.rotary.inv_freq, weight, max_model_len, None
+        )
+
+    def decoder(
+        self, layers, hidden: torch.Tensor, residual: torch.Tensor, positions: torch.Tensor,
+        metadata: PagedAttentionMetadata, norm: nn.Module,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decoder ``layers`` from layer 0's attention input ``hidden [n, width]``
+        (normed) and its residual stream ``residual [n, H]``, then the final ``norm``;
+        per layer: attention, post-attention norm and MLP, then the next layer's input
+        norm, each norm fused with its residual add.
+
+        Returns:
+            ``(normed [n, H], residual stream [n, H])``.
+        """
+        for i, layer in enumerate(layers):
+            if i > 0:
+                ln = layer.input_layernorm
+                hidden, residual = fused_add_rms_norm(hidden, residual, ln.weight, ln.eps)
+            hidden = self._attention(layer.self_attn, hidden, positions, i, metadata)
+            ln = layer.post_attention_layernorm
+            hidden, residual = fused_add_rms_norm(hidden, residual, ln.weight, ln.eps)
+            hidden = self._mlp(layer.mlp, hidden)
+        return fused_add_rms_norm(hidden, residual, norm.weight, norm.eps)
 
 
 class DraftModelSpeculator(BaseSpeculator):
@@ -157,3 +214,45 @@ class DraftModelSpeculator(BaseSpeculator):
         graph = capture_graph(fn, self.pool)
         self.pool = self.pool or graph.pool()
         return graph
+
+    def load_inputs(self, inputs: ProposeInputs) -> int:
+        """Copy the step's sampled tokens, their positions and the block tables into the
+        static buffers; returns the number of rows the graphs run (padded rows get
+        position -1)."""
+        r = inputs.num_reqs
+        padded = padded_size(self.capture_sizes, r) or r
+        self.next_token_ids[:r] = inputs.next_token_ids
+        self.start_positions[:r] = inputs.next_positions
+        if padded > r:
+            self.start_positions[r:padded] = -1
+            self.next_token_ids[r:padded] = 0
+        self.block_table[:r] = inputs.metadata.block_table[:r]
+        return padded
+
+    def slots(self, positions: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """Cache slots ``[r, q]`` of ``positions [r, q]`` of rows ``0..r-1`` of
+        :attr:`block_table`; -1 (write nothing) where ``valid [r]`` is False."""
+        r, q = positions.shape
+        bs = self.runner.block_size
+        rows = torch.arange(r, device=positions.device)[:, None].expand(r, q)
+        slots = self.block_table[rows, positions // bs].long() * bs + positions % bs
+        return torch.where(valid[:, None], slots, -1)
+
+    @staticmethod
+    def decode_metadata(
+        slots: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, q: int
+    ) -> PagedAttentionMetadata:
+        """Metadata of ``n`` requests with ``q`` consecutive query rows each: ``slots
+        [n, q]``, ``block_table [n, max_blocks_per_req]``, ``seq_lens [n]``."""
+        n = seq_lens.shape[0]
+        return PagedAttentionMetadata(
+            slot_mapping=slots.reshape(-1),
+            block_table=block_table,
+            seq_lens=seq_lens.to(torch.int32),
+            query_start_loc=torch.arange(0, n * q + 1, q, device=slots.device, dtype=torch.int32),
+            num_reqs=n,
+            num_tokens=n * q,
+            uniform_query_len=q,
+            prefill=False,
+            query_lens_cpu=(q,) * n,
+        )

@@ -6,15 +6,15 @@ from __future__ import annotations
 
 import torch
 
-from specula.runtime.kernels.layernorm import fused_add_rms_norm, rms_norm
+from specula.runtime.kernels.layernorm import rms_norm
 from specula.runtime.kernels.reshape_and_cache import reshape_and_cache
 from specula.runtime.kernels.rotary import rotary_embedding
 from specula.runtime.models.dflash import DFlashDraftModel
-from specula.runtime.worker.model_runner import ModelRunner
+from specula.runtime.spec_decode.draft_model_base import DraftRunner
 from specula.runtime.worker.paged_kv import PagedAttentionMetadata, PagedKVCache
 
 
-class DFlashRunner(ModelRunner):
+class DFlashRunner(DraftRunner):
     """Runs a :class:`DFlashDraftModel` (Qwen3 decoder layers: per-head query/key norms)
     with the sublayers of :class:`ModelRunner`.
 
@@ -23,11 +23,7 @@ class DFlashRunner(ModelRunner):
     """
 
     def __init__(self, model: DFlashDraftModel, kv_cache: PagedKVCache, max_model_len: int) -> None:
-        self.model = model
-        self.setup_paged(
-            model.config, kv_cache, len(model.layers), model.rotary.inv_freq, model.fc.weight,
-            max_model_len, None,
-        )
+        super().__init__(model, kv_cache, max_model_len, len(model.layers), model.fc.weight)
         self.has_qk_norm = True  # the layers are Qwen3's whatever the config's model_type
 
     @torch.no_grad()
@@ -74,17 +70,8 @@ class DFlashRunner(ModelRunner):
         Returns:
             [num_tokens, H] final normed hidden states.
         """
-        residual = inputs_embeds
-        hidden = None
-        for i, layer in enumerate(self.model.layers):
-            ln = layer.input_layernorm
-            if hidden is None:
-                hidden = rms_norm(residual, ln.weight, ln.eps)
-            else:
-                hidden, residual = fused_add_rms_norm(hidden, residual, ln.weight, ln.eps)
-            hidden = self._attention(layer.self_attn, hidden, positions, i, metadata)
-            ln = layer.post_attention_layernorm
-            hidden, residual = fused_add_rms_norm(hidden, residual, ln.weight, ln.eps)
-            hidden = self._mlp(layer.mlp, hidden)
-        norm = self.model.norm
-        return fused_add_rms_norm(hidden, residual, norm.weight, norm.eps)[0]
+        ln = self.model.layers[0].input_layernorm
+        hidden = rms_norm(inputs_embeds, ln.weight, ln.eps)
+        return self.decoder(
+            self.model.layers, hidden, inputs_embeds, positions, metadata, self.model.norm
+        )[0]

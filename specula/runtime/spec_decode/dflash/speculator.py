@@ -15,12 +15,7 @@ from specula.runtime.spec_decode.base import DraftOutput, ProposeInputs
 from specula.runtime.spec_decode.dflash.config import DFlashConfig
 from specula.runtime.spec_decode.dflash.runner import DFlashRunner
 from specula.runtime.spec_decode.draft_model_base import DraftModelSpeculator
-from specula.runtime.worker.cudagraph import (
-    BatchExecutionDescriptor,
-    CapturedAttentionState,
-    padded_size,
-)
-from specula.runtime.worker.paged_kv import PagedAttentionMetadata
+from specula.runtime.worker.cudagraph import BatchExecutionDescriptor, CapturedAttentionState
 
 
 class DFlashSpeculator(DraftModelSpeculator):
@@ -124,20 +119,9 @@ class DFlashSpeculator(DraftModelSpeculator):
         positions = start.clamp(min=0)[:, None] + torch.arange(bs, device=dev)  # [r, bs]
         ids = torch.full((r, bs), self.config.mask_token_id, dtype=torch.int64, device=dev)
         ids[:, 0] = self.next_token_ids[:r]
-        rows = torch.arange(r, device=dev)[:, None].expand(r, bs)
-        block = self.runner.block_size
-        slots = self.block_table[rows, positions // block].long() * block + positions % block
-        seq_lens = torch.where(valid, start + bs, 0).to(torch.int32)
-        metadata = PagedAttentionMetadata(
-            slot_mapping=torch.where(valid[:, None], slots, -1).reshape(-1),
-            block_table=self.block_table[:r].repeat_interleave(bs, dim=0),
-            seq_lens=seq_lens.repeat_interleave(bs),
-            query_start_loc=torch.arange(r * bs + 1, device=dev, dtype=torch.int32),
-            num_reqs=r * bs,
-            num_tokens=r * bs,
-            uniform_query_len=1,
-            prefill=False,
-            query_lens_cpu=(1,) * (r * bs),
+        metadata = self.decode_metadata(
+            self.slots(positions, valid), self.block_table[:r].repeat_interleave(bs, dim=0),
+            torch.where(valid, start + bs, 0).repeat_interleave(bs), 1,
         )
         assert self.embed_weight is not None, "bind_target first"
         embeds = F.embedding(ids.reshape(-1), self.embed_weight)
@@ -165,11 +149,7 @@ class DFlashSpeculator(DraftModelSpeculator):
         if k == 0:
             return None
         r = inputs.num_reqs
-        padded = padded_size(self.capture_sizes, r) or r
-        self.start_positions[:r] = inputs.next_positions
-        self.start_positions[r:padded] = -1
-        self.next_token_ids[:r] = inputs.next_token_ids
-        self.block_table[:r] = inputs.metadata.block_table[:r]
+        padded = self.load_inputs(inputs)
         graph = self.block_graphs.get(padded)
         if graph is not None:
             graph.replay()

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import torch
 
-from specula.runtime.kernels.layernorm import fused_add_rms_norm, rms_norm
+from specula.runtime.kernels.layernorm import rms_norm
 from specula.runtime.models.mtp import MTPForCausalLM
-from specula.runtime.worker.model_runner import ModelRunner
+from specula.runtime.spec_decode.draft_model_base import DraftRunner
 from specula.runtime.worker.paged_kv import PagedAttentionMetadata, PagedKVCache
 
 
-class MTPRunner(ModelRunner):
+class MTPRunner(DraftRunner):
     """Runs an :class:`MTPForCausalLM` (DeepSeek-V3 MTP, arXiv 2412.19437) with the
     sublayers of :class:`ModelRunner`.
 
@@ -20,14 +20,7 @@ class MTPRunner(ModelRunner):
     """
 
     def __init__(self, model: MTPForCausalLM, kv_cache: PagedKVCache, max_model_len: int) -> None:
-        if model.missing_target_weights:
-            raise ValueError(f"bind the target's {sorted(model.missing_target_weights)} first")
-        self.model = model
-        layer = model.mtp_layers[0]
-        self.setup_paged(
-            model.config, kv_cache, 1, model.rotary.inv_freq, layer.eh_proj.weight,
-            max_model_len, None,
-        )
+        super().__init__(model, kv_cache, max_model_len, 1, model.mtp_layers[0].eh_proj.weight)
 
     @torch.no_grad()
     def forward(  # type: ignore[override]
@@ -52,23 +45,13 @@ class MTPRunner(ModelRunner):
         """
         assert hidden_states.shape == (input_ids.shape[0], self.config.hidden_size)
         layer = self.model.mtp_layers[0]
-        block = layer.block
         embeds = self.model.embed_tokens(input_ids)  # [num_tokens, H]
+        hidden = rms_norm(hidden_states.to(embeds.dtype), layer.hnorm.weight, layer.hnorm.eps)
         x = layer.eh_proj(
-            torch.cat(
-                [
-                    rms_norm(embeds, layer.enorm.weight, layer.enorm.eps),
-                    rms_norm(hidden_states.to(embeds.dtype), layer.hnorm.weight, layer.hnorm.eps),
-                ],
-                dim=-1,
-            )
+            torch.cat([rms_norm(embeds, layer.enorm.weight, layer.enorm.eps), hidden], dim=-1)
         )
-        ln = block.input_layernorm
-        hidden = self._attention(
-            block.self_attn, rms_norm(x, ln.weight, ln.eps), positions, 0, metadata
-        )
-        ln = block.post_attention_layernorm
-        hidden, residual = fused_add_rms_norm(hidden, x, ln.weight, ln.eps)
-        hidden = self._mlp(block.mlp, hidden)
-        norm = layer.final_layernorm
-        return fused_add_rms_norm(hidden, residual, norm.weight, norm.eps)[0]
+        ln = layer.block.input_layernorm
+        return self.decoder(
+            [layer.block], rms_norm(x, ln.weight, ln.eps), x, positions, metadata,
+            layer.final_layernorm,
+        )[0]
