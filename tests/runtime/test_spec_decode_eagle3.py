@@ -30,7 +30,7 @@ from model_checks import BLOCK_SIZE, CPU, paged_prefill
 from specula.runtime.engine.llm_engine import SamplingParams
 from specula.runtime.models.config import ModelConfig
 from specula.runtime.models.llama_eagle3 import load_eagle3_draft
-from specula.runtime.spec_decode.eagle.runner import Eagle3Runner
+from specula.runtime.spec_decode.eagle import Eagle3Runner
 from specula.runtime.worker.paged_kv import KVCacheSpec, PagedKVCache
 
 pytestmark = pytest.mark.runtime

@@ -12,8 +12,7 @@ import torch
 from specula.api.runtime_config import RuntimeConfig, SpeculatorRuntimeConfig
 from specula.runtime.engine.llm_engine import LLMEngine, SamplingParams
 from specula.runtime.server.cli import build_runtime_config
-from specula.runtime.spec_decode.ngram import NgramSpeculator, ngram_lookup
-from specula.runtime.spec_decode.ngram.speculator import PAD_TOKEN_ID
+from specula.runtime.spec_decode.ngram import PAD_TOKEN_ID, NgramSpeculator, ngram_lookup
 
 pytestmark = pytest.mark.runtime
 

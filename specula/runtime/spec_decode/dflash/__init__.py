@@ -3,7 +3,167 @@ Decoding", arXiv 2602.06036; vLLM's ``dflash`` method): one draft forward over t
 verified token plus mask tokens, attending to the target's hidden states, proposes a
 whole block; checkpoints in the ``speculators`` ``dflash`` format."""
 
-from specula.runtime.spec_decode.dflash.config import DFlashConfig
-from specula.runtime.spec_decode.dflash.speculator import DFlashSpeculator
+from __future__ import annotations
 
-__all__ = ["DFlashConfig", "DFlashSpeculator"]
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from specula.runtime.engine.sampler import STREAM_DRAFT, sample
+from specula.runtime.models.config import ModelConfig
+from specula.runtime.models.dflash import DFlashDraftModel, load_dflash_draft
+from specula.runtime.spec_decode.base import DraftOutput, ProposeInputs
+from specula.runtime.spec_decode.dflash.config import DFlashConfig
+from specula.runtime.spec_decode.dflash.runner import DFlashRunner
+from specula.runtime.spec_decode.draft_model_base import DraftModelSpeculator
+from specula.runtime.worker.cudagraph import BatchExecutionDescriptor, CapturedAttentionState
+
+
+class DFlashSpeculator(DraftModelSpeculator):
+    """Drafts ``k`` tokens per request with ONE forward of the DFlash draft.
+
+    Every step, the context keys and values of the target forward's rows are written to
+    the draft's cache at the target's slots (committed rows are then right; rows of
+    rejected drafts are overwritten before they are read). The block of a request whose
+    sampled token sits at position ``p`` is that token (the anchor) plus ``block_size -
+    1`` mask tokens at positions ``p .. p + block_size - 1``; each block row attends to the
+    context ``0 .. p - 1`` and to the whole block (non-causal, as trained), so block slot
+    ``j`` predicts the token at ``p + j`` (``p + j + 1`` with ``sample_from_anchor``).
+
+    The whole block always runs, whatever ``k``: a shorter block would change every
+    slot's prediction from what the draft was trained on. ``k`` is therefore bounded by
+    the block: ``max_num_speculative_tokens`` above what a block yields is refused at
+    load, not clamped. Draft probabilities cover the target vocabulary (0 outside a
+    reduced draft vocabulary), so rejection sampling stays exact.
+
+    Raises (at construction):
+        ValueError: not a ``speculators`` ``dflash`` checkpoint, or one that does not fit
+            the target (:meth:`DFlashConfig.check_target`), or bad weights.
+        FileNotFoundError: no ``config.json`` or ``*.safetensors`` in ``draft_dir``.
+    """
+
+    model: DFlashDraftModel
+
+    def __init__(self, draft_dir: Path, target_config: ModelConfig, num_speculative_tokens: int,
+                 *args, **kwargs) -> None:
+        self.config = DFlashConfig.from_pretrained(draft_dir)
+        self.config.check_target(target_config, num_speculative_tokens)
+        self.aux_hidden_state_layers = self.config.aux_hidden_state_layer_ids
+        self.block_size = self.config.block_size
+        super().__init__(draft_dir, target_config, num_speculative_tokens, *args, **kwargs)
+        self.embed_weight: torch.Tensor | None = None
+        self.lm_head_weight: torch.Tensor | None = None
+
+    def load_draft_model(self) -> DFlashDraftModel:
+        config = self.config
+        return load_dflash_draft(
+            self.draft_dir,
+            config.layer_config,
+            num_aux_layers=len(self.aux_hidden_state_layers),
+            draft_vocab_size=config.draft_vocab_size if config.uses_draft_vocab else None,
+            target_vocab_size=self.target_config.vocab_size,
+            dtype=self.dtype,
+            device=self.device,
+            load_format=self.load_format,
+        )
+
+    def bind_target(self, target_runner) -> None:
+        """Share the target's token embedding and LM head (``speculators`` DFlash
+        checkpoints store neither the embedding nor a full-vocabulary head); both are
+        used as plain matrices, as the draft was trained."""
+        self.embed_weight = target_runner.model.model.embed_tokens.weight
+        self.lm_head_weight = target_runner.model.lm_head_weight
+
+    def build_runner(self, kv_cache, max_model_len: int) -> DFlashRunner:
+        return DFlashRunner(self.model, kv_cache, max_model_len)
+
+    def num_lookahead_tokens(self, num_speculative_tokens: int) -> int:
+        return self.block_size
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[n, H] -> [n, vocab_size]`` float32 (``-inf`` outside a draft vocabulary)."""
+        return self.model.compute_logits(hidden, self.lm_head_weight)
+
+    # ---- buffers and graphs ---------------------------------------------------------
+
+    def init_cudagraph_manager(self) -> None:
+        super().init_cudagraph_manager()
+        r, k = self.max_num_seqs, self.max_num_speculative_tokens
+        self.draft_token_ids = torch.zeros(r, k, dtype=torch.int64, device=self.device)
+        self.context_graphs: dict[BatchExecutionDescriptor, torch.cuda.CUDAGraph] = {}
+        self.block_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+
+    @torch.no_grad()
+    def capture(
+        self, captured_attention_states: dict[BatchExecutionDescriptor, CapturedAttentionState]
+    ) -> None:
+        self.begin_capture(captured_attention_states)
+        for d, state in captured_attention_states.items():
+            self.context_graphs[d] = self.capture_in_pool(
+                lambda s=state: self.runner.store_context(
+                    s.aux_hidden_states, s.positions, s.metadata.slot_mapping
+                )
+            )
+        for r in sorted(self.capture_sizes, reverse=True):
+            if self.keeps_draft_probs:
+                break  # sampled drafts run eagerly
+            self.block_graphs[r] = self.capture_in_pool(lambda r=r: self._greedy_block(r))
+        torch.cuda.synchronize()
+
+    # ---- drafting -------------------------------------------------------------------
+
+    def _block_hidden(self, r: int) -> torch.Tensor:
+        """[r, num_drafts_max, H] the block's states at the draft slots."""
+        bs, dev = self.block_size, self.device
+        start = self.start_positions[:r]
+        valid = start >= 0
+        positions = start.clamp(min=0)[:, None] + torch.arange(bs, device=dev)  # [r, bs]
+        ids = torch.full((r, bs), self.config.mask_token_id, dtype=torch.int64, device=dev)
+        ids[:, 0] = self.next_token_ids[:r]
+        metadata = self.decode_metadata(
+            self.slots(positions, valid), self.block_table[:r].repeat_interleave(bs, dim=0),
+            torch.where(valid, start + bs, 0).repeat_interleave(bs), 1,
+        )
+        assert self.embed_weight is not None, "bind_target first"
+        embeds = F.embedding(ids.reshape(-1), self.embed_weight)
+        hidden = self.runner.forward(embeds, positions.reshape(-1), metadata).view(r, bs, -1)
+        first = self.config.first_draft_slot
+        return hidden[:, first : first + self.max_num_speculative_tokens]
+
+    def _greedy_block(self, r: int) -> None:
+        hidden = self._block_hidden(r)
+        self.draft_token_ids[:r] = self.compute_logits(hidden.flatten(0, 1)).argmax(-1).view(r, -1)
+
+    @torch.no_grad()
+    def propose(self, inputs: ProposeInputs) -> DraftOutput | None:
+        k = inputs.num_speculative_tokens
+        self.check_num_speculative_tokens(k)
+        d = inputs.descriptor
+        if d is not None and d in self.context_graphs:
+            self.context_graphs[d].replay()
+            self.num_prefill_replays += 1
+        else:
+            assert inputs.aux_hidden_states is not None, "dflash reads auxiliary hidden states"
+            self.runner.store_context(
+                inputs.aux_hidden_states, inputs.positions, inputs.metadata.slot_mapping
+            )
+        if k == 0:
+            return None
+        r = inputs.num_reqs
+        padded = self.load_inputs(inputs)
+        graph = self.block_graphs.get(padded)
+        if graph is not None:
+            graph.replay()
+            self.num_decode_replays += 1
+            return DraftOutput(self.draft_token_ids[:r, :k])
+        if not self.keeps_draft_probs or inputs.sampling.all_greedy:
+            self._greedy_block(r)
+            return DraftOutput(self.draft_token_ids[:r, :k])
+        logits = self.compute_logits(self._block_hidden(r)[:, :k].flatten(0, 1)).view(r, k, -1)
+        ids, probs = zip(
+            *(sample(logits[:, j], inputs.sampling, inputs.draw_keys, STREAM_DRAFT + j)
+              for j in range(k)),
+            strict=True,
+        )
+        return DraftOutput(torch.stack(ids, dim=1), torch.stack(probs, dim=1))

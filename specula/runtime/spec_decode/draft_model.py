@@ -1,4 +1,5 @@
-"""The ``draft_model`` method: an independent causal LM drafts autoregressively."""
+"""The ``draft_model`` method (vLLM's): an independent, smaller causal LM of the same
+vocabulary drafts autoregressively (Leviathan et al., arXiv 2211.17192)."""
 
 from __future__ import annotations
 
