@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specula.runtime.kernels.dispatch import use_reference
+from specula.runtime.kernels.dispatch import FLOATS, check, use_reference
 
 _MAX_HIDDEN = 65536
 """One program holds a whole row in registers."""
@@ -62,11 +62,6 @@ def _rms_norm_kernel(
     tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _check_rows(name: str, t: torch.Tensor, like: torch.Tensor) -> None:
-    assert t.shape == like.shape and t.dtype == like.dtype, f"{name}: shape/dtype mismatch"
-    assert t.stride(-1) == 1, f"{name}: last dim must be contiguous"
-
-
 def _launch(
     x: torch.Tensor,
     residual: torch.Tensor | None,
@@ -76,18 +71,16 @@ def _launch(
     out: torch.Tensor | None,
     residual_out: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    assert x.ndim == 2 and x.stride(-1) == 1, "x must be [num_tokens, hidden_size], rows dense"
-    assert x.dtype in (torch.float16, torch.bfloat16, torch.float32)
+    check(x, (None, None), FLOATS)
     num_tokens, hidden = x.shape
-    assert weight.ndim == 1 and weight.shape[0] == hidden and weight.is_contiguous()
-    assert weight.dtype == x.dtype, "weight must be in the activation dtype"
+    check(weight, (hidden,), x.dtype, dense=True)
     assert hidden <= _MAX_HIDDEN
     out = torch.empty_like(x) if out is None else out
-    _check_rows("out", out, x)
+    check(out, x.shape, x.dtype)
     if residual is not None:
-        _check_rows("residual", residual, x)
         residual_out = torch.empty_like(x) if residual_out is None else residual_out
-        _check_rows("residual_out", residual_out, x)
+        check(residual, x.shape, x.dtype)
+        check(residual_out, x.shape, x.dtype)
     if num_tokens == 0:
         return out, residual_out
     if use_reference(x):
@@ -96,19 +89,11 @@ def _launch(
             residual_out.copy_(summed)
         return out.copy_(normed), residual_out
     block = triton.next_power_of_2(hidden)
-    res_in = residual if residual is not None else x
-    res_out = residual_out if residual is not None else out
+    # Without a residual the kernel neither reads nor writes the residual pointers.
+    res_in, res_out = (x, out) if residual is None else (residual, residual_out)
     _rms_norm_kernel[(num_tokens,)](
-        out,
-        res_out,
-        x,
-        res_in,
-        weight,
-        eps,
-        out.stride(0),
-        res_out.stride(0),
-        x.stride(0),
-        res_in.stride(0),
+        out, res_out, x, res_in, weight, eps,
+        out.stride(0), res_out.stride(0), x.stride(0), res_in.stride(0),
         HIDDEN=hidden,
         BLOCK=block,
         HAS_RESIDUAL=residual is not None,
@@ -170,8 +155,7 @@ def fused_add_rms_norm(
     Raises:
         AssertionError: shapes, dtypes or layouts do not match the above.
     """
-    out, residual_out = _launch(x, residual, weight, eps, gemma, out, residual_out)
-    return out, residual_out
+    return _launch(x, residual, weight, eps, gemma, out, residual_out)
 
 
 def rms_norm_reference(

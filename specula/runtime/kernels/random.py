@@ -27,15 +27,6 @@ MODE_BITS, MODE_UNIFORM, MODE_EXPONENTIAL = 0, 1, 2
 with 24-bit resolution (float32), or ``Exp(1)`` draws (float32, all positive)."""
 
 
-def mix32_int(x: int) -> int:
-    """``lowbias32`` of a host integer in ``[0, 2**32)``."""
-    x ^= x >> 16
-    x = (x * _MUL1) & _M32
-    x ^= x >> 15
-    x = (x * _MUL2) & _M32
-    return x ^ (x >> 16)
-
-
 @triton.jit
 def _mix32(x):
     # x: uint32; multiplications wrap modulo 2**32.
@@ -117,21 +108,21 @@ def random_draws(
         return out
     block = min(1024, max(16, triton.next_power_of_2(num_cols)))
     _random_kernel[(num_reqs, triton.cdiv(num_cols, block))](
-        out, seeds, keys, mix32_int(stream & _M32), num_cols, out.stride(0),
+        out, seeds, keys, mix32(stream & _M32), num_cols, out.stride(0),
         MODE=mode, BLOCK=block,
     )
     return out
 
 
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+def _mul32(x, c: int):
     # (x * c) mod 2**32 for 0 <= x < 2**32 without int64 overflow: 16-bit halves.
     lo = (x & 0xFFFF) * c
     hi = ((x >> 16) * c) & 0xFFFF
     return (lo + (hi << 16)) & _M32
 
 
-def _mix32_reference(x: torch.Tensor) -> torch.Tensor:
-    """``lowbias32`` on int64 tensors holding values in ``[0, 2**32)``."""
+def mix32(x):
+    """``lowbias32`` of a host integer, or of an int64 tensor, in ``[0, 2**32)``."""
     x = x ^ (x >> 16)
     x = _mul32(x, _MUL1)
     x = x ^ (x >> 15)
@@ -144,11 +135,11 @@ def random_draws_reference(
 ) -> torch.Tensor:
     """Torch reference of :func:`random_draws` (same arguments and results; the
     exponentials agree to float32 rounding of the logarithm)."""
-    row = _mix32_reference((seeds & _M32) ^ mix32_int(stream & _M32))
-    row = _mix32_reference(row ^ ((seeds >> 32) & _M32))
-    row = _mix32_reference(row ^ (keys & _M32))  # [num_reqs]
+    row = mix32((seeds & _M32) ^ mix32(stream & _M32))
+    row = mix32(row ^ ((seeds >> 32) & _M32))
+    row = mix32(row ^ (keys & _M32))  # [num_reqs]
     cols = torch.arange(num_cols, device=seeds.device, dtype=torch.int64)
-    bits = _mix32_reference(row[:, None] ^ _mul32(cols, _GOLDEN)[None, :])
+    bits = mix32(row[:, None] ^ _mul32(cols, _GOLDEN)[None, :])
     if mode == MODE_BITS:
         return bits
     u = (bits >> 8).float()

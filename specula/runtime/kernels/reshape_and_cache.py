@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specula.runtime.kernels.dispatch import use_reference
+from specula.runtime.kernels.dispatch import check, use_reference
 
 
 @triton.jit
@@ -70,14 +70,11 @@ def check_cache_write(
     Raises:
         AssertionError: shapes, dtypes or layouts do not match.
     """
-    assert key.ndim == 3 and value.shape == key.shape
-    assert key_cache.ndim == 4 and value_cache.shape == key_cache.shape
-    assert key.dtype == value.dtype == key_cache.dtype == value_cache.dtype
-    assert slot_mapping.ndim == 1 and slot_mapping.dtype == torch.int64
-    assert slot_mapping.is_contiguous() and slot_mapping.shape[0] == key.shape[0]
-    for t in (key, value, key_cache, value_cache):
-        assert t.stride(-1) == 1, "last dim must be contiguous"
-    assert key_cache.shape[2:] == key.shape[1:]
+    check(slot_mapping, (None,), torch.int64, dense=True)
+    check(key, (slot_mapping.shape[0], None, None), key.dtype)
+    check(value, key.shape, key.dtype)
+    check(key_cache, (None, None, *key.shape[1:]), key.dtype)
+    check(value_cache, key_cache.shape, key.dtype)
 
 
 def reshape_and_cache(
@@ -104,20 +101,10 @@ def reshape_and_cache(
     if num_tokens == 0:
         return
     if use_reference(key):
-        reshape_and_cache_reference(key, value, key_cache, value_cache, slot_mapping)
-        return
+        return reshape_and_cache_reference(key, value, key_cache, value_cache, slot_mapping)
     _reshape_and_cache_kernel[(num_tokens,)](
-        key,
-        value,
-        key_cache,
-        value_cache,
-        slot_mapping,
-        key.stride(0),
-        key.stride(1),
-        value.stride(0),
-        value.stride(1),
-        *key_cache.stride()[:3],
-        *value_cache.stride()[:3],
+        key, value, key_cache, value_cache, slot_mapping,
+        *key.stride()[:2], *value.stride()[:2], *key_cache.stride()[:3], *value_cache.stride()[:3],
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
         BLOCK_SIZE=key_cache.shape[1],

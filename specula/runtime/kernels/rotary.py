@@ -15,7 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from specula.runtime.kernels.dispatch import use_reference
+from specula.runtime.kernels.dispatch import FLOATS, check, use_reference
+from specula.runtime.kernels.reshape_and_cache import reshape_and_cache_reference
 
 
 def build_cos_sin_cache(
@@ -148,25 +149,6 @@ def rotary_embedding(
     Raises:
         AssertionError: shapes, dtypes or layouts do not match the above.
     """
-    assert positions.ndim == 1 and positions.dtype == torch.int64 and positions.is_contiguous()
-    assert query.ndim == 3 and query.stride(-1) == 1
-    assert query.dtype in (torch.float16, torch.bfloat16, torch.float32)
-    assert cos_sin_cache.ndim == 2 and cos_sin_cache.stride(-1) == 1
-    num_tokens, _, head_dim = query.shape
-    rotary_dim = cos_sin_cache.shape[1]
-    assert rotary_dim % 2 == 0 and rotary_dim <= head_dim
-    assert positions.shape[0] == num_tokens
-    if key is not None:
-        assert key.ndim == 3 and key.stride(-1) == 1 and key.dtype == query.dtype
-        assert key.shape[0] == num_tokens and key.shape[2] == head_dim
-    if num_tokens == 0:
-        return
-    if use_reference(query):
-        q, k = rotary_embedding_reference(positions, query, key, cos_sin_cache)
-        query.copy_(q)
-        if key is not None:
-            key.copy_(k)
-        return
     launch_rotary(positions, query, key, cos_sin_cache)
 
 
@@ -177,35 +159,38 @@ def launch_rotary(
     cos_sin_cache: torch.Tensor,
     cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
-    """Launch :func:`_rotary_kernel` on checked arguments; ``cache``: ``(value,
-    key_cache, value_cache, slot_mapping)`` the rotated keys and the values are written to
-    (:mod:`.rotary_cache`)."""
-    k = key if key is not None else query
+    """:func:`rotary_embedding`, then with ``cache``, ``(value, key_cache, value_cache,
+    slot_mapping)`` checked by the caller, the write of the rotated keys and the values
+    to the paged cache (:mod:`.rotary_cache`)."""
+    check(positions, (None,), torch.int64, dense=True)
+    num_tokens = positions.shape[0]
+    check(query, (num_tokens, None, None), FLOATS)
+    num_heads, head_dim = query.shape[1:]
+    if key is not None:
+        check(key, (num_tokens, None, head_dim), query.dtype)
+    assert cos_sin_cache.ndim == 2 and cos_sin_cache.stride(-1) == 1
     half = cos_sin_cache.shape[1] // 2
-    num_heads = query.shape[1]
+    assert 2 * half == cos_sin_cache.shape[1] <= head_dim
+    if num_tokens == 0:
+        return
+    if use_reference(query):
+        q, k = rotary_embedding_reference(positions, query, key, cos_sin_cache)
+        query.copy_(q)
+        if key is not None:
+            key.copy_(k)
+        if cache is not None:
+            reshape_and_cache_reference(key, *cache)
+        return
+    k = key if key is not None else query
     num_kv_heads = 1 if key is None else key.shape[1]
-    if cache is None:
-        # Without WRITE_CACHE the slot mapping, value and cache pointers are never read.
-        value, key_cache, value_cache, slot_mapping = k, k, k, positions
-        strides = (0,) * 8
-    else:
-        value, key_cache, value_cache, slot_mapping = cache
+    # Without WRITE_CACHE the slot mapping, value and cache pointers are never read.
+    value, key_cache, value_cache, slot_mapping = cache or (k, k, k, positions)
+    strides = (0,) * 8
+    if cache is not None:
         strides = (*value.stride()[:2], *key_cache.stride()[:3], *value_cache.stride()[:3])
-    _rotary_kernel[(query.shape[0],)](
-        positions,
-        slot_mapping,
-        query,
-        k,
-        value,
-        key_cache,
-        value_cache,
-        cos_sin_cache,
-        query.stride(0),
-        query.stride(1),
-        k.stride(0),
-        k.stride(1),
-        *strides,
-        cos_sin_cache.stride(0),
+    _rotary_kernel[(num_tokens,)](
+        positions, slot_mapping, query, k, value, key_cache, value_cache, cos_sin_cache,
+        *query.stride()[:2], *k.stride()[:2], *strides, cos_sin_cache.stride(0),
         NUM_HEADS=num_heads,
         NUM_KV_HEADS=num_kv_heads,
         HALF=half,

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import torch
 
-from specula.runtime.kernels.dispatch import use_reference
 from specula.runtime.kernels.reshape_and_cache import (
     check_cache_write,
     reshape_and_cache_reference,
@@ -54,25 +53,10 @@ def rotary_embedding_and_cache(
         AssertionError: shapes, dtypes or layouts do not match the above (including a
             partial rotary table: use the two separate kernels for those).
     """
-    assert positions.ndim == 1 and positions.dtype == torch.int64 and positions.is_contiguous()
-    assert slot_mapping.shape == positions.shape
     check_cache_write(key, value, key_cache, value_cache, slot_mapping)
-    assert query.ndim == 3 and query.dtype == key.dtype
-    assert query.dtype in (torch.float16, torch.bfloat16, torch.float32)
-    assert query.stride(-1) == 1 and cos_sin_cache.stride(-1) == 1
-    num_tokens, _, head_dim = query.shape
-    assert key.shape[0] == num_tokens and key.shape[2] == head_dim
-    assert cos_sin_cache.ndim == 2 and cos_sin_cache.shape[1] == head_dim and head_dim % 2 == 0
-    if num_tokens == 0:
-        return
-    if use_reference(query):
-        rotary_embedding_and_cache_reference(
-            positions, query, key, value, key_cache, value_cache, slot_mapping, cos_sin_cache
-        )
-        return
-    launch_rotary(
-        positions, query, key, cos_sin_cache, (value, key_cache, value_cache, slot_mapping)
-    )
+    assert cos_sin_cache.shape[-1] == query.shape[-1], "full rotary only"
+    cache = (value, key_cache, value_cache, slot_mapping)
+    launch_rotary(positions, query, key, cos_sin_cache, cache)
 
 
 def rotary_embedding_and_cache_reference(
