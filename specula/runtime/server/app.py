@@ -5,7 +5,7 @@ Routes:
 - ``POST /v1/completions``: OpenAI Completions (``n``, ``logprobs``, ``echo``),
   ``stream: true`` as server-sent events.
 - ``POST /v1/chat/completions``: OpenAI Chat Completions through the model's chat
-  template (:mod:`~specula.runtime.server.chat`), streamed the same way.
+  template (:mod:`~specula.runtime.server.completions`), streamed the same way.
 - ``GET /v1/models``: the one served model, OpenAI list format.
 - ``GET /health``: 200 once the engine is loaded and its loop is alive; 503 while
   loading, after the engine loop died, and while draining on SIGTERM.
@@ -58,7 +58,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.background import BackgroundTask
 
 from specula.runtime.engine.spec_schedule import SpeculativeConfigError
-from specula.runtime.server import chat, completions
+from specula.runtime.server import completions
 from specula.runtime.server.engine_loop import EngineDeadError, EngineLoop, EngineState
 from specula.runtime.server.errors import APIError, install_error_handlers
 from specula.runtime.server.limits import (
@@ -73,9 +73,8 @@ from specula.runtime.server.metrics import build_registry
 from specula.runtime.server.protocol import (
     ERROR_TYPE_UNAVAILABLE,
     ChatCompletionRequest,
-    ChatCompletionResponse,
     CompletionRequest,
-    CompletionResponse,
+    GenerationRequest,
     ModelCard,
     ModelList,
     SpeculativeConfigUpdate,
@@ -101,9 +100,12 @@ class _ServerState:
         Raises:
             APIError: 503 while loading or after the engine loop died.
         """
-        if self.loop.state is not EngineState.READY or self.loop.engine is None:
-            raise APIError(503, _unready_message(self.loop), type=ERROR_TYPE_UNAVAILABLE)
-        return self.loop.engine
+        loop = self.loop
+        if loop.state is EngineState.READY and loop.engine is not None:
+            return loop.engine
+        message = "the model is still loading" if loop.state is EngineState.LOADING else (
+            f"the engine is not running ({loop.state.value}): {loop.error!r}")
+        raise APIError(503, message, type=ERROR_TYPE_UNAVAILABLE)
 
     def tokenizer(self) -> Any:
         engine = self.ready_engine()
@@ -134,12 +136,6 @@ class _ServerState:
             assert self.loop.engine is not None
             self._registry = build_registry(self.loop.snapshot, self.loop.engine.served_model_name)
         return self._registry
-
-
-def _unready_message(loop: EngineLoop) -> str:
-    if loop.state is EngineState.LOADING:
-        return "the model is still loading"
-    return f"the engine is not running ({loop.state.value}): {loop.error!r}"
 
 
 async def parse_body(raw: Request, model: type[BodyT], limits: Limits = DEFAULT_LIMITS) -> BodyT:
@@ -248,10 +244,9 @@ def create_app(
     @app.get("/health")
     async def health() -> Response:
         if state.draining:
-            return draining_error().response()
-        if loop.state is EngineState.READY:
-            return Response(status_code=200)
-        return APIError(503, _unready_message(loop), type=ERROR_TYPE_UNAVAILABLE).response()
+            raise draining_error()
+        state.ready_engine()
+        return Response(status_code=200)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -267,30 +262,22 @@ def create_app(
         name = engine.served_model_name
         return ModelList(data=[ModelCard(id=name, root=name, max_model_len=engine.max_model_len)])
 
-    async def answer(raw: Request, prep: completions.PreparedCompletion, tokenizer: Any) -> Any:
-        state.admit(len(prep.params))
-        if not prep.stream:
-            return await unless_disconnected(raw, completions.complete(prep, loop, tokenizer))
-        started = await completions.start_stream(prep, loop, tokenizer)
-        # The background task aborts what is left whichever way the response ends (a
-        # client gone before the first chunk never runs the stream's own `finally`).
-        return StreamingResponse(completions.stream(started), media_type="text/event-stream",
-                                 background=BackgroundTask(started.abort_unfinished))
+    def generation_route(path: str, body: type[GenerationRequest]) -> None:
+        @app.post(path, response_model=None, dependencies=openai, openapi_extra=json_body(body))
+        async def create(raw: Request) -> Response:
+            request = await parse_body(raw, body, limits)
+            run = completions.prepare(request, loop, state.tokenizer(), limits.max_n)
+            state.admit(len(run.params))
+            if not request.stream:
+                return JSONResponse(await unless_disconnected(raw, run.complete()))
+            await run.submit()
+            # The background task aborts what is left whichever way the response ends (a
+            # client gone before the first chunk never runs the stream's own `finally`).
+            return StreamingResponse(run.stream(), media_type="text/event-stream",
+                                     background=BackgroundTask(run.abort_unfinished))
 
-    @app.post("/v1/completions", response_model=None, dependencies=openai,
-              openapi_extra=json_body(CompletionRequest))
-    async def create_completion(raw: Request) -> CompletionResponse | StreamingResponse:
-        request = await parse_body(raw, CompletionRequest, limits)
-        tokenizer = state.tokenizer()
-        return await answer(raw, completions.prepare(request, loop, tokenizer, limits.max_n),
-                         tokenizer)
-
-    @app.post("/v1/chat/completions", response_model=None, dependencies=openai,
-              openapi_extra=json_body(ChatCompletionRequest))
-    async def create_chat_completion(raw: Request) -> ChatCompletionResponse | StreamingResponse:
-        request = await parse_body(raw, ChatCompletionRequest, limits)
-        tokenizer = state.tokenizer()
-        return await answer(raw, chat.prepare(request, loop, tokenizer, limits.max_n), tokenizer)
+    generation_route("/v1/completions", CompletionRequest)
+    generation_route("/v1/chat/completions", ChatCompletionRequest)
 
     return app
 
@@ -314,14 +301,8 @@ def create_admin_app(app: FastAPI, token: Callable[[], str | None]) -> FastAPI:
     async def update_speculative_config(raw: Request) -> JSONResponse:
         update = await parse_body(raw, SpeculativeConfigUpdate)
         state.ready_engine()
-        k = update.num_speculative_tokens
-        schedule = update.num_speculative_tokens_per_batch_size
         try:
-            await loop.call(
-                lambda engine: engine.set_speculative_config(
-                    num_speculative_tokens=k, num_speculative_tokens_per_batch_size=schedule
-                )
-            )
+            await loop.call(lambda engine: engine.set_speculative_config(**update.model_dump()))
         except SpeculativeConfigError as exc:
             raise APIError(400, str(exc), param=exc.param, code=exc.code) from exc
         except EngineDeadError as exc:

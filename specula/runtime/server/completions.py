@@ -4,13 +4,24 @@ submission, streamed and whole answers in either route's shape.
 One HTTP request with a batch of prompts and ``n`` samples each becomes one engine
 request per choice (choice ``index`` = ``prompt_index * n + j``, as vLLM numbers them),
 all feeding one asyncio queue, so streamed chunks of different choices interleave in
-the order the engine produced them.
+the order the engine produced them. A whole answer is built like the one chunk a
+choice would stream if it were sent only once finished.
+
+Chat messages are rendered by the chat template, the checkpoint's (``chat_template`` in
+its tokenizer config) unless the server was started with ``--chat-template FILE``
+(runtime config ``chat_template``), applied by ``transformers``'
+``tokenizer.apply_chat_template(messages, add_generation_prompt=True)``; the rendered
+text is tokenized without adding special tokens (the template writes them), as vLLM
+does.
 
 Log-probabilities are the engine's (:class:`~specula.runtime.engine.request.TokenLogprobs`:
 the target's distribution after the request's temperature, top-k and top-p; greedy
 requests: the raw logits' log-softmax); ``-inf`` (a token the request's top-k or top-p
 excludes) is answered as -9999.0, as vLLM does, since JSON has no infinity. A token's
-string is ``tokenizer.decode([token_id])``.
+string is ``tokenizer.decode([token_id])``. Completions answer OpenAI's legacy shape
+(``tokens``, ``token_logprobs``, ``top_logprobs``, and ``text_offset``: each token's
+character offset in the choice's text); chat answers ``content`` entries with each
+token's UTF-8 ``bytes`` (a token may hold part of a character).
 """
 
 from __future__ import annotations
@@ -23,6 +34,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import jinja2
+
 from specula.runtime.engine.request import TokenLogprobs
 from specula.runtime.engine.sampling_params import SamplingParams
 from specula.runtime.server.detokenize import IncrementalText
@@ -32,18 +45,9 @@ from specula.runtime.server.protocol import (
     ERROR_TYPE_NOT_FOUND,
     ERROR_TYPE_SERVER,
     INT64_MAX,
-    ChatChoice,
-    ChatCompletionResponse,
-    ChatLogprobs,
-    ChatResponseMessage,
-    ChatTokenLogprob,
-    ChatTopLogprob,
-    CompletionChoice,
-    CompletionLogprobs,
+    ChatCompletionRequest,
     CompletionRequest,
-    CompletionResponse,
     GenerationRequest,
-    UsageInfo,
 )
 
 _MIN_LOGPROB = -9999.0
@@ -60,134 +64,40 @@ class _Choice:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     num_streamed: int = 0
-    """Leading :attr:`logprobs` already streamed."""
+    """Leading :attr:`logprobs` already sent."""
     text_offset: int = 0
-    """Characters of the tokens already streamed (``text_offset`` of the next one)."""
+    """Characters of the tokens already sent (``text_offset`` of the next one)."""
     started: bool = False
     """Its first chunk (the echoed prompt) went out."""
 
 
-@dataclass
-class PreparedCompletion:
-    """A validated request: token ids per prompt and the engine's sampling params per
-    choice."""
-
-    model_name: str
-    prompts: list[list[int]]
-    params: list[SamplingParams]
-    """``len(prompts) * n``: choice ``i`` samples prompt ``i // n``."""
-    n: int
-    stop: list[str]
-    stream: bool
-    include_usage: bool
-    num_top_logprobs: int | None
-    """``None``: no log-probabilities."""
-    chat: bool = False
-    echo: list[str] | None = None
-    """The prompts' text, prepended to each choice's text."""
-    completion_id: str = ""
-    created: int = field(default_factory=lambda: int(time.time()))
-
-    def __post_init__(self) -> None:
-        if not self.completion_id:
-            prefix = "chatcmpl" if self.chat else "cmpl"
-            self.completion_id = f"{prefix}-{uuid.uuid4().hex}"
-
-
-def check_model(request: GenerationRequest, loop: EngineLoop) -> Any:
-    """The engine, if ``request.model`` names it (or nothing).
+def prepare(
+    request: GenerationRequest, loop: EngineLoop, tokenizer: Any, max_n: int
+) -> CompletionRun:
+    """Check the model name, tokenize the prompts (chat: render the messages first),
+    and build the run.
 
     Raises:
-        APIError: 404 for an unknown model.
+        APIError: 404 for an unknown model; 400 for an empty prompt, a token id outside
+            the vocabulary, a model without a chat template, messages the template
+            refuses (its message is passed on), and :class:`CompletionRun`'s refusals.
     """
     engine = loop.engine
     assert engine is not None
     name = engine.served_model_name
     if request.model is not None and request.model != name:
         raise APIError(
-            404,
-            f"The model `{request.model}` does not exist; this server serves `{name}`.",
-            type=ERROR_TYPE_NOT_FOUND,
-            param="model",
-            code="model_not_found",
+            404, f"The model `{request.model}` does not exist; this server serves `{name}`.",
+            type=ERROR_TYPE_NOT_FOUND, param="model", code="model_not_found",
         )
-    return engine
-
-
-def build(
-    engine: Any, request: GenerationRequest, prompts: list[list[int]], *,
-    max_tokens: int | None, max_n: int, num_top_logprobs: int | None = None,
-    echo: list[str] | None = None, prompt_param: str = "prompt", chat: bool = False,
-) -> PreparedCompletion:
-    """Check ``n`` and the lengths and build ``n`` ``SamplingParams`` per prompt
-    (sample ``j`` seeded ``seed + j``, wrapped into int64, when ``seed`` is given).
-
-    Raises:
-        APIError: 400 for ``n`` above ``max_n``, or a prompt (plus ``max_tokens``)
-            longer than the context (``param`` is ``prompt_param`` or ``max_tokens``).
-    """
-    if request.n > max_n:
-        raise APIError(400, f"n={request.n} exceeds this server's maximum of {max_n} "
-                       "samples per prompt", param="n")
-    max_len = engine.max_model_len
-    params: list[SamplingParams] = []
-    for i, ids in enumerate(prompts):
-        which = f"prompt {i}" if prompt_param == "prompt" else "the templated prompt"
-        if len(ids) >= max_len:
-            raise APIError(
-                400,
-                f"This model's maximum context length is {max_len} tokens, but {which} "
-                f"has {len(ids)} tokens; at least one token must be left for the completion.",
-                param=prompt_param,
-                code="context_length_exceeded",
-            )
-        limit = max_tokens if max_tokens is not None else max_len - len(ids)
-        if len(ids) + limit > max_len:
-            raise APIError(
-                400,
-                f"This model's maximum context length is {max_len} tokens, but {len(ids)} "
-                f"prompt tokens plus max_tokens={limit} make {len(ids) + limit}; "
-                "reduce the prompt or max_tokens.",
-                param="max_tokens",
-                code="context_length_exceeded",
-            )
-        for j in range(request.n):
-            seed = request.seed
-            if seed is not None:
-                seed = (seed + j + INT64_MAX + 1) % 2**64 - INT64_MAX - 1
-            params.append(SamplingParams(
-                max_tokens=limit,
-                temperature=request.temperature,
-                top_p=request.top_p,
-                top_k=max(request.top_k, 0),
-                seed=seed,
-                stop=request.stop_list() or None,
-                stop_token_ids=list(request.stop_token_ids) if request.stop_token_ids else None,
-                ignore_eos=request.ignore_eos,
-                logprobs=num_top_logprobs,
-                prompt_logprobs=num_top_logprobs if echo is not None else None,
-            ))
-    return PreparedCompletion(
-        engine.served_model_name, prompts, params, request.n, request.stop_list(),
-        request.stream, bool(request.stream_options and request.stream_options.include_usage),
-        num_top_logprobs, chat, echo,
-    )
-
-
-def prepare(
-    request: CompletionRequest, loop: EngineLoop, tokenizer: Any, max_n: int
-) -> PreparedCompletion:
-    """Check the model name, tokenize, and :func:`build`.
-
-    Raises:
-        APIError: 404 for an unknown model; 400 for an empty prompt, a token id
-            outside the vocabulary, and :func:`build`'s refusals.
-    """
-    engine = check_model(request, loop)
-    raw = request.prompt
-    if isinstance(raw, str):
-        raw = [raw]
-    elif raw and isinstance(raw[0], int):
+    if isinstance(request, ChatCompletionRequest):
+        top = (request.top_logprobs or 0) if request.logprobs else None
+        return CompletionRun(loop, tokenizer, request, [_render_chat(request, tokenizer, name)],
+                             max_n=max_n, top_logprobs=top,
+                             max_tokens=request.max_completion_tokens or request.max_tokens)
+    assert isinstance(request, CompletionRequest)
+    raw: Any = request.prompt
+    if isinstance(raw, str) or isinstance(raw[0], int):
         raw = [raw]
     # The model's vocabulary can be larger than the tokenizer's (padded embeddings).
     vocab = getattr(engine, "vocab_size", None) or len(tokenizer)
@@ -202,44 +112,126 @@ def prepare(
         prompts.append(list(ids))
     echo = None
     if request.echo:
-        echo = [p if isinstance(p, str) else _decode(tokenizer, p) for p in raw]
-    return build(engine, request, prompts, max_tokens=request.max_tokens, max_n=max_n,
-                 num_top_logprobs=request.logprobs, echo=echo)
+        echo = [p if isinstance(p, str) else tokenizer.decode(
+            p, skip_special_tokens=True, clean_up_tokenization_spaces=False) for p in raw]
+    return CompletionRun(loop, tokenizer, request, prompts, max_n=max_n,
+                         max_tokens=request.max_tokens, top_logprobs=request.logprobs, echo=echo)
 
 
-def _decode(tokenizer: Any, ids: list[int]) -> str:
-    return tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+def _render_chat(request: ChatCompletionRequest, tokenizer: Any, model_name: str) -> list[int]:
+    if not getattr(tokenizer, "chat_template", None):
+        raise APIError(
+            400,
+            f"the model `{model_name}` has no chat template, so it cannot serve chat "
+            "completions; use /v1/completions, or start the server with --chat-template FILE",
+            param="messages", code="no_chat_template",
+        )
+    messages = [m.template_input() for m in request.messages]
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except (jinja2.TemplateError, ValueError, TypeError) as exc:
+        raise APIError(400, f"the chat template refused these messages: {exc}",
+                       param="messages") from exc
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if not ids:
+        raise APIError(400, "the chat template rendered an empty prompt", param="messages")
+    return ids
+
+
+def engine_unavailable(exc: BaseException) -> APIError:
+    return APIError(503, f"engine unavailable: {exc}", type=ERROR_TYPE_SERVER)
 
 
 class CompletionRun:
-    """The engine requests of one HTTP request and their accumulated text."""
+    """The engine requests of one HTTP request (choice ``i`` samples prompt ``i // n``)
+    and their accumulated text.
 
-    def __init__(self, prep: PreparedCompletion, loop: EngineLoop, tokenizer: Any) -> None:
-        self.prep = prep
-        self.tokenizer = tokenizer
-        self._loop = loop
+    Args:
+        prompts: token ids per prompt (chat: the one templated prompt).
+        max_tokens: per choice; ``None``: up to the context length.
+        top_logprobs: top log-probabilities per token; ``None``: no log-probabilities.
+        echo: the prompts' text, prepended to each choice's text (completions only).
+
+    Raises:
+        APIError: 400 for ``n`` above ``max_n``, or a prompt (plus ``max_tokens``)
+            longer than the context (``param`` ``prompt`` or ``messages``, or
+            ``max_tokens``).
+    """
+
+    def __init__(
+        self, loop: EngineLoop, tokenizer: Any, request: GenerationRequest,
+        prompts: list[list[int]], *, max_n: int, max_tokens: int | None,
+        top_logprobs: int | None, echo: list[str] | None = None,
+    ) -> None:
+        self.chat = isinstance(request, ChatCompletionRequest)
+        if request.n > max_n:
+            raise APIError(400, f"n={request.n} exceeds this server's maximum of {max_n} "
+                           "samples per prompt", param="n")
+        engine = loop.engine
+        assert engine is not None
+        max_len = engine.max_model_len
+        self.params: list[SamplingParams] = []
+        """``len(prompts) * n``, one per choice (sample ``j`` of a prompt seeded ``seed +
+        j``, wrapped into int64, when ``seed`` is given)."""
+        for i, ids in enumerate(prompts):
+            if len(ids) >= max_len:
+                raise APIError(
+                    400,
+                    f"This model's maximum context length is {max_len} tokens, but "
+                    f"{'the templated prompt' if self.chat else f'prompt {i}'} has "
+                    f"{len(ids)} tokens; at least one token must be left for the completion.",
+                    param="messages" if self.chat else "prompt", code="context_length_exceeded",
+                )
+            limit = max_tokens if max_tokens is not None else max_len - len(ids)
+            if len(ids) + limit > max_len:
+                raise APIError(
+                    400,
+                    f"This model's maximum context length is {max_len} tokens, but {len(ids)} "
+                    f"prompt tokens plus max_tokens={limit} make {len(ids) + limit}; "
+                    "reduce the prompt or max_tokens.",
+                    param="max_tokens", code="context_length_exceeded",
+                )
+            for j in range(request.n):
+                seed = request.seed
+                if seed is not None:
+                    seed = (seed + j + INT64_MAX + 1) % 2**64 - INT64_MAX - 1
+                self.params.append(SamplingParams(
+                    max_tokens=limit, temperature=request.temperature, top_p=request.top_p,
+                    top_k=max(request.top_k, 0), seed=seed, stop=request.stop_list() or None,
+                    stop_token_ids=list(request.stop_token_ids or []) or None,
+                    ignore_eos=request.ignore_eos, logprobs=top_logprobs,
+                    prompt_logprobs=top_logprobs if echo is not None else None,
+                ))
+        self.request, self.prompts, self.echo = request, prompts, echo
+        self.top_logprobs, self.tokenizer, self._loop = top_logprobs, tokenizer, loop
+        self.model_name = engine.served_model_name
+        self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
         self._queue: asyncio.Queue = asyncio.Queue()
-        self.choices = [_Choice(i // prep.n, IncrementalText(tokenizer, prep.stop))
-                        for i in range(len(prep.params))]
-        self._ids = [f"{prep.completion_id}-{i}" for i in range(len(self.choices))]
+        self.choices = [_Choice(i // request.n, IncrementalText(tokenizer, request.stop_list()))
+                        for i in range(len(self.params))]
+        self._ids = [f"{self.id}-{i}" for i in range(len(self.choices))]
         self._index = {rid: i for i, rid in enumerate(self._ids)}
         self._submitted: list[str] = []
 
     async def submit(self) -> None:
-        """Add every choice's request to the engine.
+        """Add every choice's request to the engine; on failure abort those added.
 
         Raises:
             APIError: 400 when the engine refuses a prompt, 503 when it is not running.
         """
-        for rid, choice, params in zip(self._ids, self.choices, self.prep.params, strict=True):
-            self._submitted.append(rid)
-            try:
+        try:
+            for rid, choice, params in zip(self._ids, self.choices, self.params, strict=True):
+                self._submitted.append(rid)
                 await self._loop.add_request(
-                    rid, self.prep.prompts[choice.prompt_index], params, self._queue)
-            except ValueError as exc:
+                    rid, self.prompts[choice.prompt_index], params, self._queue)
+        except BaseException as exc:
+            self.abort_unfinished()
+            if isinstance(exc, ValueError):
                 raise APIError(400, str(exc)) from exc
-            except EngineDeadError as exc:
+            if isinstance(exc, EngineDeadError):
                 raise engine_unavailable(exc) from exc
+            raise
 
     def abort_unfinished(self) -> None:
         for rid in self._submitted:
@@ -278,174 +270,129 @@ class CompletionRun:
             # The stop string showed up in text before the engine noticed (it may
             # detokenize differently); end the choice here and free its slot.
             choice.finished = True
-            choice.finish_reason = "stop"
             self._loop.abort_request(out.request_id)
         if choice.text.stopped:
             choice.finish_reason = "stop"
         return i
 
-    def usage(self) -> UsageInfo:
-        prompt = sum(len(p) for p in self.prep.prompts)
+    def usage(self) -> dict[str, int]:
+        prompt = sum(len(p) for p in self.prompts)
         completion = sum(len(c.text.token_ids) for c in self.choices)
-        return UsageInfo(
-            prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
-        )
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion}
 
-    # -- log-probabilities in either route's shape -------------------------------------
+    def _body(self, choices: list[dict[str, Any]], suffix: str = "", **extra: Any) -> dict:
+        kind = "chat.completion" + suffix if self.chat else "text_completion"
+        return {"id": self.id, "object": kind, "created": self.created,
+                "model": self.model_name, "choices": choices, **extra}
 
-    def token_text(self, token_id: int) -> str:
+    def _choice(self, i: int, text: str, whole: bool = False) -> dict[str, Any]:
+        """Choice ``i``'s part not sent yet: ``text`` and the new log-probabilities (in
+        a completion's first part, the echoed prompt's); ``whole``: as the one choice
+        of a whole answer (chat: ``message`` instead of ``delta``)."""
+        c = self.choices[i]
+        lp: dict[str, Any] | None = None
+        if self.chat:
+            if self.top_logprobs is not None:
+                lp = self._chat_logprobs(c)
+            if whole:
+                body: dict[str, Any] = {"message": {"role": "assistant", "content": text}}
+            else:
+                body = {"delta": {"content": text} if text or not c.finished else {}}
+        else:
+            echo = self.echo is not None and not c.started
+            if echo:
+                text = self.echo[c.prompt_index] + text  # type: ignore[index]
+            if self.top_logprobs is not None:
+                lp = self._completion_logprobs(c, echo)
+            body = {"text": text}
+        c.num_streamed, c.started = len(c.logprobs), True
+        return {"index": i, **body, "logprobs": lp,
+                "finish_reason": c.finish_reason if c.finished else None}
+
+    def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
 
-    def completion_logprobs(self, c: _Choice, start: int, echo: bool) -> CompletionLogprobs:
-        """The legacy shape for ``c``'s tokens from ``start`` (with ``echo``, the prompt's
-        tokens first), offsets continuing from ``c.text_offset``."""
-        ids, lps = c.token_ids[start:], list(c.logprobs[start:])
+    def _completion_logprobs(self, c: _Choice, echo: bool) -> dict[str, list[Any]]:
+        """``c``'s unsent tokens (with ``echo``, the prompt's first), offsets continuing
+        from ``c.text_offset``."""
+        ids, lps = c.token_ids[c.num_streamed:], list(c.logprobs[c.num_streamed:])
         if echo:
-            ids = self.prep.prompts[c.prompt_index] + ids
-            lps = (c.prompt_logprobs or [None] * len(self.prep.prompts[c.prompt_index])) + lps
-        out = CompletionLogprobs()
+            prompt = self.prompts[c.prompt_index]
+            ids, lps = prompt + ids, (c.prompt_logprobs or [None] * len(prompt)) + lps
+        out: dict[str, list[Any]] = {
+            "tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for token_id, lp in zip(ids, lps, strict=True):
-            text = self.token_text(token_id)
-            out.tokens.append(text)
-            out.text_offset.append(c.text_offset)
+            text = self._token_text(token_id)
+            out["tokens"].append(text)
+            out["text_offset"].append(c.text_offset)
             c.text_offset += len(text)
-            if lp is None:
-                out.token_logprobs.append(None)
-                out.top_logprobs.append(None)
-                continue
-            out.token_logprobs.append(max(lp.logprob, _MIN_LOGPROB))
-            out.top_logprobs.append(
-                {self.token_text(t): max(v, _MIN_LOGPROB) for t, v in lp.top})
+            out["token_logprobs"].append(None if lp is None else max(lp.logprob, _MIN_LOGPROB))
+            out["top_logprobs"].append(None if lp is None else {
+                self._token_text(t): max(v, _MIN_LOGPROB) for t, v in lp.top})
         return out
 
-    def chat_logprobs(self, c: _Choice, start: int) -> ChatLogprobs:
+    def _chat_logprobs(self, c: _Choice) -> dict[str, Any]:
         def entry(token_id: int, logprob: float) -> dict[str, Any]:
-            text = self.token_text(token_id)
+            text = self._token_text(token_id)
             return {"token": text, "logprob": max(logprob, _MIN_LOGPROB),
                     "bytes": list(text.encode())}
 
-        return ChatLogprobs(content=[
-            ChatTokenLogprob(**entry(t, lp.logprob),
-                             top_logprobs=[ChatTopLogprob(**entry(*top)) for top in lp.top])
-            for t, lp in zip(c.token_ids[start:], c.logprobs[start:], strict=True)
-        ])
+        return {"content": [
+            {**entry(t, lp.logprob), "top_logprobs": [entry(*top) for top in lp.top]}
+            for t, lp in zip(c.token_ids[c.num_streamed:], c.logprobs[c.num_streamed:],
+                             strict=True)
+        ]}
 
+    async def complete(self) -> dict[str, Any]:
+        """Run every choice to completion and return the whole response."""
+        await self.submit()
+        try:
+            while not self.done:
+                await self.next_update()
+        finally:
+            self.abort_unfinished()
+        choices = [self._choice(i, c.text.delta(final=True), whole=True)
+                   for i, c in enumerate(self.choices)]
+        return self._body(choices, usage=self.usage())
 
-def engine_unavailable(exc: BaseException) -> APIError:
-    return APIError(503, f"engine unavailable: {exc}", type=ERROR_TYPE_SERVER)
+    async def stream(self) -> AsyncIterator[str]:
+        """Server-sent events, once :meth:`submit` returned: one ``data: {chunk}`` per
+        text delta, new log-probabilities or finish, then optionally a usage chunk, then
+        ``data: [DONE]``. Chat chunks (``chat.completion.chunk``) open each choice with
+        ``delta.role``; completions with ``echo`` open it with the prompt.
 
+        A client that disconnects cancels this generator; ``finally`` aborts its engine
+        requests so they stop using batch slots.
+        """
+        options = self.request.stream_options
+        with_usage = bool(options and options.include_usage)
 
-async def complete(
-    prep: PreparedCompletion, loop: EngineLoop, tokenizer: Any
-) -> CompletionResponse | ChatCompletionResponse:
-    """Run every choice to completion and return the whole response."""
-    run = CompletionRun(prep, loop, tokenizer)
-    try:
-        await run.submit()
-        while not run.done:
-            await run.next_update()
-    finally:
-        run.abort_unfinished()
-    logprobs = prep.num_top_logprobs is not None
-    if prep.chat:
-        return ChatCompletionResponse(
-            id=prep.completion_id, created=prep.created, model=prep.model_name,
-            choices=[ChatChoice(index=i, message=ChatResponseMessage(content=c.text.text),
-                                finish_reason=c.finish_reason,
-                                logprobs=run.chat_logprobs(c, 0) if logprobs else None)
-                     for i, c in enumerate(run.choices)],
-            usage=run.usage(),
-        )
-    echo = prep.echo
-    choices = [
-        CompletionChoice(
-            index=i, text=(echo[c.prompt_index] if echo else "") + c.text.text,
-            finish_reason=c.finish_reason,
-            logprobs=run.completion_logprobs(c, 0, echo is not None) if logprobs else None,
-        )
-        for i, c in enumerate(run.choices)
-    ]
-    return CompletionResponse(
-        id=prep.completion_id,
-        created=prep.created,
-        model=prep.model_name,
-        choices=choices,
-        usage=run.usage(),
-    )
+        def chunk(choices: list[dict[str, Any]], usage: dict | None = None) -> str:
+            extra = {"usage": usage} if with_usage else {}
+            return f"data: {json.dumps(self._body(choices, '.chunk', **extra))}\n\n"
 
-
-async def start_stream(prep: PreparedCompletion, loop: EngineLoop, tokenizer: Any) -> CompletionRun:
-    """Submit the prompts before the response starts, so refusals are plain 4xx."""
-    run = CompletionRun(prep, loop, tokenizer)
-    try:
-        await run.submit()
-    except BaseException:
-        run.abort_unfinished()
-        raise
-    return run
-
-
-async def stream(run: CompletionRun) -> AsyncIterator[str]:
-    """Server-sent events: one ``data: {chunk}`` per text delta, new log-probabilities
-    or finish, then optionally a usage chunk, then ``data: [DONE]``. Chat chunks
-    (``chat.completion.chunk``) open each choice with ``delta.role``; completions with
-    ``echo`` open it with the prompt.
-
-    A client that disconnects cancels this generator; ``finally`` aborts its engine
-    requests so they stop using batch slots.
-    """
-    prep = run.prep
-    logprobs = prep.num_top_logprobs is not None
-
-    def chunk(choices: list[dict[str, Any]], usage: UsageInfo | None = None) -> str:
-        body: dict[str, Any] = {
-            "id": prep.completion_id,
-            "object": "chat.completion.chunk" if prep.chat else "text_completion",
-            "created": prep.created,
-            "model": prep.model_name,
-            "choices": choices,
-        }
-        if prep.include_usage:
-            body["usage"] = usage.model_dump() if usage is not None else None
-        return f"data: {json.dumps(body)}\n\n"
-
-    def delta(i: int, c: _Choice, text: str) -> dict[str, Any]:
-        lp: Any = None
-        if prep.chat:
-            if logprobs:
-                lp = run.chat_logprobs(c, c.num_streamed).model_dump()
-            body = {"index": i, "delta": {"content": text} if text or not c.finished else {}}
-        else:
-            echo = prep.echo is not None and not c.started
-            if echo:
-                text = prep.echo[c.prompt_index] + text  # type: ignore[index]
-            if logprobs:
-                lp = run.completion_logprobs(c, c.num_streamed, echo).model_dump()
-            body = {"index": i, "text": text}
-        c.num_streamed, c.started = len(c.logprobs), True
-        return {**body, "logprobs": lp, "finish_reason": c.finish_reason if c.finished else None}
-
-    try:
-        if prep.chat:
-            yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
-                          "logprobs": None, "finish_reason": None}
-                         for i in range(len(run.choices))])
-        while not run.done:
-            try:
-                i = await run.next_update()
-            except APIError as exc:
-                yield f"data: {json.dumps(exc.body())}\n\n"
-                break
-            if i is None:
-                continue
-            c = run.choices[i]
-            text = c.text.delta(final=c.finished)
-            if text or c.finished or len(c.logprobs) > c.num_streamed or (
-                    prep.echo is not None and not c.started):
-                yield chunk([delta(i, c, text)])
-        else:
-            if prep.include_usage:
-                yield chunk([], run.usage())
-        yield "data: [DONE]\n\n"
-    finally:
-        run.abort_unfinished()
+        try:
+            if self.chat:
+                yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                              "logprobs": None, "finish_reason": None}
+                             for i in range(len(self.choices))])
+            while not self.done:
+                try:
+                    i = await self.next_update()
+                except APIError as exc:
+                    yield f"data: {json.dumps(exc.body())}\n\n"
+                    break
+                if i is None:
+                    continue
+                c = self.choices[i]
+                text = c.text.delta(final=c.finished)
+                if text or c.finished or len(c.logprobs) > c.num_streamed or (
+                        self.echo is not None and not c.started):
+                    yield chunk([self._choice(i, text)])
+            else:
+                if with_usage:
+                    yield chunk([], self.usage())
+            yield "data: [DONE]\n\n"
+        finally:
+            self.abort_unfinished()

@@ -21,8 +21,6 @@ from specula.runtime.server.protocol import (
     ERROR_TYPE_INVALID_REQUEST,
     ERROR_TYPE_NOT_FOUND,
     ERROR_TYPE_SERVER,
-    ErrorInfo,
-    ErrorResponse,
     UnsupportedFieldError,
 )
 
@@ -45,10 +43,11 @@ class APIError(Exception):
         super().__init__(message)
         self.status = status
         self.headers = headers
-        self.info = ErrorInfo(message=message, type=type, param=param, code=code)
+        self.info = {"message": message, "type": type, "param": param, "code": code}
 
     def body(self) -> dict[str, Any]:
-        return ErrorResponse(error=self.info).model_dump()
+        """``{"error": {"message", "type", "param", "code"}}``, OpenAI's error shape."""
+        return {"error": self.info}
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)

@@ -13,7 +13,6 @@ when the request is prepared, as it is a server setting).
 from __future__ import annotations
 
 import time
-import uuid
 from typing import Annotated, Literal
 
 from pydantic import (
@@ -31,19 +30,6 @@ ERROR_TYPE_INVALID_REQUEST = "invalid_request_error"
 ERROR_TYPE_NOT_FOUND = "not_found_error"
 ERROR_TYPE_UNAVAILABLE = "service_unavailable_error"
 ERROR_TYPE_SERVER = "server_error"
-
-
-class ErrorInfo(BaseModel):
-    message: str
-    type: str = ERROR_TYPE_INVALID_REQUEST
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorResponse(BaseModel):
-    """``{"error": {"message", "type", "param", "code"}}``, OpenAI's error shape."""
-
-    error: ErrorInfo
 
 
 class StreamOptions(BaseModel):
@@ -238,78 +224,6 @@ class SpeculativeConfigUpdate(BaseModel):
                 "num_speculative_tokens_per_batch_size",
             )
         return self
-
-
-class UsageInfo(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-
-class CompletionLogprobs(BaseModel):
-    """OpenAI's legacy completions log-probabilities, one entry per token."""
-
-    tokens: list[str] = []
-    token_logprobs: list[float | None] = []
-    top_logprobs: list[dict[str, float] | None] = []
-    text_offset: list[int] = []
-    """Character offset of each token in the choice's text."""
-
-
-class CompletionChoice(BaseModel):
-    index: int
-    text: str
-    finish_reason: Literal["stop", "length", "abort"] | None
-    logprobs: CompletionLogprobs | None = None
-
-
-class ChatTopLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int]
-    """The token's UTF-8 bytes (a token may hold part of a character)."""
-
-
-class ChatTokenLogprob(ChatTopLogprob):
-    top_logprobs: list[ChatTopLogprob]
-
-
-class ChatLogprobs(BaseModel):
-    content: list[ChatTokenLogprob]
-
-
-class ChatResponseMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str
-
-
-class ChatChoice(BaseModel):
-    index: int
-    message: ChatResponseMessage
-    finish_reason: Literal["stop", "length", "abort"] | None
-    logprobs: ChatLogprobs | None = None
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: UsageInfo
-
-
-def _completion_id() -> str:
-    return f"cmpl-{uuid.uuid4().hex}"
-
-
-class CompletionResponse(BaseModel):
-    id: str = Field(default_factory=_completion_id)
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[CompletionChoice]
-    usage: UsageInfo | None = None
 
 
 class ModelCard(BaseModel):
