@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -90,6 +90,7 @@ from specula.runtime.worker.paged_kv import (
     mark_prefills,
     num_blocks_from_free_memory,
 )
+from specula.runtime.worker.parallel import broadcast_object, get_parallel, min_over_ranks
 
 if TYPE_CHECKING:
     from specula.api.runtime_config import RuntimeConfig, SpeculatorRuntimeConfig
@@ -127,7 +128,12 @@ class LLMEngine(SpeculativeSettings):
         max_num_batched_tokens: prompt tokens prefilled per step; default
             ``max(max_model_len, 2048)``.
         enforce_eager: no CUDA graphs (vLLM's flag of the same name).
-        tensor_parallel_size: 1 (the only degree this engine runs).
+        tensor_parallel_size: ranks the target is sharded over
+            (:mod:`~specula.runtime.worker.parallel`); the group must be joined first
+            (:func:`create_engine` starts the ranks). Every rank runs this engine on the
+            same inputs: rank 0's requests, aborts and settings reach the others at
+            each :meth:`step`, and the others run :meth:`follow`. A draft runs unsharded
+            on every rank.
         load_format: ``auto`` (checkpoint weights) or ``dummy`` (random weights from the
             configs, for benchmarks; vLLM's option of the same name).
         synthetic_acceptance_rate: benchmarks only: instead of verifying, accept each
@@ -150,7 +156,9 @@ class LLMEngine(SpeculativeSettings):
         ValueError: ``max_model_len`` above the target's limit; an architecture no
             paged runner serves (the message names it); a draft that does not fit the
             target (names the field and both values); a KV cache too small for one
-            request of ``max_model_len`` tokens; ``tensor_parallel_size`` other than 1.
+            request of ``max_model_len`` tokens; ``tensor_parallel_size`` other than the
+            group's size, a target it cannot shard (names the field and both values), or
+            a sharded draft (``draft_tensor_parallel_size`` above 1).
         UnsupportedSpeculatorMethod: the speculator method is not implemented.
         FileNotFoundError: a checkpoint is missing.
     """
@@ -181,11 +189,23 @@ class LLMEngine(SpeculativeSettings):
     ) -> None:
         if load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format {load_format!r} is not one of {LOAD_FORMATS}")
-        if tensor_parallel_size != 1:
+        parallel = get_parallel()
+        if tensor_parallel_size != parallel.world_size:
             raise ValueError(
-                f"tensor_parallel_size {tensor_parallel_size} is not supported: this runtime "
-                "runs a model on one device (tensor_parallel_size 1)"
+                f"tensor_parallel_size {tensor_parallel_size} != the {parallel.world_size} "
+                "ranks joined; start the engine with create_engine (specula serve)"
             )
+        draft_tp = getattr(speculator_config, "draft_tensor_parallel_size", 1)
+        if draft_tp != 1:
+            raise ValueError(
+                f"draft_tensor_parallel_size {draft_tp} is not supported: the draft runs "
+                "unsharded on every rank (draft_tensor_parallel_size 1)"
+            )
+        self.tensor_parallel_size = tensor_parallel_size
+        self._commands: list[tuple[str, tuple, dict]] | None = (
+            [] if tensor_parallel_size > 1 and parallel.rank == 0 else None
+        )
+        """Rank 0 of several: the calls the other ranks replay before the next step."""
         self.device = torch.device(device)
         self.tokenizer = tokenizer
         self.model_uri = model_uri
@@ -214,7 +234,8 @@ class LLMEngine(SpeculativeSettings):
 
         self.dtype = resolve_dtype(dtype, self.model_config, self.device)
         self.synthetic_acceptance_rate = synthetic_acceptance_rate
-        model = load_model(target_dir, self.dtype, self.device, self.model_config, load_format)
+        target_config = replace(self.model_config, tensor_parallel_size=tensor_parallel_size)
+        model = load_model(target_dir, self.dtype, self.device, target_config, load_format)
         self.speculator: BaseSpeculator | None = None
         if speculator_config is not None:
             self.speculator = create_speculator(
@@ -257,6 +278,7 @@ class LLMEngine(SpeculativeSettings):
                 )
             else:
                 num_gpu_blocks = cdiv(max_num_seqs * runner_len, block_size)
+            num_gpu_blocks = min_over_ranks(num_gpu_blocks)  # one scheduler for all ranks
         self.scheduler = PagedScheduler(
             BlockManager(num_gpu_blocks, block_size, enable_prefix_caching=enable_prefix_caching),
             max_num_seqs,
@@ -365,13 +387,24 @@ class LLMEngine(SpeculativeSettings):
         seed = params.seed
         if seed is None:
             seed = int(torch.randint(0, 2**62, (1,)).item())
-        self.scheduler.add(
-            Request(request_id, list(prompt_token_ids), params, self.eos_token_ids, seed)
-        )
+        self._add(request_id, list(prompt_token_ids), params, seed)
+
+    def _add(self, request_id: str, tokens: list[int], params: SamplingParams, seed: int) -> None:
+        self._mirror("_add", request_id, tokens, params, seed)
+        self.scheduler.add(Request(request_id, tokens, params, self.eos_token_ids, seed))
+
+    def _mirror(self, name: str, *args: Any, **kwargs: Any) -> None:
+        if self._commands is not None:
+            self._commands.append((name, args, kwargs))
+
+    def set_speculative_config(self, *args: Any, **kwargs: Any) -> None:
+        super().set_speculative_config(*args, **kwargs)
+        self._mirror("set_speculative_config", *args, **kwargs)
 
     def abort_request(self, request_id: str) -> None:
         """Drop a request; the next :meth:`step` reports it finished with reason
         ``"abort"``. Unknown or finished ids are ignored."""
+        self._mirror("abort_request", request_id)
         request = self.scheduler.remove(request_id)
         if request is not None:
             self.input_batch.remove(request)
@@ -402,7 +435,11 @@ class LLMEngine(SpeculativeSettings):
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step; returns one output per request that produced tokens,
-        finished, or was aborted since the last step."""
+        finished, or was aborted since the last step. With several ranks, rank 0 first
+        sends the other ranks the calls they replay before this step (:meth:`follow`)."""
+        if self._commands is not None:
+            commands, self._commands = self._commands, []
+            broadcast_object(commands)
         emitted: dict[Request, list[int]] = {}
         launched = self._launch()
         if self.async_scheduling:
@@ -438,6 +475,24 @@ class LLMEngine(SpeculativeSettings):
         for request in self.scheduler.remove_finished():
             self.input_batch.remove(request)
         return outputs
+
+    def follow(self) -> None:
+        """The loop of a rank other than 0: replay rank 0's calls and steps until it
+        sends ``None`` (:meth:`shutdown`). Collective: blocks until rank 0 steps."""
+        while (commands := broadcast_object()) is not None:
+            for name, args, kwargs in commands:
+                getattr(self, name)(*args, **kwargs)
+            self.step()
+
+    def shutdown(self) -> None:
+        """Rank 0 of several: end the other ranks' :meth:`follow` loops. A no-op on one
+        rank and on the others."""
+        if self._commands is not None:
+            from specula.runtime.engine.distributed import stopping
+
+            stopping.set()
+            broadcast_object(None)
+            self._commands = None
 
     def generate(
         self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
@@ -775,16 +830,23 @@ class _Launched:
 
 def create_engine(config: RuntimeConfig) -> LLMEngine:
     """The engine ``specula serve`` runs for ``config``, on a CUDA device (``device``
-    ``cuda``, or ``auto`` with a GPU visible) or the CPU.
+    ``cuda``, or ``auto`` with a GPU visible) or the CPU; with ``tensor_parallel_size``
+    N > 1, rank 0's, the other ranks started in their own processes
+    (:func:`~specula.runtime.engine.distributed.launch`).
 
     Raises:
-        ValueError: ``device: cuda`` without a visible GPU; load errors of the engine.
+        ValueError: ``device: cuda`` without a visible GPU (or fewer than N); load
+            errors of the engine.
     """
     device = config.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     elif device == "cuda" and not torch.cuda.is_available():
         raise ValueError("device is 'cuda' but no CUDA device is visible")
+    if config.tensor_parallel_size > 1:
+        from specula.runtime.engine.distributed import launch
+
+        return launch(config, device)
     return LLMEngine.from_config(config, device)
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +51,9 @@ class ModelConfig:
     """Dtype the checkpoint was saved in, ``None`` when the config does not say."""
     eos_token_ids: tuple[int, ...]
     hidden_act: str
+    tensor_parallel_size: int = field(default=1, kw_only=True)
+    """Ranks the model's heads, MLP columns and vocabulary are split over (the
+    runtime's setting, not the checkpoint's); the modules hold ``1/N`` of each."""
 
     @classmethod
     def from_pretrained(cls, checkpoint_dir: str | Path) -> ModelConfig:
@@ -121,8 +124,9 @@ class ModelConfig:
     def kv_cache_shapes(self) -> tuple[tuple[int, int], ...]:
         """``(num_kv_heads, head_dim)`` of each layer that owns KV-cache storage, in
         layer order (every layer here; architectures that share KV between layers
-        override it)."""
-        return ((self.num_key_value_heads, self.head_dim),) * self.num_hidden_layers
+        override it); this rank's ``num_key_value_heads / tensor_parallel_size`` heads."""
+        heads = self.num_key_value_heads // self.tensor_parallel_size
+        return ((heads, self.head_dim),) * self.num_hidden_layers
 
 
 def check_aux_layer_ids(

@@ -57,6 +57,16 @@ class MergedLinear(nn.Linear):
         rows.copy_(loaded)
 
 
+def sharded(module: nn.Module, style: str, tensor_parallel_size: int) -> nn.Module:
+    """Mark ``module`` as split over ``tensor_parallel_size`` ranks by ``style``
+    (``colwise``, ``rowwise`` or ``vocab``; :func:`~specula.runtime.worker.parallel.
+    shard_tensor`), so the loader copies only this rank's part of each checkpoint tensor.
+    Unmarked on one rank."""
+    if tensor_parallel_size > 1:
+        module.tp_style = style
+    return module
+
+
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
     # Llama 3.1 frequency remapping: long wavelengths are divided by `factor`, short ones
     # kept, and the band between is interpolated smoothly.

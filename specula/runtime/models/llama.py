@@ -15,30 +15,44 @@ from torch import nn
 
 from specula.runtime.kernels.gemv import linear
 from specula.runtime.models.config import ModelConfig, check_aux_layer_ids
-from specula.runtime.models.layers import MergedLinear, RMSNorm, RotaryEmbedding
+from specula.runtime.models.layers import MergedLinear, RMSNorm, RotaryEmbedding, sharded
+from specula.runtime.worker.parallel import VocabParallelEmbedding, gather_rows, gather_vocab
 
 
 class LlamaAttention(nn.Module):
+    """This rank's heads: ``1/tensor_parallel_size`` of the query and key/value heads
+    (``qkv_proj`` column-parallel, ``o_proj`` row-parallel)."""
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        tp = config.tensor_parallel_size
+        self.num_heads = config.num_attention_heads // tp
+        self.num_kv_heads = config.num_key_value_heads // tp
         self.head_dim = config.head_dim
         self.scale = self.head_dim**-0.5
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = MergedLinear(
+        self.qkv_proj = sharded(MergedLinear(
             config.hidden_size, [q_size, kv_size, kv_size], bias=config.attention_bias
+        ), "colwise", tp)
+        self.o_proj = sharded(
+            nn.Linear(q_size, config.hidden_size, bias=config.attention_bias), "rowwise", tp
         )
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.attention_bias)
 
 
 class LlamaMLP(nn.Module):
+    """SwiGLU MLP; this rank's ``1/tensor_parallel_size`` of the intermediate columns."""
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        inter = config.intermediate_size
-        self.gate_up_proj = MergedLinear(config.hidden_size, [inter, inter], bias=config.mlp_bias)
-        self.down_proj = nn.Linear(inter, config.hidden_size, bias=config.mlp_bias)
+        tp = config.tensor_parallel_size
+        inter = config.intermediate_size // tp
+        self.gate_up_proj = sharded(
+            MergedLinear(config.hidden_size, [inter, inter], bias=config.mlp_bias), "colwise", tp
+        )
+        self.down_proj = sharded(
+            nn.Linear(inter, config.hidden_size, bias=config.mlp_bias), "rowwise", tp
+        )
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -57,7 +71,9 @@ class LlamaModel(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(
+            config.vocab_size, config.hidden_size, config.tensor_parallel_size
+        )
         self.layers = nn.ModuleList(self.layer_cls(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -80,8 +96,11 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = sharded(nn.Linear(
+                config.hidden_size, self.model.embed_tokens.num_embeddings, bias=False
+            ), "vocab", config.tensor_parallel_size)
         self.rotary = RotaryEmbedding.from_config(config, device)
+        self._full_vocab: tuple[nn.Embedding, torch.Tensor] | None = None
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -100,6 +119,22 @@ class LlamaForCausalLM(nn.Module):
         """
         return check_aux_layer_ids(layer_ids, self.config.num_hidden_layers)
 
+    def full_vocab_weights(self) -> tuple[nn.Embedding, torch.Tensor]:
+        """``(embedding, lm_head weight [vocab_size, hidden_size])`` of the whole
+        vocabulary, for a draft that shares them and runs unsharded on every rank: the
+        model's own on one rank, else gathered from the ranks once (collective: every
+        rank calls it)."""
+        if self.config.tensor_parallel_size == 1:
+            return self.model.embed_tokens, self.lm_head_weight
+        if self._full_vocab is None:
+            vocab = self.config.vocab_size
+            embed_weight = gather_rows(self.model.embed_tokens.weight, vocab)
+            embed = nn.Embedding(vocab, self.config.hidden_size, _weight=embed_weight)
+            head = embed_weight if self.lm_head is None else gather_rows(self.lm_head.weight, vocab)
+            self._full_vocab = (embed.requires_grad_(False), head)
+        return self._full_vocab
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[num_positions, hidden_size] -> [num_positions, vocab_size] float32 logits."""
-        return linear(hidden, self.lm_head_weight).float()
+        """[num_positions, hidden_size] -> [num_positions, vocab_size] float32 logits
+        (the ranks' vocabulary shards gathered)."""
+        return gather_vocab(linear(hidden, self.lm_head_weight), self.config.vocab_size).float()

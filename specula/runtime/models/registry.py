@@ -13,6 +13,7 @@ from specula.runtime.models.gemma4 import Gemma4ForCausalLM
 from specula.runtime.models.layers import MergedLinear, build_empty, init_dummy_weights
 from specula.runtime.models.llama import LlamaForCausalLM
 from specula.runtime.models.qwen3 import Qwen3ForCausalLM
+from specula.runtime.worker.parallel import check_divisible, shard_tensor
 
 MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -27,13 +28,23 @@ def check_servable(config: ModelConfig) -> None:
     """Refuse, before any weight is read, a model the paged runners do not serve.
 
     Raises:
-        ValueError: the mixture-of-experts Gemma4 (``enable_moe_block``).
+        ValueError: the mixture-of-experts Gemma4 (``enable_moe_block``); at
+            ``tensor_parallel_size`` above 1, a Gemma4 target or heads and MLP columns
+            that do not split evenly (the message names the field and both values).
     """
     if getattr(config, "enable_moe_block", False):
         raise ValueError(
             "enable_moe_block is true: the mixture-of-experts Gemma4 is not served "
             "(its expert dispatch reads expert ids on the host); serve a dense Gemma4"
         )
+    tp = config.tensor_parallel_size
+    if tp > 1:
+        if config.architecture not in ("LlamaForCausalLM", "Qwen3ForCausalLM"):
+            raise ValueError(
+                f"tensor_parallel_size {tp}: architecture {config.architecture!r} runs on "
+                "one GPU (tensor_parallel_size 1); Llama and Qwen3 targets can be sharded"
+            )
+        check_divisible(config, tp)
 
 
 def load_model(
@@ -122,6 +133,9 @@ def load_safetensors(
                     module = modules.get(fused_path)
                     if not isinstance(module, MergedLinear):
                         raise ValueError(f"checkpoint tensor {name!r} has no matching module")
+                    if hasattr(module, "tp_style"):
+                        rows = module.output_sizes[shard_id]
+                        tensor = shard_tensor(tensor, module.tp_style, (rows, *tensor.shape[1:]))
                     module.load_shard(param_name, shard_id, tensor)
                     fused_name = f"{fused_path}.{param_name}"
                     pending = missing_shards.setdefault(
@@ -134,6 +148,9 @@ def load_safetensors(
                 param = params.get(name)
                 if param is None:
                     raise ValueError(f"checkpoint tensor {name!r} has no matching parameter")
+                style = getattr(modules.get(module_path), "tp_style", None)
+                if style is not None:
+                    tensor = shard_tensor(tensor, style, param.shape)
                 if param.shape != tensor.shape:
                     raise ValueError(
                         f"{name}: checkpoint shape {tuple(tensor.shape)} "

@@ -38,6 +38,7 @@ from specula.runtime.models.config import ModelConfig
 from specula.runtime.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
 from specula.runtime.models.qwen3 import Qwen3ForCausalLM
 from specula.runtime.worker.paged_kv import PagedAttentionMetadata, PagedKVCache
+from specula.runtime.worker.parallel import all_reduce, gather_vocab
 
 SUPPORTED_MODELS = (LlamaForCausalLM, Qwen3ForCausalLM)
 
@@ -233,7 +234,8 @@ class ModelRunner:
             ValueError: a cache that does not match.
         """
         spec = kv_cache.spec
-        expected = ((config.num_key_value_heads, config.head_dim),) * num_layers
+        tp = config.tensor_parallel_size
+        expected = ((config.num_key_value_heads // tp, config.head_dim),) * num_layers
         if spec.layer_shapes != expected:
             raise ValueError(f"KV cache {spec} does not match {num_layers} layers of the model")
         self.config = config
@@ -247,6 +249,8 @@ class ModelRunner:
         self.max_blocks_per_req = cdiv(max_model_len, spec.block_size)
         self.attn_num_splits = attn_num_splits
         self.has_qk_norm = config.model_type == "qwen3"
+        # Row-parallel outputs are partial sums over the ranks (Megatron-LM).
+        self.reduce = all_reduce if tp > 1 else _identity
         self.scale = config.head_dim**-0.5
         # float32 table: the kernel computes in float32 and rounds once, closer to the
         # float32 reference than a table in the activation dtype.
@@ -284,12 +288,12 @@ class ModelRunner:
             q, k, v, key_cache, value_cache, metadata, self.scale, self.attn_num_splits
         )
         # reshape: a one-request prefill's attention output may be a transposed view.
-        return _proj(attn.o_proj, out.reshape(n, q_size))
+        return self.reduce(_proj(attn.o_proj, out.reshape(n, q_size)))
 
-    @staticmethod
-    def _mlp(mlp: LlamaMLP, hidden: torch.Tensor) -> torch.Tensor:
+    def _mlp(self, mlp: LlamaMLP, hidden: torch.Tensor) -> torch.Tensor:
         gate_up = mlp.gate_up_proj
-        return _proj(mlp.down_proj, linear_silu_and_mul(hidden, gate_up.weight, gate_up.bias))
+        act = linear_silu_and_mul(hidden, gate_up.weight, gate_up.bias)
+        return self.reduce(_proj(mlp.down_proj, act))
 
     # -- forward ---------------------------------------------------------------------
 
@@ -362,14 +366,22 @@ class ModelRunner:
         """[num_positions, hidden_size] -> ``(logits [num_positions, vocab_size] in the
         model's dtype, greedy tokens [num_positions] int64)``: the LM head with the argmax
         fused in (:func:`~specula.runtime.kernels.gemv.linear_argmax`), so a greedy step
-        neither copies the logits to float32 nor scans them again."""
-        return linear_argmax(hidden, self.model.lm_head_weight)
+        neither copies the logits to float32 nor scans them again (sharded: the ranks'
+        logits gathered, then ``argmax``)."""
+        if self.config.tensor_parallel_size == 1:
+            return linear_argmax(hidden, self.model.lm_head_weight)
+        logits = gather_vocab(linear(hidden, self.model.lm_head_weight), self.config.vocab_size)
+        return logits, logits.argmax(dim=-1)
 
     @staticmethod
     def last_token_indices(metadata: PagedAttentionMetadata) -> torch.Tensor:
         """[num_reqs] int64 row of each request's last query token (where a prefill
         samples)."""
         return metadata.query_start_loc[1:].long() - 1
+
+
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
 
 
 def _proj(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,108 @@
+"""Starting a tensor-parallel engine: one process per rank, each on its own device,
+every one running the same :class:`~specula.runtime.engine.llm_engine.LLMEngine`
+(SPMD, as vLLM's multiprocessing executor does with its workers).
+
+Rank 0 is the calling process (``specula serve``'s engine thread): it takes requests
+and, at each step, sends the other ranks the calls they replay. Ranks 1..N-1 are
+spawned processes that join the group, load their shards and run
+:meth:`~specula.runtime.engine.llm_engine.LLMEngine.follow`. A rank that dies takes the
+server down with it (exit 1): the others would wait in the next collective forever.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import multiprocessing
+import os
+import socket
+import threading
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+import torch
+
+from specula.runtime.worker.parallel import init_parallel
+
+if TYPE_CHECKING:
+    from specula.api.runtime_config import RuntimeConfig
+    from specula.runtime.engine.llm_engine import LLMEngine
+
+logger = logging.getLogger(__name__)
+
+stopping = threading.Event()
+"""Set at rank 0's exit and shutdown: ranks that end then are not failures."""
+atexit.register(stopping.set)
+
+
+def rank_device(device_type: str, rank: int) -> torch.device:
+    """``cuda:<rank>`` on CUDA (the pod's GPUs, one per rank), else the CPU."""
+    return torch.device(f"cuda:{rank}" if device_type == "cuda" else "cpu")
+
+
+def launch(config: RuntimeConfig, device_type: str) -> LLMEngine:
+    """Start ranks 1..N-1 of ``config.tensor_parallel_size`` N, join as rank 0, and
+    return rank 0's engine (whose :meth:`~LLMEngine.shutdown` ends the others).
+
+    Raises:
+        ValueError: fewer CUDA devices than ranks (names both numbers), or a target
+            that cannot be sharded (:func:`~specula.runtime.models.registry.
+            check_servable`), both before any rank starts; the engine's load errors.
+        RuntimeError: the group cannot be formed.
+    """
+    from specula.runtime.engine.llm_engine import LLMEngine
+    from specula.runtime.loader import resolve_model_uri
+    from specula.runtime.models.config import ModelConfig
+    from specula.runtime.models.registry import check_servable
+
+    n = config.tensor_parallel_size
+    if device_type == "cuda" and torch.cuda.device_count() < n:
+        raise ValueError(
+            f"tensor_parallel_size {n} needs {n} GPUs; {torch.cuda.device_count()} visible"
+        )
+    # Resolved (downloaded) once here, where the ranks find it; refused before they start.
+    target = ModelConfig.from_pretrained(resolve_model_uri(config.model, config.revision))
+    check_servable(replace(target, tensor_parallel_size=n))
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        init_method = f"tcp://127.0.0.1:{sock.getsockname()[1]}"
+    ctx = multiprocessing.get_context("spawn")
+    ranks = [
+        ctx.Process(target=_follower_main, args=(config, rank, n, init_method, device_type),
+                    name=f"specula-tp-rank-{rank}", daemon=True)
+        for rank in range(1, n)
+    ]
+    for process in ranks:
+        process.start()
+    threading.Thread(target=_watch, args=(ranks,), daemon=True, name="tp-watch").start()
+    init_parallel(0, n, init_method, rank_device(device_type, 0))
+    return LLMEngine.from_config(config, rank_device(device_type, 0))
+
+
+def _watch(ranks: list) -> None:
+    """Exit the server when a rank ends before it was told to (its last words are in
+    its own log): the group cannot go on without it."""
+    for process in ranks:
+        process.join()
+        if process.exitcode != 0 and not stopping.is_set():
+            logger.error("%s exited with %s; stopping", process.name, process.exitcode)
+            from specula.runtime import download
+
+            download.write_termination_message(
+                f"engine failed: tensor-parallel {process.name} exited with {process.exitcode}"
+            )
+            os._exit(1)
+
+
+def _follower_main(
+    config: RuntimeConfig, rank: int, world_size: int, init_method: str, device_type: str
+) -> None:
+    """A spawned rank: join, load this rank's shards, replay rank 0 until it stops."""
+    from specula.runtime.engine.llm_engine import LLMEngine
+
+    logging.basicConfig(
+        level=logging.INFO, format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s"
+    )
+    device = rank_device(device_type, rank)
+    init_parallel(rank, world_size, init_method, device)
+    LLMEngine.from_config(config, device).follow()

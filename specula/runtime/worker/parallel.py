@@ -1,0 +1,200 @@
+"""Tensor parallelism: the process group, the collectives of a sharded forward, and the
+sharding of checkpoint tensors (Megatron-LM, arXiv 1909.08053).
+
+A target of ``tensor_parallel_size`` N runs on N processes, one device each. Every rank
+holds:
+
+- ``colwise`` weights (``qkv_proj``, ``gate_up_proj``): its ``1/N`` of the output rows,
+  so of the query and key/value heads and of the MLP's intermediate columns;
+- ``rowwise`` weights (``o_proj``, ``down_proj``): its ``1/N`` of the input columns; the
+  partial outputs are summed by one all-reduce per layer and sublayer;
+- ``vocab`` weights (``embed_tokens``, ``lm_head``): its ``ceil(V / N)`` rows of the
+  vocabulary (the last rank's padded with zeros); an embedding lookup masks the ids of
+  other ranks and all-reduces, the LM head all-gathers its logits.
+
+Names of the plan follow Hugging Face's ``base_model_tp_plan`` (``colwise``,
+``rowwise``). Every rank runs the same engine on the same inputs (SPMD): the rank that
+serves HTTP broadcasts each step's requests to the others
+(:mod:`specula.runtime.engine.distributed`).
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from specula.runtime.engine.block_manager import cdiv
+
+
+@dataclass(frozen=True)
+class ParallelState:
+    """This process's place in the tensor-parallel group."""
+
+    rank: int
+    world_size: int
+    group: Any = None
+    """The device collectives' group (NCCL on CUDA, gloo on a CPU); ``None``: one rank."""
+    cpu_group: Any = None
+    """A gloo group for host objects (the broadcast step commands)."""
+
+
+_STATE = ParallelState(0, 1)
+
+
+def get_parallel() -> ParallelState:
+    """The tensor-parallel state of this process (rank 0 of 1 until initialised)."""
+    return _STATE
+
+
+def init_parallel(rank: int, world_size: int, init_method: str, device: torch.device) -> ParallelState:
+    """Join the group of ``world_size`` ranks at ``init_method`` (``tcp://host:port``) as
+    ``rank``: NCCL for the device collectives on CUDA, gloo on a CPU and for host objects.
+
+    Raises:
+        RuntimeError: the rendezvous fails (``torch.distributed``'s errors).
+    """
+    global _STATE
+    if world_size == 1:
+        _STATE = ParallelState(0, 1)
+        return _STATE
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+                            device_id=device if device.type == "cuda" else None)
+    cpu_group = dist.new_group(backend="gloo") if backend == "nccl" else dist.group.WORLD
+    _STATE = ParallelState(rank, world_size, dist.group.WORLD, cpu_group)
+    return _STATE
+
+
+def destroy_parallel() -> None:
+    """Leave the group (if any) and return to one rank."""
+    global _STATE
+    if _STATE.world_size > 1 and dist.is_initialized():
+        dist.destroy_process_group()
+    _STATE = ParallelState(0, 1)
+
+
+def all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """Sum ``x`` over the ranks in place (a row-parallel layer's partial outputs); the
+    identity on one rank. Capturable in a CUDA graph (NCCL)."""
+    if _STATE.world_size > 1:
+        dist.all_reduce(x, group=_STATE.group)
+    return x
+
+
+def gather_vocab(x: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[n, ceil(V / N)] logits of each rank's vocabulary rows -> [n, vocab_size] (the
+    padding columns of the last rank dropped); ``x`` itself on one rank."""
+    if _STATE.world_size == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(_STATE.world_size)]
+    dist.all_gather(parts, x.contiguous(), group=_STATE.group)
+    return torch.cat(parts, dim=-1)[..., :vocab_size]
+
+
+def gather_rows(x: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """The ranks' row shards of a vocabulary-parallel weight, concatenated:
+    ``[ceil(V / N), ...]`` on each rank -> ``[num_rows, ...]`` (padding dropped)."""
+    if _STATE.world_size == 1:
+        return x[:num_rows]
+    parts = [torch.empty_like(x) for _ in range(_STATE.world_size)]
+    dist.all_gather(parts, x.contiguous(), group=_STATE.group)
+    return torch.cat(parts)[:num_rows]
+
+
+def broadcast_object(obj: Any = None) -> Any:
+    """``obj`` of rank 0 on every rank (pickled over the gloo group)."""
+    state = _STATE
+    if state.world_size == 1:
+        return obj
+    if state.rank == 0:
+        payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        size = torch.tensor([payload.numel()], dtype=torch.int64)
+    else:
+        size = torch.zeros(1, dtype=torch.int64)
+    dist.broadcast(size, 0, group=state.cpu_group)
+    if state.rank != 0:
+        payload = torch.empty(int(size), dtype=torch.uint8)
+    dist.broadcast(payload, 0, group=state.cpu_group)
+    return obj if state.rank == 0 else pickle.loads(payload.numpy().tobytes())
+
+
+def min_over_ranks(value: int) -> int:
+    """The least of every rank's ``value`` (the KV blocks all ranks can hold)."""
+    if _STATE.world_size == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=_STATE.cpu_group)
+    return int(t)
+
+
+def check_divisible(config: Any, world_size: int) -> None:
+    """Refuse a target whose heads or MLP columns do not split evenly over the ranks.
+
+    Raises:
+        ValueError: ``num_attention_heads``, ``num_key_value_heads`` or
+            ``intermediate_size`` not divisible by ``tensor_parallel_size``; the message
+            names the field and both values.
+    """
+    for field in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        value = getattr(config, field)
+        if value % world_size:
+            raise ValueError(
+                f"{field} {value} is not divisible by tensor_parallel_size {world_size}: "
+                "the model cannot be sharded over that many GPUs"
+            )
+
+
+def shard_tensor(tensor: torch.Tensor, style: str, shape: torch.Size) -> torch.Tensor:
+    """This rank's part of checkpoint tensor ``tensor`` for a parameter of ``shape``.
+
+    ``colwise`` and ``vocab`` take rows ``[rank * shape[0], ...)`` (``vocab`` pads the
+    last rank's with zeros); ``rowwise`` takes columns ``[rank * shape[1], ...)`` of a
+    matrix, and of a bias the whole on rank 0 and zeros elsewhere (the all-reduce sums
+    it once).
+    """
+    rank = _STATE.rank
+    if style == "rowwise":
+        if tensor.ndim == 1:
+            return tensor if rank == 0 else torch.zeros_like(tensor)
+        return tensor.narrow(1, rank * shape[1], shape[1])
+    rows = shape[0]
+    start = rank * rows
+    part = tensor[start : start + rows]
+    if part.shape[0] < rows:  # vocabulary padding
+        pad = tensor.new_zeros((rows - part.shape[0], *tensor.shape[1:]))
+        part = torch.cat([part, pad])
+    return part
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """The embedding of this rank's ``ceil(vocab_size / N)`` token ids; the lookup of
+    another rank's id is zero before the all-reduce that sums the ranks' rows.
+
+    Args:
+        vocab_size: the whole vocabulary; embedding_dim: hidden size;
+        world_size: ranks the rows are spread over.
+    """
+
+    def __init__(self, vocab_size: int, embedding_dim: int, world_size: int = 1) -> None:
+        super().__init__(cdiv(vocab_size, world_size), embedding_dim)
+        self.world_size = world_size
+        if world_size > 1:
+            self.tp_style = "vocab"
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[num_tokens] int64 -> [num_tokens, embedding_dim]."""
+        if self.world_size == 1:
+            return super().forward(input_ids)
+        start = _STATE.rank * self.num_embeddings
+        local = input_ids - start
+        outside = (local < 0) | (local >= self.num_embeddings)
+        out = super().forward(local.masked_fill(outside, 0))
+        out.masked_fill_(outside[:, None], 0)
+        return all_reduce(out)

@@ -1,0 +1,115 @@
+"""Tensor parallelism on the CPU (gloo): a target sharded over two ranks, each its own
+process, produces the greedy tokens of one rank and of ``transformers``, alone and with
+speculators; targets that cannot be sharded are refused before any rank starts."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from specula.runtime.engine.llm_engine import LLMEngine, SamplingParams, create_engine
+from specula.runtime.worker.parallel import (
+    ParallelState,
+    VocabParallelEmbedding,
+    destroy_parallel,
+    get_parallel,
+    shard_tensor,
+)
+from tests.runtime.conftest import runtime_config
+
+PROMPTS = [[5, 17, 42, 9], [7, 3, 3, 3, 11, 29, 31, 8, 2], [100, 4]]
+
+
+def _greedy(engine: LLMEngine, n: int = 12) -> list[list[int]]:
+    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    return engine.generate(PROMPTS, params)
+
+
+def _tp2(config) -> list[list[int]]:
+    """Greedy outputs of a two-rank engine (rank 1 in a spawned process), which is then
+    shut down and the group left."""
+    engine = create_engine(config.model_copy(update={"tensor_parallel_size": 2, "device": "cpu"}))
+    try:
+        assert get_parallel().world_size == 2 and engine.tensor_parallel_size == 2
+        first = _greedy(engine)
+        # Requests added and aborted between steps reach rank 1 as well.
+        engine.add_request("aborted", PROMPTS[0], SamplingParams(max_tokens=30))
+        engine.step()
+        engine.abort_request("aborted")
+        second = _greedy(engine)
+        assert second == first
+        return first
+    finally:
+        engine.shutdown()
+        destroy_parallel()
+
+
+@pytest.mark.parametrize("target", ["tiny_llama_target", "tiny_qwen3_target"])
+def test_two_ranks_match_one_rank_and_transformers(request, target, hf_model, hf_greedy):
+    path = request.getfixturevalue(target)
+    config = runtime_config(path, device="cpu")
+    sharded = _tp2(config)
+    single = _greedy(LLMEngine.from_config(config))
+    assert sharded == single
+    model = hf_model(path)
+    assert sharded == [hf_greedy(model, p, 12) for p in PROMPTS]
+
+
+def test_two_ranks_with_a_draft_model(tiny_llama_target, tiny_llama_draft, hf_model, hf_greedy):
+    config = runtime_config(tiny_llama_target, tiny_llama_draft, k=3, device="cpu")
+    sharded = _tp2(config)
+    model = hf_model(tiny_llama_target)
+    assert sharded == [hf_greedy(model, p, 12) for p in PROMPTS]
+
+
+def test_unshardable_targets_are_refused_before_any_rank_starts(tiny_llama_target):
+    # 4 query heads and 2 key/value heads: three ranks cannot split them.
+    config = runtime_config(tiny_llama_target, device="cpu", tensor_parallel_size=3)
+    with pytest.raises(ValueError, match="num_attention_heads 4 is not divisible by "
+                                         "tensor_parallel_size 3"):
+        create_engine(config)
+    assert get_parallel().world_size == 1
+
+
+def test_a_sharded_draft_is_refused(tiny_llama_target, tiny_llama_draft):
+    config = runtime_config(tiny_llama_target, tiny_llama_draft, device="cpu")
+    config.speculator.draft_tensor_parallel_size = 2
+    with pytest.raises(ValueError, match="draft_tensor_parallel_size 2 is not supported"):
+        LLMEngine.from_config(config)
+
+
+def test_an_engine_needs_its_ranks(tiny_llama_target):
+    config = runtime_config(tiny_llama_target, device="cpu", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="tensor_parallel_size 2 != the 1 ranks joined"):
+        LLMEngine.from_config(config)
+
+
+def test_shards_of_checkpoint_tensors(monkeypatch):
+    import specula.runtime.worker.parallel as parallel
+
+    w = torch.arange(5 * 4, dtype=torch.float32).view(5, 4)
+    for rank in (0, 1):
+        monkeypatch.setattr(parallel, "_STATE", ParallelState(rank, 2))
+        assert torch.equal(shard_tensor(w, "colwise", torch.Size([2, 4])), w[2 * rank : 2 * rank + 2])
+        assert torch.equal(shard_tensor(w, "rowwise", torch.Size([5, 2])), w[:, 2 * rank : 2 * rank + 2])
+        bias = shard_tensor(w[0], "rowwise", torch.Size([4]))
+        assert torch.equal(bias, w[0] if rank == 0 else torch.zeros(4))
+    # The vocabulary's last shard is padded with zero rows.
+    last = shard_tensor(w, "vocab", torch.Size([3, 4]))
+    assert torch.equal(last, torch.cat([w[3:], torch.zeros(1, 4)]))
+    assert dataclasses.asdict(get_parallel()) == dataclasses.asdict(ParallelState(1, 2))
+
+
+def test_vocab_parallel_embedding_looks_up_only_its_rows(monkeypatch):
+    import specula.runtime.worker.parallel as parallel
+
+    monkeypatch.setattr(parallel, "_STATE", ParallelState(1, 2))
+    monkeypatch.setattr(parallel, "all_reduce", lambda x: x)
+    embed = VocabParallelEmbedding(7, 3, world_size=2)  # rows 4..7 of 8 (7 padded)
+    torch.nn.init.normal_(embed.weight)
+    out = embed(torch.tensor([0, 4, 6, 3]))
+    assert torch.equal(out[0], torch.zeros(3)) and torch.equal(out[3], torch.zeros(3))
+    assert torch.equal(out[1], embed.weight[0]) and torch.equal(out[2], embed.weight[2])
+
