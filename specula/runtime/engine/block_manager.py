@@ -53,7 +53,8 @@ class BlockManager:
         enable_prefix_caching: name and reuse full blocks (module docstring).
 
     Raises:
-        ValueError: a non-positive size or a watermark outside ``[0, 1)``.
+        ValueError: a non-positive size or a watermark outside ``[0, 1)``. Methods that
+            take a ``request_id`` raise KeyError for an unknown request.
     """
 
     def __init__(
@@ -104,20 +105,12 @@ class BlockManager:
         return cdiv(num_tokens, self.block_size)
 
     def block_table(self, request_id: Hashable) -> list[int]:
-        """The request's block ids, in token order (a copy).
-
-        Raises:
-            KeyError: unknown request.
-        """
+        """The request's block ids, in token order (a copy)."""
         return list(self._tables[request_id])
 
     def num_tokens(self, request_id: Hashable) -> int:
         """Token slots the request holds (its context length once the current step's
-        tokens are written).
-
-        Raises:
-            KeyError: unknown request.
-        """
+        tokens are written)."""
         return self._num_tokens[request_id]
 
     def can_allocate(self, num_tokens: int, cached: Sequence[int] = ()) -> bool:
@@ -152,11 +145,8 @@ class BlockManager:
     def _take(self, n: int) -> list[int]:
         if n > self.num_free_blocks:
             raise NoFreeBlocksError(f"need {n} blocks, {self.num_free_blocks} free")
-        k = min(n, len(self._free))
-        taken = self._free[len(self._free) - k :]
-        del self._free[len(self._free) - k :]
-        taken.reverse()
-        for _ in range(n - k):  # evict the least recently freed named blocks
+        taken = [self._free.pop() for _ in range(min(n, len(self._free)))]
+        for _ in range(n - len(taken)):  # evict the least recently freed named blocks
             block = self._evictable.popitem(last=False)[0]
             del self._block_of[self._name_of.pop(block)]
             taken.append(block)
@@ -213,11 +203,7 @@ class BlockManager:
     def cache_blocks(self, request_id: Hashable, token_ids: Sequence[int], num_computed: int) -> None:
         """Name the request's full blocks among its first ``num_computed`` tokens (their
         KV written), so later requests can reuse them. A block whose name another block
-        already holds stays unnamed. No-op with caching off.
-
-        Raises:
-            KeyError: unknown request.
-        """
+        already holds stays unnamed. No-op with caching off."""
         if not self.enable_prefix_caching:
             return
         names, table = self._names[request_id], self._tables[request_id]
@@ -236,7 +222,7 @@ class BlockManager:
             the slot ids of the new tokens, ``[num_new_tokens]``.
 
         Raises:
-            KeyError: unknown request. ValueError: ``num_new_tokens`` < 0.
+            ValueError: ``num_new_tokens`` < 0.
             NoFreeBlocksError: not enough free blocks; nothing is changed then.
         """
         if num_new_tokens < 0:
@@ -255,7 +241,7 @@ class BlockManager:
             none was).
 
         Raises:
-            KeyError: unknown request. ValueError: ``num_tokens`` < 0.
+            ValueError: ``num_tokens`` < 0.
             NoFreeBlocksError: not enough free blocks; nothing is changed then.
         """
         if num_tokens < 0:
@@ -272,27 +258,15 @@ class BlockManager:
         return have if need > have else len(table)
 
     def num_blocks_held(self, request_id: Hashable) -> int:
-        """Blocks in the request's table.
-
-        Raises:
-            KeyError: unknown request.
-        """
+        """Blocks in the request's table."""
         return len(self._tables[request_id])
 
     def blocks_from(self, request_id: Hashable, start: int) -> list[int]:
-        """The request's block ids from table index ``start`` on (a copy).
-
-        Raises:
-            KeyError: unknown request.
-        """
+        """The request's block ids from table index ``start`` on (a copy)."""
         return self._tables[request_id][start:]
 
     def free(self, request_id: Hashable) -> None:
-        """Return all of the request's blocks (finished or preempted).
-
-        Raises:
-            KeyError: unknown request.
-        """
+        """Return all of the request's blocks (finished or preempted)."""
         table = self._tables.pop(request_id)
         del self._num_tokens[request_id], self._names[request_id]
         self._release(table[::-1])

@@ -117,16 +117,13 @@ class InputBatch:
         """Record that table entries ``first_new..`` of ``request`` are now ``blocks``
         (only entries past the ones already written are copied)."""
         row = request.row
-        start = self._num_blocks[row]
-        if first_new < start:
-            blocks = blocks[start - first_new :]
-            first_new = start
+        first = max(first_new, self._num_blocks[row])
+        new = blocks[first - first_new :]
         rows, cols, values = self._bt_updates
-        for i, block in enumerate(blocks):
-            rows.append(row)
-            cols.append(first_new + i)
-            values.append(block)
-        self._num_blocks[row] = first_new + len(blocks)
+        rows.extend([row] * len(new))
+        cols.extend(range(first, first + len(new)))
+        values.extend(new)
+        self._num_blocks[row] = first + len(new)
 
     def num_blocks_written(self, request: Request) -> int:
         """Leading entries of ``request``'s block-table row that hold its blocks."""
@@ -139,38 +136,37 @@ class InputBatch:
     def flush(self) -> None:
         """Copy the recorded block-table entries and the new requests' settings and
         tokens to the device (a few batched copies)."""
+        dev = self.device
+
+        def put(tensor: torch.Tensor, index, values: list) -> None:
+            tensor[index] = to_device(values, tensor.dtype, dev)
+
+        def rows_of(values: list[int]) -> torch.Tensor:
+            return to_device(values, torch.int64, dev)
+
         rows, cols, values = self._bt_updates
         if rows:
-            dev = self.device
-            r = to_device(rows, torch.int64, dev)
-            c = to_device(cols, torch.int64, dev)
-            self.block_table[r, c] = to_device(values, torch.int32, dev)
+            put(self.block_table, (rows_of(rows), rows_of(cols)), values)
             self._bt_updates = ([], [], [])
         new, self._new_rows = self._new_rows, []
         if not new:
             return
-        dev = self.device
-        rows_t = to_device([q.row for q in new], torch.int64, dev)
-        self.temperature[rows_t] = to_device([q.params.temperature for q in new], torch.float32, dev)
-        self.top_p[rows_t] = to_device([q.params.top_p for q in new], torch.float32, dev)
-        self.top_k[rows_t] = to_device([max(q.params.top_k, 0) for q in new], torch.int64, dev)
-        self.seeds[rows_t] = to_device([q.seed for q in new], torch.int64, dev)
+        rows_t = rows_of([q.row for q in new])
+        put(self.temperature, rows_t, [q.params.temperature for q in new])
+        put(self.top_p, rows_t, [q.params.top_p for q in new])
+        put(self.top_k, rows_t, [max(q.params.top_k, 0) for q in new])
+        put(self.seeds, rows_t, [q.seed for q in new])
         # index_fill_, not ``[rows_t] = 0``: that copies the host scalar synchronously.
         self.num_draft_tokens.index_fill_(0, rows_t, 0)
         if any(q.num_computed_tokens for q in new):  # after a reused prefix
-            self.num_computed_tokens[rows_t] = to_device(
-                [q.num_computed_tokens for q in new], torch.int64, dev
-            )
+            put(self.num_computed_tokens, rows_t, [q.num_computed_tokens for q in new])
         else:
             self.num_computed_tokens.index_fill_(0, rows_t, 0)
         if self.token_ids is not None:
-            flat_rows = [q.row for q in new for _ in q.token_ids]
-            flat_cols = [i for q in new for i in range(len(q.token_ids))]
-            tokens = [t for q in new for t in q.token_ids]
-            self.token_ids[to_device(flat_rows, torch.int64, dev), to_device(flat_cols, torch.int64, dev)] = (
-                to_device(tokens, torch.int64, dev)
-            )
-            self.num_tokens[rows_t] = to_device([len(q.token_ids) for q in new], torch.int64, dev)
+            flat_rows = rows_of([q.row for q in new for _ in q.token_ids])
+            flat_cols = rows_of([i for q in new for i in range(len(q.token_ids))])
+            put(self.token_ids, (flat_rows, flat_cols), [t for q in new for t in q.token_ids])
+            put(self.num_tokens, rows_t, [len(q.token_ids) for q in new])
 
     # -- device-side views and updates --------------------------------------------------
 
