@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import bisect
 import copy
+import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -96,6 +97,29 @@ class RuntimeSnapshot:
         return copy.deepcopy(self)
 
 
+_SCALARS: tuple[tuple[type[GaugeMetricFamily | CounterMetricFamily], str, str], ...] = (
+    # (family, name after the prefix: the snapshot's field, less a "_perc" suffix, help)
+    (GaugeMetricFamily, "num_requests_running", "Number of requests in the running batch."),
+    (GaugeMetricFamily, "num_requests_waiting", "Number of requests waiting to be scheduled."),
+    (CounterMetricFamily, "generation_tokens",
+     "Number of generated tokens (accepted draft, bonus and recovered tokens)."),
+    (GaugeMetricFamily, "num_speculative_tokens",
+     "Draft tokens per request in the last speculative round (the k in effect; "
+     "0 when the last step decoded without speculation)."),
+    (GaugeMetricFamily, "max_num_speculative_tokens",
+     "Largest num_speculative_tokens the runtime accepts (its startup value)."),
+    (CounterMetricFamily, "num_preemptions",
+     "Requests preempted because the KV cache ran out (recomputed when readmitted)."),
+    (CounterMetricFamily, "prefix_cache_queries",
+     "Prefix cache queries, in terms of number of queried prompt tokens."),
+    (CounterMetricFamily, "prefix_cache_hits",
+     "Prefix cache hits, in terms of number of cached prompt tokens."),
+    (GaugeMetricFamily, "kv_cache_usage_perc",
+     "Fraction of the paged KV cache's blocks in use (1 = full)."),
+)
+_BUCKET_LABELS = [*map(str, STEP_DURATION_BUCKETS_S), "+Inf"]
+
+
 class RuntimeProm(Collector):
     """Collector of request gauges, the generated-token counter and step times."""
 
@@ -110,82 +134,22 @@ class RuntimeProm(Collector):
         yield from self._families(self._get_snapshot())
 
     def _families(self, snap: RuntimeSnapshot | None) -> Iterator[Metric]:
-        labels = ["model_name"]
-        values = [self._model_name]
-        running = GaugeMetricFamily(
-            METRIC_PREFIX + "num_requests_running",
-            "Number of requests in the running batch.",
-            labels=labels,
-        )
-        waiting = GaugeMetricFamily(
-            METRIC_PREFIX + "num_requests_waiting",
-            "Number of requests waiting to be scheduled.",
-            labels=labels,
-        )
-        generated = CounterMetricFamily(
-            METRIC_PREFIX + "generation_tokens",
-            "Number of generated tokens (accepted draft, bonus and recovered tokens).",
-            labels=labels,
-        )
-        k_in_effect = GaugeMetricFamily(
-            METRIC_PREFIX + "num_speculative_tokens",
-            "Draft tokens per request in the last speculative round (the k in effect; "
-            "0 when the last step decoded without speculation).",
-            labels=labels,
-        )
-        k_max = GaugeMetricFamily(
-            METRIC_PREFIX + "max_num_speculative_tokens",
-            "Largest num_speculative_tokens the runtime accepts (its startup value).",
-            labels=labels,
-        )
-        preemptions = CounterMetricFamily(
-            METRIC_PREFIX + "num_preemptions",
-            "Requests preempted because the KV cache ran out (recomputed when readmitted).",
-            labels=labels,
-        )
-        prefix_queries = CounterMetricFamily(
-            METRIC_PREFIX + "prefix_cache_queries",
-            "Prefix cache queries, in terms of number of queried prompt tokens.",
-            labels=labels,
-        )
-        prefix_hits = CounterMetricFamily(
-            METRIC_PREFIX + "prefix_cache_hits",
-            "Prefix cache hits, in terms of number of cached prompt tokens.",
-            labels=labels,
-        )
-        kv_usage = GaugeMetricFamily(
-            METRIC_PREFIX + "kv_cache_usage_perc",
-            "Fraction of the paged KV cache's blocks in use (1 = full).",
-            labels=labels,
-        )
+        labels, values = ["model_name"], [self._model_name]
+        for family_type, name, help_text in _SCALARS:
+            family = family_type(METRIC_PREFIX + name, help_text, labels=labels)
+            if snap is not None:
+                family.add_metric(values, getattr(snap, name.removesuffix("_perc")))
+            yield family
         steps = HistogramMetricFamily(
             METRIC_PREFIX + "step_duration_seconds",
             "Wall time of one engine step (prefill of new requests plus one decode "
             "round), by batch-size bucket of the decode round and the k it drafted.",
             labels=[*labels, "batch_bucket", "num_speculative_tokens"],
         )
-        if snap is not None:
-            running.add_metric(values, snap.num_requests_running)
-            waiting.add_metric(values, snap.num_requests_waiting)
-            generated.add_metric(values, snap.generation_tokens)
-            k_in_effect.add_metric(values, snap.num_speculative_tokens)
-            k_max.add_metric(values, snap.max_num_speculative_tokens)
-            preemptions.add_metric(values, snap.num_preemptions)
-            prefix_queries.add_metric(values, snap.prefix_cache_queries)
-            prefix_hits.add_metric(values, snap.prefix_cache_hits)
-            kv_usage.add_metric(values, snap.kv_cache_usage)
-            for (bucket, k), s in sorted(snap.step_times.series.items()):
-                cumulative, acc = [], 0
-                for le, n in zip(
-                    [*map(str, STEP_DURATION_BUCKETS_S), "+Inf"], s.bucket_counts, strict=True
-                ):
-                    acc += n
-                    cumulative.append((le, acc))
-                steps.add_metric([*values, bucket, str(k)], cumulative, s.sum_s)
-        yield from (
-            running, waiting, generated, k_in_effect, k_max, preemptions, prefix_queries,
-            prefix_hits, kv_usage, steps,
-        )
+        for (bucket, k), s in sorted(snap.step_times.series.items() if snap else ()):
+            cumulative = zip(_BUCKET_LABELS, itertools.accumulate(s.bucket_counts), strict=True)
+            steps.add_metric([*values, bucket, str(k)], list(cumulative), s.sum_s)
+        yield steps
 
 
 def build_registry(
