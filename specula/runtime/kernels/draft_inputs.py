@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specula.runtime.kernels.dispatch import use_reference
+from specula.runtime.kernels.dispatch import check, use_reference
 
 _BLOCK = 128
 """Tokens per step of a request's copy loop."""
@@ -97,50 +97,30 @@ def prepare_draft_inputs(
     Raises:
         AssertionError: shapes, dtypes or layouts do not match the above.
     """
-    assert input_ids.ndim == 1 and input_ids.dtype == torch.int64 and input_ids.is_contiguous()
-    assert positions.shape == input_ids.shape and positions.dtype == torch.int64
-    assert positions.is_contiguous()
-    num_tokens = input_ids.shape[0]
-    num_reqs = cu_num_draft_tokens.shape[0]
-    assert query_start_loc.shape == (num_reqs + 1,) and query_start_loc.dtype == torch.int32
-    assert cu_num_draft_tokens.ndim == 1 and cu_num_draft_tokens.dtype == torch.int32
-    assert num_accepted.shape == (num_reqs,) and num_accepted.dtype == torch.int64
-    assert next_token_ids.shape == (num_reqs,) and next_token_ids.dtype == torch.int64
-    for t in (query_start_loc, cu_num_draft_tokens, num_accepted, next_token_ids):
-        assert t.is_contiguous()
-    draft_input_ids = torch.empty_like(input_ids) if out_input_ids is None else out_input_ids
-    draft_positions = torch.empty_like(positions) if out_positions is None else out_positions
-    last_token_indices = (
-        torch.empty(num_reqs, dtype=torch.int64, device=input_ids.device)
-        if out_last_token_indices is None
-        else out_last_token_indices
-    )
-    assert draft_input_ids.shape[0] >= num_tokens and draft_positions.shape[0] >= num_tokens
-    assert draft_input_ids.dtype == draft_positions.dtype == torch.int64
-    assert last_token_indices.shape[0] >= num_reqs and last_token_indices.dtype == torch.int64
+    check(input_ids, (None,), torch.int64, dense=True)
+    check(positions, input_ids.shape, torch.int64, dense=True)
+    check(cu_num_draft_tokens, (None,), torch.int32, dense=True)
+    num_tokens, num_reqs = input_ids.shape[0], cu_num_draft_tokens.shape[0]
+    check(query_start_loc, (num_reqs + 1,), torch.int32, dense=True)
+    check(num_accepted, (num_reqs,), torch.int64, dense=True)
+    check(next_token_ids, (num_reqs,), torch.int64, dense=True)
+    ids = torch.empty_like(input_ids) if out_input_ids is None else out_input_ids
+    pos = torch.empty_like(positions) if out_positions is None else out_positions
+    last = out_last_token_indices
+    last = input_ids.new_empty(num_reqs) if last is None else last
+    assert ids.shape[0] >= num_tokens and pos.shape[0] >= num_tokens
+    assert ids.dtype == pos.dtype == last.dtype == torch.int64 and last.shape[0] >= num_reqs
     if num_reqs > 0 and use_reference(input_ids):
-        ids, pos, last = prepare_draft_inputs_reference(
+        ids[:num_tokens], pos[:num_tokens], last[:num_reqs] = prepare_draft_inputs_reference(
             input_ids, positions, query_start_loc, cu_num_draft_tokens, num_accepted,
             next_token_ids,
         )
-        draft_input_ids[:num_tokens] = ids
-        draft_positions[:num_tokens] = pos
-        last_token_indices[:num_reqs] = last
     elif num_reqs > 0:
         _prepare_draft_inputs_kernel[(num_reqs,)](
-            draft_input_ids,
-            draft_positions,
-            last_token_indices,
-            input_ids,
-            positions,
-            query_start_loc,
-            cu_num_draft_tokens,
-            num_accepted,
-            next_token_ids,
-            BLOCK=_BLOCK,
-            enable_fp_fusion=True,
+            ids, pos, last, input_ids, positions, query_start_loc, cu_num_draft_tokens,
+            num_accepted, next_token_ids, BLOCK=_BLOCK, enable_fp_fusion=True,
         )
-    return draft_input_ids, draft_positions, last_token_indices
+    return ids, pos, last
 
 
 def prepare_draft_inputs_reference(

@@ -33,10 +33,7 @@ def _rms_norm_kernel(
     residual_ptr,  # [num_tokens, hidden_size], read when HAS_RESIDUAL
     weight_ptr,  # [hidden_size]
     eps,
-    stride_out,
-    stride_res_out,
-    stride_x,
-    stride_res,
+    stride_out, stride_res_out, stride_x, stride_res,
     HIDDEN: tl.constexpr,
     BLOCK: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,

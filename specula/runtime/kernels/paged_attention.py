@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specula.runtime.kernels.dispatch import use_reference
+from specula.runtime.kernels.dispatch import FLOATS, check, use_reference
 
 _MIN_TOKENS_PER_SPLIT = 128
 """A split reads at least this many keys: fewer would cost more in the merge than the
@@ -63,16 +63,8 @@ def _paged_attention_kernel(
     sliding_window,  # keys per query when SLIDING (its own position included)
     num_heads,
     num_m_blocks,
-    stride_qt,
-    stride_qh,
-    stride_ot,
-    stride_oh,
-    stride_kb,
-    stride_ks,
-    stride_kh,
-    stride_vb,
-    stride_vs,
-    stride_vh,
+    stride_qt, stride_qh, stride_ot, stride_oh,  # query, out: token, head
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,  # caches: block, slot, head
     stride_bt,
     GROUP_SIZE: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -163,8 +155,7 @@ def _merge_splits_kernel(
     partial_out_ptr,  # [num_tokens, num_heads, NUM_SPLITS, head_dim] float32
     partial_lse_ptr,  # [num_tokens, num_heads, NUM_SPLITS] float32, base-2
     num_heads,
-    stride_ot,
-    stride_oh,
+    stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
@@ -276,32 +267,26 @@ def paged_attention(
     Raises:
         AssertionError: shapes, dtypes or layouts do not match the above.
     """
-    assert query.ndim == 3 and key_cache.ndim == 4 and value_cache.shape == key_cache.shape
-    assert block_table.ndim == 2 and block_table.dtype == torch.int32
-    assert seq_lens.ndim == 1 and seq_lens.dtype == torch.int32
-    assert query.dtype in (torch.float16, torch.bfloat16, torch.float32)
-    assert key_cache.dtype == query.dtype == value_cache.dtype
-    assert query.stride(-1) == 1 and key_cache.stride(-1) == 1 and value_cache.stride(-1) == 1
-    assert block_table.stride(-1) == 1 and seq_lens.is_contiguous()
+    check(query, (None, None, None), FLOATS)
     num_tokens, num_heads, head_dim = query.shape
-    _, block_size, num_kv_heads, cache_head_dim = key_cache.shape
+    check(key_cache, (None, None, None, head_dim), query.dtype)
+    check(value_cache, key_cache.shape, query.dtype)
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    check(block_table, (None, None), torch.int32)
     num_reqs = block_table.shape[0]
-    assert cache_head_dim == head_dim and num_heads % num_kv_heads == 0
-    assert q_len >= 1 and num_tokens == num_reqs * q_len and seq_lens.shape[0] == num_reqs
+    check(seq_lens, (num_reqs,), torch.int32, dense=True)
+    assert num_heads % num_kv_heads == 0 and q_len >= 1 and num_tokens == num_reqs * q_len
     assert sliding_window is None or sliding_window >= 1
-    group_size = num_heads // num_kv_heads
-    if out is None:
-        out = torch.empty_like(query)
-    assert out.shape == query.shape and out.dtype == query.dtype and out.stride(-1) == 1
+    out = torch.empty_like(query) if out is None else out
+    check(out, query.shape, query.dtype)
     if num_reqs == 0:
         return out
-
     if use_reference(query):
-        return out.copy_(
-            paged_attention_reference(
-                query, key_cache, value_cache, block_table, seq_lens, scale, q_len, sliding_window
-            )
+        ref = paged_attention_reference(
+            query, key_cache, value_cache, block_table, seq_lens, scale, q_len, sliding_window
         )
+        return out.copy_(ref)
+    group_size = num_heads // num_kv_heads
     rows = q_len * group_size
     block_m = max(16, min(_MAX_BLOCK_M, triton.next_power_of_2(rows)))
     num_m_blocks = triton.cdiv(rows, block_m)
@@ -313,41 +298,20 @@ def paged_attention(
             num_reqs, num_kv_heads, num_m_blocks, max_context, query.device
         )
     assert num_splits >= 1
+    partial_out = partial_lse = out  # unused by the kernel when NUM_SPLITS == 1
     if num_splits > 1:
-        partial_out = torch.empty(
-            num_tokens, num_heads, num_splits, head_dim, dtype=torch.float32, device=query.device
-        )
-        partial_lse = torch.empty(
-            num_tokens, num_heads, num_splits, dtype=torch.float32, device=query.device
-        )
-    else:
-        partial_out = partial_lse = out  # unused by the kernel when NUM_SPLITS == 1
+        partial_shape = (num_tokens, num_heads, num_splits)
+        partial_out = query.new_empty(*partial_shape, head_dim, dtype=torch.float32)
+        partial_lse = query.new_empty(*partial_shape, dtype=torch.float32)
     block_d = triton.next_power_of_2(max(head_dim, 16))
     block_n = _block_n(block_m, block_d, query.element_size(), query.device)
     # float32 caches are for tests and references: keep their dot products exact.
     precision = "ieee" if query.dtype == torch.float32 else "tf32"
-    grid = (num_reqs, num_kv_heads * num_m_blocks, num_splits)
-    _paged_attention_kernel[grid](
-        out,
-        partial_out,
-        partial_lse,
-        query,
-        key_cache,
-        value_cache,
-        block_table,
-        seq_lens,
-        scale * math.log2(math.e),
-        q_len,
-        sliding_window or 0,
-        num_heads,
-        num_m_blocks,
-        query.stride(0),
-        query.stride(1),
-        out.stride(0),
-        out.stride(1),
-        *key_cache.stride()[:3],
-        *value_cache.stride()[:3],
-        block_table.stride(0),
+    _paged_attention_kernel[(num_reqs, num_kv_heads * num_m_blocks, num_splits)](
+        out, partial_out, partial_lse, query, key_cache, value_cache, block_table, seq_lens,
+        scale * math.log2(math.e), q_len, sliding_window or 0, num_heads, num_m_blocks,
+        *query.stride()[:2], *out.stride()[:2], *key_cache.stride()[:3],
+        *value_cache.stride()[:3], block_table.stride(0),
         GROUP_SIZE=group_size,
         BLOCK_SIZE=block_size,
         HEAD_DIM=head_dim,
@@ -362,12 +326,7 @@ def paged_attention(
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
-            out,
-            partial_out,
-            partial_lse,
-            num_heads,
-            out.stride(0),
-            out.stride(1),
+            out, partial_out, partial_lse, num_heads, *out.stride()[:2],
             HEAD_DIM=head_dim,
             BLOCK_D=block_d,
             NUM_SPLITS=num_splits,

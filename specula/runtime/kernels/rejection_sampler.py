@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specula.runtime.kernels.dispatch import use_reference
+from specula.runtime.kernels.dispatch import check, use_reference
 
 PLACEHOLDER_TOKEN_ID = -1
 """Fills output positions after the first rejection; the value of
@@ -50,10 +50,7 @@ def _rejection_sample_kernel(
     uniform_ptr,  # [num_draft_tokens] float32
     noise_ptr,  # [num_reqs, vocab_size] float32
     vocab_size,
-    stride_out,
-    stride_draft_probs,
-    stride_target_probs,
-    stride_noise,
+    stride_out, stride_draft_probs, stride_target_probs, stride_noise,
     MAX_SPEC_LEN: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_V: tl.constexpr,
@@ -184,68 +181,44 @@ def rejection_sample(
     Raises:
         AssertionError: shapes, dtypes or layouts do not match the above.
     """
-    assert draft_token_ids.ndim == 1 and draft_token_ids.dtype == torch.int64
-    assert cu_num_draft_tokens.ndim == 1 and cu_num_draft_tokens.dtype == torch.int32
-    assert target_argmax.ndim == 1 and target_argmax.dtype == torch.int64
-    assert draft_token_ids.is_contiguous() and cu_num_draft_tokens.is_contiguous()
-    assert target_argmax.is_contiguous() and max_spec_len >= 1
-    num_reqs = cu_num_draft_tokens.shape[0]
-    num_draft_tokens = draft_token_ids.shape[0]
-    assert target_argmax.shape[0] == num_draft_tokens + num_reqs
-    device = draft_token_ids.device
-    output = torch.empty(num_reqs, max_spec_len + 1, dtype=torch.int64, device=device)
-    num_accepted = torch.empty(num_reqs, dtype=torch.int64, device=device)
+    check(draft_token_ids, (None,), torch.int64, dense=True)
+    check(cu_num_draft_tokens, (None,), torch.int32, dense=True)
+    num_draft_tokens, num_reqs = draft_token_ids.shape[0], cu_num_draft_tokens.shape[0]
+    num_rows = num_draft_tokens + num_reqs
+    check(target_argmax, (num_rows,), torch.int64, dense=True)
+    assert max_spec_len >= 1
+    output = draft_token_ids.new_empty(num_reqs, max_spec_len + 1)
+    num_accepted = draft_token_ids.new_empty(num_reqs)
     if num_reqs == 0:
         return output, num_accepted
-
     all_greedy = is_greedy is None
-    vocab_size = 0
     if not all_greedy:
         assert is_greedy.shape == (num_reqs,) and is_greedy.dtype == torch.bool
-        assert target_probs is not None and uniform_samples is not None
-        assert exponential_noise is not None
-        assert target_probs.ndim == 2 and target_probs.dtype == torch.float32
+        check(target_probs, (num_rows, None), torch.float32)
         vocab_size = target_probs.shape[1]
-        assert target_probs.shape[0] == num_draft_tokens + num_reqs
-        assert target_probs.stride(-1) == 1
-        assert uniform_samples.shape == (num_draft_tokens,) and uniform_samples.is_contiguous()
-        assert uniform_samples.dtype == torch.float32
-        assert exponential_noise.shape == (num_reqs, vocab_size)
-        assert exponential_noise.dtype == torch.float32 and exponential_noise.stride(-1) == 1
+        check(uniform_samples, (num_draft_tokens,), torch.float32, dense=True)
+        check(exponential_noise, (num_reqs, vocab_size), torch.float32)
         if draft_probs is not None:
-            assert draft_probs.shape == (num_draft_tokens, vocab_size)
-            assert draft_probs.dtype == torch.float32 and draft_probs.stride(-1) == 1
+            check(draft_probs, (num_draft_tokens, vocab_size), torch.float32)
     if use_reference(draft_token_ids):
         return rejection_sample_reference(
-            draft_token_ids,
-            cu_num_draft_tokens,
-            target_argmax,
-            max_spec_len,
-            is_greedy=is_greedy,
-            draft_probs=draft_probs,
-            target_probs=target_probs,
-            uniform_samples=uniform_samples,
-            exponential_noise=exponential_noise,
+            draft_token_ids, cu_num_draft_tokens, target_argmax, max_spec_len,
+            is_greedy=is_greedy, draft_probs=draft_probs, target_probs=target_probs,
+            uniform_samples=uniform_samples, exponential_noise=exponential_noise,
         )
-    # Unused pointers still need a tensor; the kernel never dereferences them.
-    placeholder = draft_token_ids
-    draft_probs_arg = draft_probs if draft_probs is not None else placeholder
+    # Arguments the kernel does not read (all greedy, or no draft probabilities) still
+    # need a tensor: any will do, with row stride 0.
+    sampling = (is_greedy, draft_probs, target_probs, uniform_samples, exponential_noise)
+    if all_greedy:
+        sampling = (None,) * 5
+    pointers = [draft_token_ids if t is None else t for t in sampling]
+    _, draft_probs_stride, target_probs_stride, _, noise_stride = [
+        0 if t is None else t.stride(0) for t in sampling
+    ]
     _rejection_sample_kernel[(num_reqs,)](
-        output,
-        num_accepted,
-        draft_token_ids,
-        cu_num_draft_tokens,
-        target_argmax,
-        placeholder if all_greedy else is_greedy,
-        draft_probs_arg,
-        placeholder if all_greedy else target_probs,
-        placeholder if all_greedy else uniform_samples,
-        placeholder if all_greedy else exponential_noise,
-        vocab_size,
-        output.stride(0),
-        draft_probs.stride(0) if draft_probs is not None else 0,
-        target_probs.stride(0) if not all_greedy else 0,
-        exponential_noise.stride(0) if not all_greedy else 0,
+        output, num_accepted, draft_token_ids, cu_num_draft_tokens, target_argmax, *pointers,
+        0 if all_greedy else vocab_size, output.stride(0),
+        draft_probs_stride, target_probs_stride, noise_stride,
         MAX_SPEC_LEN=max_spec_len,
         BLOCK_K=triton.next_power_of_2(max_spec_len + 1),
         BLOCK_V=_BLOCK_V,

@@ -57,18 +57,8 @@ def _rotary_kernel(
     key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim], when WRITE_CACHE
     value_cache_ptr,
     cos_sin_ptr,  # [max_position, rotary_dim]
-    stride_qt,
-    stride_qh,
-    stride_kt,
-    stride_kh,
-    stride_vt,
-    stride_vh,
-    stride_kcb,
-    stride_kcs,
-    stride_kch,
-    stride_vcb,
-    stride_vcs,
-    stride_vch,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,  # token, head
+    stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,  # block, slot, head
     stride_cs,
     NUM_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
