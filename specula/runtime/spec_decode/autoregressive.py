@@ -137,27 +137,23 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
         """Width of the state carried between draft steps."""
         return self.model.config.hidden_size
 
-    @torch.no_grad()
-    def capture(
+    def capture_graphs(
         self, captured_attention_states: dict[BatchExecutionDescriptor, CapturedAttentionState]
     ) -> None:
         """Prefill graphs on the target's captured states (largest first), then the
-        decode graphs for the same request counts, all in one memory pool."""
-        self.begin_capture(captured_attention_states)
+        decode graphs for the same request counts."""
         if not self.reads_target_kv:
             for d, state in captured_attention_states.items():
                 if not self.conditions_on_hidden_states and d.uniform_query_len > 1:
                     continue  # token-only drafts skip the prefill of verifications
-                graph = self.capture_in_pool(lambda state=state: self._prefill_graphed(state))
-                self.prefill_graphs[d] = graph
-        steps = range(1, self.max_num_speculative_tokens + 1)
+                self.prefill_graphs[d] = self.capture_in_pool(
+                    lambda s=state: self._prefill(s.descriptor.num_reqs, s, True)
+                )
+        steps = range(1, self._num_decode_steps(self.max_num_speculative_tokens) + 1)
         keys = sorted(((r, s) for r in self.capture_sizes for s in steps), reverse=True,
                       key=lambda rs: (rs[0] * rs[1], rs[0]))
         for r, s in keys:
-            if s > self._num_decode_steps(self.max_num_speculative_tokens):
-                continue
             self.decode_graphs[(r, s)] = self.capture_in_pool(lambda r=r, s=s: self._decode(r, s))
-        torch.cuda.synchronize()
 
     # ---- the loop -------------------------------------------------------------------
 
@@ -172,19 +168,12 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
         return out if self.model_returns_tuple else (out, out)
 
     def _prefill(
-        self,
-        num_reqs: int,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        metadata: PagedAttentionMetadata,
-        hidden: torch.Tensor,
-        aux: torch.Tensor | None,
-        sample_first: bool,
+        self, r: int, target: ProposeInputs | CapturedAttentionState, sample_first: bool
     ) -> None:
-        """Stage 1 over the target forward's rows (module docstring); conditioned drafts
-        write draft 1 of each request to ``draft_token_ids[:, 0]`` and its state to
-        :attr:`hidden`."""
-        r = num_reqs
+        """Stage 1 over the ``r`` requests of the ``target`` forward (its inputs, metadata
+        and hidden states; module docstring); conditioned drafts write draft 1 of each
+        request to ``draft_token_ids[:, 0]`` and its state to :attr:`hidden`."""
+        input_ids, positions, metadata = target.input_ids, target.positions, target.metadata
         if not self.conditions_on_hidden_states:
             self._forward(input_ids, positions, metadata, None)
             return
@@ -201,17 +190,11 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
             out_positions=self.prefill_positions[:n] if static else None,
             out_last_token_indices=self.last_token_indices[:r],
         )
-        h_logits, h_next = self._forward(ids, pos, metadata, self.conditioning(hidden, aux))
+        conditioning = self.conditioning(target.hidden_states, target.aux_hidden_states)
+        h_logits, h_next = self._forward(ids, pos, metadata, conditioning)
         self.hidden[:r] = h_next[last]
         if sample_first:
             self._store(0, *self.sample_draft(h_logits[last], self._sampling(r), self.keys[:r], 0), r)
-
-    def _prefill_graphed(self, state: CapturedAttentionState) -> None:
-        d = state.descriptor
-        self._prefill(
-            d.num_reqs, state.input_ids, state.positions, state.metadata, state.hidden_states,
-            state.aux_hidden_states, sample_first=True,
-        )
 
     def _sampling(self, r: int) -> SamplingMetadata:
         return self.sampling.select(slice(0, r))
@@ -298,10 +281,7 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
             self.prefill_graphs[d].replay()
             self.num_prefill_replays += 1
         elif run_prefill:
-            self._prefill(
-                r, inputs.input_ids, inputs.positions, inputs.metadata, inputs.hidden_states,
-                inputs.aux_hidden_states, sample_first=k > 0,
-            )
+            self._prefill(r, inputs, sample_first=k > 0)
         if k == 0:
             return None
         steps = self._num_decode_steps(k)

@@ -200,14 +200,24 @@ class DraftModelSpeculator(BaseSpeculator):
         self.num_decode_replays = 0
         """Draft decode (or block) graph replays (a counter)."""
 
-    def begin_capture(
+    @torch.no_grad()
+    def capture(
         self, captured_attention_states: dict[BatchExecutionDescriptor, CapturedAttentionState]
     ) -> None:
-        """Capture for the target's request counts (none captured: the default ladder)."""
+        """Capture for the target's request counts (none captured: the default ladder):
+        :meth:`capture_graphs`, all in one memory pool."""
         self.capture_sizes = (
             sorted({d.num_reqs for d in captured_attention_states}) or self.capture_sizes
         )
         self.start_positions.fill_(-1)
+        self.capture_graphs(captured_attention_states)
+        torch.cuda.synchronize()
+
+    @abstractmethod
+    def capture_graphs(
+        self, captured_attention_states: dict[BatchExecutionDescriptor, CapturedAttentionState]
+    ) -> None:
+        """The method's graphs, each through :meth:`capture_in_pool`."""
 
     def capture_in_pool(self, fn: Callable[[], None]) -> torch.cuda.CUDAGraph:
         """``fn`` captured as a graph in the speculator's one memory pool."""

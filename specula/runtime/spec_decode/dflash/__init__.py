@@ -94,24 +94,22 @@ class DFlashSpeculator(DraftModelSpeculator):
         self.context_graphs: dict[BatchExecutionDescriptor, torch.cuda.CUDAGraph] = {}
         self.block_graphs: dict[int, torch.cuda.CUDAGraph] = {}
 
-    @torch.no_grad()
-    def capture(
+    def capture_graphs(
         self, captured_attention_states: dict[BatchExecutionDescriptor, CapturedAttentionState]
     ) -> None:
-        self.begin_capture(captured_attention_states)
         for d, state in captured_attention_states.items():
-            self.context_graphs[d] = self.capture_in_pool(
-                lambda s=state: self.runner.store_context(
-                    s.aux_hidden_states, s.positions, s.metadata.slot_mapping
-                )
-            )
-        for r in sorted(self.capture_sizes, reverse=True):
-            if self.keeps_draft_probs:
-                break  # sampled drafts run eagerly
+            self.context_graphs[d] = self.capture_in_pool(lambda s=state: self._store_context(s))
+        sizes = () if self.keeps_draft_probs else sorted(self.capture_sizes, reverse=True)
+        for r in sizes:  # sampled drafts run eagerly
             self.block_graphs[r] = self.capture_in_pool(lambda r=r: self._greedy_block(r))
-        torch.cuda.synchronize()
 
     # ---- drafting -------------------------------------------------------------------
+
+    def _store_context(self, target: ProposeInputs | CapturedAttentionState) -> None:
+        assert target.aux_hidden_states is not None, "dflash reads auxiliary hidden states"
+        self.runner.store_context(
+            target.aux_hidden_states, target.positions, target.metadata.slot_mapping
+        )
 
     def _block_hidden(self, r: int) -> torch.Tensor:
         """[r, num_drafts_max, H] the block's states at the draft slots."""
@@ -144,10 +142,7 @@ class DFlashSpeculator(DraftModelSpeculator):
             self.context_graphs[d].replay()
             self.num_prefill_replays += 1
         else:
-            assert inputs.aux_hidden_states is not None, "dflash reads auxiliary hidden states"
-            self.runner.store_context(
-                inputs.aux_hidden_states, inputs.positions, inputs.metadata.slot_mapping
-            )
+            self._store_context(inputs)
         if k == 0:
             return None
         r = inputs.num_reqs
