@@ -46,11 +46,11 @@ class IncrementalText:
         text = self._tokenizer.decode(
             self.token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False
         )
-        cut = self._first_stop(text)
-        if cut is not None:
-            text = text[:cut]
-            self.stopped = True
-        self.text = text
+        # Search the whole text: re-decoding can change the tail of earlier text
+        # (an incomplete UTF-8 sequence completing), and decode is O(n) anyway.
+        hits = [i for s in self._stop if (i := text.find(s)) != -1]
+        self.stopped = bool(hits)
+        self.text = text[:min(hits)] if hits else text
 
     def delta(self, final: bool) -> str:
         """Text not yet released that can no longer change; everything if ``final``."""
@@ -64,9 +64,3 @@ class IncrementalText:
         out = self.text[self._released : end]
         self._released = end
         return out
-
-    def _first_stop(self, text: str) -> int | None:
-        # Search the whole text: re-decoding can change the tail of earlier text
-        # (an incomplete UTF-8 sequence completing), and decode is O(n) anyway.
-        hits = [i for s in self._stop if (i := text.find(s)) != -1]
-        return min(hits) if hits else None

@@ -67,31 +67,25 @@ def validation_error(exc: RequestValidationError) -> APIError:
     ``param`` is the first offending field (``prompt``, ``max_tokens``...), or
     ``None`` when the body as a whole is wrong (not JSON, not an object).
     """
-    errors = list(exc.errors())
     messages: list[str] = []
     param: str | None = None
-    for err in errors:
+    for err in exc.errors():
         loc = [str(p) for p in err.get("loc", ()) if p != "body"]
-        ctx_error = (err.get("ctx") or {}).get("error")
-        kind = str(err.get("type", ""))
-        if loc and loc[0] in _UNION_SHAPES and (kind.endswith("_type") or kind == "int_parsing"):
-            field, msg = loc[0], f"{loc[0]} must be {_UNION_SHAPES[loc[0]]}"
-        elif loc and loc[0] == "prompt" and kind in ("greater_than_equal", "too_short"):
-            field = "prompt"
+        field, kind, ctx = (loc[0] if loc else None), str(err.get("type", "")), err.get("ctx") or {}
+        if field in _UNION_SHAPES and (kind.endswith("_type") or kind == "int_parsing"):
+            msg = f"{field} must be {_UNION_SHAPES[field]}"
+        elif field == "prompt" and kind in ("greater_than_equal", "too_short"):
             msg = "token ids must be >= 0" if kind == "greater_than_equal" else "prompt is empty"
-        elif isinstance(ctx_error, UnsupportedFieldError):
-            field, msg = ctx_error.param, str(ctx_error)
-        elif err.get("type") == "json_invalid":
-            field = None
-            msg = f"malformed JSON body: {(err.get('ctx') or {}).get('error', err.get('msg'))}"
-        elif err.get("type") in ("model_attributes_type", "model_type", "dict_type") and not loc:
-            field, msg = None, "the request body must be a JSON object"
-        elif err.get("type") == "extra_forbidden":
-            field, msg = loc[0] if loc else None, f"unknown field `{'.'.join(loc)}`"
+        elif isinstance(ctx.get("error"), UnsupportedFieldError):
+            field, msg = ctx["error"].param, str(ctx["error"])
+        elif kind == "json_invalid":
+            msg = f"malformed JSON body: {ctx.get('error', err.get('msg'))}"
+        elif kind in ("model_attributes_type", "model_type", "dict_type") and not loc:
+            msg = "the request body must be a JSON object"
+        elif kind == "extra_forbidden":
+            msg = f"unknown field `{'.'.join(loc)}`"
         else:
-            field = loc[0] if loc else None
-            where = f"{'.'.join(loc)}: " if loc else ""
-            msg = f"{where}{err.get('msg')}"
+            msg = f"{'.'.join(loc)}: {err.get('msg')}" if loc else str(err.get("msg"))
         if param is None:
             param = field
         if msg not in messages:

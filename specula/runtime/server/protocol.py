@@ -1,4 +1,4 @@
-"""Request and response bodies of the OpenAI-compatible API.
+"""Request bodies of the OpenAI-compatible API, and its model list.
 
 Field names and defaults follow the OpenAI Completions and Chat Completions APIs
 (https://platform.openai.com/docs/api-reference/completions, ``/chat``) and vLLM's
@@ -32,9 +32,13 @@ ERROR_TYPE_UNAVAILABLE = "service_unavailable_error"
 ERROR_TYPE_SERVER = "server_error"
 
 
-class StreamOptions(BaseModel):
+class _Body(BaseModel):
+    """A request body (or part of one): unknown fields are refused."""
+
     model_config = ConfigDict(extra="forbid")
 
+
+class StreamOptions(_Body):
     include_usage: bool = False
     """Send one more chunk before ``[DONE]`` with ``usage`` and no choices."""
 
@@ -51,10 +55,8 @@ MAX_COMPLETION_LOGPROBS = 5
 chat's ``top_logprobs`` goes to ``SamplingParams``' ``MAX_LOGPROBS`` (20)."""
 
 
-class GenerationRequest(BaseModel):
+class GenerationRequest(_Body):
     """The sampling fields both routes share."""
-
-    model_config = ConfigDict(extra="forbid", strict=False)
 
     model: str | None = None
     """Served model name; ``None`` means the one model this server serves."""
@@ -82,8 +84,7 @@ class GenerationRequest(BaseModel):
     @field_validator("stop")
     @classmethod
     def _stop_not_empty(cls, v: str | list[str] | None) -> str | list[str] | None:
-        values = [v] if isinstance(v, str) else (v or [])
-        if any(s == "" for s in values):
+        if "" in ([v] if isinstance(v, str) else (v or [])):
             raise ValueError("stop strings must not be empty")
         return v
 
@@ -99,9 +100,7 @@ class GenerationRequest(BaseModel):
         return self
 
     def stop_list(self) -> list[str]:
-        if self.stop is None:
-            return []
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
 
 class CompletionRequest(GenerationRequest):
@@ -134,17 +133,13 @@ class CompletionRequest(GenerationRequest):
         return self
 
 
-class TextContentPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class TextContentPart(_Body):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(_Body):
     """One message; ``content`` is a string or text parts (joined with newlines)."""
-
-    model_config = ConfigDict(extra="forbid")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | Annotated[list[TextContentPart], Field(min_length=1)]
@@ -156,9 +151,7 @@ class ChatMessage(BaseModel):
         content = self.content
         if not isinstance(content, str):
             content = "\n".join(part.text for part in content)
-        extra = {"name": self.name, "tool_call_id": self.tool_call_id}
-        return {"role": self.role, "content": content,
-                **{k: v for k, v in extra.items() if v is not None}}
+        return {**self.model_dump(exclude_none=True), "content": content}
 
 
 class ChatCompletionRequest(GenerationRequest):
@@ -193,7 +186,7 @@ class UnsupportedFieldError(ValueError):
         self.param = param
 
 
-class SpeculativeConfigUpdate(BaseModel):
+class SpeculativeConfigUpdate(_Body):
     """``PUT /v1/speculative_config`` body: exactly one of a single k or a
     per-batch-size schedule, used from the next engine step on.
 
@@ -201,8 +194,6 @@ class SpeculativeConfigUpdate(BaseModel):
     started with) and the schedule's rules are the engine's
     (:mod:`specula.runtime.engine.spec_schedule`), so there is one source of truth.
     """
-
-    model_config = ConfigDict(extra="forbid")
 
     num_speculative_tokens: StrictInt | None = None
     """0 turns speculation off (the draft stays loaded); at most the k the server was
