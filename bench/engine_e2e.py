@@ -115,16 +115,17 @@ def write_checkpoints(root: Path, target: dict, draft: dict) -> dict[str, Path]:
 
 def make_engine(
     dirs, method: str | None, k: int, batches: tuple[int, ...], device: str, synthetic,
-    max_num_batched_tokens: int | None = None,
+    max_num_batched_tokens: int | None = None, **engine_kw,
 ):
     from specula.api.runtime_config import SpeculatorRuntimeConfig
     from specula.runtime.engine.llm_engine import LLMEngine
 
     max_num_seqs = max(batches)
-    if max_num_batched_tokens is None and device == "cuda":
+    cuda = str(device).startswith("cuda")  # "cuda" or a rank's "cuda:<i>"
+    if max_num_batched_tokens is None and cuda:
         max_num_batched_tokens = VLLM_MAX_NUM_BATCHED_TOKENS
     # Graphs for the batch sizes measured only: capture time, not speed, depends on it.
-    capture_sizes = list(batches) if device == "cuda" else None
+    capture_sizes = list(batches) if cuda else None
     spec = None
     if method is not None:
         model = None if method == "ngram" else f"file://{dirs[method]}"
@@ -135,7 +136,7 @@ def make_engine(
         model_uri="file://target",
         served_model_name="bench",
         speculator_config=spec,
-        dtype="bfloat16" if device == "cuda" else "float32",
+        dtype="bfloat16" if cuda else "float32",
         max_model_len=2048,
         max_num_seqs=max_num_seqs,
         device=device,
@@ -143,6 +144,7 @@ def make_engine(
         synthetic_acceptance_rate=synthetic if method not in (None, "ngram") else None,
         cudagraph_capture_sizes=capture_sizes,
         max_num_batched_tokens=max_num_batched_tokens,
+        **engine_kw,
     )
 
 

@@ -9,6 +9,7 @@ import dataclasses
 import pytest
 import torch
 
+from specula.api.runtime_config import SpeculatorRuntimeConfig
 from specula.runtime.engine.llm_engine import LLMEngine, SamplingParams, create_engine
 from specula.runtime.worker.parallel import (
     ParallelState,
@@ -62,6 +63,37 @@ def test_two_ranks_with_a_draft_model(tiny_llama_target, tiny_llama_draft, hf_mo
     sharded = _tp2(config)
     model = hf_model(tiny_llama_target)
     assert sharded == [hf_greedy(model, p, 12) for p in PROMPTS]
+
+
+def test_two_ranks_with_eagle3(tmp_path_factory, tiny_tokenizer, hf_greedy):
+    """EAGLE-3 shares the target's embedding and LM head, which the target holds
+    sharded; the head runs unsharded on each rank with their gathered copies."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.runtime.hidden_state_drafts import (
+        bigram_eagle3_head,
+        draft_vocab_ids,
+        save_bigram_target,
+        save_speculators,
+    )
+
+    target = save_bigram_target("llama", tiny_tokenizer, tmp_path_factory.mktemp("tp-target"), 5)
+    target_hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    head = bigram_eagle3_head(target_hf, draft_vocab_ids(seed=1, size=288), seed=2)
+    draft = save_speculators(head, tmp_path_factory.mktemp("tp-eagle3"), keep_embeddings=False)
+    config = runtime_config(target, device="cpu")
+    config.speculator = SpeculatorRuntimeConfig(
+        method="eagle3", model=f"file://{draft}", num_speculative_tokens=3
+    )
+    engine = create_engine(config.model_copy(update={"tensor_parallel_size": 2}))
+    try:
+        sharded = _greedy(engine)
+        stats = engine.spec_decoding_stats
+        assert 0 < stats.num_accepted_tokens <= stats.num_draft_tokens
+    finally:
+        engine.shutdown()
+        destroy_parallel()
+    assert sharded == [hf_greedy(target_hf, p, 12) for p in PROMPTS]
 
 
 def test_unshardable_targets_are_refused_before_any_rank_starts(tiny_llama_target):

@@ -17,7 +17,9 @@ import multiprocessing
 import os
 import socket
 import threading
+from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
@@ -56,27 +58,44 @@ def launch(config: RuntimeConfig, device_type: str) -> LLMEngine:
     from specula.runtime.models.registry import check_servable
 
     n = config.tensor_parallel_size
+    # Resolved (downloaded) once here, where the ranks find it; refused before they start.
+    target = ModelConfig.from_pretrained(resolve_model_uri(config.model, config.revision))
+    check_servable(replace(target, tensor_parallel_size=n))
+    return start_ranks(n, device_type, partial(LLMEngine.from_config, config))
+
+
+def start_ranks(
+    world_size: int, device_type: str, build: Callable[[torch.device], LLMEngine]
+) -> LLMEngine:
+    """Spawn ranks 1..N-1, each running ``build(its device).follow()``, join the group
+    as rank 0 and return ``build(cuda:0 or cpu)``. ``build`` must be picklable (a
+    module-level function or a ``functools.partial`` of one) and build the same engine
+    on every rank.
+
+    Raises:
+        ValueError: fewer CUDA devices than ranks (names both numbers).
+    """
+    n = world_size
     if device_type == "cuda" and torch.cuda.device_count() < n:
         raise ValueError(
             f"tensor_parallel_size {n} needs {n} GPUs; {torch.cuda.device_count()} visible"
         )
-    # Resolved (downloaded) once here, where the ranks find it; refused before they start.
-    target = ModelConfig.from_pretrained(resolve_model_uri(config.model, config.revision))
-    check_servable(replace(target, tensor_parallel_size=n))
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         init_method = f"tcp://127.0.0.1:{sock.getsockname()[1]}"
+    stopping.clear()
     ctx = multiprocessing.get_context("spawn")
     ranks = [
-        ctx.Process(target=_follower_main, args=(config, rank, n, init_method, device_type),
+        ctx.Process(target=_follower_main, args=(build, rank, n, init_method, device_type),
                     name=f"specula-tp-rank-{rank}", daemon=True)
         for rank in range(1, n)
     ]
     for process in ranks:
         process.start()
     threading.Thread(target=_watch, args=(ranks,), daemon=True, name="tp-watch").start()
-    init_parallel(0, n, init_method, rank_device(device_type, 0))
-    return LLMEngine.from_config(config, rank_device(device_type, 0))
+    device = rank_device(device_type, 0)
+    init_parallel(0, n, init_method, device)
+    return build(device)
 
 
 def _watch(ranks: list) -> None:
@@ -95,14 +114,13 @@ def _watch(ranks: list) -> None:
 
 
 def _follower_main(
-    config: RuntimeConfig, rank: int, world_size: int, init_method: str, device_type: str
+    build: Callable[[torch.device], LLMEngine], rank: int, world_size: int,
+    init_method: str, device_type: str,
 ) -> None:
     """A spawned rank: join, load this rank's shards, replay rank 0 until it stops."""
-    from specula.runtime.engine.llm_engine import LLMEngine
-
     logging.basicConfig(
         level=logging.INFO, format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s"
     )
     device = rank_device(device_type, rank)
     init_parallel(rank, world_size, init_method, device)
-    LLMEngine.from_config(config, device).follow()
+    build(device).follow()

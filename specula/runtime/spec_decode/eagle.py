@@ -100,7 +100,7 @@ class EagleSpeculator(AutoRegressiveSpeculator):
 
     def bind_target(self, target_runner) -> None:
         target = target_runner.model
-        embed, lm_head = target.model.embed_tokens, target.lm_head_weight
+        embed, lm_head = target.full_vocab_weights()  # whole, at any tensor parallelism
         share_target_weights(self.model, embed, lm_head, self.model.draft_to_target)
 
     def build_runner(self, kv_cache, max_model_len: int) -> Eagle3Runner:

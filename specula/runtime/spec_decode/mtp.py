@@ -84,7 +84,7 @@ class MTPSpeculator(AutoRegressiveSpeculator):
 
     def bind_target(self, target_runner) -> None:
         target = target_runner.model
-        share_target_weights(self.model, target.model.embed_tokens, target.lm_head_weight)
+        share_target_weights(self.model, *target.full_vocab_weights())
 
     def draft_kv_layers(self) -> int:
         return len(self.model.mtp_layers)

@@ -72,8 +72,8 @@ class DFlashSpeculator(DraftModelSpeculator):
         """Share the target's token embedding and LM head (``speculators`` DFlash
         checkpoints store neither the embedding nor a full-vocabulary head); both are
         used as plain matrices, as the draft was trained."""
-        self.embed_weight = target_runner.model.model.embed_tokens.weight
-        self.lm_head_weight = target_runner.model.lm_head_weight
+        embed, self.lm_head_weight = target_runner.model.full_vocab_weights()
+        self.embed_weight = embed.weight
 
     def build_runner(self, kv_cache, max_model_len: int) -> DFlashRunner:
         return DFlashRunner(self.model, kv_cache, max_model_len)
