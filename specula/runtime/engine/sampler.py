@@ -22,11 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from specula.runtime.engine.sampling_params import SamplingParams
-from specula.runtime.kernels.random import (
-    MODE_EXPONENTIAL,
-    MODE_UNIFORM,
-    random_draws,
-)
+from specula.runtime.kernels.random import MODE_EXPONENTIAL, MODE_UNIFORM, random_draws
 
 STREAM_TARGET = 0
 """Draws of the target's own samples (prefill, plain decode, recovered and bonus tokens)."""
@@ -48,9 +44,7 @@ def random_exponential(
 ) -> torch.Tensor:
     """``[num_reqs, num_cols]`` float32 ``Exp(1)`` draws, all positive (the uniforms are
     taken at bin centres, so none is 0 or 1)."""
-    return random_draws(
-        seeds.contiguous(), keys.contiguous(), stream, num_cols, MODE_EXPONENTIAL
-    )
+    return random_draws(seeds.contiguous(), keys.contiguous(), stream, num_cols, MODE_EXPONENTIAL)
 
 
 @dataclass
@@ -174,11 +168,7 @@ def _apply_top_k_top_p(
     vocab_size = logits.shape[-1]
     sorted_logits, order = logits.sort(dim=-1, descending=True)  # [num_reqs, P, V]
     ranks = torch.arange(vocab_size, device=logits.device)
-    top_k = torch.where(
-        (sampling.top_k > 0) & ~greedy,
-        sampling.top_k,
-        torch.full_like(sampling.top_k, vocab_size),
-    )
+    top_k = torch.where((sampling.top_k > 0) & ~greedy, sampling.top_k, vocab_size)
     drop = ranks[None, None, :] >= top_k[:, None, None]
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     if sampling.needs_top_p:

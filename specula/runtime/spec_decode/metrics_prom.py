@@ -66,17 +66,12 @@ class SpecDecodingProm(Collector):
     def _families(self, stats: SpecDecodingStats | None) -> Iterator[Metric]:
         labels = ["model_name"]
         values = [self._model_name]
-        scalar = [
-            ("spec_decode_num_drafts", "Number of spec decoding drafts.", "num_drafts"),
-            ("spec_decode_num_draft_tokens", "Number of draft tokens.", "num_draft_tokens"),
-            (
-                "spec_decode_num_accepted_tokens",
-                "Number of accepted tokens.",
-                "num_accepted_tokens",
-            ),
-        ]
-        for name, doc, attr in scalar:
-            family = CounterMetricFamily(METRIC_PREFIX + name, doc, labels=labels)
+        for attr, doc in (
+            ("num_drafts", "Number of spec decoding drafts."),
+            ("num_draft_tokens", "Number of draft tokens."),
+            ("num_accepted_tokens", "Number of accepted tokens."),
+        ):
+            family = CounterMetricFamily(f"{METRIC_PREFIX}spec_decode_{attr}", doc, labels=labels)
             if stats is not None:
                 family.add_metric(values, float(getattr(stats, attr)))
             yield family

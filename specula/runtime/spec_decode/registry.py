@@ -48,19 +48,6 @@ class SpeculatorContext:
         return resolve_model_uri(self.config.model)
 
 
-def _ngram(ctx: SpeculatorContext) -> BaseSpeculator:
-    from specula.runtime.spec_decode.ngram import NgramSpeculator
-
-    lookup_min, lookup_max = ctx.config.prompt_lookup_range
-    return NgramSpeculator(
-        num_speculative_tokens=ctx.config.max_k,
-        vocab_size=ctx.target_config.vocab_size,
-        prompt_lookup_min=lookup_min,
-        prompt_lookup_max=lookup_max,
-        device=ctx.device,
-    )
-
-
 def draft_kwargs(ctx: SpeculatorContext) -> dict:
     """Constructor arguments of a :class:`DraftModelSpeculator` subclass (also for one
     registered in :data:`SPECULATOR_FACTORIES` from outside this module)."""
@@ -76,25 +63,35 @@ def draft_kwargs(ctx: SpeculatorContext) -> dict:
     }
 
 
-def _draft(package: str, name: str) -> Callable[[SpeculatorContext], BaseSpeculator]:
-    """The factory of :class:`DraftModelSpeculator` subclass ``name`` of
-    ``specula.runtime.spec_decode.<package>``, imported when the factory is called."""
+def _ngram_kwargs(ctx: SpeculatorContext) -> dict:
+    lookup_min, lookup_max = ctx.config.prompt_lookup_range
+    return {
+        "num_speculative_tokens": ctx.config.max_k,
+        "vocab_size": ctx.target_config.vocab_size,
+        "prompt_lookup_min": lookup_min,
+        "prompt_lookup_max": lookup_max,
+        "device": ctx.device,
+    }
+
+
+def _lazy(module: str, name: str, kwargs=draft_kwargs) -> Callable[[SpeculatorContext], BaseSpeculator]:
+    """The factory of class ``name`` of ``specula.runtime.spec_decode.<module>``, imported
+    when the factory is called, with the constructor arguments ``kwargs(ctx)``."""
 
     def factory(ctx: SpeculatorContext) -> BaseSpeculator:
-        kwargs = draft_kwargs(ctx)
-        module = importlib.import_module(f"specula.runtime.spec_decode.{package}")
-        return getattr(module, name)(**kwargs)
+        args = kwargs(ctx)
+        return getattr(importlib.import_module(f"specula.runtime.spec_decode.{module}"), name)(**args)
 
     return factory
 
 
 SPECULATOR_FACTORIES: dict[str, Callable[[SpeculatorContext], BaseSpeculator]] = {
-    "dflash": _draft("dflash", "DFlashSpeculator"),
-    "draft_model": _draft("draft_model", "PlainDraftModelSpeculator"),
-    "eagle3": _draft("eagle", "EagleSpeculator"),
-    "gemma4_mtp": _draft("gemma4", "Gemma4MTPSpeculator"),
-    "mtp": _draft("mtp", "MTPSpeculator"),
-    "ngram": _ngram,
+    "dflash": _lazy("dflash", "DFlashSpeculator"),
+    "draft_model": _lazy("draft_model", "PlainDraftModelSpeculator"),
+    "eagle3": _lazy("eagle", "EagleSpeculator"),
+    "gemma4_mtp": _lazy("gemma4", "Gemma4MTPSpeculator"),
+    "mtp": _lazy("mtp", "MTPSpeculator"),
+    "ngram": _lazy("ngram", "NgramSpeculator", _ngram_kwargs),
 }
 """Method name (vLLM ``speculative_config.method``) -> factory."""
 
