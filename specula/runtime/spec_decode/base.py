@@ -134,17 +134,17 @@ class BaseSpeculator(ABC):
         to allocate."""
         return None
 
-    @abstractmethod
     def init_cudagraph_manager(self) -> None:
-        """Allocate the static buffers draft graphs read and write."""
+        """Allocate the static buffers draft graphs read and write (default: none)."""
+        return None
 
-    @abstractmethod
     def capture(
         self, captured_attention_states: dict[BatchExecutionDescriptor, CapturedAttentionState]
     ) -> None:
         """Capture the draft's CUDA graphs after the target's: graphs over the target's
         token slots read the target's captured attention states and output buffers
-        (vLLM PR #40410)."""
+        (vLLM PR #40410). The default captures nothing (a method run eagerly)."""
+        return None
 
     @abstractmethod
     def propose(self, inputs: ProposeInputs) -> DraftOutput | None:

@@ -80,7 +80,7 @@ class NgramSpeculator(BaseSpeculator):
         ValueError: ``prompt_lookup_min < 1`` or ``prompt_lookup_min > prompt_lookup_max``.
     """
 
-    needs_token_ids = True
+    needs_token_ids = True  # the lookup is a few tensor operations, run eagerly
 
     def __init__(
         self,
@@ -100,15 +100,6 @@ class NgramSpeculator(BaseSpeculator):
         self.prompt_lookup_min = prompt_lookup_min
         self.prompt_lookup_max = prompt_lookup_max
         self.device = device
-
-    def num_lookahead_tokens(self, num_speculative_tokens: int) -> int:
-        return 0
-
-    def init_cudagraph_manager(self) -> None:
-        """Nothing to allocate: the lookup is a few tensor operations, run eagerly."""
-
-    def capture(self, captured_attention_states) -> None:
-        """Nothing to capture."""
 
     @torch.no_grad()
     def propose(self, inputs: ProposeInputs) -> DraftOutput | None:
