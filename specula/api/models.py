@@ -384,8 +384,13 @@ class TuningSpec(ApiModel):
 class GpuResources(ApiModel):
     """GPUs per replica."""
 
-    count: int = Field(default=1, ge=0, le=8)
-    """GPUs per pod; 0 runs without a GPU limit (CPU inference)."""
+    # No default in the schema on purpose: the API server would store it, and an omitted
+    # count could no longer follow the tensor-parallel degree (SpeculativeModelSpec.pod_gpus
+    # fills it in).
+    count: int | None = Field(default=None, ge=0, le=8)
+    """GPUs per pod; default: ``model.tensorParallelSize`` (one GPU per shard).  0 runs
+    without a GPU limit (CPU inference); any other count must be at least
+    ``model.tensorParallelSize``, since each pod holds every shard."""
     resource_name: str = Field(default=DEFAULT_GPU_RESOURCE_NAME, max_length=253)
     """Extended resource that the device plugin advertises."""
 
@@ -394,7 +399,7 @@ class ResourcesSpec(ApiModel):
     """Compute resources of each replica."""
 
     gpu: GpuResources = Field(default_factory=GpuResources)
-    """GPU limit; default: one ``nvidia.com/gpu``."""
+    """GPU limit; default: ``model.tensorParallelSize`` ``nvidia.com/gpu``."""
     cpu: Quantity | None = None
     """CPU request and limit (a quantity such as ``8`` or ``"7500m"``)."""
     memory: Quantity | None = None
@@ -580,8 +585,8 @@ class SpeculativeModelSpec(ApiModel):
                     "reason": "FieldValueInvalid",
                 },
                 {
-                    # Only a GPU count the spec gives: an omitted resources.gpu keeps
-                    # its default of one GPU whatever the tensor-parallel degree.
+                    # Only a GPU count the spec gives (the schema has no default for
+                    # it): an omitted count is model.tensorParallelSize.
                     "rule": (
                         "!has(self.resources) || !has(self.resources.gpu)"
                         " || !has(self.resources.gpu.count) || self.resources.gpu.count == 0"
@@ -758,10 +763,17 @@ class SpeculativeModelSpec(ApiModel):
             )
         return self
 
+    @property
+    def pod_gpus(self) -> int:
+        """GPUs each pod asks for: ``resources.gpu.count``, or when it is omitted
+        ``model.tensorParallelSize`` (one per shard); 0 means no GPU limit."""
+        count = self.resources.gpu.count
+        return self.model.tensor_parallel_size if count is None else count
+
     @model_validator(mode="after")
     def _gpus_hold_the_shards(self) -> SpeculativeModelSpec:
         gpus, tp = self.resources.gpu.count, self.model.tensor_parallel_size
-        if "gpu" in self.resources.model_fields_set and 0 < gpus < tp:
+        if gpus is not None and 0 < gpus < tp:
             raise ValueError(
                 f"resources.gpu.count ({gpus}) must be 0 (no GPU limit) or at least "
                 f"model.tensorParallelSize ({tp}): each pod holds every shard"

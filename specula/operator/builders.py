@@ -94,6 +94,19 @@ SERVICE_METRICS_PORT = METRICS_PORT
 (``metrics_port`` in the runtime config) so a PodMonitor or ServiceMonitor selects it by
 name and never reaches the API port."""
 
+SHM_BASE_GI = 1
+"""``sizeLimit`` (GiB) of the pod's ``/dev/shm`` (a memory-backed emptyDir) with one GPU
+or none: the container runtime's default of 64 MiB is too small for PyTorch's shared
+tensors and for NCCL, whose containers are commonly run with ``--shm-size=1g``."""
+SHM_PER_EXTRA_GPU_GI = 2
+"""GiB of ``/dev/shm`` added for each GPU beyond the first (see :func:`shm_size_limit`).
+With tensor parallelism one process per GPU talks over NCCL; where the GPUs cannot reach
+each other directly (no P2P between them), NCCL's shared-memory transport keeps send and
+receive buffers for every peer, channel and protocol (``NCCL_BUFFSIZE``, 4 MiB by default,
+for the simple protocol alone) in ``/dev/shm``, so the need grows with the ranks.  Buffers
+that do not fit fail the group's setup ("Error while creating shared memory segment"),
+they do not slow it down."""
+
 RUN_AS_USER = 1000
 """Non-root uid (and gid) of the runtime process; the runtime image owns its files as 1000."""
 
@@ -211,13 +224,26 @@ def _quantity(value: int | str) -> str:
     return str(value)
 
 
+def shm_size_limit(gpus: int) -> str:
+    """``sizeLimit`` of ``/dev/shm`` for a pod with ``gpus`` GPUs: :data:`SHM_BASE_GI`
+    GiB, plus :data:`SHM_PER_EXTRA_GPU_GI` GiB per GPU beyond the first (1 GPU: 1Gi,
+    2: 3Gi, 4: 7Gi, 8: 15Gi).
+
+    A limit, not a reservation: tmpfs pages take memory only once written, and then
+    count against the container's memory limit (``resources.memory``) like any other.
+    The 64 MiB that a container gets by default is too small even for one GPU.
+    """
+    return f"{SHM_BASE_GI + SHM_PER_EXTRA_GPU_GI * max(gpus - 1, 0)}Gi"
+
+
 def _resources(spec: SpeculativeModelSpec) -> dict[str, Any]:
     res = spec.resources
     limits: dict[str, str] = {}
     requests: dict[str, str] = {}
-    if res.gpu.count > 0:
+    gpus = spec.pod_gpus
+    if gpus > 0:
         # Extended resources need only a limit; the request defaults to it.
-        limits[res.gpu.resource_name] = str(res.gpu.count)
+        limits[res.gpu.resource_name] = str(gpus)
     for key, value in (("cpu", res.cpu), ("memory", res.memory)):
         if value is not None:
             limits[key] = requests[key] = _quantity(value)
@@ -403,19 +429,23 @@ def build_deployment(
     k) in their arguments, so a new k rolls them.  A rollout surges one pod at a time
     and never takes a serving pod away first (``maxUnavailable: 0``); a pod being
     replaced drains (``preStop`` sleep of :data:`DRAIN_SECONDS`) before its server
-    stops accepting and finishes the requests in flight.
+    stops accepting and finishes the requests in flight.  Each pod asks for
+    ``spec.pod_gpus`` GPUs (``model.tensorParallelSize`` unless ``resources.gpu.count``
+    says otherwise) and gets a ``/dev/shm`` of :func:`shm_size_limit` of them.
 
     Raises:
         VllmConfigError: the vLLM arguments would be refused by vLLM.
     """
     vllm = spec.engine == "vllm"
     mounts: list[dict[str, Any]] = [
-        # PyTorch data loaders and NCCL use shared memory; the container default is 64 MiB.
+        # PyTorch and NCCL use shared memory; the container default is 64 MiB.
         {"name": "dshm", "mountPath": "/dev/shm"},
         {"name": "tmp", "mountPath": TMP_DIR},
     ]
     volumes: list[dict[str, Any]] = [
-        {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+        {"name": "dshm", "emptyDir": {
+            "medium": "Memory", "sizeLimit": shm_size_limit(spec.pod_gpus),
+        }},
         {"name": "tmp", "emptyDir": {}},
     ]
     init_containers: list[dict[str, Any]] = []

@@ -35,7 +35,7 @@ def test_defaults():
     assert spec.speculator.draft_tensor_parallel_size == 1
     assert spec.replicas == 1
     assert spec.image is None
-    assert spec.resources.gpu.count == 1
+    assert spec.resources.gpu.count is None and spec.pod_gpus == 1
     assert spec.resources.gpu.resource_name == "nvidia.com/gpu"
     assert spec.resources.cpu is None and spec.resources.memory is None
     assert spec.node_selector == {} and spec.tolerations == [] and spec.env == []
@@ -136,14 +136,46 @@ def test_methods_without_draft_model(method):
     assert spec.speculator.model is None
 
 
-def test_gpu_count_is_checked_against_tp_only_where_the_spec_gives_it():
+@pytest.mark.parametrize(
+    ("tp", "resources", "pod_gpus"),
+    [
+        (1, None, 1),
+        (2, None, 2),
+        (4, None, 4),
+        (8, None, 8),
+        (4, {"gpu": {"resourceName": "amd.com/gpu"}}, 4),
+        (2, {"cpu": 8}, 2),
+        (1, {"gpu": {"count": 2}}, 2),
+        (2, {"gpu": {"count": 2}, "cpu": "7500m", "memory": "64Gi"}, 2),
+        (2, {"gpu": {"count": 3}}, 3),
+        (2, {"gpu": {"count": 0}}, 0),
+        (1, {"gpu": {"count": 0}}, 0),
+    ],
+)
+def test_pod_gpus_default_to_the_tensor_parallel_size(tp, resources, pod_gpus):
+    """An omitted count follows model.tensorParallelSize; an explicit one is kept."""
     raw = spec_dict()
-    raw["model"]["tensorParallelSize"] = 2
-    assert SpeculativeModelSpec.model_validate(raw).resources.gpu.count == 1
-    raw["resources"] = {"gpu": {"count": 0}}
-    assert SpeculativeModelSpec.model_validate(raw).resources.gpu.count == 0
-    raw["resources"] = {"gpu": {"count": 2}, "cpu": "7500m", "memory": "64Gi"}
-    assert SpeculativeModelSpec.model_validate(raw).resources.memory == "64Gi"
+    raw["model"]["tensorParallelSize"] = tp
+    if resources is not None:
+        raw["resources"] = resources
+    spec = SpeculativeModelSpec.model_validate(raw)
+    assert spec.pod_gpus == pod_gpus
+    explicit = (resources or {}).get("gpu", {}).get("count")
+    assert spec.resources.gpu.count == explicit
+    # An omitted count stays omitted on the wire: no stored default to pin it to 1.
+    assert ("count" in spec.to_k8s()["resources"]["gpu"]) == (explicit is not None)
+
+
+@pytest.mark.parametrize(("tp", "count"), [(2, 1), (4, 2), (4, 3), (8, 7)])
+def test_explicit_gpu_count_below_tp_is_refused(tp, count):
+    raw = spec_dict(resources={"gpu": {"count": count}})
+    raw["model"]["tensorParallelSize"] = tp
+    with pytest.raises(ValidationError) as info:
+        SpeculativeModelSpec.model_validate(raw)
+    assert (
+        f"resources.gpu.count ({count}) must be 0 (no GPU limit) or at least "
+        f"model.tensorParallelSize ({tp})"
+    ) in str(info.value)
 
 
 def test_draft_tp_equal_to_target_tp_is_accepted():

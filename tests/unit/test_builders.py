@@ -11,6 +11,8 @@ from specula.api.runtime_config import RuntimeConfig
 from specula.operator.builders import (
     CONFIG_HASH_ANNOTATION,
     CONFIG_PATH,
+    SHM_BASE_GI,
+    SHM_PER_EXTRA_GPU_GI,
     Owner,
     build_children,
     build_configmap,
@@ -21,6 +23,7 @@ from specula.operator.builders import (
     pvc_claims,
     selector_labels,
     selector_string,
+    shm_size_limit,
 )
 from specula.operator.settings import DEFAULT_RUNTIME_IMAGE
 
@@ -179,12 +182,66 @@ def test_gpu_cpu_memory_resources():
     assert "resources" not in container_of(deployment)
 
 
+@pytest.mark.parametrize(
+    ("tp", "gpu", "limit", "shm"),
+    [
+        (1, None, "1", "1Gi"),
+        (2, None, "2", "3Gi"),
+        (4, None, "4", "7Gi"),
+        (8, None, "8", "15Gi"),
+        (4, {"resourceName": "amd.com/gpu"}, "4", "7Gi"),
+        (2, {"count": 2}, "2", "3Gi"),
+        (2, {"count": 4}, "4", "7Gi"),
+        (1, {"count": 2}, "2", "3Gi"),
+        (4, {"count": 0}, None, "1Gi"),
+    ],
+)
+def test_gpus_follow_the_tensor_parallel_size_and_size_shm(tp, gpu, limit, shm):
+    """Without resources.gpu.count a pod asks for one GPU per shard; /dev/shm grows
+    with the GPUs of the pod (NCCL's shared-memory transport keeps its buffers there)."""
+    resources = {"gpu": gpu} if gpu is not None else {}
+    spec = make_spec(model={"uri": "hf://Qwen/Qwen3-8B", "tensorParallelSize": tp},
+                     resources=resources)
+    _, deployment, _ = children(spec)
+    limits = container_of(deployment).get("resources", {}).get("limits", {})
+    name = (gpu or {}).get("resourceName", "nvidia.com/gpu")
+    assert limits.get(name) == limit
+    pod = deployment["spec"]["template"]["spec"]
+    (dshm,) = [v for v in pod["volumes"] if v["name"] == "dshm"]
+    assert dshm["emptyDir"] == {"medium": "Memory", "sizeLimit": shm}
+    (mount,) = [m for m in container_of(deployment)["volumeMounts"] if m["name"] == "dshm"]
+    assert mount["mountPath"] == "/dev/shm"
+    # The runtime config carries the degree the GPUs are counted for.
+    config = RuntimeConfig.model_validate_json(build_configmap(OWNER, spec)["data"]["runtime.json"])
+    assert config.tensor_parallel_size == tp
+
+
+def test_shm_size_limit_rule():
+    assert [shm_size_limit(n) for n in range(9)] == [
+        "1Gi", "1Gi", "3Gi", "5Gi", "7Gi", "9Gi", "11Gi", "13Gi", "15Gi",
+    ]
+    assert shm_size_limit(1) == f"{SHM_BASE_GI}Gi"
+    assert shm_size_limit(3) == f"{SHM_BASE_GI + 2 * SHM_PER_EXTRA_GPU_GI}Gi"
+
+
+def test_vllm_pods_ask_for_the_shards_gpus_too():
+    spec = make_spec(engine="vllm", model={"uri": "hf://Qwen/Qwen3-8B", "tensorParallelSize": 2})
+    _, deployment, _ = children(spec)
+    container = container_of(deployment)
+    assert container["resources"] == {"limits": {"nvidia.com/gpu": "2"}}
+    pod = deployment["spec"]["template"]["spec"]
+    (dshm,) = [v for v in pod["volumes"] if v["name"] == "dshm"]
+    assert dshm["emptyDir"]["sizeLimit"] == "3Gi"
+
+
 def test_volumes_config_shm_and_pvc():
     _, deployment, _ = children()
     pod = deployment["spec"]["template"]["spec"]
     volumes = {v["name"]: v for v in pod["volumes"]}
     assert volumes["config"] == {"name": "config", "configMap": {"name": "qwen"}}
-    assert volumes["dshm"] == {"name": "dshm", "emptyDir": {"medium": "Memory"}}
+    assert volumes["dshm"] == {
+        "name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "1Gi"},
+    }
     mounts = {m["name"]: m for m in container_of(deployment)["volumeMounts"]}
     assert mounts["config"]["mountPath"] == "/etc/specula"
     assert mounts["config"]["readOnly"] is True

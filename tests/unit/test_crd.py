@@ -109,6 +109,10 @@ def test_field_constraints(schema):
     assert spec_props["replicas"]["minimum"] == 0 and spec_props["replicas"]["default"] == 1
     resources = spec_props["resources"]["properties"]
     assert resources["gpu"]["properties"]["resourceName"]["default"] == "nvidia.com/gpu"
+    # No stored default: an omitted count follows model.tensorParallelSize.
+    count = resources["gpu"]["properties"]["count"]
+    assert "default" not in count
+    assert (count["minimum"], count["maximum"], count["type"]) == (0, 8, "integer")
     assert resources["cpu"] == {
         "description": resources["cpu"]["description"],
         "x-kubernetes-int-or-string": True,
@@ -155,6 +159,7 @@ def test_cel_rules(schema):
     )
     assert gpu_rule["fieldPath"] == ".resources.gpu.count"
     assert "self.resources.gpu.count >= self.model.tensorParallelSize" in gpu_rule["rule"]
+    assert "!has(self.resources.gpu.count)" in gpu_rule["rule"]
     (env_rule,) = spec["properties"]["env"]["items"]["x-kubernetes-validations"]
     assert env_rule["fieldPath"] == ".valueFrom"
     (toleration_rule,) = spec["properties"]["tolerations"]["items"]["x-kubernetes-validations"]
