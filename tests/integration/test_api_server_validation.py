@@ -141,6 +141,14 @@ INVALID_SPECS = [
         id="gpu-count-below-tensor-parallel-size",
     ),
     pytest.param(
+        {"model": {"tensorParallelSize": 2},
+         "resources": {"gpu": {"count": 1, "resourceName": "amd.com/gpu"}}},
+        ["spec.resources.gpu.count: Invalid value",
+         "resources.gpu.count must be 0 (no GPU limit) or at least "
+         "model.tensorParallelSize"],
+        id="one-gpu-with-tensor-parallel-size-2",
+    ),
+    pytest.param(
         {"speculator": {"method": "ngram", "model": None,
                         "promptLookupMin": 5, "promptLookupMax": 2}},
         ["spec.speculator.promptLookupMin: Invalid value",
@@ -338,6 +346,31 @@ def test_methods_without_a_draft_checkpoint_need_no_draft_uri(
     try:
         assert created["spec"]["speculator"]["method"] == method
         assert "model" not in created["spec"]["speculator"]
+    finally:
+        delete_sm(custom_objects, namespace, name)
+
+
+@pytest.mark.parametrize(
+    ("tp", "resources"),
+    [
+        pytest.param(2, None, id="tp-2-no-resources"),
+        pytest.param(4, {"gpu": {"resourceName": "amd.com/gpu"}}, id="tp-4-gpu-without-count"),
+        pytest.param(8, {"gpu": {}, "cpu": 16}, id="tp-8-empty-gpu"),
+    ],
+)
+def test_gpu_count_may_be_omitted_with_tensor_parallelism(
+    control_plane, custom_objects, namespace, tp, resources
+):
+    """An omitted resources.gpu.count is accepted whatever model.tensorParallelSize, and
+    the API server stores no default for it (the operator asks for one GPU per shard)."""
+    name = f"omitted-gpu-count-{tp}"
+    body = sm_body(name, {"model": {"tensorParallelSize": tp}, "resources": None})
+    if resources is not None:
+        body["spec"]["resources"] = resources
+    try:
+        created = _create_strict(custom_objects, namespace, body)
+        assert created["spec"]["model"]["tensorParallelSize"] == tp
+        assert "count" not in created["spec"].get("resources", {}).get("gpu", {})
     finally:
         delete_sm(custom_objects, namespace, name)
 

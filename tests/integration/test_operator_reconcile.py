@@ -182,6 +182,29 @@ def test_unchanged_object_is_not_rewritten(operator, custom_objects, core_v1, ap
     assert get_sm(custom_objects, namespace, name)["metadata"]["resourceVersion"] == sm_version
 
 
+def test_tensor_parallel_resource_without_a_gpu_count_gets_one_gpu_per_shard(
+    operator, custom_objects, core_v1, apps_v1, namespace
+):
+    """resources.gpu.count omitted: the pods ask for model.tensorParallelSize GPUs, not
+    one, and /dev/shm grows with them (NCCL between the ranks)."""
+    name = "tp-two"
+    body = sm_body(name, {"model": {"tensorParallelSize": 2}, "resources": None})
+    created = create_sm(custom_objects, namespace, body)
+    assert "resources" not in created["spec"]
+    children = Children(core_v1, apps_v1, namespace, created["metadata"]["uid"])
+    config_map, dep, _ = children.wait_all()
+    assert runtime_config(config_map).tensor_parallel_size == 2
+    pod = dep.spec.template.spec
+    (container,) = pod.containers
+    assert container.resources.limits == {"nvidia.com/gpu": "2"}
+    (shm,) = [v for v in pod.volumes if v.name == "dshm"]
+    assert shm.empty_dir.medium == "Memory"
+    assert shm.empty_dir.size_limit == "3Gi"
+    assert any(m.name == "dshm" and m.mount_path == "/dev/shm" for m in container.volume_mounts)
+    sm = wait_observed(custom_objects, namespace, name)
+    assert condition(sm, "Degraded") is None or condition(sm, "Degraded")["status"] == "False"
+
+
 def test_eagle3_resource_is_reconciled_into_runtime_pods(
     operator, custom_objects, core_v1, apps_v1, namespace
 ):
