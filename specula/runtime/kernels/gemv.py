@@ -57,6 +57,14 @@ def block_m(rows: int) -> int:
 
 
 @triton.jit
+def _load_weight(ptrs, mask, EVEN: tl.constexpr):
+    """A weight tile; unmasked when the shape is a multiple of the tile (``EVEN``)."""
+    if EVEN:
+        return tl.load(ptrs)
+    return tl.load(ptrs, mask=mask, other=0.0)
+
+
+@triton.jit
 def _gemv_kernel(
     y_ptr,  # [M, N]
     x_ptr,  # [M, K]
@@ -87,18 +95,11 @@ def _gemv_kernel(
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         w_mask = (offs_n[None, :] < N) & (k0 + offs_k[:, None] < K)
-        if EVEN:
-            w = tl.load(w_ptrs)
-        else:
-            w = tl.load(w_ptrs, mask=w_mask, other=0.0)
+        w = _load_weight(w_ptrs, w_mask, EVEN)
         x = tl.load(x_ptrs, mask=(offs_m[:, None] < M) & (k0 + offs_k[None, :] < K), other=0.0)
         acc = tl.dot(x, w, acc)  # [BLOCK_M, BLOCK_K] @ [BLOCK_K, BLOCK_N]
         if SILU_MUL:
-            if EVEN:
-                w_up = tl.load(w_ptrs + up_offset)
-            else:
-                w_up = tl.load(w_ptrs + up_offset, mask=w_mask, other=0.0)
-            acc_up = tl.dot(x, w_up, acc_up)
+            acc_up = tl.dot(x, _load_weight(w_ptrs + up_offset, w_mask, EVEN), acc_up)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     dtype = y_ptr.dtype.element_ty

@@ -59,15 +59,58 @@ def _rms_norm_kernel(
     tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _launch(
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    *,
+    gemma: bool = False,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """RMSNorm of each row.
+
+    Args:
+        x: [num_tokens, hidden_size] float16/bfloat16/float32, rows dense.
+        weight: [hidden_size] in ``x.dtype``.
+        eps: added to the mean square.
+        gemma: scale by ``1 + weight`` in float32 (Gemma) instead of Llama's convention.
+        out: optional output buffer like ``x`` (may be ``x`` itself).
+
+    Returns:
+        [num_tokens, hidden_size] in ``x.dtype``.
+
+    Raises:
+        AssertionError: shapes, dtypes or layouts do not match the above.
+    """
+    return fused_add_rms_norm(x, None, weight, eps, gemma=gemma, out=out)[0]
+
+
+def fused_add_rms_norm(
     x: torch.Tensor,
     residual: torch.Tensor | None,
     weight: torch.Tensor,
     eps: float,
-    gemma: bool,
-    out: torch.Tensor | None,
-    residual_out: torch.Tensor | None,
+    *,
+    gemma: bool = False,
+    out: torch.Tensor | None = None,
+    residual_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``residual_out = x + residual``; ``out = rms_norm(residual_out)``, in one pass.
+
+    Args:
+        x, residual: [num_tokens, hidden_size] of one dtype, rows dense; ``residual=None``
+            is :func:`rms_norm` (``residual_out`` is then ``None``).
+        weight, eps, gemma: as :func:`rms_norm`.
+        out, residual_out: optional buffers like ``x``; passing ``out=x,
+            residual_out=residual`` updates in place (each program reads its row before
+            writing it).
+
+    Returns:
+        ``(out, residual_out)``, both [num_tokens, hidden_size] in ``x.dtype``.
+
+    Raises:
+        AssertionError: shapes, dtypes or layouts do not match the above.
+    """
     check(x, (None, None), FLOATS)
     num_tokens, hidden = x.shape
     check(weight, (hidden,), x.dtype, dense=True)
@@ -99,60 +142,6 @@ def _launch(
         enable_fp_fusion=True,
     )
     return out, residual_out
-
-
-def rms_norm(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float,
-    *,
-    gemma: bool = False,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """RMSNorm of each row.
-
-    Args:
-        x: [num_tokens, hidden_size] float16/bfloat16/float32, rows dense.
-        weight: [hidden_size] in ``x.dtype``.
-        eps: added to the mean square.
-        gemma: scale by ``1 + weight`` in float32 (Gemma) instead of Llama's convention.
-        out: optional output buffer like ``x`` (may be ``x`` itself).
-
-    Returns:
-        [num_tokens, hidden_size] in ``x.dtype``.
-
-    Raises:
-        AssertionError: shapes, dtypes or layouts do not match the above.
-    """
-    return _launch(x, None, weight, eps, gemma, out, None)[0]
-
-
-def fused_add_rms_norm(
-    x: torch.Tensor,
-    residual: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float,
-    *,
-    gemma: bool = False,
-    out: torch.Tensor | None = None,
-    residual_out: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``residual_out = x + residual``; ``out = rms_norm(residual_out)``, in one pass.
-
-    Args:
-        x, residual: [num_tokens, hidden_size] of one dtype, rows dense.
-        weight, eps, gemma: as :func:`rms_norm`.
-        out, residual_out: optional buffers like ``x``; passing ``out=x,
-            residual_out=residual`` updates in place (each program reads its row before
-            writing it).
-
-    Returns:
-        ``(out, residual_out)``, both [num_tokens, hidden_size] in ``x.dtype``.
-
-    Raises:
-        AssertionError: shapes, dtypes or layouts do not match the above.
-    """
-    return _launch(x, residual, weight, eps, gemma, out, residual_out)
 
 
 def rms_norm_reference(

@@ -38,6 +38,23 @@ _BLOCK_V = 2048
 
 
 @triton.jit
+def _race(weight, e, valid, v0, best, best_idx):
+    """One chunk ``v0 + [0, BLOCK_V)`` of the exponential race ``argmax(weight / e)``:
+    the running ``(best, best_idx)`` updated with the chunk's winner.
+
+    IEEE division (``/`` may compile to an approximate one) so that the race picks the
+    token torch picks; strictly greater across chunks keeps the first index of a tie, as
+    torch.argmax does.
+    """
+    val, idx = tl.max(
+        tl.where(valid, tl.math.div_rn(weight, e), float("-inf")), axis=0, return_indices=True
+    )
+    better = val > best
+    best_idx = tl.where(better, v0 + idx, best_idx)
+    return tl.where(better, val, best), best_idx
+
+
+@triton.jit
 def _rejection_sample_kernel(
     output_ptr,  # [num_reqs, max_spec_len + 1] int64
     num_accepted_ptr,  # [num_reqs] int64
@@ -115,25 +132,8 @@ def _rejection_sample_kernel(
                 e_v = tl.load(noise_ptr + req * stride_noise + offs_v, mask=v_valid, other=1.0)
                 residual = tl.maximum(p_v - q_v, 0.0)
                 res_any = res_any | (tl.max(residual, axis=0) > 0.0)
-                # IEEE division (``/`` may compile to an approximate one) so that the race
-                # picks the token torch picks; strictly greater across chunks keeps the
-                # first index of a tie, as torch.argmax does.
-                res_val, res_idx = tl.max(
-                    tl.where(v_valid, tl.math.div_rn(residual, e_v), float("-inf")),
-                    axis=0,
-                    return_indices=True,
-                )
-                better = res_val > best_res
-                best_res_idx = tl.where(better, v0 + res_idx, best_res_idx)
-                best_res = tl.where(better, res_val, best_res)
-                p_val, p_idx = tl.max(
-                    tl.where(v_valid, tl.math.div_rn(p_v, e_v), float("-inf")),
-                    axis=0,
-                    return_indices=True,
-                )
-                better = p_val > best_p
-                best_p_idx = tl.where(better, v0 + p_idx, best_p_idx)
-                best_p = tl.where(better, p_val, best_p)
+                best_res, best_res_idx = _race(residual, e_v, v_valid, v0, best_res, best_res_idx)
+                best_p, best_p_idx = _race(p_v, e_v, v_valid, v0, best_p, best_p_idx)
             final = tl.where(res_any, best_res_idx, best_p_idx).to(tl.int64)
 
     out = tl.where(offs_k < num_acc, tokens, tl.where(offs_k == num_acc, final, PLACEHOLDER))

@@ -48,6 +48,13 @@ def rotate_half_in_place(ptrs, mask, cos, sin, HALF: tl.constexpr):
 
 
 @triton.jit
+def _slot_ptrs(cache_ptr, block, offset, offs_h, offs_r, stride_b, stride_s, stride_h):
+    """The ``[heads, BLOCK_HALF]`` first-half pointers of one cache slot."""
+    base = cache_ptr + block * stride_b + offset * stride_s
+    return base + offs_h[:, None] * stride_h + offs_r[None, :]
+
+
+@triton.jit
 def _rotary_kernel(
     positions_ptr,  # [num_tokens] int64
     slot_mapping_ptr,  # [num_tokens] int64, read when WRITE_CACHE
@@ -96,25 +103,15 @@ def _rotary_kernel(
             cmask = (offs_kh < cache_heads)[:, None] & r_valid[None, :]
             block = slot // BLOCK_SIZE
             offset = slot % BLOCK_SIZE
-            kc_ptrs = (
-                key_cache_ptr
-                + block * stride_kcb
-                + offset * stride_kcs
-                + offs_kh[:, None] * stride_kch
-                + offs_r[None, :]
-            )
+            kc_ptrs = _slot_ptrs(key_cache_ptr, block, offset, offs_kh, offs_r, stride_kcb,
+                                 stride_kcs, stride_kch)
             tl.store(kc_ptrs, r1, mask=cmask)
             tl.store(kc_ptrs + HALF, r2, mask=cmask)
             v_ptrs = value_ptr + token * stride_vt + offs_kh[:, None] * stride_vh + offs_r[None, :]
             v1 = tl.load(v_ptrs, mask=cmask, other=0.0)
             v2 = tl.load(v_ptrs + HALF, mask=cmask, other=0.0)
-            vc_ptrs = (
-                value_cache_ptr
-                + block * stride_vcb
-                + offset * stride_vcs
-                + offs_kh[:, None] * stride_vch
-                + offs_r[None, :]
-            )
+            vc_ptrs = _slot_ptrs(value_cache_ptr, block, offset, offs_kh, offs_r, stride_vcb,
+                                 stride_vcs, stride_vch)
             tl.store(vc_ptrs, v1, mask=cmask)
             tl.store(vc_ptrs + HALF, v2, mask=cmask)
 
@@ -124,6 +121,7 @@ def rotary_embedding(
     query: torch.Tensor,
     key: torch.Tensor | None,
     cos_sin_cache: torch.Tensor,
+    cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Rotate ``query`` and ``key`` in place by their tokens' positions.
 
@@ -135,23 +133,13 @@ def rotary_embedding(
             layers that only have queries.
         cos_sin_cache: [max_position, rotary_dim] from :func:`build_cos_sin_cache`;
             ``rotary_dim`` even and <= ``head_dim``.
+        cache: ``(value, key_cache, value_cache, slot_mapping)``: also write the rotated
+            keys and the values to the paged cache; for
+            :func:`~.rotary_cache.rotary_embedding_and_cache`, which checks them.
 
     Raises:
         AssertionError: shapes, dtypes or layouts do not match the above.
     """
-    launch_rotary(positions, query, key, cos_sin_cache)
-
-
-def launch_rotary(
-    positions: torch.Tensor,
-    query: torch.Tensor,
-    key: torch.Tensor | None,
-    cos_sin_cache: torch.Tensor,
-    cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-) -> None:
-    """:func:`rotary_embedding`, then with ``cache``, ``(value, key_cache, value_cache,
-    slot_mapping)`` checked by the caller, the write of the rotated keys and the values
-    to the paged cache (:mod:`.rotary_cache`)."""
     check(positions, (None,), torch.int64, dense=True)
     num_tokens = positions.shape[0]
     check(query, (num_tokens, None, None), FLOATS)

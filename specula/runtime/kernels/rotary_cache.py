@@ -20,7 +20,7 @@ from specula.runtime.kernels.reshape_and_cache import (
     check_cache_write,
     reshape_and_cache_reference,
 )
-from specula.runtime.kernels.rotary import launch_rotary, rotary_embedding_reference
+from specula.runtime.kernels.rotary import rotary_embedding, rotary_embedding_reference
 
 
 def rotary_embedding_and_cache(
@@ -56,7 +56,7 @@ def rotary_embedding_and_cache(
     check_cache_write(key, value, key_cache, value_cache, slot_mapping)
     assert cos_sin_cache.shape[-1] == query.shape[-1], "full rotary only"
     cache = (value, key_cache, value_cache, slot_mapping)
-    launch_rotary(positions, query, key, cos_sin_cache, cache)
+    rotary_embedding(positions, query, key, cos_sin_cache, cache)
 
 
 def rotary_embedding_and_cache_reference(
