@@ -59,16 +59,10 @@ def verify(
         return rejection_sample(drafts, cu, argmax, k)
     vocab = logits.shape[-1]
     probs = compute_probs(logits.view(r, k + 1, vocab), sampling).view(-1, vocab)
-    draft_probs = None
-    if input_batch.draft_probs is not None:
-        draft_probs = input_batch.draft_probs[idx, :k].reshape(-1, vocab)
+    kept = input_batch.draft_probs
+    draft_probs = None if kept is None else kept[idx, :k].reshape(-1, vocab)
     return rejection_sample(
-        drafts,
-        cu,
-        argmax,
-        k,
-        is_greedy=sampling.is_greedy,
-        draft_probs=draft_probs,
+        drafts, cu, argmax, k, is_greedy=sampling.is_greedy, draft_probs=draft_probs,
         target_probs=probs,
         uniform_samples=random_uniform(sampling.seeds, keys, STREAM_ACCEPT, k).view(-1),
         exponential_noise=random_exponential(sampling.seeds, keys, STREAM_TARGET, vocab),

@@ -180,12 +180,8 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
         n = input_ids.shape[0]
         static = n <= self.prefill_input_ids.shape[0]
         ids, pos, last = prepare_draft_inputs(
-            input_ids,
-            positions,
-            metadata.query_start_loc,
-            self.cu_num_draft_tokens[:r],
-            self.num_accepted[:r],
-            self.next_token_ids[:r],
+            input_ids, positions, metadata.query_start_loc, self.cu_num_draft_tokens[:r],
+            self.num_accepted[:r], self.next_token_ids[:r],
             out_input_ids=self.prefill_input_ids[:n] if static else None,
             out_positions=self.prefill_positions[:n] if static else None,
             out_last_token_indices=self.last_token_indices[:r],

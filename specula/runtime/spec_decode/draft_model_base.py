@@ -256,13 +256,9 @@ class DraftModelSpeculator(BaseSpeculator):
         [n, q]``, ``block_table [n, max_blocks_per_req]``, ``seq_lens [n]``."""
         n = seq_lens.shape[0]
         return PagedAttentionMetadata(
-            slot_mapping=slots.reshape(-1),
-            block_table=block_table,
+            slot_mapping=slots.reshape(-1), block_table=block_table,
             seq_lens=seq_lens.to(torch.int32),
             query_start_loc=torch.arange(0, n * q + 1, q, device=slots.device, dtype=torch.int32),
-            num_reqs=n,
-            num_tokens=n * q,
-            uniform_query_len=q,
-            prefill=False,
+            num_reqs=n, num_tokens=n * q, uniform_query_len=q, prefill=False,
             query_lens_cpu=(q,) * n,
         )
