@@ -9,13 +9,13 @@ Routes:
 - ``GET /v1/models``: the one served model, OpenAI list format.
 - ``GET /health``: 200 once the engine is loaded and its loop is alive; 503 while
   loading, after the engine loop died, and while draining on SIGTERM.
+- ``GET /metrics``: Prometheus text exposition from a per-app registry.
 
 Limits (:mod:`~specula.runtime.server.limits`): a body beyond ``max_request_body_bytes``
 gets 413, one slower than ``http_read_timeout_s`` 408; a completion that would queue
 beyond ``max_num_seqs + max_queued_requests`` engine requests gets 429 at once, and one
 arriving while the server drains 503, both with ``Retry-After``. A client that hangs
 up (streamed or not) has its engine requests aborted, freeing their KV blocks.
-- ``GET /metrics``: Prometheus text exposition from a per-app registry.
 
 With an API key (``specula serve --api-key``), ``/v1/*`` answers 401 unless the
 request carries ``Authorization: Bearer <key>``; ``/health`` and ``/metrics`` stay open
@@ -50,7 +50,6 @@ from collections.abc import AsyncIterator, Callable
 from typing import Annotated, Any, TypeVar
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -60,7 +59,6 @@ from starlette.background import BackgroundTask
 from specula.runtime.engine.spec_schedule import SpeculativeConfigError
 from specula.runtime.server import completions
 from specula.runtime.server.engine_loop import EngineDeadError, EngineLoop, EngineState
-from specula.runtime.server.errors import APIError, install_error_handlers
 from specula.runtime.server.limits import (
     DEFAULT_LIMITS,
     RETRY_AFTER,
@@ -72,12 +70,15 @@ from specula.runtime.server.limits import (
 from specula.runtime.server.metrics import build_registry
 from specula.runtime.server.protocol import (
     ERROR_TYPE_UNAVAILABLE,
+    APIError,
     ChatCompletionRequest,
     CompletionRequest,
     GenerationRequest,
     ModelCard,
     ModelList,
     SpeculativeConfigUpdate,
+    install_error_handlers,
+    validation_error,
 )
 
 BodyT = TypeVar("BodyT", bound=BaseModel)
@@ -128,8 +129,7 @@ class _ServerState:
         if held and held + num_prompts > capacity:
             raise APIError(429, f"the server is at capacity ({held} requests running or "
                            "queued); retry later", type=ERROR_TYPE_UNAVAILABLE,
-                           code="rate_limit_exceeded",
-                           headers=RETRY_AFTER)
+                           code="rate_limit_exceeded", headers=RETRY_AFTER)
 
     def registry(self) -> CollectorRegistry | None:
         if self._registry is None and self.loop.state is EngineState.READY:
@@ -143,9 +143,8 @@ async def parse_body(raw: Request, model: type[BodyT], limits: Limits = DEFAULT_
     ``application/x-www-form-urlencoded``) and validate it.
 
     Raises:
-        RequestValidationError: malformed JSON (lone surrogates included) or a schema
-            violation (answered 400).
-        APIError: 413 or 408 (:func:`~specula.runtime.server.limits.read_body`).
+        APIError: 400 for malformed JSON (lone surrogates included) or a schema
+            violation; 413 or 408 (:func:`~specula.runtime.server.limits.read_body`).
     """
     body = await read_body(raw, limits)
     try:
@@ -154,14 +153,11 @@ async def parse_body(raw: Request, model: type[BodyT], limits: Limits = DEFAULT_
         # a UTF-8 answer (an error naming the field) can take: refuse it here.
         json.dumps(data, ensure_ascii=False).encode()
     except (json.JSONDecodeError, UnicodeError) as exc:
-        raise RequestValidationError(
-            [{"type": "json_invalid", "loc": ("body",), "msg": "JSON decode error",
-              "ctx": {"error": str(exc)}}]
-        ) from exc
+        raise APIError(400, f"malformed JSON body: {exc}") from exc
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        raise RequestValidationError(exc.errors(include_url=False)) from exc
+        raise validation_error(exc.errors(include_url=False)) from exc
 
 
 def json_body(model: type[BaseModel]) -> dict[str, Any]:

@@ -40,11 +40,11 @@ from specula.runtime.engine.request import TokenLogprobs
 from specula.runtime.engine.sampling_params import SamplingParams
 from specula.runtime.server.detokenize import IncrementalText
 from specula.runtime.server.engine_loop import EngineDeadError, EngineLoop
-from specula.runtime.server.errors import APIError
 from specula.runtime.server.protocol import (
     ERROR_TYPE_NOT_FOUND,
     ERROR_TYPE_SERVER,
     INT64_MAX,
+    APIError,
     ChatCompletionRequest,
     CompletionRequest,
     GenerationRequest,
@@ -210,9 +210,7 @@ class CompletionRun:
         self._queue: asyncio.Queue = asyncio.Queue()
         self.choices = [_Choice(i // request.n, IncrementalText(tokenizer, request.stop_list()))
                         for i in range(len(self.params))]
-        self._ids = [f"{self.id}-{i}" for i in range(len(self.choices))]
-        self._index = {rid: i for i, rid in enumerate(self._ids)}
-        self._submitted: list[str] = []
+        self._num_submitted = 0
 
     async def submit(self) -> None:
         """Add every choice's request to the engine; on failure abort those added.
@@ -221,10 +219,10 @@ class CompletionRun:
             APIError: 400 when the engine refuses a prompt, 503 when it is not running.
         """
         try:
-            for rid, choice, params in zip(self._ids, self.choices, self.params, strict=True):
-                self._submitted.append(rid)
+            for i, (choice, params) in enumerate(zip(self.choices, self.params, strict=True)):
+                self._num_submitted += 1
                 await self._loop.add_request(
-                    rid, self.prompts[choice.prompt_index], params, self._queue)
+                    f"{self.id}-{i}", self.prompts[choice.prompt_index], params, self._queue)
         except BaseException as exc:
             self.abort_unfinished()
             if isinstance(exc, ValueError):
@@ -234,9 +232,9 @@ class CompletionRun:
             raise
 
     def abort_unfinished(self) -> None:
-        for rid in self._submitted:
-            if not self.choices[self._index[rid]].finished:
-                self._loop.abort_request(rid)
+        for i, choice in enumerate(self.choices[:self._num_submitted]):
+            if not choice.finished:
+                self._loop.abort_request(f"{self.id}-{i}")
 
     @property
     def done(self) -> bool:
@@ -253,7 +251,7 @@ class CompletionRun:
         out = await self._queue.get()
         if isinstance(out, BaseException):
             raise engine_unavailable(out)
-        i = self._index[out.request_id]
+        i = int(out.request_id.rsplit("-", 1)[1])
         choice = self.choices[i]
         if choice.finished:
             return None

@@ -21,8 +21,7 @@ from starlette.requests import Request
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from specula.api.runtime_config import RuntimeConfig
-from specula.runtime.server.errors import APIError
-from specula.runtime.server.protocol import ERROR_TYPE_UNAVAILABLE
+from specula.runtime.server.protocol import ERROR_TYPE_UNAVAILABLE, APIError
 
 logger = logging.getLogger(__name__)
 

@@ -158,7 +158,5 @@ def build_registry(
     """A fresh registry exporting the runtime and speculative-decoding metrics."""
     registry = CollectorRegistry(auto_describe=True)
     registry.register(RuntimeProm(get_snapshot, model_name))
-    registry.register(
-        SpecDecodingProm(lambda: get_snapshot().spec_decoding, model_name)  # type: ignore[arg-type, return-value]
-    )
+    registry.register(SpecDecodingProm(lambda: get_snapshot().spec_decoding, model_name))
     return registry

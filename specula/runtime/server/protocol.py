@@ -1,4 +1,4 @@
-"""Request bodies of the OpenAI-compatible API, and its model list.
+"""The OpenAI-compatible API's request bodies, model list and error bodies.
 
 Field names and defaults follow the OpenAI Completions and Chat Completions APIs
 (https://platform.openai.com/docs/api-reference/completions, ``/chat``) and vLLM's
@@ -8,23 +8,30 @@ defines but this runtime does not implement (``best_of`` other than ``n``, penal
 ``logit_bias``, ``suffix``) are accepted only at their no-op values, so a client that
 sends the default still works.  ``n`` is bounded by the server's ``max_n`` (checked
 when the request is prepared, as it is a server setting).
+
+Every error, including FastAPI's own (malformed JSON, schema violations, unknown
+routes), is answered as ``{"error": {"message", "type", "param", "code"}}``.  Request
+validation failures are 400, not FastAPI's default 422: OpenAI answers schema errors
+with 400 and vLLM does the same (its ``validation_exception_handler``), so clients
+written against either see the status they expect.
 """
 
 from __future__ import annotations
 
+import logging
 import time
-from typing import Annotated, Literal
+from collections.abc import Sequence
+from typing import Annotated, Any, Literal
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    StrictInt,
-    field_validator,
-    model_validator,
-)
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specula.runtime.engine.sampling_params import MAX_LOGPROBS
+
+logger = logging.getLogger(__name__)
 
 ERROR_TYPE_INVALID_REQUEST = "invalid_request_error"
 ERROR_TYPE_NOT_FOUND = "not_found_error"
@@ -229,3 +236,89 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class APIError(Exception):
+    """An error answered to the client with ``status`` and an OpenAI error body."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = ERROR_TYPE_INVALID_REQUEST,  # noqa: A002 - OpenAI's field name
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.headers = headers
+        self.info = {"message": message, "type": type, "param": param, "code": code}
+
+    def body(self) -> dict[str, Any]:
+        """``{"error": {"message", "type", "param", "code"}}``, OpenAI's error shape."""
+        return {"error": self.info}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+_UNION_SHAPES = {
+    "prompt": "a string, a list of strings, a list of token ids (integers >= 0), "
+    "or a list of token-id lists",
+    "stop": "a string or a list of strings",
+}
+"""Plain-words types of union fields, instead of one pydantic error per member."""
+
+
+def validation_error(errors: Sequence[Any]) -> APIError:
+    """Turn a list of pydantic errors into one 400 ``APIError``.
+
+    ``param`` is the first offending field (``prompt``, ``max_tokens``...), or
+    ``None`` when the body as a whole is wrong (not JSON, not an object).
+    """
+    messages: list[str] = []
+    param: str | None = None
+    for err in errors:
+        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+        field, kind, ctx = (loc[0] if loc else None), str(err.get("type", "")), err.get("ctx") or {}
+        if field in _UNION_SHAPES and (kind.endswith("_type") or kind == "int_parsing"):
+            msg = f"{field} must be {_UNION_SHAPES[field]}"
+        elif field == "prompt" and kind in ("greater_than_equal", "too_short"):
+            msg = "token ids must be >= 0" if kind == "greater_than_equal" else "prompt is empty"
+        elif isinstance(ctx.get("error"), UnsupportedFieldError):
+            field, msg = ctx["error"].param, str(ctx["error"])
+        elif kind in ("model_attributes_type", "model_type", "dict_type") and not loc:
+            msg = "the request body must be a JSON object"
+        elif kind == "extra_forbidden":
+            msg = f"unknown field `{'.'.join(loc)}`"
+        else:
+            msg = f"{'.'.join(loc)}: {err.get('msg')}" if loc else str(err.get("msg"))
+        if param is None:
+            param = field
+        if msg not in messages:
+            messages.append(msg)
+    return APIError(400, "; ".join(messages) or "invalid request", param=param)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Register the handlers that give every error the OpenAI shape."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return validation_error(exc.errors()).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        type_ = ERROR_TYPE_NOT_FOUND if exc.status_code == 404 else ERROR_TYPE_INVALID_REQUEST
+        return APIError(exc.status_code, str(exc.detail), type=type_).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error")
+        return APIError(500, f"internal error: {exc!r}", type=ERROR_TYPE_SERVER).response()
