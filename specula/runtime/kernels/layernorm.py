@@ -134,12 +134,8 @@ def fused_add_rms_norm(
     _rms_norm_kernel[(num_tokens,)](
         out, res_out, x, res_in, weight, eps,
         out.stride(0), res_out.stride(0), x.stride(0), res_in.stride(0),
-        HIDDEN=hidden,
-        BLOCK=block,
-        HAS_RESIDUAL=residual is not None,
-        GEMMA=gemma,
-        num_warps=min(16, max(1, block // 512)),
-        enable_fp_fusion=True,
+        HIDDEN=hidden, BLOCK=block, HAS_RESIDUAL=residual is not None, GEMMA=gemma,
+        num_warps=min(16, max(1, block // 512)), enable_fp_fusion=True,
     )
     return out, residual_out
 

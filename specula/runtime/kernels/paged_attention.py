@@ -312,26 +312,15 @@ def paged_attention(
         scale * math.log2(math.e), q_len, sliding_window or 0, num_heads, num_m_blocks,
         *query.stride()[:2], *out.stride()[:2], *key_cache.stride()[:3],
         *value_cache.stride()[:3], block_table.stride(0),
-        GROUP_SIZE=group_size,
-        BLOCK_SIZE=block_size,
-        HEAD_DIM=head_dim,
-        BLOCK_D=block_d,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        NUM_SPLITS=num_splits,
-        INPUT_PRECISION=precision,
-        SLIDING=sliding_window is not None,
-        num_warps=4,
-        enable_fp_fusion=True,
+        GROUP_SIZE=group_size, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_D=block_d,
+        BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=num_splits, INPUT_PRECISION=precision,
+        SLIDING=sliding_window is not None, num_warps=4, enable_fp_fusion=True,
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
             out, partial_out, partial_lse, num_heads, *out.stride()[:2],
-            HEAD_DIM=head_dim,
-            BLOCK_D=block_d,
-            NUM_SPLITS=num_splits,
-            BLOCK_S=triton.next_power_of_2(num_splits),
-            enable_fp_fusion=True,
+            HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_splits,
+            BLOCK_S=triton.next_power_of_2(num_splits), enable_fp_fusion=True,
         )
     return out
 

@@ -219,11 +219,8 @@ def rejection_sample(
         output, num_accepted, draft_token_ids, cu_num_draft_tokens, target_argmax, *pointers,
         0 if all_greedy else vocab_size, output.stride(0),
         draft_probs_stride, target_probs_stride, noise_stride,
-        MAX_SPEC_LEN=max_spec_len,
-        BLOCK_K=triton.next_power_of_2(max_spec_len + 1),
-        BLOCK_V=_BLOCK_V,
-        ALL_GREEDY=all_greedy,
-        NO_DRAFT_PROBS=draft_probs is None,
+        MAX_SPEC_LEN=max_spec_len, BLOCK_K=triton.next_power_of_2(max_spec_len + 1),
+        BLOCK_V=_BLOCK_V, ALL_GREEDY=all_greedy, NO_DRAFT_PROBS=draft_probs is None,
         PLACEHOLDER=PLACEHOLDER_TOKEN_ID,
         # The vocabulary scan of random requests is the heavy part: give it 8 warps.
         num_warps=1 if all_greedy else 8,
@@ -248,15 +245,10 @@ def rejection_sample_reference(
     """Torch reference of :func:`rejection_sample` (same arguments and results), one
     request at a time."""
     num_reqs = cu_num_draft_tokens.shape[0]
-    output = torch.full(
-        (num_reqs, max_spec_len + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.int64,
-        device=draft_token_ids.device,
-    )
-    num_accepted = torch.zeros(num_reqs, dtype=torch.int64, device=draft_token_ids.device)
+    output = draft_token_ids.new_full((num_reqs, max_spec_len + 1), PLACEHOLDER_TOKEN_ID)
+    num_accepted = draft_token_ids.new_zeros(num_reqs)
     ends = cu_num_draft_tokens.tolist()
-    for req in range(num_reqs):
-        start = ends[req - 1] if req > 0 else 0
-        end = ends[req]
+    for req, (start, end) in enumerate(zip([0, *ends[:-1]], ends, strict=True)):
         tokens = draft_token_ids[start:end]
         rows = slice(start + req, end + req + 1)  # n + 1 target rows
         greedy = is_greedy is None or bool(is_greedy[req])

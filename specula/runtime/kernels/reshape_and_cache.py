@@ -56,12 +56,8 @@ def check_cache_write(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Launch checks shared by the kernels that write the paged KV cache (see
-    :func:`reshape_and_cache` for the shapes).
-
-    Raises:
-        AssertionError: shapes, dtypes or layouts do not match.
-    """
+    """The argument checks (AssertionError) of the kernels that write the paged KV cache;
+    shapes as :func:`reshape_and_cache`'s."""
     check(slot_mapping, (None,), torch.int64, dense=True)
     check(key, (slot_mapping.shape[0], None, None), key.dtype)
     check(value, key.shape, key.dtype)
@@ -97,11 +93,8 @@ def reshape_and_cache(
     _reshape_and_cache_kernel[(num_tokens,)](
         key, value, key_cache, value_cache, slot_mapping,
         *key.stride()[:2], *value.stride()[:2], *key_cache.stride()[:3], *value_cache.stride()[:3],
-        NUM_KV_HEADS=num_kv_heads,
-        HEAD_DIM=head_dim,
-        BLOCK_SIZE=key_cache.shape[1],
-        BLOCK_H=triton.next_power_of_2(num_kv_heads),
-        BLOCK_D=triton.next_power_of_2(head_dim),
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=key_cache.shape[1],
+        BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
         enable_fp_fusion=True,
     )
 

@@ -169,16 +169,11 @@ def rotary_embedding(
     _rotary_kernel[(num_tokens,)](
         positions, slot_mapping, query, k, value, key_cache, value_cache, cos_sin_cache,
         *query.stride()[:2], *k.stride()[:2], *strides, cos_sin_cache.stride(0),
-        NUM_HEADS=num_heads,
-        NUM_KV_HEADS=num_kv_heads,
-        HALF=half,
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=half,
         BLOCK_SIZE=1 if cache is None else key_cache.shape[1],
-        BLOCK_HALF=triton.next_power_of_2(half),
-        BLOCK_H=triton.next_power_of_2(num_heads),
+        BLOCK_HALF=triton.next_power_of_2(half), BLOCK_H=triton.next_power_of_2(num_heads),
         BLOCK_KH=triton.next_power_of_2(num_kv_heads),
-        HAS_KEY=key is not None,
-        WRITE_CACHE=cache is not None,
-        enable_fp_fusion=True,
+        HAS_KEY=key is not None, WRITE_CACHE=cache is not None, enable_fp_fusion=True,
     )
 
 
