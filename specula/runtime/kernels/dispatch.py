@@ -35,12 +35,8 @@ def check(
     *,
     dense: bool = False,
 ) -> None:
-    """Assert that ``t`` is a tensor of ``shape`` (``None`` matches any size) and ``dtype``
-    (or one of several), with its last dim contiguous (``dense``: all of it).
-
-    Raises:
-        AssertionError: naming what does not match.
-    """
+    """Assert (AssertionError) that ``t`` is a tensor of ``shape`` (``None`` matches any
+    size) and ``dtype`` (or one of a tuple), its last dim contiguous (``dense``: all of it)."""
     assert t is not None, "tensor missing"
     size = t.shape
     assert len(size) == len(shape), f"shape {tuple(size)}, expected {shape}"

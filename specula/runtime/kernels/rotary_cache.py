@@ -37,16 +37,12 @@ def rotary_embedding_and_cache(
     into their cache slots.
 
     Args:
-        positions: [num_tokens] int64, each < ``max_position``.
-        query: [num_tokens, num_heads, head_dim]; last dim contiguous (views into a fused
-            qkv output are fine).
-        key, value: [num_tokens, num_kv_heads, head_dim] in ``query.dtype``; last dim
-            contiguous.
-        key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim] in
-            ``query.dtype``; last dim contiguous.
-        slot_mapping: [num_tokens] int64 ``block * block_size + offset``; negative
-            entries write nothing.
-        cos_sin_cache: [max_position, head_dim] from
+        positions, query, key: as :func:`~specula.runtime.kernels.rotary.rotary_embedding`
+            (``key`` [num_tokens, num_kv_heads, head_dim] required).
+        value, key_cache, value_cache, slot_mapping: as
+            :func:`~specula.runtime.kernels.reshape_and_cache.reshape_and_cache`, in
+            ``query.dtype``; negative slots write nothing.
+        cos_sin_cache: [max_position, head_dim] (full rotary) from
             :func:`specula.runtime.kernels.rotary.build_cos_sin_cache`.
 
     Raises:
