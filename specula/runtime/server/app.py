@@ -125,8 +125,7 @@ class _ServerState:
             raise draining_error()
         engine = self.ready_engine()
         held = self.loop.num_unfinished
-        capacity = engine.max_num_seqs + self.limits.max_queued_requests
-        if held and held + num_prompts > capacity:
+        if held and held + num_prompts > engine.max_num_seqs + self.limits.max_queued_requests:
             raise APIError(429, f"the server is at capacity ({held} requests running or "
                            "queued); retry later", type=ERROR_TYPE_UNAVAILABLE,
                            code="rate_limit_exceeded", headers=RETRY_AFTER)

@@ -67,8 +67,8 @@ class _Choice:
     """Leading :attr:`logprobs` already sent."""
     text_offset: int = 0
     """Characters of the tokens already sent (``text_offset`` of the next one)."""
-    started: bool = False
-    """Its first chunk (the echoed prompt) went out."""
+    echo: str | None = None
+    """The prompt's text while it is still to be sent before the completion's."""
 
 
 def prepare(
@@ -202,13 +202,14 @@ class CompletionRun:
                     ignore_eos=request.ignore_eos, logprobs=top_logprobs,
                     prompt_logprobs=top_logprobs if echo is not None else None,
                 ))
-        self.request, self.prompts, self.echo = request, prompts, echo
+        self.request, self.prompts = request, prompts
         self.top_logprobs, self.tokenizer, self._loop = top_logprobs, tokenizer, loop
         self.model_name = engine.served_model_name
         self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self._queue: asyncio.Queue = asyncio.Queue()
-        self.choices = [_Choice(i // request.n, IncrementalText(tokenizer, request.stop_list()))
+        self.choices = [_Choice(i // request.n, IncrementalText(tokenizer, request.stop_list()),
+                                echo=echo[i // request.n] if echo is not None else None)
                         for i in range(len(self.params))]
         self._num_submitted = 0
 
@@ -262,15 +263,13 @@ class CompletionRun:
             choice.logprobs += out.logprobs
         choice.text.add(out.new_token_ids)
         if out.finished:
-            choice.finished = True
-            choice.finish_reason = out.finish_reason
-        if choice.text.stopped and not choice.finished:
-            # The stop string showed up in text before the engine noticed (it may
-            # detokenize differently); end the choice here and free its slot.
-            choice.finished = True
-            self._loop.abort_request(out.request_id)
+            choice.finished, choice.finish_reason = True, out.finish_reason
         if choice.text.stopped:
-            choice.finish_reason = "stop"
+            if not choice.finished:
+                # The stop string showed up in text before the engine noticed (it may
+                # detokenize differently); end the choice here and free its slot.
+                self._loop.abort_request(out.request_id)
+            choice.finished, choice.finish_reason = True, "stop"
         return i
 
     def usage(self) -> dict[str, int]:
@@ -298,24 +297,21 @@ class CompletionRun:
             else:
                 body = {"delta": {"content": text} if text or not c.finished else {}}
         else:
-            echo = self.echo is not None and not c.started
-            if echo:
-                text = self.echo[c.prompt_index] + text  # type: ignore[index]
             if self.top_logprobs is not None:
-                lp = self._completion_logprobs(c, echo)
-            body = {"text": text}
-        c.num_streamed, c.started = len(c.logprobs), True
+                lp = self._completion_logprobs(c)
+            body = {"text": (c.echo or "") + text}
+        c.num_streamed, c.echo = len(c.logprobs), None
         return {"index": i, **body, "logprobs": lp,
                 "finish_reason": c.finish_reason if c.finished else None}
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
 
-    def _completion_logprobs(self, c: _Choice, echo: bool) -> dict[str, list[Any]]:
-        """``c``'s unsent tokens (with ``echo``, the prompt's first), offsets continuing
-        from ``c.text_offset``."""
+    def _completion_logprobs(self, c: _Choice) -> dict[str, list[Any]]:
+        """``c``'s unsent tokens (the prompt's first while its echo is unsent), offsets
+        continuing from ``c.text_offset``."""
         ids, lps = c.token_ids[c.num_streamed:], list(c.logprobs[c.num_streamed:])
-        if echo:
+        if c.echo is not None:
             prompt = self.prompts[c.prompt_index]
             ids, lps = prompt + ids, (c.prompt_logprobs or [None] * len(prompt)) + lps
         out: dict[str, list[Any]] = {
@@ -385,8 +381,7 @@ class CompletionRun:
                     continue
                 c = self.choices[i]
                 text = c.text.delta(final=c.finished)
-                if text or c.finished or len(c.logprobs) > c.num_streamed or (
-                        self.echo is not None and not c.started):
+                if text or c.finished or len(c.logprobs) > c.num_streamed or c.echo is not None:
                     yield chunk([self._choice(i, text)])
             else:
                 if with_usage:

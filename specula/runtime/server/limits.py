@@ -57,19 +57,18 @@ async def read_body(raw: Request, limits: Limits) -> bytes:
     length = raw.headers.get("content-length", "")
     if length.isdigit() and int(length) > limits.max_body_bytes:
         raise too_large
-    chunks, size = [], 0
+    body = bytearray()
     try:
         async with asyncio.timeout(limits.read_timeout_s):
             async for chunk in raw.stream():
-                size += len(chunk)
-                if size > limits.max_body_bytes:
+                body += chunk
+                if len(body) > limits.max_body_bytes:
                     raise too_large
-                chunks.append(chunk)
     except TimeoutError:
         raise APIError(408, f"the request body was not received within "
                        f"{limits.read_timeout_s:g} s", code="request_timeout",
                        headers=close) from None
-    return b"".join(chunks)
+    return bytes(body)
 
 
 async def unless_disconnected(raw: Request, work: Any) -> Any:
@@ -98,29 +97,28 @@ def h11_with_header_timeout(seconds: float) -> type[H11Protocol]:
         def _between_requests(self) -> bool:
             return self.cycle is None or self.cycle.response_complete
 
-        def _disarm(self) -> None:
-            if self._deadline is not None:
-                self._deadline.cancel()
-                self._deadline = None
-
         def _expired(self) -> None:
             self._deadline = None
             if self._between_requests():
                 self.timeout_keep_alive_handler()  # closes the connection
 
+        def _track(self, armed: bool) -> None:
+            if armed and self._deadline is None:
+                self._deadline = self.loop.call_later(seconds, self._expired)
+            elif not armed and self._deadline is not None:
+                self._deadline.cancel()
+                self._deadline = None
+
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
-            self._deadline = self.loop.call_later(seconds, self._expired)
+            self._track(armed=True)
 
         def data_received(self, data: bytes) -> None:
             super().data_received(data)
-            if not self._between_requests():
-                self._disarm()
-            elif self._deadline is None:
-                self._deadline = self.loop.call_later(seconds, self._expired)
+            self._track(armed=self._between_requests())
 
         def connection_lost(self, exc: Exception | None) -> None:
-            self._disarm()
+            self._track(armed=False)
             super().connection_lost(exc)
 
     return Protocol
