@@ -27,6 +27,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specula.runtime.engine.sampling_params import MAX_LOGPROBS
@@ -43,6 +44,12 @@ class _Body(BaseModel):
     """A request body (or part of one): unknown fields are refused."""
 
     model_config = ConfigDict(extra="forbid")
+
+
+def _unsupported(param: str, message: str) -> PydanticCustomError:
+    """Raised inside validation for a field value this server does not implement; the
+    error body's ``param`` names ``param`` (:func:`validation_error`)."""
+    return PydanticCustomError("unsupported_field", message, {"param": param})
 
 
 class StreamOptions(_Body):
@@ -99,11 +106,11 @@ class GenerationRequest(_Body):
     def _reject_unsupported(self) -> GenerationRequest:
         # Each check names the field so the error's ``param`` points at it.
         if self.presence_penalty != 0.0 or self.frequency_penalty != 0.0:
-            raise UnsupportedFieldError("presence_penalty", "penalties are not supported")
+            raise _unsupported("presence_penalty", "penalties are not supported")
         if self.logit_bias:
-            raise UnsupportedFieldError("logit_bias", "logit_bias is not supported")
+            raise _unsupported("logit_bias", "logit_bias is not supported")
         if self.stream_options is not None and not self.stream:
-            raise UnsupportedFieldError("stream_options", "stream_options needs stream=true")
+            raise _unsupported("stream_options", "stream_options needs stream=true")
         return self
 
     def stop_list(self) -> list[str]:
@@ -134,9 +141,9 @@ class CompletionRequest(GenerationRequest):
     @model_validator(mode="after")
     def _reject_unsupported_completion(self) -> CompletionRequest:
         if self.best_of not in (None, self.n):
-            raise UnsupportedFieldError("best_of", "only best_of equal to n is supported")
+            raise _unsupported("best_of", "only best_of equal to n is supported")
         if self.suffix is not None:
-            raise UnsupportedFieldError("suffix", "suffix is not supported")
+            raise _unsupported("suffix", "suffix is not supported")
         return self
 
 
@@ -177,20 +184,8 @@ class ChatCompletionRequest(GenerationRequest):
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
-            raise UnsupportedFieldError("top_logprobs", "top_logprobs needs logprobs=true")
+            raise _unsupported("top_logprobs", "top_logprobs needs logprobs=true")
         return self
-
-
-class UnsupportedFieldError(ValueError):
-    """A request field holds a value this server does not implement.
-
-    Raised inside validation; pydantic wraps it in a ``ValidationError`` whose
-    context keeps this object, so the error body can name ``param``.
-    """
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 class SpeculativeConfigUpdate(_Body):
@@ -216,7 +211,7 @@ class SpeculativeConfigUpdate(_Body):
         if (self.num_speculative_tokens is None) == (
             self.num_speculative_tokens_per_batch_size is None
         ):
-            raise UnsupportedFieldError(
+            raise _unsupported(
                 "num_speculative_tokens",
                 "give exactly one of num_speculative_tokens and "
                 "num_speculative_tokens_per_batch_size",
@@ -238,7 +233,7 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
-class APIError(Exception):
+class APIError(StarletteHTTPException):
     """An error answered to the client with ``status`` and an OpenAI error body."""
 
     def __init__(
@@ -251,9 +246,7 @@ class APIError(Exception):
         code: str | None = None,
         headers: dict[str, str] | None = None,
     ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.headers = headers
+        super().__init__(status, message, headers)
         self.info = {"message": message, "type": type, "param": param, "code": code}
 
     def body(self) -> dict[str, Any]:
@@ -261,7 +254,7 @@ class APIError(Exception):
         return {"error": self.info}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+        return JSONResponse(self.body(), status_code=self.status_code, headers=self.headers)
 
 
 _UNION_SHAPES = {
@@ -287,8 +280,8 @@ def validation_error(errors: Sequence[Any]) -> APIError:
             msg = f"{field} must be {_UNION_SHAPES[field]}"
         elif field == "prompt" and kind in ("greater_than_equal", "too_short"):
             msg = "token ids must be >= 0" if kind == "greater_than_equal" else "prompt is empty"
-        elif isinstance(ctx.get("error"), UnsupportedFieldError):
-            field, msg = ctx["error"].param, str(ctx["error"])
+        elif kind == "unsupported_field":
+            field, msg = ctx["param"], str(err.get("msg"))
         elif kind in ("model_attributes_type", "model_type", "dict_type") and not loc:
             msg = "the request body must be a JSON object"
         elif kind == "extra_forbidden":
@@ -305,18 +298,16 @@ def validation_error(errors: Sequence[Any]) -> APIError:
 def install_error_handlers(app: FastAPI) -> None:
     """Register the handlers that give every error the OpenAI shape."""
 
-    @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return exc.response()
-
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
         return validation_error(exc.errors()).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        type_ = ERROR_TYPE_NOT_FOUND if exc.status_code == 404 else ERROR_TYPE_INVALID_REQUEST
-        return APIError(exc.status_code, str(exc.detail), type=type_).response()
+        if not isinstance(exc, APIError):  # FastAPI's own: unknown routes, methods
+            type_ = ERROR_TYPE_NOT_FOUND if exc.status_code == 404 else ERROR_TYPE_INVALID_REQUEST
+            exc = APIError(exc.status_code, str(exc.detail), type=type_)
+        return exc.response()
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
