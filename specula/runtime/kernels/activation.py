@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from specula.runtime.kernels.dispatch import FLOATS, check, use_reference
+from specula.runtime.kernels.dispatch import FLOATS, use_reference
 
 _BLOCK = 1024
 """Columns per program."""
@@ -53,12 +53,11 @@ def silu_and_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torc
     Raises:
         AssertionError: shapes, dtypes or layouts do not match the above.
     """
-    check(gate_up, (None, None), FLOATS)
+    assert gate_up.ndim == 2 and gate_up.stride(-1) == 1 and gate_up.shape[1] % 2 == 0
+    assert gate_up.dtype in FLOATS
     num_tokens, d = gate_up.shape[0], gate_up.shape[1] // 2
-    assert gate_up.shape[1] == 2 * d
-    if out is None:
-        out = gate_up.new_empty(num_tokens, d)
-    check(out, (num_tokens, d), gate_up.dtype)
+    out = gate_up.new_empty(num_tokens, d) if out is None else out
+    assert out.shape == (num_tokens, d) and out.dtype == gate_up.dtype and out.stride(-1) == 1
     if num_tokens == 0:
         return out
     if use_reference(gate_up):

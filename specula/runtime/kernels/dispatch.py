@@ -1,6 +1,5 @@
 """Which implementation a launcher runs: the Triton kernel on a CUDA device (or anywhere
-in Triton's interpreter), the kernel's torch reference on any other device; and the
-launchers' argument check.
+in Triton's interpreter), the kernel's torch reference on any other device.
 
 Triton reads ``TRITON_INTERPRET`` when a ``@triton.jit`` function is defined, so the
 flag is read once here, at import, for the same reason: a process either interprets
@@ -27,20 +26,3 @@ def use_reference(t: torch.Tensor) -> bool:
 FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 """The activation dtypes the kernels take."""
 
-
-def check(
-    t: torch.Tensor | None,
-    shape: tuple[int | None, ...],
-    dtype: torch.dtype | tuple[torch.dtype, ...],
-    *,
-    dense: bool = False,
-) -> None:
-    """Assert (AssertionError) that ``t`` is a tensor of ``shape`` (``None`` matches any
-    size) and ``dtype`` (or one of a tuple), its last dim contiguous (``dense``: all of it)."""
-    assert t is not None, "tensor missing"
-    size = t.shape
-    assert len(size) == len(shape), f"shape {tuple(size)}, expected {shape}"
-    for i, n in enumerate(shape):  # indexing beats zip(), and this runs before each launch
-        assert n is None or n == size[i], f"shape {tuple(size)}, expected {shape}"
-    assert t.dtype in dtype if type(dtype) is tuple else t.dtype == dtype, f"dtype {t.dtype}"
-    assert t.is_contiguous() if dense else t.stride(-1) == 1, "layout: not contiguous"

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specula.runtime.kernels.dispatch import check, use_reference
+from specula.runtime.kernels.dispatch import use_reference
 
 _BLOCK = 128
 """Tokens per step of a request's copy loop."""
@@ -97,13 +97,15 @@ def prepare_draft_inputs(
     Raises:
         AssertionError: shapes, dtypes or layouts do not match the above.
     """
-    check(input_ids, (None,), torch.int64, dense=True)
-    check(positions, input_ids.shape, torch.int64, dense=True)
-    check(cu_num_draft_tokens, (None,), torch.int32, dense=True)
+    assert input_ids.ndim == 1 and input_ids.dtype == torch.int64 and input_ids.is_contiguous()
+    assert positions.shape == input_ids.shape and positions.dtype == torch.int64
     num_tokens, num_reqs = input_ids.shape[0], cu_num_draft_tokens.shape[0]
-    check(query_start_loc, (num_reqs + 1,), torch.int32, dense=True)
-    check(num_accepted, (num_reqs,), torch.int64, dense=True)
-    check(next_token_ids, (num_reqs,), torch.int64, dense=True)
+    assert query_start_loc.shape == (num_reqs + 1,) and query_start_loc.dtype == torch.int32
+    assert cu_num_draft_tokens.ndim == 1 and cu_num_draft_tokens.dtype == torch.int32
+    assert num_accepted.shape == (num_reqs,) and num_accepted.dtype == torch.int64
+    assert next_token_ids.shape == (num_reqs,) and next_token_ids.dtype == torch.int64
+    for t in (positions, query_start_loc, cu_num_draft_tokens, num_accepted, next_token_ids):
+        assert t.is_contiguous()
     ids = torch.empty_like(input_ids) if out_input_ids is None else out_input_ids
     pos = torch.empty_like(positions) if out_positions is None else out_positions
     last = out_last_token_indices

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specula.runtime.kernels.dispatch import FLOATS, check, use_reference
+from specula.runtime.kernels.dispatch import FLOATS, use_reference
 
 _MAX_HIDDEN = 65536
 """One program holds a whole row in registers."""
@@ -111,16 +111,17 @@ def fused_add_rms_norm(
     Raises:
         AssertionError: shapes, dtypes or layouts do not match the above.
     """
-    check(x, (None, None), FLOATS)
+    assert x.ndim == 2 and x.stride(-1) == 1, "x must be [num_tokens, hidden_size], rows dense"
+    assert x.dtype in FLOATS
     num_tokens, hidden = x.shape
-    check(weight, (hidden,), x.dtype, dense=True)
-    assert hidden <= _MAX_HIDDEN
+    assert weight.shape == (hidden,) and weight.is_contiguous() and hidden <= _MAX_HIDDEN
+    assert weight.dtype == x.dtype, "weight must be in the activation dtype"
     out = torch.empty_like(x) if out is None else out
-    check(out, x.shape, x.dtype)
     if residual is not None:
         residual_out = torch.empty_like(x) if residual_out is None else residual_out
-        check(residual, x.shape, x.dtype)
-        check(residual_out, x.shape, x.dtype)
+    for t in (out,) if residual is None else (out, residual, residual_out):
+        assert t.shape == x.shape and t.dtype == x.dtype, "shape/dtype unlike x's"
+        assert t.stride(-1) == 1, "last dim must be contiguous"
     if num_tokens == 0:
         return out, residual_out
     if use_reference(x):

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specula.runtime.kernels.dispatch import FLOATS, check, use_reference
+from specula.runtime.kernels.dispatch import FLOATS, use_reference
 
 _MIN_TOKENS_PER_SPLIT = 128
 """A split reads at least this many keys: fewer would cost more in the merge than the
@@ -267,18 +267,20 @@ def paged_attention(
     Raises:
         AssertionError: shapes, dtypes or layouts do not match the above.
     """
-    check(query, (None, None, None), FLOATS)
+    assert query.ndim == 3 and key_cache.ndim == 4 and value_cache.shape == key_cache.shape
+    assert block_table.ndim == 2 and block_table.dtype == torch.int32
+    assert seq_lens.ndim == 1 and seq_lens.dtype == torch.int32
+    assert query.dtype in FLOATS and key_cache.dtype == query.dtype == value_cache.dtype
+    assert query.stride(-1) == 1 and key_cache.stride(-1) == 1 and value_cache.stride(-1) == 1
+    assert block_table.stride(-1) == 1 and seq_lens.is_contiguous()
     num_tokens, num_heads, head_dim = query.shape
-    check(key_cache, (None, None, None, head_dim), query.dtype)
-    check(value_cache, key_cache.shape, query.dtype)
-    _, block_size, num_kv_heads, _ = key_cache.shape
-    check(block_table, (None, None), torch.int32)
+    _, block_size, num_kv_heads, cache_head_dim = key_cache.shape
     num_reqs = block_table.shape[0]
-    check(seq_lens, (num_reqs,), torch.int32, dense=True)
-    assert num_heads % num_kv_heads == 0 and q_len >= 1 and num_tokens == num_reqs * q_len
+    assert cache_head_dim == head_dim and num_heads % num_kv_heads == 0
+    assert q_len >= 1 and num_tokens == num_reqs * q_len and seq_lens.shape[0] == num_reqs
     assert sliding_window is None or sliding_window >= 1
     out = torch.empty_like(query) if out is None else out
-    check(out, query.shape, query.dtype)
+    assert out.shape == query.shape and out.dtype == query.dtype and out.stride(-1) == 1
     if num_reqs == 0:
         return out
     if use_reference(query):

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specula.runtime.kernels.dispatch import check, use_reference
+from specula.runtime.kernels.dispatch import use_reference
 
 PLACEHOLDER_TOKEN_ID = -1
 """Fills output positions after the first rejection; the value of
@@ -181,12 +181,13 @@ def rejection_sample(
     Raises:
         AssertionError: shapes, dtypes or layouts do not match the above.
     """
-    check(draft_token_ids, (None,), torch.int64, dense=True)
-    check(cu_num_draft_tokens, (None,), torch.int32, dense=True)
+    assert draft_token_ids.ndim == 1 and draft_token_ids.dtype == torch.int64
+    assert cu_num_draft_tokens.ndim == 1 and cu_num_draft_tokens.dtype == torch.int32
+    assert target_argmax.dtype == torch.int64 and max_spec_len >= 1
+    assert draft_token_ids.is_contiguous() and cu_num_draft_tokens.is_contiguous()
     num_draft_tokens, num_reqs = draft_token_ids.shape[0], cu_num_draft_tokens.shape[0]
     num_rows = num_draft_tokens + num_reqs
-    check(target_argmax, (num_rows,), torch.int64, dense=True)
-    assert max_spec_len >= 1
+    assert target_argmax.shape == (num_rows,) and target_argmax.is_contiguous()
     output = draft_token_ids.new_empty(num_reqs, max_spec_len + 1)
     num_accepted = draft_token_ids.new_empty(num_reqs)
     if num_reqs == 0:
@@ -194,12 +195,17 @@ def rejection_sample(
     all_greedy = is_greedy is None
     if not all_greedy:
         assert is_greedy.shape == (num_reqs,) and is_greedy.dtype == torch.bool
-        check(target_probs, (num_rows, None), torch.float32)
+        assert target_probs is not None and uniform_samples is not None
+        assert exponential_noise is not None and target_probs.ndim == 2
         vocab_size = target_probs.shape[1]
-        check(uniform_samples, (num_draft_tokens,), torch.float32, dense=True)
-        check(exponential_noise, (num_reqs, vocab_size), torch.float32)
+        assert target_probs.shape[0] == num_rows and target_probs.dtype == torch.float32
+        assert uniform_samples.shape == (num_draft_tokens,) and uniform_samples.is_contiguous()
+        assert uniform_samples.dtype == exponential_noise.dtype == torch.float32
+        assert exponential_noise.shape == (num_reqs, vocab_size)
+        assert target_probs.stride(-1) == 1 and exponential_noise.stride(-1) == 1
         if draft_probs is not None:
-            check(draft_probs, (num_draft_tokens, vocab_size), torch.float32)
+            assert draft_probs.shape == (num_draft_tokens, vocab_size)
+            assert draft_probs.dtype == torch.float32 and draft_probs.stride(-1) == 1
     if use_reference(draft_token_ids):
         return rejection_sample_reference(
             draft_token_ids, cu_num_draft_tokens, target_argmax, max_spec_len,

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specula.runtime.kernels.dispatch import check, use_reference
+from specula.runtime.kernels.dispatch import use_reference
 
 
 @triton.jit
@@ -58,11 +58,14 @@ def check_cache_write(
 ) -> None:
     """The argument checks (AssertionError) of the kernels that write the paged KV cache;
     shapes as :func:`reshape_and_cache`'s."""
-    check(slot_mapping, (None,), torch.int64, dense=True)
-    check(key, (slot_mapping.shape[0], None, None), key.dtype)
-    check(value, key.shape, key.dtype)
-    check(key_cache, (None, None, *key.shape[1:]), key.dtype)
-    check(value_cache, key_cache.shape, key.dtype)
+    assert key.ndim == 3 and value.shape == key.shape
+    assert key_cache.ndim == 4 and value_cache.shape == key_cache.shape
+    assert key.dtype == value.dtype == key_cache.dtype == value_cache.dtype
+    assert slot_mapping.ndim == 1 and slot_mapping.dtype == torch.int64
+    assert slot_mapping.is_contiguous() and slot_mapping.shape[0] == key.shape[0]
+    for t in (key, value, key_cache, value_cache):
+        assert t.stride(-1) == 1, "last dim must be contiguous"
+    assert key_cache.shape[2:] == key.shape[1:]
 
 
 def reshape_and_cache(

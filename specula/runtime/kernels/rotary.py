@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specula.runtime.kernels.dispatch import FLOATS, check, use_reference
+from specula.runtime.kernels.dispatch import FLOATS, use_reference
 from specula.runtime.kernels.reshape_and_cache import reshape_and_cache_reference
 
 
@@ -140,13 +140,14 @@ def rotary_embedding(
     Raises:
         AssertionError: shapes, dtypes or layouts do not match the above.
     """
-    check(positions, (None,), torch.int64, dense=True)
-    num_tokens = positions.shape[0]
-    check(query, (num_tokens, None, None), FLOATS)
-    num_heads, head_dim = query.shape[1:]
-    if key is not None:
-        check(key, (num_tokens, None, head_dim), query.dtype)
+    assert positions.ndim == 1 and positions.dtype == torch.int64 and positions.is_contiguous()
+    assert query.ndim == 3 and query.stride(-1) == 1 and query.dtype in FLOATS
     assert cos_sin_cache.ndim == 2 and cos_sin_cache.stride(-1) == 1
+    num_tokens, num_heads, head_dim = query.shape
+    assert positions.shape[0] == num_tokens
+    if key is not None:
+        assert key.ndim == 3 and key.stride(-1) == 1 and key.dtype == query.dtype
+        assert key.shape[0] == num_tokens and key.shape[2] == head_dim
     half = cos_sin_cache.shape[1] // 2
     assert 2 * half == cos_sin_cache.shape[1] <= head_dim
     if num_tokens == 0:
