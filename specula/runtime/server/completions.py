@@ -59,9 +59,8 @@ class _Choice:
     text: IncrementalText
     finished: bool = False
     finish_reason: str | None = None
-    token_ids: list[int] = field(default_factory=list)
-    """Generated tokens that carry log-probabilities (with ``logprobs``)."""
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    """With ``logprobs``, one per token of :attr:`text` (``text.token_ids``)."""
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     num_streamed: int = 0
     """Leading :attr:`logprobs` already sent."""
@@ -259,7 +258,6 @@ class CompletionRun:
         if out.prompt_logprobs is not None:
             choice.prompt_logprobs = out.prompt_logprobs
         if out.logprobs is not None and not choice.text.stopped:
-            choice.token_ids += out.new_token_ids
             choice.logprobs += out.logprobs
         choice.text.add(out.new_token_ids)
         if out.finished:
@@ -310,7 +308,7 @@ class CompletionRun:
     def _completion_logprobs(self, c: _Choice) -> dict[str, list[Any]]:
         """``c``'s unsent tokens (the prompt's first while its echo is unsent), offsets
         continuing from ``c.text_offset``."""
-        ids, lps = c.token_ids[c.num_streamed:], list(c.logprobs[c.num_streamed:])
+        ids, lps = c.text.token_ids[c.num_streamed:], list(c.logprobs[c.num_streamed:])
         if c.echo is not None:
             prompt = self.prompts[c.prompt_index]
             ids, lps = prompt + ids, (c.prompt_logprobs or [None] * len(prompt)) + lps
@@ -334,7 +332,7 @@ class CompletionRun:
 
         return {"content": [
             {**entry(t, lp.logprob), "top_logprobs": [entry(*top) for top in lp.top]}
-            for t, lp in zip(c.token_ids[c.num_streamed:], c.logprobs[c.num_streamed:],
+            for t, lp in zip(c.text.token_ids[c.num_streamed:], c.logprobs[c.num_streamed:],
                              strict=True)
         ]}
 
