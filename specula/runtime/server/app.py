@@ -223,15 +223,13 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        if manage_loop:
-            loop.start()
+        loop.start()
         try:
             yield
         finally:
-            if manage_loop:
-                loop.stop()
+            loop.stop()
 
-    app = FastAPI(title="Specula runtime", lifespan=lifespan)
+    app = FastAPI(title="Specula runtime", lifespan=lifespan if manage_loop else None)
     install_error_handlers(app)
     state = _ServerState(loop, limits)
     app.state.specula = state

@@ -271,8 +271,7 @@ def validation_error(errors: Sequence[Any]) -> APIError:
     ``param`` is the first offending field (``prompt``, ``max_tokens``...), or
     ``None`` when the body as a whole is wrong (not JSON, not an object).
     """
-    messages: list[str] = []
-    param: str | None = None
+    found: dict[str, str | None] = {}  # each distinct message, in order: the field it names
     for err in errors:
         loc = [str(p) for p in err.get("loc", ()) if p != "body"]
         field, kind, ctx = (loc[0] if loc else None), str(err.get("type", "")), err.get("ctx") or {}
@@ -288,11 +287,9 @@ def validation_error(errors: Sequence[Any]) -> APIError:
             msg = f"unknown field `{'.'.join(loc)}`"
         else:
             msg = f"{'.'.join(loc)}: {err.get('msg')}" if loc else str(err.get("msg"))
-        if param is None:
-            param = field
-        if msg not in messages:
-            messages.append(msg)
-    return APIError(400, "; ".join(messages) or "invalid request", param=param)
+        found.setdefault(msg, field)
+    param = next((f for f in found.values() if f is not None), None)
+    return APIError(400, "; ".join(found) or "invalid request", param=param)
 
 
 def install_error_handlers(app: FastAPI) -> None:
