@@ -302,9 +302,6 @@ class CompletionRun:
         return {"index": i, **body, "logprobs": lp,
                 "finish_reason": c.finish_reason if c.finished else None}
 
-    def _token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
-
     def _completion_logprobs(self, c: _Choice) -> dict[str, list[Any]]:
         """``c``'s unsent tokens (the prompt's first while its echo is unsent), offsets
         continuing from ``c.text_offset``."""
@@ -315,18 +312,18 @@ class CompletionRun:
         out: dict[str, list[Any]] = {
             "tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for token_id, lp in zip(ids, lps, strict=True):
-            text = self._token_text(token_id)
+            text = self.tokenizer.decode([token_id])
             out["tokens"].append(text)
             out["text_offset"].append(c.text_offset)
             c.text_offset += len(text)
             out["token_logprobs"].append(None if lp is None else max(lp.logprob, _MIN_LOGPROB))
             out["top_logprobs"].append(None if lp is None else {
-                self._token_text(t): max(v, _MIN_LOGPROB) for t, v in lp.top})
+                self.tokenizer.decode([t]): max(v, _MIN_LOGPROB) for t, v in lp.top})
         return out
 
     def _chat_logprobs(self, c: _Choice) -> dict[str, Any]:
         def entry(token_id: int, logprob: float) -> dict[str, Any]:
-            text = self._token_text(token_id)
+            text = self.tokenizer.decode([token_id])
             return {"token": text, "logprob": max(logprob, _MIN_LOGPROB),
                     "bytes": list(text.encode())}
 
@@ -373,7 +370,7 @@ class CompletionRun:
                 try:
                     i = await self.next_update()
                 except APIError as exc:
-                    yield f"data: {json.dumps(exc.body())}\n\n"
+                    yield f"data: {json.dumps(exc.body)}\n\n"
                     break
                 if i is None:
                     continue

@@ -247,14 +247,11 @@ class APIError(StarletteHTTPException):
         headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(status, message, headers)
-        self.info = {"message": message, "type": type, "param": param, "code": code}
-
-    def body(self) -> dict[str, Any]:
-        """``{"error": {"message", "type", "param", "code"}}``, OpenAI's error shape."""
-        return {"error": self.info}
+        self.body = {"error": {"message": message, "type": type, "param": param, "code": code}}
+        """OpenAI's error shape."""
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status_code, headers=self.headers)
+        return JSONResponse(self.body, status_code=self.status_code, headers=self.headers)
 
 
 _UNION_SHAPES = {
