@@ -208,14 +208,10 @@ class SpeculativeConfigUpdate(_Body):
 
     @model_validator(mode="after")
     def _one_setting(self) -> SpeculativeConfigUpdate:
-        if (self.num_speculative_tokens is None) == (
-            self.num_speculative_tokens_per_batch_size is None
-        ):
-            raise _unsupported(
-                "num_speculative_tokens",
-                "give exactly one of num_speculative_tokens and "
-                "num_speculative_tokens_per_batch_size",
-            )
+        k, schedule = self.num_speculative_tokens, self.num_speculative_tokens_per_batch_size
+        if (k is None) == (schedule is None):
+            raise _unsupported("num_speculative_tokens", "give exactly one of "
+                               "num_speculative_tokens and num_speculative_tokens_per_batch_size")
         return self
 
 
