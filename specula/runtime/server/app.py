@@ -145,9 +145,8 @@ async def parse_body(raw: Request, model: type[BodyT], limits: Limits = DEFAULT_
         APIError: 400 for malformed JSON (lone surrogates included) or a schema
             violation; 413 or 408 (:func:`~specula.runtime.server.limits.read_body`).
     """
-    body = await read_body(raw, limits)
     try:
-        data = json.loads(body)
+        data = json.loads(await read_body(raw, limits))
         # A `\ud800` escape decodes to a lone surrogate, which neither the tokenizer nor
         # a UTF-8 answer (an error naming the field) can take: refuse it here.
         json.dumps(data, ensure_ascii=False).encode()

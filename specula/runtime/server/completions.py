@@ -287,17 +287,14 @@ class CompletionRun:
         of a whole answer (chat: ``message`` instead of ``delta``)."""
         c = self.choices[i]
         lp: dict[str, Any] | None = None
-        if self.chat:
-            if self.top_logprobs is not None:
-                lp = self._chat_logprobs(c)
-            if whole:
-                body: dict[str, Any] = {"message": {"role": "assistant", "content": text}}
-            else:
-                body = {"delta": {"content": text} if text or not c.finished else {}}
+        if self.top_logprobs is not None:
+            lp = self._chat_logprobs(c) if self.chat else self._completion_logprobs(c)
+        if not self.chat:
+            body: dict[str, Any] = {"text": (c.echo or "") + text}
+        elif whole:
+            body = {"message": {"role": "assistant", "content": text}}
         else:
-            if self.top_logprobs is not None:
-                lp = self._completion_logprobs(c)
-            body = {"text": (c.echo or "") + text}
+            body = {"delta": {"content": text} if text or not c.finished else {}}
         c.num_streamed, c.echo = len(c.logprobs), None
         return {"index": i, **body, "logprobs": lp,
                 "finish_reason": c.finish_reason if c.finished else None}

@@ -162,9 +162,8 @@ class ChatMessage(_Body):
 
     def template_input(self) -> dict[str, str]:
         """The message as chat templates read it (``role``, ``content`` a string)."""
-        content = self.content
-        if not isinstance(content, str):
-            content = "\n".join(part.text for part in content)
+        parts = self.content
+        content = parts if isinstance(parts, str) else "\n".join(part.text for part in parts)
         return {**self.model_dump(exclude_none=True), "content": content}
 
 
