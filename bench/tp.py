@@ -108,9 +108,6 @@ def worker(args) -> dict:
                                                          None if h is None else str(h), dtype, args.tp))
             out[f"{name}_{dtype}"] = engine.generate(prompts, params)
             engine.shutdown()
-            from specula.runtime.worker.parallel import destroy_parallel
-
-            destroy_parallel()
             del engine
             engine_e2e.release_memory()
     return out
@@ -134,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", default="1,32")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--demo-dir", default=None)
+    parser.add_argument("--phases", default="speed,greedy")
     parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT)
     parser.add_argument("--dry-run", action="store_true")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -146,19 +144,21 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     import torch
 
-    speed = {tp: run_worker("speed", tp, args) for tp in (1, 2)}
+    phases = args.phases.split(",")
+    speed = {tp: run_worker("speed", tp, args) for tp in (1, 2)} if "speed" in phases else {}
     ratio = {b: round(speed[2][b]["decode_tokens_per_s"] / speed[1][b]["decode_tokens_per_s"], 3)
-             for b in speed[1]}
+             for b in speed.get(1, {})}
     record: dict = {
         "command": "PYTHONPATH=. python3 bench/tp.py " + " ".join(argv or sys.argv[1:]),
         "gpu": f"{torch.cuda.device_count()} x {torch.cuda.get_device_name()}"
         if torch.cuda.is_available() else platform.node(),
         "versions": {"torch": torch.__version__, "python": platform.python_version()},
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "speed": {f"tp{tp}": rows for tp, rows in speed.items()},
     }
-    result = {"tp2_vs_tp1": ratio}
-    if args.demo_dir:
+    if speed:
+        record["speed"] = {f"tp{tp}": rows for tp, rows in speed.items()}
+    result = {"tp2_vs_tp1": ratio} if ratio else {}
+    if args.demo_dir and "greedy" in phases:
         greedy = {tp: run_worker("greedy", tp, args) for tp in (1, 2)}
         same = {case: greedy[1][case] == greedy[2][case] for case in greedy[1]}
         tokens = {case: sum(a == b for x, y in zip(greedy[1][case], greedy[2][case], strict=True)
@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.dry_run:
         data = json.loads(args.output.read_text()) if args.output.is_file() else {}
         data.update(result)
-        data["tensor_parallel"] = record
+        data.setdefault("tensor_parallel", {}).update(record)
         args.output.write_text(json.dumps(data, indent=1) + "\n")
     return 0
 

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from specula.runtime.worker.parallel import init_parallel
+from specula.runtime.worker.parallel import destroy_parallel, init_parallel
 
 if TYPE_CHECKING:
     from specula.api.runtime_config import RuntimeConfig
@@ -124,3 +124,4 @@ def _follower_main(
     device = rank_device(device_type, rank)
     init_parallel(rank, world_size, init_method, device)
     build(device).follow()
+    destroy_parallel()  # with rank 0's, which waits for every rank's

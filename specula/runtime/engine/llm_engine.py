@@ -90,7 +90,12 @@ from specula.runtime.worker.paged_kv import (
     mark_prefills,
     num_blocks_from_free_memory,
 )
-from specula.runtime.worker.parallel import broadcast_object, get_parallel, min_over_ranks
+from specula.runtime.worker.parallel import (
+    broadcast_object,
+    destroy_parallel,
+    get_parallel,
+    min_over_ranks,
+)
 
 if TYPE_CHECKING:
     from specula.api.runtime_config import RuntimeConfig, SpeculatorRuntimeConfig
@@ -485,14 +490,16 @@ class LLMEngine(SpeculativeSettings):
             self.step()
 
     def shutdown(self) -> None:
-        """Rank 0 of several: end the other ranks' :meth:`follow` loops. A no-op on one
-        rank and on the others."""
+        """Rank 0 of several: end the other ranks' :meth:`follow` loops, then leave the
+        group with them (a group left undestroyed hangs NCCL at interpreter exit). A
+        no-op on one rank and on the others."""
         if self._commands is not None:
             from specula.runtime.engine.distributed import stopping
 
             stopping.set()
             broadcast_object(None)
             self._commands = None
+            destroy_parallel()
 
     def generate(
         self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
