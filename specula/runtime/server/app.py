@@ -46,13 +46,13 @@ import contextlib
 import copy
 import json
 import secrets
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Annotated, Any, TypeVar
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Metric, generate_latest
 from pydantic import BaseModel, ValidationError
 from starlette.background import BackgroundTask
 
@@ -94,6 +94,10 @@ class _ServerState:
         """Set on SIGTERM (:class:`~specula.runtime.server.limits.DrainingServer`)."""
         self._tokenizer: Any = None
         self._registry: CollectorRegistry | None = None
+        self.exposition = CollectorRegistry(auto_describe=False)
+        """What ``/metrics`` exports (on the API port and the metrics port): the
+        engine's metrics once it is loaded, nothing before."""
+        self.exposition.register(self)  # type: ignore[arg-type] - a collector by `collect`
 
     def ready_engine(self) -> Any:
         """The loaded engine.
@@ -130,11 +134,12 @@ class _ServerState:
                            "queued); retry later", type=ERROR_TYPE_UNAVAILABLE,
                            code="rate_limit_exceeded", headers=RETRY_AFTER)
 
-    def registry(self) -> CollectorRegistry | None:
+    def collect(self) -> Iterator[Metric]:
         if self._registry is None and self.loop.state is EngineState.READY:
             assert self.loop.engine is not None
             self._registry = build_registry(self.loop.snapshot, self.loop.engine.served_model_name)
-        return self._registry
+        if self._registry is not None:
+            yield from self._registry.collect()
 
 
 async def parse_body(raw: Request, model: type[BodyT], limits: Limits = DEFAULT_LIMITS) -> BodyT:
@@ -242,9 +247,7 @@ def create_app(
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        registry = state.registry()
-        body = generate_latest(registry) if registry is not None else b""
-        return Response(body, media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(state.exposition), media_type=CONTENT_TYPE_LATEST)
 
     openai = [require_bearer(lambda: api_key, "API key")] if api_key else []
 

@@ -31,21 +31,6 @@ logger = logging.getLogger(__name__)
 
 EXIT_CONFIG_ERROR = 2
 
-_TOP_LEVEL_FLAGS = {
-    "model": "model",
-    "served_model_name": "served_model_name",
-    "dtype": "dtype",
-    "max_model_len": "max_model_len",
-    "max_num_seqs": "max_num_seqs",
-    "enable_prefix_caching": "enable_prefix_caching",
-    "host": "host",
-    "port": "port",
-    "admin_port": "admin_port",
-    "admin_token_file": "admin_token_file",
-}
-"""argparse dest -> RuntimeConfig field, for flags that map one to one."""
-
-
 class ConfigError(ValueError):
     """The flags and file do not make a valid runtime config."""
 
@@ -61,7 +46,7 @@ def build_runtime_config(args: argparse.Namespace) -> RuntimeConfig:
             with no speculator method, or a value the pydantic model rejects.
     """
     data: dict[str, Any] = {}
-    if getattr(args, "config", None):
+    if vars(args).get("config"):
         path = Path(args.config)
         try:
             data = json.loads(path.read_text())
@@ -71,35 +56,27 @@ def build_runtime_config(args: argparse.Namespace) -> RuntimeConfig:
             raise ConfigError(f"--config {path} is not valid JSON: {exc}") from exc
         if not isinstance(data, dict):
             raise ConfigError(f"--config {path} must hold a JSON object")
-    for dest, key in _TOP_LEVEL_FLAGS.items():
-        value = getattr(args, dest, None)
-        if value is not None:
-            data[key] = value
-    template = getattr(args, "chat_template", None)
-    if template is not None:
+    flags = {key: value for key, value in vars(args).items() if value is not None}
+    if "chat_template" in flags:
         try:
-            data["chat_template"] = Path(template).read_text()
+            flags["chat_template"] = Path(flags["chat_template"]).read_text()
         except (OSError, UnicodeError) as exc:
-            raise ConfigError(f"cannot read --chat-template {template}: {exc}") from exc
+            raise ConfigError(f"cannot read --chat-template {args.chat_template}: {exc}") from exc
+    # Flags named as the config's fields map one to one.
+    data.update({key: flags[key] for key in RuntimeConfig.model_fields.keys() & flags.keys()})
 
-    method = getattr(args, "speculator_method", None)
-    draft = getattr(args, "speculator_model", None)
-    k = getattr(args, "num_speculative_tokens", None)
-    max_k = getattr(args, "max_num_speculative_tokens", None)
-    if method is not None or draft is not None or k is not None or max_k is not None:
+    spec_flags = {"method": "speculator_method", "model": "speculator_model",
+                  "num_speculative_tokens": "num_speculative_tokens",
+                  "max_num_speculative_tokens": "max_num_speculative_tokens"}
+    given = {key: flags[dest] for key, dest in spec_flags.items() if dest in flags}
+    if given:
         spec = data.get("speculator")
-        spec = dict(spec) if isinstance(spec, dict) else {}
-        if method is not None:
-            spec["method"] = method
-        if draft is not None:
-            spec["model"] = draft
+        spec = {**(spec if isinstance(spec, dict) else {}), **given}
+        if "model" in given:
             spec.setdefault("method", "draft_model")
-        if k is not None:
-            spec["num_speculative_tokens"] = k
-        if max_k is not None:
-            spec["max_num_speculative_tokens"] = max_k
         if "method" not in spec:
-            flag = "--num-speculative-tokens" if k is not None else "--max-num-speculative-tokens"
+            flag = "--num-speculative-tokens" if "num_speculative_tokens" in given else (
+                "--max-num-speculative-tokens")
             raise ConfigError(
                 f"{flag} needs a speculator: pass --speculator-method "
                 "and/or --speculator-model (or a speculator in --config)"
@@ -116,31 +93,6 @@ def build_runtime_config(args: argparse.Namespace) -> RuntimeConfig:
             where = ".".join(str(p) for p in err["loc"]) or "config"
             lines.append(f"  {where}: {err['msg']} (got {err.get('input')!r})")
         raise ConfigError("invalid runtime config:\n" + "\n".join(lines)) from exc
-
-
-def start_metrics_listener(app: Any, host: str, port: int) -> None:
-    """Serve the app's ``/metrics`` exposition on a port of its own, from a daemon
-    thread (prometheus-client's WSGI server).  Until the engine has loaded, the
-    exposition is empty, as on the API port.
-
-    Raises:
-        OSError: the port cannot be bound.
-    """
-    from prometheus_client import CollectorRegistry, start_http_server
-    from prometheus_client.registry import Collector
-
-    state = app.state.specula
-
-    class _EngineMetrics(Collector):
-        def collect(self):  # type: ignore[no-untyped-def]
-            registry = state.registry()
-            if registry is not None:
-                yield from registry.collect()
-
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(_EngineMetrics())
-    start_http_server(port, addr=host, registry=registry)
-    logger.info("serving /metrics on %s:%d", host, port)
 
 
 ADMIN_TOKEN_ENV = "SPECULA_ADMIN_TOKEN"
@@ -178,27 +130,6 @@ def admin_token_source(
     )
 
 
-def start_admin_listener(admin_app: Any, host: str, port: int, read_timeout_s: float = 30.0) -> None:
-    """Serve ``admin_app`` on ``host:port`` from a daemon thread (its own event loop;
-    the engine loop accepts calls from any loop).  The socket is bound here, so a port
-    in use fails the start instead of the thread.
-
-    Raises:
-        OSError: the port cannot be bound.
-    """
-    import uvicorn
-
-    from specula.runtime.server.limits import h11_with_header_timeout
-
-    sock = socket.create_server((host, port),
-                                family=socket.AF_INET6 if ":" in host else socket.AF_INET)
-    server = uvicorn.Server(uvicorn.Config(admin_app, log_level="warning",
-                                           http=h11_with_header_timeout(read_timeout_s)))
-    threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True,
-                     name="admin-api").start()
-    logger.info("serving the admin API on %s:%d", host, port)
-
-
 def serve(args: argparse.Namespace) -> int:
     """Run the server until interrupted.
 
@@ -219,6 +150,7 @@ def serve(args: argparse.Namespace) -> int:
     )
     # Imported here so that a config error is reported without importing torch.
     import uvicorn
+    from prometheus_client import start_http_server
 
     from specula.runtime.engine.llm_engine import create_engine
     from specula.runtime.server.app import create_admin_app, create_app
@@ -237,10 +169,21 @@ def serve(args: argparse.Namespace) -> int:
     app = create_app(loop, api_key=getattr(args, "api_key", None) or os.environ.get(API_KEY_ENV),
                      limits=Limits.of(config))
     if config.metrics_port is not None and config.metrics_port != config.port:
-        start_metrics_listener(app, config.host, config.metrics_port)
-    if config.admin_port is not None and admin_token is not None:
-        start_admin_listener(create_admin_app(app, admin_token), config.host, config.admin_port,
-                             config.http_read_timeout_s)
+        # prometheus-client's WSGI server, on a daemon thread; empty until the engine
+        # has loaded, as on the API port.
+        start_http_server(config.metrics_port, addr=config.host,
+                          registry=app.state.specula.exposition)
+        logger.info("serving /metrics on %s:%d", config.host, config.metrics_port)
+    if admin_token is not None:
+        # A daemon thread with its own event loop (the engine loop accepts calls from
+        # any loop). The socket is bound here, so a port in use fails the start.
+        family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
+        sock = socket.create_server((config.host, config.admin_port), family=family)
+        admin = uvicorn.Config(create_admin_app(app, admin_token), log_level="warning",
+                               http=h11_with_header_timeout(config.http_read_timeout_s))
+        threading.Thread(target=uvicorn.Server(admin).run, kwargs={"sockets": [sock]},
+                         daemon=True, name="admin-api").start()
+        logger.info("serving the admin API on %s:%d", config.host, config.admin_port)
     server = DrainingServer(
         uvicorn.Config(app, host=config.host, port=config.port, log_level="info",
                        http=h11_with_header_timeout(config.http_read_timeout_s),

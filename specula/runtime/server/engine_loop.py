@@ -66,23 +66,14 @@ class _Sink:
 
 
 @dataclass
-class _Add:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    sink: _Sink
-    done: Future
+class _Command:
+    """``fn(engine)``, run on the loop thread between two steps."""
 
-
-@dataclass
-class _Abort:
-    request_id: str
-
-
-@dataclass
-class _Call:
     fn: Callable[[LLMEngine], Any]
-    done: Future
+    done: Future | None = None
+    """Receives ``fn``'s result or exception; ``None``: nobody waits (an abort)."""
+    is_add: bool = False
+    """Counted in ``_pending_adds`` until the loop thread takes it."""
 
 
 class EngineLoop:
@@ -102,13 +93,15 @@ class EngineLoop:
     ) -> None:
         self._load = load
         self._on_fatal = on_fatal
-        self._commands: queue.SimpleQueue[_Add | _Abort | _Call | None] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Command | None] = queue.SimpleQueue()
         self._sinks: dict[str, _Sink] = {}
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._ready = threading.Event()
-        self._state = EngineState.LOADING
-        self._error: BaseException | None = None
+        self.state = EngineState.LOADING
+        """Written by the loop thread only."""
+        self.error: BaseException | None = None
+        """Why the loop died (``state`` ``DEAD``)."""
         self._lock = threading.Lock()
         self._snapshot = RuntimeSnapshot()
         self._step_times = StepTimeStats()
@@ -119,15 +112,7 @@ class EngineLoop:
         ``served_model_name``) may be read from other threads; methods may not."""
         self.speculative_config: dict[str, Any] = {}
         """``engine.get_speculative_config()``, refreshed by the loop thread at load and
-        after every ``_Call`` (the only way settings change)."""
-
-    @property
-    def state(self) -> EngineState:
-        return self._state
-
-    @property
-    def error(self) -> BaseException | None:
-        return self._error
+        after every :meth:`call` (the only way settings change)."""
 
     def start(self) -> None:
         if self._thread is not None:
@@ -145,7 +130,7 @@ class EngineLoop:
     def wait_ready(self, timeout_s: float | None = None) -> bool:
         """Block until loaded (True) or failed/timed out (False)."""
         self._ready.wait(timeout_s)
-        return self._state is EngineState.READY
+        return self.state is EngineState.READY
 
     @property
     def num_unfinished(self) -> int:
@@ -153,8 +138,7 @@ class EngineLoop:
         return len(self._sinks) + self._pending_adds
 
     def snapshot(self) -> RuntimeSnapshot:
-        with self._lock:
-            return self._snapshot
+        return self._snapshot  # replaced whole by the loop thread, never mutated
 
     async def add_request(
         self,
@@ -171,13 +155,14 @@ class EngineLoop:
             ValueError: the engine refused the request (``engine.add_request``).
             EngineDeadError: the engine is not running.
         """
-        self._check_alive()
-        done: Future = Future()
         sink = _Sink(asyncio.get_running_loop(), out)
-        with self._lock:
-            self._pending_adds += 1
-        self._commands.put(_Add(request_id, list(prompt_token_ids), params, sink, done))
-        await self._wait(done)
+        ids = list(prompt_token_ids)
+
+        def add(engine: LLMEngine) -> None:
+            engine.add_request(request_id, ids, params)
+            self._sinks[request_id] = sink
+
+        await self._submit(_Command(add, is_add=True))
 
     async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
         """Run ``fn(engine)`` on the loop thread between two steps; return its result.
@@ -190,32 +175,49 @@ class EngineLoop:
             Exception: whatever ``fn`` raises.
             EngineDeadError: the engine is not running.
         """
-        self._check_alive()
-        done: Future = Future()
-        self._commands.put(_Call(fn, done))
-        return await self._wait(done)
 
-    async def _wait(self, done: Future) -> Any:
-        waiter = asyncio.wrap_future(done)
+        def apply(engine: LLMEngine) -> Any:
+            try:
+                return fn(engine)
+            finally:
+                # Refreshed before answering: the caller reads ``speculative_config``
+                # as soon as its future resolves.
+                self.speculative_config = dict(engine.get_speculative_config())
+                self._publish_snapshot()
+
+        return await self._submit(_Command(apply))
+
+    async def _submit(self, cmd: _Command) -> Any:
+        self._check_alive()
+        cmd.done = Future()
+        if cmd.is_add:
+            with self._lock:
+                self._pending_adds += 1
+        self._commands.put(cmd)
+        waiter = asyncio.wrap_future(cmd.done)
         while True:
             finished, _ = await asyncio.wait({waiter}, timeout=1.0)
             if finished:
                 return waiter.result()
             # The loop may have died after our check and before it read the command.
-            if self._state is not EngineState.READY:
+            if self.state is not EngineState.READY:
                 waiter.cancel()
                 self._check_alive()
 
     def abort_request(self, request_id: str) -> None:
         """Abort a request (client went away); no-op if it already finished."""
-        self._commands.put(_Abort(request_id))
+        def abort(engine: LLMEngine) -> None:
+            if self._sinks.pop(request_id, None) is not None:
+                engine.abort_request(request_id)
+
+        self._commands.put(_Command(abort))
 
     def _check_alive(self) -> None:
-        if self._state is EngineState.READY:
+        if self.state is EngineState.READY:
             return
-        if self._state is EngineState.LOADING:
+        if self.state is EngineState.LOADING:
             raise EngineDeadError("the model is still loading")
-        raise EngineDeadError(f"the engine is not running: {self._error!r}")
+        raise EngineDeadError(f"the engine is not running: {self.error!r}")
 
     # ---- loop thread -------------------------------------------------------------
 
@@ -228,7 +230,7 @@ class EngineLoop:
             logger.exception("loading the engine failed")
             self._die(exc)
             return
-        self._state = EngineState.READY
+        self.state = EngineState.READY
         self._ready.set()
         logger.info("engine ready: %s", self.engine.served_model_name)
         try:
@@ -242,55 +244,31 @@ class EngineLoop:
             logger.exception("engine step failed")
             self._die(exc)
             return
-        self._state = EngineState.STOPPED
+        self.state = EngineState.STOPPED
         self._fail_all(EngineDeadError("the server is shutting down"))
 
     def _drain_commands(self, block: bool) -> None:
         """Apply every queued command; wait up to ``_IDLE_WAIT_S`` for one if ``block``."""
         try:
             cmd = self._commands.get(timeout=_IDLE_WAIT_S) if block else self._commands.get_nowait()
-        except queue.Empty:
-            return
-        while cmd is not None:
-            self._apply(cmd)
-            try:
+            while cmd is not None:
+                self._apply(cmd)
                 cmd = self._commands.get_nowait()
-            except queue.Empty:
-                return
+        except queue.Empty:
+            pass
 
-    def _apply(self, cmd: _Add | _Abort | _Call) -> None:
+    def _apply(self, cmd: _Command) -> None:
         assert self.engine is not None
-        if isinstance(cmd, _Abort):
-            if self._sinks.pop(cmd.request_id, None) is not None:
-                self.engine.abort_request(cmd.request_id)
-            return
-        if isinstance(cmd, _Call):
-            if cmd.done.set_running_or_notify_cancel():
-                error: Exception | None = None
-                try:
-                    result = cmd.fn(self.engine)
-                except Exception as exc:  # noqa: BLE001 - reported to the caller
-                    error = exc
-                # Refresh before answering: the caller reads ``speculative_config`` as
-                # soon as its future resolves.
-                self.speculative_config = dict(self.engine.get_speculative_config())
-                self._publish_snapshot()
-                if error is not None:
-                    cmd.done.set_exception(error)
-                else:
-                    cmd.done.set_result(result)
-            return
-        with self._lock:
-            self._pending_adds -= 1
-        if not cmd.done.set_running_or_notify_cancel():
-            return  # the caller gave up waiting
-        try:
-            self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params)
-        except Exception as exc:  # noqa: BLE001 - reported to the caller
-            cmd.done.set_exception(exc)
-        else:
-            self._sinks[cmd.request_id] = cmd.sink
-            cmd.done.set_result(None)
+        if cmd.is_add:
+            with self._lock:
+                self._pending_adds -= 1
+        if cmd.done is None:
+            cmd.fn(self.engine)
+        elif cmd.done.set_running_or_notify_cancel():  # else the caller gave up waiting
+            try:
+                cmd.done.set_result(cmd.fn(self.engine))
+            except Exception as exc:  # noqa: BLE001 - reported to the caller
+                cmd.done.set_exception(exc)
 
     def _step(self) -> None:
         assert self.engine is not None
@@ -305,7 +283,7 @@ class EngineLoop:
             self._step_times.observe(batch, self._last_round_k, elapsed)
         # Publish before delivering: a client that has its last token and then scrapes
         # must find the step's tokens already counted. (``speculative_config`` changes
-        # only through a ``_Call``, which refreshes it; no need to rebuild it per step.)
+        # only through a :meth:`call`, which refreshes it; no need to rebuild it per step.)
         self._publish_snapshot()
         for out in outputs:
             sink = self._sinks.get(out.request_id)
@@ -318,18 +296,15 @@ class EngineLoop:
     def _publish_snapshot(self) -> None:
         assert self.engine is not None
         sched = self.engine.scheduler_stats()
-        stats = getattr(self.engine, "spec_decoding_stats", None)
-        with self._lock:
-            pending = self._pending_adds
         k = self._last_round_k
         if k is None:  # no decode round yet: what a lone request would use
             k = self.engine.num_speculative_tokens_for(1)
-        snap = RuntimeSnapshot(
+        self._snapshot = RuntimeSnapshot(
             num_requests_running=int(sched["num_requests_running"]),
-            num_requests_waiting=int(sched["num_requests_waiting"]) + pending,
+            num_requests_waiting=int(sched["num_requests_waiting"]) + self._pending_adds,
             generation_tokens=int(self.engine.generation_tokens_total),
             step_times=self._step_times,
-            spec_decoding=stats,
+            spec_decoding=getattr(self.engine, "spec_decoding_stats", None),
             num_speculative_tokens=k,
             max_num_speculative_tokens=self.engine.max_num_speculative_tokens,
             num_preemptions=int(sched.get("num_preemptions", 0)),
@@ -341,12 +316,10 @@ class EngineLoop:
                 else 0.0
             ),
         ).copy()
-        with self._lock:
-            self._snapshot = snap
 
     def _die(self, exc: BaseException) -> None:
-        self._error = exc
-        self._state = EngineState.DEAD
+        self.error = exc
+        self.state = EngineState.DEAD
         self._ready.set()
         self._fail_all(EngineDeadError(f"engine failed: {exc!r}"))
         if self._on_fatal is not None:
@@ -356,10 +329,10 @@ class EngineLoop:
         for sink in self._sinks.values():
             sink.put(exc)
         self._sinks.clear()
-        while True:
-            try:
+        try:
+            while True:
                 cmd = self._commands.get_nowait()
-            except queue.Empty:
-                break
-            if isinstance(cmd, _Add | _Call) and cmd.done.set_running_or_notify_cancel():
-                cmd.done.set_exception(exc)
+                if cmd and cmd.done and cmd.done.set_running_or_notify_cancel():
+                    cmd.done.set_exception(exc)
+        except queue.Empty:
+            pass
