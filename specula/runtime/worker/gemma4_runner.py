@@ -2,10 +2,9 @@
 
 :class:`~specula.runtime.models.gemma4.Gemma4ForCausalLM` owns the weights; this module
 runs those same parameters over a :class:`~specula.runtime.worker.paged_kv.
-PagedKVCache`, as :class:`~specula.runtime.worker.model_runner.ModelRunner` does
-for Llama and Qwen3, with the same interface (``forward``, ``compute_logits``,
-``device``, ``dtype``, ``block_size``, ``max_blocks_per_req``, ``kv_cache``), so
-:class:`~specula.runtime.worker.cudagraph.CUDAGraphManager` captures it unchanged.
+PagedKVCache` as a :class:`~specula.runtime.worker.model_runner.ModelRunner` with its own
+layers, so :class:`~specula.runtime.worker.cudagraph.CUDAGraphManager` captures it
+unchanged.
 
 What differs from the Llama path (see :mod:`specula.runtime.models.gemma4` for the
 model):
@@ -39,7 +38,6 @@ from collections.abc import Sequence
 
 import torch
 
-from specula.runtime.engine.block_manager import cdiv
 from specula.runtime.kernels.activation import silu_and_mul
 from specula.runtime.kernels.layernorm import fused_add_rms_norm, rms_norm
 from specula.runtime.kernels.rotary import build_cos_sin_cache, rotary_embedding
@@ -58,7 +56,7 @@ from specula.runtime.worker.model_runner import ModelRunner, attend
 from specula.runtime.worker.paged_kv import PagedAttentionMetadata, PagedKVCache
 
 
-class Gemma4PagedLayers:
+class Gemma4PagedLayers(ModelRunner):
     """Gemma4 decoder layers on the kernels over a paged KV cache: the part of the
     forward that the target (:class:`Gemma4Runner`) and its MTP draft
     (:class:`~specula.runtime.spec_decode.gemma4.runner.Gemma4AssistantRunner`) share.
@@ -93,17 +91,7 @@ class Gemma4PagedLayers:
         device: torch.device,
         dtype: torch.dtype,
     ) -> None:
-        spec = kv_cache.spec
-        if spec.dtype != dtype:
-            raise ValueError(f"KV cache dtype {spec.dtype} != model dtype {dtype}")
-        self.config = config
-        self.kv_cache = kv_cache
-        self.device = device
-        self.dtype = dtype
-        self.block_size = spec.block_size
-        self.max_model_len = max_model_len
-        self.max_blocks_per_req = cdiv(max_model_len, spec.block_size)
-        self.attn_num_splits = attn_num_splits
+        self.setup_cache(config, kv_cache, max_model_len, attn_num_splits, device, dtype)
         self.kv_sources = tuple(kv_sources)
         """Per layer, the cache entry it reads (and writes when it is not shared)."""
         self.windows = tuple(windows)
@@ -244,7 +232,7 @@ class Gemma4Runner(Gemma4PagedLayers):
         config = model.config
         check_servable(config)
         spec = kv_cache.spec
-        if tuple(getattr(spec, "layer_shapes", ())) != tuple(config.kv_cache_shapes()):
+        if spec.layer_shapes != tuple(config.kv_cache_shapes()):
             raise ValueError(
                 f"KV cache {spec} does not match the model's per-layer KV shapes "
                 f"{config.kv_cache_shapes()}"
@@ -263,47 +251,19 @@ class Gemma4Runner(Gemma4PagedLayers):
         )
         self.model = model
 
-    # -- forward ---------------------------------------------------------------------
-
-    @torch.no_grad()
-    def forward(
+    def _run_layers(
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         metadata: PagedAttentionMetadata,
-        aux_layer_ids: Sequence[int] = (),
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One forward of a flattened batch, writing the non-shared layers' keys and
-        values to the cache.
-
-        Args:
-            input_ids: [num_tokens] int64 token ids, request-major.
-            positions: [num_tokens] int64 rotary positions (< ``max_model_len``).
-            metadata: from :func:`~specula.runtime.worker.paged_kv.build_attention_metadata`
-                (one for every layer: all share the block tables), whose
-                ``block_table`` is ``max_blocks_per_req`` wide.
-            aux_layer_ids: residual streams to return, counted as in
-                :meth:`LlamaForCausalLM.check_aux_hidden_state_layers` (``i``: the input of decoder
-                layer ``i``; ``num_hidden_layers``: the last layer's output).
-
-        Returns:
-            ``(hidden [num_tokens, hidden_size] after the final norm, aux [num_tokens,
-            len(aux_layer_ids) * hidden_size] or None)``.
-
-        Raises:
-            AssertionError: shapes or dtypes that do not match the above.
-            ValueError: a batch :func:`~specula.runtime.worker.model_runner.attend` refuses.
-        """
-        assert input_ids.ndim == 1 and input_ids.shape == positions.shape
-        assert input_ids.shape[0] == metadata.num_tokens
-        assert positions.dtype == torch.int64
-        assert metadata.block_table.shape[1] == self.max_blocks_per_req
+        aux_layer_ids: Sequence[int],
+        captured: dict[int, torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         model = self.model.model
         hidden = model.embed(input_ids)  # [num_tokens, hidden_size]
         per_layer = None
         if self.config.hidden_size_per_layer_input:
             per_layer = model.per_layer_inputs(input_ids, hidden)  # [n, layers, ple]
-        captured: dict[int, torch.Tensor] = {}
         produced: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for i, layer in enumerate(model.layers):
             if i in aux_layer_ids:
@@ -317,20 +277,10 @@ class Gemma4Runner(Gemma4PagedLayers):
                 metadata,
                 produced,
             )
-        captured[len(model.layers)] = hidden
-        aux = torch.cat([captured[i] for i in aux_layer_ids], dim=-1) if aux_layer_ids else None
-        return rms_norm(hidden, model.norm.weight, model.norm.eps), aux
-
-    @torch.no_grad()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[num_positions, hidden_size] -> [num_positions, vocab_size] float32 logits,
-        soft-capped as :meth:`Gemma4ForCausalLM.compute_logits`."""
-        return self.model.compute_logits(hidden)
+        return rms_norm(hidden, model.norm.weight, model.norm.eps), hidden
 
     def logits_and_argmax(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(compute_logits(hidden), its argmax [num_positions] int64)``, as
-        :meth:`ModelRunner.logits_and_argmax` returns them."""
+        """``(compute_logits(hidden), its argmax [num_positions] int64)``: float32 logits,
+        soft-capped as :meth:`Gemma4ForCausalLM.compute_logits`."""
         logits = self.compute_logits(hidden)
         return logits, logits.argmax(dim=-1)
-
-    last_token_indices = staticmethod(ModelRunner.last_token_indices)

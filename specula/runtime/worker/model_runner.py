@@ -233,21 +233,11 @@ class ModelRunner:
         Raises:
             ValueError: a cache that does not match.
         """
-        spec = kv_cache.spec
         tp = config.tensor_parallel_size
         expected = ((config.num_key_value_heads // tp, config.head_dim),) * num_layers
-        if spec.layer_shapes != expected:
-            raise ValueError(f"KV cache {spec} does not match {num_layers} layers of the model")
-        self.config = config
-        self.kv_cache = kv_cache
-        self.device = weight.device
-        self.dtype = weight.dtype
-        if spec.dtype != self.dtype:
-            raise ValueError(f"KV cache dtype {spec.dtype} != model dtype {self.dtype}")
-        self.block_size = spec.block_size
-        self.max_model_len = max_model_len
-        self.max_blocks_per_req = cdiv(max_model_len, spec.block_size)
-        self.attn_num_splits = attn_num_splits
+        if kv_cache.spec.layer_shapes != expected:
+            raise ValueError(f"KV cache {kv_cache.spec} does not match {num_layers} layers of the model")
+        self.setup_cache(config, kv_cache, max_model_len, attn_num_splits, weight.device, weight.dtype)
         self.has_qk_norm = config.model_type == "qwen3"
         # Row-parallel outputs are partial sums over the ranks (Megatron-LM).
         self.reduce = all_reduce if tp > 1 else _identity
@@ -255,6 +245,32 @@ class ModelRunner:
         # float32 table: the kernel computes in float32 and rounds once, closer to the
         # float32 reference than a table in the activation dtype.
         self.cos_sin_cache = build_cos_sin_cache(inv_freq.to(self.device), max_model_len)
+
+    def setup_cache(
+        self,
+        config: ModelConfig,
+        kv_cache: PagedKVCache,
+        max_model_len: int,
+        attn_num_splits: int | None,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        """Set what every paged runner reads: ``config``, the cache, ``device``,
+        ``dtype``, the block size and the block-table width ``max_blocks_per_req``.
+
+        Raises:
+            ValueError: a cache in another dtype.
+        """
+        if kv_cache.spec.dtype != dtype:
+            raise ValueError(f"KV cache dtype {kv_cache.spec.dtype} != model dtype {dtype}")
+        self.config = config
+        self.kv_cache = kv_cache
+        self.device = device
+        self.dtype = dtype
+        self.block_size = kv_cache.spec.block_size
+        self.max_model_len = max_model_len
+        self.max_blocks_per_req = cdiv(max_model_len, self.block_size)
+        self.attn_num_splits = attn_num_splits
 
     # -- sublayers -------------------------------------------------------------------
 
@@ -305,16 +321,21 @@ class ModelRunner:
         metadata: PagedAttentionMetadata,
         aux_layer_ids: Sequence[int] = (),
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One forward of a flattened batch, writing its keys and values to the cache.
+        """One forward of a flattened batch, writing its keys and values to the cache
+        (Gemma4: of its non-shared layers).
 
         Args:
             input_ids: [num_tokens] int64 token ids, request-major.
             positions: [num_tokens] int64 rotary positions (< ``max_model_len``).
-            metadata: from :func:`~specula.runtime.worker.paged_kv.build_attention_metadata`,
-                whose ``block_table`` is ``max_blocks_per_req`` wide.
+            metadata: from :func:`~specula.runtime.worker.paged_kv.device_metadata` or
+                :func:`~specula.runtime.worker.paged_kv.build_attention_metadata` (one
+                for every layer: all share the block tables), whose ``block_table`` is
+                ``max_blocks_per_req`` wide.
             aux_layer_ids: residual streams to return, Hugging Face
                 ``output_hidden_states`` ids as in
-                :meth:`LlamaForCausalLM.check_aux_hidden_state_layers` (EAGLE-3, arXiv 2503.01840).
+                :meth:`LlamaForCausalLM.check_aux_hidden_state_layers` (``i``: the input
+                of decoder layer ``i``; the number of layers: the last layer's output;
+                EAGLE-3, arXiv 2503.01840).
 
         Returns:
             ``(hidden [num_tokens, hidden_size] after the final norm, aux [num_tokens,
@@ -328,12 +349,28 @@ class ModelRunner:
         assert input_ids.shape[0] == metadata.num_tokens
         assert positions.dtype == torch.int64
         assert metadata.block_table.shape[1] == self.max_blocks_per_req
-        model = self.model.model
-        layers = model.layers
         captured: dict[int, torch.Tensor] = {}
+        hidden, captured[len(self.model.model.layers)] = self._run_layers(
+            input_ids, positions, metadata, aux_layer_ids, captured
+        )
+        aux = torch.cat([captured[i] for i in aux_layer_ids], dim=-1) if aux_layer_ids else None
+        return hidden, aux
+
+    def _run_layers(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: PagedAttentionMetadata,
+        aux_layer_ids: Sequence[int],
+        captured: dict[int, torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The embedding and decoder layers, the input of each layer of ``aux_layer_ids``
+        put in ``captured``; returns ``(normed [num_tokens, hidden_size], the last
+        layer's output)``."""
+        model = self.model.model
         hidden = model.embed_tokens(input_ids)  # [num_tokens, hidden_size]
         residual: torch.Tensor | None = None
-        for i, layer in enumerate(layers):
+        for i, layer in enumerate(model.layers):
             ln = layer.input_layernorm
             if residual is None:
                 residual = hidden
@@ -349,12 +386,8 @@ class ModelRunner:
         norm = model.norm
         if residual is None:  # no layers
             hidden = rms_norm(hidden, norm.weight, norm.eps)
-            residual = hidden
-        else:
-            hidden, residual = fused_add_rms_norm(hidden, residual, norm.weight, norm.eps)
-        captured[len(layers)] = residual
-        aux = torch.cat([captured[i] for i in aux_layer_ids], dim=-1) if aux_layer_ids else None
-        return hidden, aux
+            return hidden, hidden
+        return fused_add_rms_norm(hidden, residual, norm.weight, norm.eps)
 
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
