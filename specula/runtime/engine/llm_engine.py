@@ -69,10 +69,7 @@ from specula.runtime.engine.sampler import (
 )
 from specula.runtime.engine.sampling_params import SamplingParams
 from specula.runtime.engine.scheduler import PagedScheduler
-from specula.runtime.engine.spec_schedule import (
-    SpeculativeConfigError,
-)
-from specula.runtime.engine.speculative_settings import SpeculativeSettings
+from specula.runtime.engine.spec_schedule import SpeculativeConfigError, SpeculativeSettings
 from specula.runtime.engine.verification import verify
 from specula.runtime.loader import resolve_model_uri
 from specula.runtime.models.config import ModelConfig, resolve_dtype
