@@ -222,26 +222,23 @@ class EngineLoop:
     # ---- loop thread -------------------------------------------------------------
 
     def _run(self) -> None:
+        failed = "loading the engine failed"
         try:
             self.engine = self._load()
             self.speculative_config = dict(self.engine.get_speculative_config())
             self._publish_snapshot()
-        except BaseException as exc:  # noqa: BLE001 - any load failure is fatal
-            logger.exception("loading the engine failed")
-            self._die(exc)
-            return
-        self.state = EngineState.READY
-        self._ready.set()
-        logger.info("engine ready: %s", self.engine.served_model_name)
-        try:
+            self.state = EngineState.READY
+            self._ready.set()
+            logger.info("engine ready: %s", self.engine.served_model_name)
+            failed = "engine step failed"
             while not self._stop.is_set():
                 self._drain_commands(block=not self.engine.has_unfinished_requests())
                 if self._stop.is_set():
                     break
                 if self.engine.has_unfinished_requests():
                     self._step()
-        except BaseException as exc:  # noqa: BLE001 - a failed step leaves the engine unusable
-            logger.exception("engine step failed")
+        except BaseException as exc:  # noqa: BLE001 - a failed load or step leaves no engine
+            logger.exception(failed)
             self._die(exc)
             return
         self.state = EngineState.STOPPED

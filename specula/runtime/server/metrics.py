@@ -127,18 +127,12 @@ class RuntimeProm(Collector):
         self._get_snapshot = get_snapshot
         self._model_name = model_name
 
-    def describe(self) -> Iterator[Metric]:
-        yield from self._families(None)
-
     def collect(self) -> Iterator[Metric]:
-        yield from self._families(self._get_snapshot())
-
-    def _families(self, snap: RuntimeSnapshot | None) -> Iterator[Metric]:
+        snap = self._get_snapshot()
         labels, values = ["model_name"], [self._model_name]
         for family_type, name, help_text in _SCALARS:
             family = family_type(METRIC_PREFIX + name, help_text, labels=labels)
-            if snap is not None:
-                family.add_metric(values, getattr(snap, name.removesuffix("_perc")))
+            family.add_metric(values, getattr(snap, name.removesuffix("_perc")))
             yield family
         steps = HistogramMetricFamily(
             METRIC_PREFIX + "step_duration_seconds",
@@ -146,7 +140,7 @@ class RuntimeProm(Collector):
             "round), by batch-size bucket of the decode round and the k it drafted.",
             labels=[*labels, "batch_bucket", "num_speculative_tokens"],
         )
-        for (bucket, k), s in sorted(snap.step_times.series.items() if snap else ()):
+        for (bucket, k), s in sorted(snap.step_times.series.items()):
             cumulative = zip(_BUCKET_LABELS, itertools.accumulate(s.bucket_counts), strict=True)
             steps.add_metric([*values, bucket, str(k)], list(cumulative), s.sum_s)
         yield steps
