@@ -31,8 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specula.runtime.models.gemma4_config import SLIDING, Gemma4ModelConfig
-from specula.runtime.models.gemma4_layers import Gemma4RMSNorm, Gemma4Rotary, activation
+from specula.runtime.models.gemma4_config import ACTIVATIONS, SLIDING, Gemma4ModelConfig
+from specula.runtime.models.gemma4_layers import Gemma4RMSNorm, Gemma4Rotary
 from specula.runtime.models.layers import MergedLinear
 from specula.runtime.models.llama import LlamaForCausalLM
 
@@ -74,7 +74,7 @@ class Gemma4MLP(nn.Module):
         hidden = config.hidden_size
         self.gate_up_proj = MergedLinear(hidden, [intermediate_size] * 2, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden, bias=False)
-        self.act = activation(config.hidden_act)
+        self.act = ACTIVATIONS[config.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -99,7 +99,7 @@ class Gemma4DecoderLayer(nn.Module):
         self.layer_scalar = nn.Parameter(torch.ones(1), requires_grad=False)
         ple = config.hidden_size_per_layer_input
         if ple:
-            self.act = activation(config.hidden_act)
+            self.act = ACTIVATIONS[config.hidden_act]
             self.per_layer_input_gate = nn.Linear(hidden, ple, bias=False)
             self.per_layer_projection = nn.Linear(ple, hidden, bias=False)
             self.post_per_layer_input_norm = Gemma4RMSNorm(hidden, eps)

@@ -13,8 +13,13 @@ Gemma4 (Hugging Face ``Gemma4TextConfig``, model type ``gemma4_text``; the text 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
+
+import torch
+import torch.nn.functional as F
 
 from specula.runtime.models.config import ModelConfig, checkpoint_dtype, eos_token_ids
 
@@ -24,7 +29,12 @@ GEMMA4_MODEL_TYPES = frozenset({"gemma4_text", "gemma4"})
 SLIDING = "sliding_attention"
 FULL = "full_attention"
 
-_ACTIVATIONS = frozenset({"gelu_pytorch_tanh", "gelu", "silu"})
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh"),
+    "gelu": F.gelu,
+    "silu": F.silu,
+}
+"""The MLP activations Gemma4 may use, as Hugging Face's ``ACT2FN[name]``."""
 
 
 @dataclass(frozen=True)
@@ -89,8 +99,8 @@ class Gemma4ModelConfig(ModelConfig):
         """
         outer = outer if outer is not None else text
         act = text.hidden_activation
-        if act not in _ACTIVATIONS:
-            raise ValueError(f"hidden_activation {act!r} is not supported ({sorted(_ACTIVATIONS)})")
+        if act not in ACTIVATIONS:
+            raise ValueError(f"hidden_activation {act!r} is not supported ({sorted(ACTIVATIONS)})")
         if getattr(text, "use_bidirectional_attention", None) is not None:
             raise ValueError(
                 "use_bidirectional_attention "

@@ -87,8 +87,15 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.T
 class RotaryEmbedding:
     """Rotary position embedding (RoFormer, arXiv 2104.09864), "rotate half" layout.
 
-    Supports rope types ``default``, ``linear`` and ``llama3``. Not an ``nn.Module`` on
-    purpose: its frequencies are derived from the config, never loaded from a checkpoint.
+    Supports rope types ``default``, ``linear``, ``llama3`` and Gemma4's ``proportional``,
+    which keeps the default frequencies of the first
+    ``int(partial_rotary_factor * head_dim // 2)`` pairs and zeroes the rest (those
+    dimensions pass through unrotated), all divided by ``factor``. Not an ``nn.Module``
+    on purpose: its frequencies are derived from the config, never loaded from a
+    checkpoint.
+
+    Raises:
+        ValueError: an unsupported ``rope_type``.
     """
 
     def __init__(
@@ -107,6 +114,9 @@ class RotaryEmbedding:
             inv_freq = inv_freq / scaling["factor"]
         elif rope_type == "llama3":
             inv_freq = _llama3_inv_freq(inv_freq, scaling)
+        elif rope_type == "proportional":
+            inv_freq[int(scaling.get("partial_rotary_factor", 1.0) * head_dim // 2) :] = 0.0
+            inv_freq = inv_freq / scaling.get("factor", 1.0)
         elif rope_type != "default":
             raise ValueError(f"rope_type {rope_type!r} is not supported")
         self.inv_freq = inv_freq  # [head_dim // 2], float32
