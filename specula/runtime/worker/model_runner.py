@@ -24,6 +24,7 @@ can be captured in a CUDA graph (:mod:`specula.runtime.worker.cudagraph`).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
@@ -44,68 +45,55 @@ SUPPORTED_MODELS = (LlamaForCausalLM, Qwen3ForCausalLM)
 
 
 def _causal_sdpa(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int | None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    num_reqs: int,
+    scale: float,
+    window: int | None,
 ) -> torch.Tensor:
-    # q: [..., heads, q_len, head_dim]; k, v: [..., kv_heads, q_len, head_dim]
-    q_len = q.shape[-2]
+    # q: [num_tokens, heads, head_dim]; k, v: [num_tokens, kv_heads, head_dim] of
+    # num_reqs requests of one length, attended in one call as [num_reqs, heads, q_len, head_dim].
+    n, num_heads, head_dim = q.shape
+    q_len = n // num_reqs
     mask = None
     if window is not None and q_len > window:
         # Causal band: query i sees keys (i - window, i].
         mask = torch.ones(q_len, q_len, dtype=torch.bool, device=q.device)
         mask = mask.tril().triu(1 - window)
-    return F.scaled_dot_product_attention(
+    q, k, v = (x.view(num_reqs, q_len, -1, head_dim).transpose(1, 2) for x in (q, k, v))
+    out = F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
     )
+    return out.transpose(1, 2).reshape(n, num_heads, head_dim)
 
 
 def _prefill_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
     metadata: PagedAttentionMetadata,
     scale: float,
-    window: int | None = None,
-    key_cache: torch.Tensor | None = None,
-    value_cache: torch.Tensor | None = None,
+    window: int | None,
 ) -> torch.Tensor:
     # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
-    n, num_heads, head_dim = q.shape
-    q_len = metadata.uniform_query_len
-    context = metadata.context_lens_cpu or (0,) * metadata.num_reqs
-    if q_len is not None and not metadata.context_lens_cpu:
-        # Equal prompts: one batched call, [num_reqs, heads, q_len, head_dim].
-        b = metadata.num_reqs
-        out = _causal_sdpa(
-            q.view(b, q_len, num_heads, head_dim).transpose(1, 2),
-            k.view(b, q_len, -1, head_dim).transpose(1, 2),
-            v.view(b, q_len, -1, head_dim).transpose(1, 2),
-            scale,
-            window,
-        )
-        return out.transpose(1, 2).reshape(n, num_heads, head_dim)
+    if metadata.uniform_query_len is not None and not metadata.context_lens_cpu:
+        return _causal_sdpa(q, k, v, metadata.num_reqs, scale, window)
     out = torch.empty_like(q)
     for length, rows, tables, seq_lens in metadata.context_groups:
         # After a reused prefix: the paged kernel reads the prefix (and this forward's
         # keys and values, written already) from the cache, as for a verification.
-        assert key_cache is not None and value_cache is not None
         out[rows] = paged_attention(
             q[rows], key_cache, value_cache, tables, seq_lens, scale, length,
             sliding_window=window,
         )
-    starts = [0]
-    for length in metadata.query_lens_cpu:
-        starts.append(starts[-1] + length)
-    for i in range(metadata.num_reqs):
-        start, end = starts[i], starts[i + 1]
-        if context[i]:
-            continue
-        out[start:end] = _causal_sdpa(
-            q[start:end].transpose(0, 1),
-            k[start:end].transpose(0, 1),
-            v[start:end].transpose(0, 1),
-            scale,
-            window,
-        ).transpose(0, 1)
+    starts = list(accumulate(metadata.query_lens_cpu, initial=0))
+    context = metadata.context_lens_cpu or (0,) * metadata.num_reqs
+    for start, end, cached in zip(starts, starts[1:], context, strict=False):
+        if not cached:
+            out[start:end] = _causal_sdpa(q[start:end], k[start:end], v[start:end], 1, scale, window)
     return out
 
 
@@ -143,7 +131,7 @@ def attend(
     """
     if metadata.prefill:
         return _prefill_attention(
-            q, k, v, metadata, scale, sliding_window, key_cache, value_cache
+            q, k, v, key_cache, value_cache, metadata, scale, sliding_window
         )
     if metadata.split is not None:
         decode, prefill = metadata.split
@@ -154,7 +142,7 @@ def attend(
             sliding_window,
         )
         out[n:] = _prefill_attention(
-            q[n:], k[n:], v[n:], prefill, scale, sliding_window, key_cache, value_cache
+            q[n:], k[n:], v[n:], key_cache, value_cache, prefill, scale, sliding_window
         )
         return out
     if metadata.uniform_query_len is None:
@@ -283,19 +271,12 @@ class ModelRunner:
         metadata: PagedAttentionMetadata,
     ) -> torch.Tensor:
         # hidden: [num_tokens, hidden_size]
-        n = hidden.shape[0]
-        num_heads, num_kv_heads, head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
-        q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
-        qkv = _proj(attn.qkv_proj, hidden)  # [num_tokens, q_size + 2 * kv_size]
-        q = qkv[:, :q_size].view(n, num_heads, head_dim)
-        k = qkv[:, q_size : q_size + kv_size].view(n, num_kv_heads, head_dim)
-        v = qkv[:, q_size + kv_size :].view(n, num_kv_heads, head_dim)
+        n, head_dim = hidden.shape[0], attn.head_dim
+        qkv = _proj(attn.qkv_proj, hidden).view(n, -1, head_dim)  # [n, heads + 2 * kv_heads, d]
+        q, k, v = qkv.split([attn.num_heads, attn.num_kv_heads, attn.num_kv_heads], dim=1)
         if self.has_qk_norm:
-            q_norm, k_norm = attn.q_norm, attn.k_norm
-            q = rms_norm(q.reshape(-1, head_dim), q_norm.weight, q_norm.eps).view(n, num_heads, -1)
-            k = rms_norm(k.reshape(-1, head_dim), k_norm.weight, k_norm.eps).view(
-                n, num_kv_heads, -1
-            )
+            q = rms_norm(q.reshape(-1, head_dim), attn.q_norm.weight, attn.q_norm.eps).view_as(q)
+            k = rms_norm(k.reshape(-1, head_dim), attn.k_norm.weight, attn.k_norm.eps).view_as(k)
         key_cache, value_cache = self.kv_cache.layer(layer_idx)
         rotary_embedding_and_cache(
             positions, q, k, v, key_cache, value_cache, metadata.slot_mapping, self.cos_sin_cache
@@ -304,7 +285,7 @@ class ModelRunner:
             q, k, v, key_cache, value_cache, metadata, self.scale, self.attn_num_splits
         )
         # reshape: a one-request prefill's attention output may be a transposed view.
-        return self.reduce(_proj(attn.o_proj, out.reshape(n, q_size)))
+        return self.reduce(_proj(attn.o_proj, out.reshape(n, -1)))
 
     def _mlp(self, mlp: LlamaMLP, hidden: torch.Tensor) -> torch.Tensor:
         gate_up = mlp.gate_up_proj
