@@ -55,13 +55,10 @@ def hf_checkpoints(config_path: Path) -> list[tuple[str, str | None]]:
         config = RuntimeConfig.model_validate_json(config_path.read_text())
     except (OSError, ValidationError) as exc:
         raise DownloadError(f"cannot read runtime config {config_path}: {exc}") from exc
-    found = []
-    if config.model.startswith("hf://"):
-        found.append((config.model[len("hf://"):].strip("/"), config.revision))
     draft = config.speculator.model if config.speculator is not None else None
-    if draft and draft.startswith("hf://"):
-        found.append((draft[len("hf://"):].strip("/"), None))
-    return found
+    uris = [(config.model, config.revision), (draft or "", None)]
+    return [(uri.removeprefix("hf://").strip("/"), revision)
+            for uri, revision in uris if uri.startswith("hf://")]
 
 
 def download(repo_id: str, revision: str | None) -> Path:
@@ -108,6 +105,8 @@ def download(repo_id: str, revision: str | None) -> Path:
                 f"{where}: the Hub at {endpoint} refused access {token_note} ({status})"
             ) from exc
         raise DownloadError(f"{where}: HTTP error from {endpoint}: {exc}") from exc
+    except LocalEntryNotFoundError as exc:  # an OSError too: before the clause below
+        raise DownloadError(f"{where}: cannot reach the Hub at {endpoint}: {exc}") from exc
     except OSError as exc:
         if exc.errno == errno.ENOSPC:
             raise DownloadError(
@@ -115,8 +114,6 @@ def download(repo_id: str, revision: str | None) -> Path:
                 f"({os.environ.get('HF_HOME', 'HF_HOME')}); give spec.modelCache more room"
             ) from exc
         raise DownloadError(f"{where}: {exc}") from exc
-    except LocalEntryNotFoundError as exc:
-        raise DownloadError(f"{where}: cannot reach the Hub at {endpoint}: {exc}") from exc
     except Exception as exc:  # noqa: BLE001 - any other failure still gets its reason out
         raise DownloadError(f"{where}: {type(exc).__name__}: {exc}") from exc
 
@@ -128,10 +125,9 @@ def run_download(args) -> int:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     try:
         if args.model:
-            uri = args.model
-            if not uri.startswith("hf://"):
-                raise DownloadError(f"{uri}: only hf:// URIs are downloaded")
-            targets = [(uri[len("hf://"):].strip("/"), args.revision)]
+            if not args.model.startswith("hf://"):
+                raise DownloadError(f"{args.model}: only hf:// URIs are downloaded")
+            targets = [(args.model.removeprefix("hf://").strip("/"), args.revision)]
         else:
             targets = hf_checkpoints(Path(args.config))
         for repo_id, revision in targets:

@@ -17,6 +17,7 @@ never sees the engine's counters half-updated.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -51,21 +52,6 @@ class EngineDeadError(RuntimeError):
 
 
 @dataclass
-class _Sink:
-    """Where one request's outputs go: an asyncio queue on a given event loop."""
-
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
-
-    def put(self, item: RequestOutput | BaseException) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:
-            # The handler's event loop is closed (server shutting down): nobody waits.
-            pass
-
-
-@dataclass
 class _Command:
     """``fn(engine)``, run on the loop thread between two steps."""
 
@@ -94,7 +80,8 @@ class EngineLoop:
         self._load = load
         self._on_fatal = on_fatal
         self._commands: queue.SimpleQueue[_Command | None] = queue.SimpleQueue()
-        self._sinks: dict[str, _Sink] = {}
+        self._sinks: dict[str, Callable[[RequestOutput | BaseException], None]] = {}
+        """Per request, where its outputs go: the handler's queue, on its event loop."""
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._ready = threading.Event()
@@ -155,8 +142,13 @@ class EngineLoop:
             ValueError: the engine refused the request (``engine.add_request``).
             EngineDeadError: the engine is not running.
         """
-        sink = _Sink(asyncio.get_running_loop(), out)
+        handler_loop = asyncio.get_running_loop()
         ids = list(prompt_token_ids)
+
+        def sink(item: RequestOutput | BaseException) -> None:
+            # A closed event loop (the server shutting down) has nobody waiting.
+            with contextlib.suppress(RuntimeError):
+                handler_loop.call_soon_threadsafe(out.put_nowait, item)
 
         def add(engine: LLMEngine) -> None:
             engine.add_request(request_id, ids, params)
@@ -288,7 +280,7 @@ class EngineLoop:
                 continue  # aborted by its client meanwhile
             if out.finished:
                 del self._sinks[out.request_id]
-            sink.put(out)
+            sink(out)
 
     def _publish_snapshot(self) -> None:
         assert self.engine is not None
@@ -324,7 +316,7 @@ class EngineLoop:
 
     def _fail_all(self, exc: EngineDeadError) -> None:
         for sink in self._sinks.values():
-            sink.put(exc)
+            sink(exc)
         self._sinks.clear()
         try:
             while True:
