@@ -1,43 +1,33 @@
-"""The FastAPI app: OpenAI-compatible completions plus health, metrics and admin routes.
+"""The FastAPI apps around one engine loop: the model app and the admin app (the
+README's HTTP API section lists their routes).
 
-Routes:
+Model app: ``POST /v1/completions`` and ``POST /v1/chat/completions``
+(:mod:`~specula.runtime.server.completions`; ``stream: true`` as server-sent events),
+``GET /v1/models`` (the one served model, OpenAI list format), ``GET /health`` (200 once
+the engine is loaded and its loop alive; 503 while loading, after the loop died and while
+draining on SIGTERM) and ``GET /metrics`` (Prometheus text from a per-app registry).
+With an API key, ``/v1/*`` answers 401 unless the request carries ``Authorization:
+Bearer <key>``; ``/health`` and ``/metrics`` stay open to probes and scrapers.
 
-- ``POST /v1/completions``: OpenAI Completions (``n``, ``logprobs``, ``echo``),
-  ``stream: true`` as server-sent events.
-- ``POST /v1/chat/completions``: OpenAI Chat Completions through the model's chat
-  template (:mod:`~specula.runtime.server.completions`), streamed the same way.
-- ``GET /v1/models``: the one served model, OpenAI list format.
-- ``GET /health``: 200 once the engine is loaded and its loop is alive; 503 while
-  loading, after the engine loop died, and while draining on SIGTERM.
-- ``GET /metrics``: Prometheus text exposition from a per-app registry.
+Limits (:mod:`~specula.runtime.server.limits`): 413 for a body beyond
+``max_request_body_bytes``, 408 for one slower than ``http_read_timeout_s``; 429 for a
+completion that would queue beyond ``max_num_seqs + max_queued_requests`` engine
+requests and 503 while draining, both with ``Retry-After``. A client that hangs up has
+its engine requests aborted, freeing their KV blocks.
 
-Limits (:mod:`~specula.runtime.server.limits`): a body beyond ``max_request_body_bytes``
-gets 413, one slower than ``http_read_timeout_s`` 408; a completion that would queue
-beyond ``max_num_seqs + max_queued_requests`` engine requests gets 429 at once, and one
-arriving while the server drains 503, both with ``Retry-After``. A client that hangs
-up (streamed or not) has its engine requests aborted, freeing their KV blocks.
+Admin app (:func:`create_admin_app`), on a port of its own, every route behind the admin
+token; the model port has no admin route (404). ``GET /v1/speculative_config``: the
+engine's configuration. ``PUT /v1/speculative_config``: ``{"num_speculative_tokens": k}``
+or ``{"num_speculative_tokens_per_batch_size": [[start, end, k], ...]}`` (exactly one),
+applied by the engine thread between two steps and answered, with the new configuration,
+once applied. Refusals are 400, ``param`` naming the field and ``code`` one of
+``above_max`` (the message names the startup maximum), ``invalid_value``,
+``invalid_schedule`` (the message names the bad range) or ``no_speculator``; the
+configuration is then unchanged.
 
-With an API key (``specula serve --api-key``), ``/v1/*`` answers 401 unless the
-request carries ``Authorization: Bearer <key>``; ``/health`` and ``/metrics`` stay open
-to probes and scrapers.
-
-The admin API is a second app (:func:`create_admin_app`) on a port of its own, every
-route behind the admin bearer token; the model port has no admin route (404):
-
-- ``GET /v1/speculative_config``: the engine's speculative configuration
-  (:meth:`~specula.runtime.engine.llm_engine.LLMEngine.get_speculative_config`).
-- ``PUT /v1/speculative_config``: ``{"num_speculative_tokens": k}`` or
-  ``{"num_speculative_tokens_per_batch_size": [[start, end, k], ...]}`` (exactly one),
-  applied by the engine thread between two steps, no restart. The 200 answer comes
-  after it is applied (the next step uses it) and carries the new configuration.
-  Refusals are 400 with an OpenAI error body whose ``param`` names the field and whose
-  ``code`` is ``above_max`` (a k above the value the server was started with; the
-  message names that maximum), ``invalid_value``, ``invalid_schedule`` (the message
-  names the bad range) or ``no_speculator``; the configuration is then unchanged.
-
-Handlers run on the event loop; the engine runs on the thread of an
-:class:`~specula.runtime.server.engine_loop.EngineLoop`, which the app's lifespan
-starts and stops.
+Handlers run on the event loop; the engine on the thread of an
+:class:`~specula.runtime.server.engine_loop.EngineLoop`, which the app's lifespan starts
+and stops.
 """
 
 from __future__ import annotations
