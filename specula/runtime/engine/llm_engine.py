@@ -606,7 +606,8 @@ class LLMEngine(SpeculativeSettings):
         keys = starts + 1
         if prefill:
             keys = torch.cat([keys[:nd], to_device(prompt_lens, torch.int64, dev)])
-        parts_out, parts_acc, parts_ver = [], [], []
+        num_accepted = num_verified = self._zeros[:num_reqs]
+        outs = []
         # Log-probabilities: only of the rows that asked, with one width for the batch.
         num_top = max((t for r in batch for t in (r.params.logprobs, r.params.prompt_logprobs)
                        if t is not None), default=None)
@@ -619,64 +620,47 @@ class LLMEngine(SpeculativeSettings):
                 out_d, acc_d = verify(
                     ib, logits, idx_d, k, s_d, keys[:nd], self.synthetic_acceptance_rate, argmax
                 )
-                ver_d = ib.num_draft_tokens[idx_d].clamp(max=k)
-                parts_acc.append(torch.minimum(acc_d, ver_d))
-                parts_ver.append(ver_d)
+                num_verified = ib.num_draft_tokens[idx_d].clamp(max=k)
+                num_accepted = torch.minimum(acc_d, num_verified)
+                if prefill:  # prefills verified nothing
+                    num_accepted, num_verified = (
+                        torch.cat([t, self._zeros[nd:num_reqs]]) for t in (num_accepted, num_verified)
+                    )
             else:
                 out_d = sample(logits, s_d, keys[:nd], STREAM_TARGET, argmax)[0][:, None]
-                parts_acc.append(self._zeros[:nd])
-                parts_ver.append(self._zeros[:nd])
-            parts_out.append(out_d)  # [nd, q]
-            rows = [i for i in range(nd) if batch[i].params.logprobs is not None]
-            if rows:
-                sel = to_device(rows, torch.int64, dev)
-                lp = token_logprobs(logits.view(nd, q, -1)[sel], s_d.select(sel), out_d[sel], num_top)
-                lp_parts.append(lp.flatten(0, 1))  # [len(rows) * q, 1 + 2 * num_top]
-                lp_rows += [(i, False, q) for i in rows]
+            outs.append(out_d)  # [nd, q]
+            self._output_logprobs(decode, 0, logits.view(nd, q, -1), s_d, out_d, num_top, lp_parts, lp_rows)
         if prefill:
             last_rows = metadata.query_start_loc[nd + 1 :].long() - 1
             logits, argmax = self.runner.logits_and_argmax(hidden[last_rows])
             s_p = sampling.select(slice(nd, num_reqs)) if nd else sampling
-            first = sample(logits, s_p, keys[nd:], STREAM_TARGET, argmax)[0]  # [num_prefill]
-            if num_top is not None:
-                self._prefill_logprobs(prefill, nd, num_top, logits, first, s_p,
-                                       hidden[nd * q :], query_lens[nd:], lp_parts, lp_rows)
-            if nd and q > 1:  # one width for the batch: pad the prefills' rows
-                first = torch.cat([first[:, None], self._zeros[: len(prefill), None].expand(-1, q - 1)], 1)
-            else:
-                first = first[:, None]
-            parts_out.append(first)
-            parts_acc.append(self._zeros[nd:num_reqs])
-            parts_ver.append(self._zeros[nd:num_reqs])
-        out, num_accepted, num_verified = (
-            (p[0] if len(p) == 1 else torch.cat(p)) for p in (parts_out, parts_acc, parts_ver)
-        )
-        next_tokens = out.gather(1, num_accepted[:, None])[:, 0] if out.shape[1] > 1 else out[:, 0]
-        if prefill:
-            committed = torch.cat(
-                [starts[:nd] + num_accepted[:nd] + 1, to_device(prompt_lens, torch.int64, dev)]
-            )
-        else:
-            committed = starts + num_accepted + 1
+            first = sample(logits, s_p, keys[nd:], STREAM_TARGET, argmax)[0][:, None]  # [num_prefill, 1]
+            outs.append(first.expand(-1, q))  # one width for the batch; the padding is not read
+            self._output_logprobs(prefill, nd, logits[:, None], s_p, first, num_top, lp_parts, lp_rows)
+            self._prompt_logprobs(prefill, nd, s_p, hidden[nd * q :], query_lens[nd:], num_top,
+                                  lp_parts, lp_rows)
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
+        next_tokens = out.gather(1, num_accepted[:, None])[:, 0] if q > 1 else out[:, 0]
+        committed = keys + num_accepted  # a prefill's key is its prompt length
         ib.commit(idx, committed, next_tokens, out, num_accepted + 1)
         for request in prefill:  # exact: a prefill commits its whole prompt
             request.num_computed_tokens = len(request.token_ids)
-        # The step's only device-to-host copy, queued before the drafting so that the
-        # host's stop checks overlap it.
+        # The step's only device-to-host copies (no-ops on a CPU), queued before the
+        # drafting so that the host's stop checks overlap it.
         host = torch.cat([num_accepted[:, None], num_verified[:, None], out], dim=1)
-        lp_host = torch.cat(lp_parts) if lp_parts else None
-        ready = None
-        if dev.type == "cuda":
-            host = host.to("cpu", non_blocking=True)
-            if lp_host is not None:
-                lp_host = lp_host.to("cpu", non_blocking=True)
-            ready = torch.cuda.Event()
+        host = host.to("cpu", non_blocking=True)
+        lp_host = torch.cat(lp_parts).to("cpu", non_blocking=True) if lp_parts else None
+        ready = torch.cuda.Event() if dev.type == "cuda" else None
+        if ready is not None:
             ready.record()
 
         # -- drafting ---------------------------------------------------------------------
         k_next = 0
         if self.speculator is not None:
             k_next = self.num_speculative_tokens_for(num_reqs)
+            cu_num_draft_tokens = self.cu_num_draft_tokens[k][:num_reqs]
+            if prefill:  # prefills verified no drafts
+                cu_num_draft_tokens = cu_num_draft_tokens.clamp(max=k * nd)
             draft = self.speculator.propose(
                 ProposeInputs(
                     num_reqs=num_reqs,
@@ -689,16 +673,7 @@ class LLMEngine(SpeculativeSettings):
                     descriptor=descriptor,
                     hidden_states=hidden,
                     aux_hidden_states=aux,
-                    cu_num_draft_tokens=(
-                        self.cu_num_draft_tokens[k][:num_reqs]
-                        if not prefill
-                        else torch.cat(
-                            [
-                                self.cu_num_draft_tokens[k][:nd],
-                                torch.full((len(prefill),), k * nd, dtype=torch.int32, device=dev),
-                            ]
-                        )
-                    ),
+                    cu_num_draft_tokens=cu_num_draft_tokens,
                     num_accepted=num_accepted,
                     next_token_ids=next_tokens,
                     next_positions=committed,
@@ -723,31 +698,36 @@ class LLMEngine(SpeculativeSettings):
         self._draft_k = k_next
         return _Launched(batch, nd, k, q, k_next, host, ready, lp_host, lp_rows)
 
-    def _prefill_logprobs(
-        self, prefill: list[Request], nd: int, num_top: int, logits: torch.Tensor,
-        first: torch.Tensor, sampling: SamplingMetadata, hidden: torch.Tensor,
-        query_lens: list[int], parts: list[torch.Tensor], rows: list[tuple[int, bool, int]],
+    def _output_logprobs(
+        self, requests: list[Request], first_row: int, logits: torch.Tensor,
+        sampling: SamplingMetadata, tokens: torch.Tensor, num_top: int | None,
+        parts: list[torch.Tensor], rows: list[tuple[int, bool, int]],
     ) -> None:
-        """Queue the log-probabilities of the prefills' first tokens (``logits``,
-        ``first``: [num_prefill, vocab_size], [num_prefill]) and, where due, of their
-        prompts (the logits at every prompt position but the last, from ``hidden``, the
-        prefills' rows of the forward)."""
-        dev = self.device
-        asked = [j for j, r in enumerate(prefill) if r.params.logprobs is not None]
+        """Queue the log-probabilities of ``tokens [n, P]``, sampled from ``logits [n, P,
+        vocab_size]``, of the ``requests`` (batch positions ``first_row ..``) that asked."""
+        asked = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
         if asked:
-            sel = to_device(asked, torch.int64, dev)
-            lp = token_logprobs(logits[sel][:, None], sampling.select(sel), first[sel][:, None], num_top)
-            parts.append(lp[:, 0])
-            rows += [(nd + j, False, 1) for j in asked]
+            sel = to_device(asked, torch.int64, self.device)
+            lp = token_logprobs(logits[sel], sampling.select(sel), tokens[sel], num_top)
+            parts.append(lp.flatten(0, 1))  # [len(asked) * P, 1 + 2 * num_top]
+            rows += [(first_row + i, False, tokens.shape[1]) for i in asked]
+
+    def _prompt_logprobs(
+        self, prefill: list[Request], nd: int, sampling: SamplingMetadata, hidden: torch.Tensor,
+        query_lens: list[int], num_top: int | None, parts: list[torch.Tensor],
+        rows: list[tuple[int, bool, int]],
+    ) -> None:
+        """Queue the prompt log-probabilities due: from the logits at every prompt position
+        but the last (``hidden``: the prefills' rows of the forward)."""
         start = 0
         for j, request in enumerate(prefill):
             n = query_lens[j]
             if request.params.prompt_logprobs is not None and request.num_output_tokens == 0:
                 assert n == len(request.token_ids), "a prompt-logprobs prefill reused a prefix"
                 if n > 1:
-                    prompt_logits = self.runner.compute_logits(hidden[start : start + n - 1])
-                    ids = to_device(request.token_ids[1:], torch.int64, dev)
-                    lp = token_logprobs(prompt_logits[None], sampling.select(slice(j, j + 1)),
+                    logits = self.runner.compute_logits(hidden[start : start + n - 1])
+                    ids = to_device(request.token_ids[1:], torch.int64, self.device)
+                    lp = token_logprobs(logits[None], sampling.select(slice(j, j + 1)),
                                         ids[None], num_top)
                     parts.append(lp[0])  # [n - 1, 1 + 2 * num_top]
                 rows.append((nd + j, True, n - 1))
@@ -793,9 +773,7 @@ class LLMEngine(SpeculativeSettings):
         """``step``'s log-probabilities by batch position: of its output tokens, of its
         prompts."""
         out: tuple[dict[int, list[TokenLogprobs]], dict[int, list[TokenLogprobs]]] = ({}, {})
-        if step.logprobs is None:
-            return out
-        values = step.logprobs.tolist()
+        values = [] if step.logprobs is None else step.logprobs.tolist()
         num_top = (len(values[0]) - 1) // 2 if values else 0
         start = 0
         for i, is_prompt, count in step.logprob_rows:
@@ -825,10 +803,10 @@ class _Launched:
     """[num_reqs, 2 + width] int64 on the host: accepted, verified, tokens."""
     ready: torch.cuda.Event | None
     """Recorded after the copies (CUDA); ``None``: ``host`` is ready."""
-    logprobs: torch.Tensor | None = None
+    logprobs: torch.Tensor | None
     """[num_rows, 1 + 2 * num_top] float32 on the host (:func:`token_logprobs`): the rows
-    of :attr:`logprob_rows`, in order; ``None`` when no request asked."""
-    logprob_rows: list[tuple[int, bool, int]] | None = None
+    of :attr:`logprob_rows`, in order; ``None`` when there are none."""
+    logprob_rows: list[tuple[int, bool, int]]
     """``(batch position, prompt or output, number of rows)`` of each request's block."""
 
 
