@@ -155,21 +155,6 @@ class CUDAGraphManager:
         ]
         return sorted(out, key=lambda d: (d.num_tokens, d.num_reqs), reverse=True)
 
-    def _state(self, d: BatchExecutionDescriptor) -> CapturedAttentionState:
-        n, r = d.num_tokens, d.num_reqs
-        metadata = PagedAttentionMetadata(
-            slot_mapping=self.slot_mapping[:n],
-            block_table=self.block_table[:r],
-            seq_lens=self.seq_lens[:r],
-            query_start_loc=self.query_start_loc[d.uniform_query_len][: r + 1],
-            num_reqs=r,
-            num_tokens=n,
-            uniform_query_len=d.uniform_query_len,
-            prefill=False,
-            query_lens_cpu=(d.uniform_query_len,) * r,
-        )
-        return CapturedAttentionState(d, metadata, self.input_ids[:n], self.positions[:n])
-
     @torch.no_grad()
     def capture(self) -> dict[BatchExecutionDescriptor, CapturedAttentionState]:
         """Capture every descriptor (largest first, one pool).
@@ -187,19 +172,30 @@ class CUDAGraphManager:
         self.slot_mapping.fill_(-1)
         self.seq_lens.zero_()
         for d in self.descriptors():
-            state = self._state(d)
+            n, r, q = d.num_tokens, d.num_reqs, d.uniform_query_len
+            metadata = PagedAttentionMetadata(
+                slot_mapping=self.slot_mapping[:n],
+                block_table=self.block_table[:r],
+                seq_lens=self.seq_lens[:r],
+                query_start_loc=self.query_start_loc[q][: r + 1],
+                num_reqs=r,
+                num_tokens=n,
+                uniform_query_len=q,
+                prefill=False,
+                query_lens_cpu=(q,) * r,
+            )
+            state = CapturedAttentionState(d, metadata, self.input_ids[:n], self.positions[:n])
             outputs: list = []
-
-            def forward(state=state, outputs=outputs) -> None:
-                outputs[:] = self.runner.forward(
-                    state.input_ids, state.positions, state.metadata, self.aux_layer_ids
-                )
-
-            graph = capture_graph(forward, self.pool)
-            if self.pool is None:
-                self.pool = graph.pool()
+            graph = capture_graph(
+                lambda s=state, out=outputs: out.append(
+                    self.runner.forward(s.input_ids, s.positions, s.metadata, self.aux_layer_ids)
+                ),
+                self.pool,
+            )
+            self.pool = graph.pool()
             self.graphs[d] = graph
-            state.hidden_states, state.aux_hidden_states = outputs
+            # The outputs of the captured call (the warm-up's come first).
+            state.hidden_states, state.aux_hidden_states = outputs[-1]
             self.states[d] = state
         torch.cuda.synchronize()
         return dict(self.states)
@@ -208,10 +204,8 @@ class CUDAGraphManager:
         self, num_reqs: int, uniform_query_len: int | None
     ) -> BatchExecutionDescriptor | None:
         """The captured descriptor a batch pads to, or ``None`` (run eagerly)."""
-        if uniform_query_len not in self.uniform_query_lens:
-            return None
         r = padded_size(self.capture_sizes, num_reqs)
-        if r is None:
+        if r is None or uniform_query_len is None:
             return None
         d = BatchExecutionDescriptor(r * uniform_query_len, r, uniform_query_len)
         return d if d in self.graphs else None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
@@ -51,9 +52,8 @@ class KVCacheSpec:
     @property
     def bytes_per_block(self) -> int:
         """Bytes of one block over all layers, keys and values."""
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
         per_token = sum(heads * head_dim for heads, head_dim in self.layer_shapes)
-        return 2 * self.block_size * per_token * itemsize
+        return 2 * self.block_size * per_token * self.dtype.itemsize
 
 
 def num_blocks_from_free_memory(
@@ -73,7 +73,7 @@ def num_blocks_from_free_memory(
         raise ValueError(f"sizing from free memory needs a CUDA device, got {device}")
     free, _ = torch.cuda.mem_get_info(device)
     budget = int(free * memory_fraction) - reserve_bytes
-    num_blocks = max(0, budget // bytes_per_block)
+    num_blocks = budget // bytes_per_block
     if num_blocks <= 0:
         raise ValueError(f"no KV block of {bytes_per_block} bytes fits in {budget} bytes")
     return num_blocks
@@ -194,10 +194,7 @@ def device_metadata(
         )
         offsets = _to_device([j for q in query_lens for j in range(q)], torch.int64, device)
         positions = starts[token_req] + offsets
-        cumulative = [0]
-        for q in query_lens:
-            cumulative.append(cumulative[-1] + q)
-        query_start_loc = _to_device(cumulative, torch.int32, device)
+        query_start_loc = _to_device(list(accumulate(query_lens, initial=0)), torch.int32, device)
         blocks = block_table[token_req, positions // block_size].long()
     lens = _to_device(list(query_lens), torch.int64, device) if uniform is None else uniform
     metadata = PagedAttentionMetadata(
@@ -235,9 +232,7 @@ def mark_prefills(
 def _context_groups(metadata: PagedAttentionMetadata) -> tuple:
     """:attr:`PagedAttentionMetadata.context_groups` of a prefill ``metadata`` (copied to
     the device once per forward, not per layer)."""
-    starts = [0]
-    for length in metadata.query_lens_cpu:
-        starts.append(starts[-1] + length)
+    starts = list(accumulate(metadata.query_lens_cpu, initial=0))
     by_len: dict[int, list[int]] = {}
     for i, (ctx, length) in enumerate(zip(metadata.context_lens_cpu, metadata.query_lens_cpu, strict=True)):
         if ctx:
@@ -299,12 +294,11 @@ def build_attention_metadata(
         query_lens,
         block_size,
     )
-    is_prefill = [start == 0 for start in starts]
-    metadata.prefill = all(is_prefill)
-    # Decode requests first, then prefills: any other order is left unsplit (refused).
-    num_decode = is_prefill.index(True) if True in is_prefill else num_reqs
-    if not metadata.prefill and metadata.uniform_query_len is None and all(is_prefill[num_decode:]):
-        metadata.split = _split_mixed(metadata, num_decode)
+    # Decode requests first, then prefills: any other order is left unsplit (refused), and
+    # so is a mixed batch of one query length (attention reads it from the cache).
+    num_decode = next((i for i, start in enumerate(starts) if start == 0), num_reqs)
+    if not any(starts[num_decode:]) and (num_decode == 0 or metadata.uniform_query_len is None):
+        mark_prefills(metadata, num_decode)
     return metadata, positions
 
 
@@ -324,27 +318,29 @@ def _split_mixed(
         return None
     n = sum(decode_lens)
     qsl = metadata.query_start_loc
-    decode = PagedAttentionMetadata(
-        slot_mapping=metadata.slot_mapping[:n],
-        block_table=metadata.block_table[:num_decode],
-        seq_lens=metadata.seq_lens[:num_decode],
-        query_start_loc=qsl[: num_decode + 1],
-        num_reqs=num_decode,
-        num_tokens=n,
-        uniform_query_len=decode_lens[0],
-        prefill=False,
-        query_lens_cpu=decode_lens,
+    return (
+        _part(metadata, slice(None, num_decode), slice(None, n), qsl[: num_decode + 1], False),
+        _part(metadata, slice(num_decode, None), slice(n, None), qsl[num_decode:] - n, True),
     )
-    prefill_lens = metadata.query_lens_cpu[num_decode:]
-    prefill = PagedAttentionMetadata(
-        slot_mapping=metadata.slot_mapping[n:],
-        block_table=metadata.block_table[num_decode:],
-        seq_lens=metadata.seq_lens[num_decode:],
-        query_start_loc=qsl[num_decode:] - n,
-        num_reqs=len(prefill_lens),
-        num_tokens=metadata.num_tokens - n,
-        uniform_query_len=_uniform(prefill_lens),
-        prefill=True,
-        query_lens_cpu=prefill_lens,
+
+
+def _part(
+    metadata: PagedAttentionMetadata,
+    reqs: slice,
+    rows: slice,
+    query_start_loc: torch.Tensor,
+    prefill: bool,
+) -> PagedAttentionMetadata:
+    """The requests ``reqs`` of ``metadata``, whose tokens are ``rows``."""
+    lens = metadata.query_lens_cpu[reqs]
+    return PagedAttentionMetadata(
+        slot_mapping=metadata.slot_mapping[rows],
+        block_table=metadata.block_table[reqs],
+        seq_lens=metadata.seq_lens[reqs],
+        query_start_loc=query_start_loc,
+        num_reqs=len(lens),
+        num_tokens=sum(lens),
+        uniform_query_len=_uniform(lens),
+        prefill=prefill,
+        query_lens_cpu=lens,
     )
-    return decode, prefill
