@@ -23,19 +23,13 @@ from torch import nn
 
 from specula.runtime.kernels.gemv import linear
 from specula.runtime.models.config import ModelConfig, check_aux_layer_ids
-from specula.runtime.models.layers import (
-    MergedLinear,
-    RMSNorm,
-    RotaryEmbedding,
-    build_empty,
-    init_dummy_weights,
-)
+from specula.runtime.models.layers import MergedLinear, RMSNorm, RotaryEmbedding
 from specula.runtime.models.llama import LlamaDecoderLayer, LlamaForCausalLM
-from specula.runtime.models.qwen3 import Qwen3Attention, Qwen3DecoderLayer
-from specula.runtime.models.registry import load_safetensors
 from specula.runtime.models.speculators_format import (
+    DECODER_LAYERS,
     draft_to_target_ids,
     layer_model_config,
+    load_draft_head,
     read_speculators_config,
     read_tensor,
     speculators_weight_name,
@@ -59,28 +53,16 @@ class Eagle3Config:
     norm_output: bool = False
 
 
-class Eagle3DecoderLayer(LlamaDecoderLayer):
+def first_eagle3_layer(config: ModelConfig, norm_before_residual: bool) -> LlamaDecoderLayer:
     """The first EAGLE-3 layer: attention over ``[embedding, hidden]`` of width ``2H``."""
-
-    def __init__(self, config: ModelConfig, norm_before_residual: bool) -> None:
-        super().__init__(config)
-        # q/k/v read the concatenated 2H input.
-        self.self_attn.qkv_proj = MergedLinear(
-            2 * config.hidden_size, self.self_attn.qkv_proj.output_sizes, config.attention_bias
-        )
-        self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.norm_before_residual = norm_before_residual
-
-
-class Qwen3Eagle3DecoderLayer(Eagle3DecoderLayer):
-    attention_cls = Qwen3Attention
-
-
-_LAYERS: dict[str, tuple[type[Eagle3DecoderLayer], type[LlamaDecoderLayer]]] = {
-    "llama": (Eagle3DecoderLayer, LlamaDecoderLayer),
-    "qwen3": (Qwen3Eagle3DecoderLayer, Qwen3DecoderLayer),
-}
-"""``transformer_layer_config.model_type`` -> (first layer, further layers)."""
+    layer = DECODER_LAYERS[config.model_type](config)
+    # q/k/v read the concatenated 2H input.
+    layer.self_attn.qkv_proj = MergedLinear(
+        2 * config.hidden_size, layer.self_attn.qkv_proj.output_sizes, config.attention_bias
+    )
+    layer.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+    layer.norm_before_residual = norm_before_residual
+    return layer
 
 
 class Eagle3LlamaForCausalLM(nn.Module):
@@ -110,9 +92,9 @@ class Eagle3LlamaForCausalLM(nn.Module):
             else None
         )
         self.fc = nn.Linear(aux_width, h, bias=False)
-        first_cls, layer_cls = _LAYERS[config.model_type]
+        layer_cls = DECODER_LAYERS[config.model_type]
         self.layers = nn.ModuleList(
-            [first_cls(config, eagle.norm_before_residual)]
+            [first_eagle3_layer(config, eagle.norm_before_residual)]
             + [layer_cls(config) for _ in range(config.num_hidden_layers - 1)]
         )
         self.norm = RMSNorm(h, config.rms_norm_eps)
@@ -164,12 +146,6 @@ class Eagle3LlamaForCausalLM(nn.Module):
         self.draft_to_target = ids.to(self.draft_to_target.device)
 
 
-def default_aux_hidden_state_layer_ids(num_hidden_layers: int) -> tuple[int, ...]:
-    """EAGLE-3's default auxiliary layers ``(2, L // 2, L - 3)`` (as vLLM and
-    ``speculators`` choose them) for a target of ``L`` layers."""
-    return (2, num_hidden_layers // 2, num_hidden_layers - 3)
-
-
 def load_eagle3_draft(
     checkpoint_dir: Path,
     target: ModelConfig,
@@ -192,12 +168,7 @@ def load_eagle3_draft(
             unknown tensor, or a required tensor missing.
     """
     raw = read_speculators_config(checkpoint_dir, "eagle3")
-    layer = layer_model_config(raw)
-    if layer.vocab_size != target.vocab_size:
-        raise ValueError(
-            f"transformer_layer_config.vocab_size {layer.vocab_size} != target vocab_size "
-            f"{target.vocab_size}"
-        )
+    layer = layer_model_config(raw, target)
     target_hidden = raw.get("target_hidden_size") or layer.hidden_size
     if target_hidden != target.hidden_size:
         field = (
@@ -206,39 +177,37 @@ def load_eagle3_draft(
             else "transformer_layer_config.hidden_size"
         )
         raise ValueError(f"{field} {target_hidden} != target hidden_size {target.hidden_size}")
-    num_layers = target.num_hidden_layers
+    n = target.num_hidden_layers
     aux_ids = check_aux_layer_ids(
-        raw.get("eagle_aux_hidden_state_layer_ids")
-        or default_aux_hidden_state_layer_ids(num_layers),
-        num_layers,
+        # EAGLE-3's default auxiliary layers, as vLLM and ``speculators`` choose them.
+        raw.get("eagle_aux_hidden_state_layer_ids") or (2, n // 2, n - 3),
+        n,
         "eagle_aux_hidden_state_layer_ids",
     )
+    flags = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
     eagle = Eagle3Config(
         layer=layer,
         draft_vocab_size=int(raw.get("draft_vocab_size") or layer.vocab_size),
         aux_hidden_state_layer_ids=aux_ids,
         target_hidden_size=target_hidden,
-        norm_before_residual=bool(raw.get("norm_before_residual", False)),
-        norm_before_fc=bool(raw.get("norm_before_fc", False)),
-        fc_norm=bool(raw.get("fc_norm", False)),
-        norm_output=bool(raw.get("norm_output", False)),
+        **{flag: bool(raw.get(flag, False)) for flag in flags},
     )
-    model = build_empty(lambda: Eagle3LlamaForCausalLM(eagle, device), dtype, device)
+    model = load_draft_head(
+        lambda: Eagle3LlamaForCausalLM(eagle, device),
+        checkpoint_dir,
+        dtype,
+        device,
+        load_format,
+        speculators_weight_name,
+    )
     # Not a weight: rebuild what to_empty left uninitialised.
     model.draft_to_target = torch.arange(eagle.draft_vocab_size, device=device)
-    shared = ("embed_tokens.weight", "lm_head.weight")
-    if load_format == "dummy":
-        init_dummy_weights(model, skip=shared)
-        if eagle.draft_vocab_size != layer.vocab_size:
-            ids = torch.randperm(layer.vocab_size)[: eagle.draft_vocab_size].sort().values
-            model.set_draft_to_target(ids - torch.arange(eagle.draft_vocab_size))
-        model.missing_target_weights = set(shared)
-        return model.eval()
-    model.missing_target_weights = load_safetensors(
-        model, checkpoint_dir, speculators_weight_name, shared
-    )
     if eagle.draft_vocab_size != layer.vocab_size:
-        d2t = read_tensor(checkpoint_dir, "d2t")
+        if load_format == "dummy":
+            ids = torch.randperm(layer.vocab_size)[: eagle.draft_vocab_size].sort().values
+            d2t = ids - torch.arange(eagle.draft_vocab_size)
+        else:
+            d2t = read_tensor(checkpoint_dir, "d2t")
         if d2t is None:
             raise ValueError(
                 f"draft_vocab_size {eagle.draft_vocab_size} != target vocab_size "
@@ -251,4 +220,4 @@ def load_eagle3_draft(
             f"transformer_layer_config.hidden_size {layer.hidden_size} != target "
             f"hidden_size {target.hidden_size}: the target's cannot be shared"
         )
-    return model.eval()
+    return model

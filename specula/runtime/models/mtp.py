@@ -22,12 +22,12 @@ from torch import nn
 
 from specula.runtime.kernels.gemv import linear
 from specula.runtime.models.config import ModelConfig
-from specula.runtime.models.layers import RMSNorm, RotaryEmbedding, build_empty, init_dummy_weights
-from specula.runtime.models.llama import LlamaDecoderLayer, LlamaForCausalLM
-from specula.runtime.models.qwen3 import Qwen3DecoderLayer
-from specula.runtime.models.registry import load_safetensors
+from specula.runtime.models.layers import RMSNorm, RotaryEmbedding
+from specula.runtime.models.llama import LlamaForCausalLM
 from specula.runtime.models.speculators_format import (
+    DECODER_LAYERS,
     layer_model_config,
+    load_draft_head,
     read_speculators_config,
     speculators_weight_name,
 )
@@ -35,21 +35,12 @@ from specula.runtime.models.speculators_format import (
     share_target_weights as share_target_weights,  # re-exported for MTP heads
 )
 
-_BLOCKS: dict[str, type[LlamaDecoderLayer]] = {
-    "llama": LlamaDecoderLayer,
-    "qwen3": Qwen3DecoderLayer,
-}
-"""``transformer_layer_config.model_type`` -> decoder block class."""
-
 _CHECKPOINT_NAMES = {
     "token_layernorm": "enorm",
     "hidden_layernorm": "hnorm",
     "input_proj": "eh_proj",
 }
 """``speculators`` MTP module name -> DeepSeek name used here."""
-
-SHARED_WITH_TARGET = ("embed_tokens.weight", "lm_head.weight")
-"""Parameters an MTP checkpoint usually lacks: the target's embeddings and head."""
 
 
 class MTPLayer(nn.Module):
@@ -61,7 +52,7 @@ class MTPLayer(nn.Module):
         self.enorm = RMSNorm(h, config.rms_norm_eps)
         self.hnorm = RMSNorm(h, config.rms_norm_eps)
         self.eh_proj = nn.Linear(2 * h, h, bias=False)
-        self.block = _BLOCKS[config.model_type](config)
+        self.block = DECODER_LAYERS[config.model_type](config)
         self.final_layernorm = RMSNorm(h, config.rms_norm_eps)
 
 
@@ -123,21 +114,16 @@ def load_mtp_draft(
             unknown tensor, or a required tensor missing.
     """
     raw = read_speculators_config(checkpoint_dir, "mtp")
-    layer = layer_model_config(raw)
-    for field in ("vocab_size", "hidden_size"):
-        ours, theirs = getattr(layer, field), getattr(target, field)
-        if ours != theirs:
-            raise ValueError(f"transformer_layer_config.{field} {ours} != target {field} {theirs}")
+    layer = layer_model_config(raw, target)
+    if layer.hidden_size != target.hidden_size:
+        raise ValueError(
+            f"transformer_layer_config.hidden_size {layer.hidden_size} != target hidden_size "
+            f"{target.hidden_size}"
+        )
     num_layers = raw.get("num_nextn_predict_layers", 1)
     if num_layers != 1:
         # The format itself defines one layer (speculators' MTPSpeculatorConfig).
         raise ValueError(f"num_nextn_predict_layers {num_layers} is not supported (only 1)")
-    model = build_empty(lambda: MTPForCausalLM(layer, device), dtype, device)
-    if load_format == "dummy":
-        init_dummy_weights(model, skip=SHARED_WITH_TARGET)
-        model.missing_target_weights = set(SHARED_WITH_TARGET)
-        return model.eval()
-    model.missing_target_weights = load_safetensors(
-        model, checkpoint_dir, _model_name, SHARED_WITH_TARGET
+    return load_draft_head(
+        lambda: MTPForCausalLM(layer, device), checkpoint_dir, dtype, device, load_format, _model_name
     )
-    return model.eval()

@@ -12,6 +12,7 @@ reduced vocabulary.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,19 @@ import torch
 from torch import nn
 
 from specula.runtime.models.config import ModelConfig
+from specula.runtime.models.layers import build_empty, init_dummy_weights
+from specula.runtime.models.llama import LlamaDecoderLayer
+from specula.runtime.models.qwen3 import Qwen3DecoderLayer
+from specula.runtime.models.registry import load_safetensors
+
+DECODER_LAYERS: dict[str, type[LlamaDecoderLayer]] = {
+    "llama": LlamaDecoderLayer,
+    "qwen3": Qwen3DecoderLayer,
+}
+"""``transformer_layer_config.model_type`` -> decoder layer class."""
+
+SHARED_WITH_TARGET = ("embed_tokens.weight", "lm_head.weight")
+"""Parameters a draft head's checkpoint may lack: the target's embeddings and head."""
 
 
 def read_speculators_config(checkpoint_dir: Path, expected_type: str) -> dict[str, Any]:
@@ -44,26 +58,63 @@ def read_speculators_config(checkpoint_dir: Path, expected_type: str) -> dict[st
     return config
 
 
-def layer_model_config(config: dict[str, Any]) -> ModelConfig:
+def layer_model_config(config: dict[str, Any], target: ModelConfig) -> ModelConfig:
     """The :class:`ModelConfig` of ``transformer_layer_config`` (through
-    ``transformers.AutoConfig.for_model``, so architecture defaults apply).
+    ``transformers.AutoConfig.for_model``, so architecture defaults apply), a head's
+    layers over the vocabulary of ``target``.
 
     Raises:
-        ValueError: an unknown ``model_type`` or a setting our layers do not implement
-            (sliding-window layers, an activation other than SiLU).
+        ValueError: an unknown ``model_type``, a setting our layers do not implement
+            (sliding-window layers, an activation other than SiLU), or a ``vocab_size``
+            other than ``target``'s.
     """
     from transformers import AutoConfig
 
     layer = dict(config["transformer_layer_config"])
     model_type = layer.pop("model_type", None)
-    if model_type not in ("llama", "qwen3"):
+    if model_type not in DECODER_LAYERS:
         raise ValueError(
             f"transformer_layer_config.model_type {model_type!r} is not supported (llama, qwen3)"
         )
     hf = AutoConfig.for_model(model_type, **layer)
     if "sliding_attention" in (getattr(hf, "layer_types", None) or []):
         raise ValueError("transformer_layer_config.layer_types: sliding attention is not supported")
-    return ModelConfig.from_hf_config(hf)
+    ours = ModelConfig.from_hf_config(hf)
+    if ours.vocab_size != target.vocab_size:
+        raise ValueError(
+            f"transformer_layer_config.vocab_size {ours.vocab_size} != target vocab_size "
+            f"{target.vocab_size}"
+        )
+    return ours
+
+
+def load_draft_head(
+    factory: Callable[[], nn.Module],
+    checkpoint_dir: Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    load_format: str,
+    rename: Callable[[str], str | None],
+) -> nn.Module:
+    """Build ``factory()`` and load its ``*.safetensors`` through ``rename`` (random
+    weights for ``load_format: dummy``), in eval mode; the :data:`SHARED_WITH_TARGET` tensors the
+    checkpoint lacks land in the model's ``missing_target_weights``, for
+    :func:`share_target_weights`.
+
+    Raises:
+        FileNotFoundError: no ``*.safetensors``.
+        ValueError: a tensor of the wrong shape, an unknown tensor, or a required
+            tensor missing.
+    """
+    model = build_empty(factory, dtype, device)
+    if load_format == "dummy":
+        init_dummy_weights(model, skip=SHARED_WITH_TARGET)
+        model.missing_target_weights = set(SHARED_WITH_TARGET)
+    else:
+        model.missing_target_weights = load_safetensors(
+            model, checkpoint_dir, rename, SHARED_WITH_TARGET
+        )
+    return model.eval()
 
 
 def speculators_weight_name(name: str) -> str | None:
