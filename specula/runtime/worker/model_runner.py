@@ -133,35 +133,31 @@ def attend(
         return _prefill_attention(
             q, k, v, key_cache, value_cache, metadata, scale, sliding_window
         )
-    if metadata.split is not None:
-        decode, prefill = metadata.split
-        n = decode.num_tokens
-        out = torch.empty_like(q)
-        out[:n] = attend(
-            q[:n], k[:n], v[:n], key_cache, value_cache, decode, scale, num_splits,
-            sliding_window,
-        )
-        out[n:] = _prefill_attention(
-            q[n:], k[n:], v[n:], key_cache, value_cache, prefill, scale, sliding_window
-        )
-        return out
-    if metadata.uniform_query_len is None:
+    decode, prefill = metadata.split or (metadata, None)
+    if decode.uniform_query_len is None:
         raise ValueError(
             "paged attention needs the same query length for every request "
             "(decode: 1, verification: k + 1), optionally followed by prefills; "
             "split the batch"
         )
-    return paged_attention(
-        q,
+    n = decode.num_tokens
+    out = paged_attention(
+        q[:n],
         key_cache,
         value_cache,
-        metadata.block_table,
-        metadata.seq_lens,
+        decode.block_table,
+        decode.seq_lens,
         scale,
-        metadata.uniform_query_len,
+        decode.uniform_query_len,
         num_splits=num_splits,
         sliding_window=sliding_window,
     )
+    if prefill is None:
+        return out
+    rest = _prefill_attention(
+        q[n:], k[n:], v[n:], key_cache, value_cache, prefill, scale, sliding_window
+    )
+    return torch.cat([out, rest])
 
 
 class ModelRunner:
