@@ -190,10 +190,7 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
         h_logits, h_next = self._forward(ids, pos, metadata, conditioning)
         self.hidden[:r] = h_next[last]
         if sample_first:
-            self._store(0, *self.sample_draft(h_logits[last], self._sampling(r), self.keys[:r], 0), r)
-
-    def _sampling(self, r: int) -> SamplingMetadata:
-        return self.sampling.select(slice(0, r))
+            self._store(0, *self.sample_draft(h_logits[last], self.sampling.select(slice(0, r)), self.keys[:r], 0), r)
 
     def _store(self, col: int, ids: torch.Tensor, probs: torch.Tensor | None, r: int) -> None:
         self.draft_token_ids[:r, col] = ids
@@ -219,7 +216,7 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
         pos = start.clamp(min=0)
         tokens = self.draft_token_ids[:r, 0] if offset else self.next_token_ids[:r]
         hidden = self.hidden[:r] if self.conditions_on_hidden_states or self.reads_target_kv else None
-        sampling = self._sampling(r)
+        sampling = self.sampling.select(slice(0, r))
         for step in range(num_steps):
             if step == 0 and not (self.conditions_on_hidden_states or self.reads_target_kv):
                 ids = torch.stack([self.prev_token_ids[:r], tokens], dim=1)  # [r, 2]
@@ -269,24 +266,16 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
         self.check_num_speculative_tokens(k)
         r = inputs.num_reqs
         padded = self._load(inputs)
-        d = inputs.descriptor
-        run_prefill = not self.reads_target_kv and (
+        if not self.reads_target_kv and (
             self.conditions_on_hidden_states or k == 0 or inputs.num_decode < r
-        )
-        if run_prefill and d is not None and d in self.prefill_graphs:
-            self.prefill_graphs[d].replay()
-            self.num_prefill_replays += 1
-        elif run_prefill:
-            self._prefill(r, inputs, sample_first=k > 0)
+        ):
+            self.replay_or_run(self.prefill_graphs, inputs.descriptor, "num_prefill_replays",
+                               lambda: self._prefill(r, inputs, sample_first=k > 0))
         if k == 0:
             return None
         steps = self._num_decode_steps(k)
         if steps > 0:
-            graph = self.decode_graphs.get((padded, steps))
-            if graph is not None:
-                graph.replay()
-                self.num_decode_replays += 1
-            else:
-                self._decode(r, steps)
+            self.replay_or_run(self.decode_graphs, (padded, steps), "num_decode_replays",
+                               lambda: self._decode(r, steps))
         probs = None if self.draft_probs is None else self.draft_probs[:r, :k]
         return DraftOutput(self.draft_token_ids[:r, :k], probs)

@@ -31,18 +31,14 @@ distributions go to the verifier (vLLM's ``draft_sample_method``)."""
 
 
 class DraftRunner(ModelRunner):
-    """A draft head's forward with the sublayers of the target's :class:`ModelRunner`,
-    over a paged KV cache of its own with as many blocks as the target's, indexed by the
-    *target's* block tables and slot mappings (one block manager for both, as vLLM
-    allocates draft layers in the target's KV-cache groups): a draft forward over the
-    slots of a verification forward then reads that forward's attention metadata
-    unchanged, which attention-state reuse (vLLM PR #40410) relies on.
-
-    Args:
-        model: the head on its device, in eval mode, in the cache's dtype.
-        kv_cache: one key/value pair per draft layer (``num_layers``).
-        max_model_len: as for the target runner.
-        weight: a parameter of the head in its dtype, on its device.
+    """A draft head's forward (``model``: on its device, in eval mode, in the cache's
+    dtype; ``weight``: one of its parameters) with the sublayers of the target's
+    :class:`ModelRunner`, over a paged KV cache of its own (one key/value pair per draft
+    layer, ``num_layers``) with as many blocks as the target's, indexed by the *target's*
+    block tables and slot mappings (one block manager for both, as vLLM allocates draft
+    layers in the target's KV-cache groups): a draft forward over the slots of a
+    verification then reads its attention metadata unchanged, which attention-state reuse
+    (vLLM PR #40410) relies on.
 
     Raises:
         ValueError: target weights the head shares not bound yet
@@ -224,6 +220,18 @@ class DraftModelSpeculator(BaseSpeculator):
         graph = capture_graph(fn, self.pool)
         self.pool = self.pool or graph.pool()
         return graph
+
+    def replay_or_run(
+        self, graphs: dict[Any, torch.cuda.CUDAGraph], key: Any, counter: str, run: Callable[[], None]
+    ) -> None:
+        """Replay ``graphs[key]``, counting it in the attribute ``counter``, or, when that
+        graph was not captured, call ``run``."""
+        graph = graphs.get(key)
+        if graph is None:
+            run()
+        else:
+            graph.replay()
+            setattr(self, counter, getattr(self, counter) + 1)
 
     def load_inputs(self, inputs: ProposeInputs) -> int:
         """Copy the step's sampled tokens, their positions and the block tables into the

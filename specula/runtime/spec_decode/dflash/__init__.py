@@ -137,23 +137,15 @@ class DFlashSpeculator(DraftModelSpeculator):
     def propose(self, inputs: ProposeInputs) -> DraftOutput | None:
         k = inputs.num_speculative_tokens
         self.check_num_speculative_tokens(k)
-        d = inputs.descriptor
-        if d is not None and d in self.context_graphs:
-            self.context_graphs[d].replay()
-            self.num_prefill_replays += 1
-        else:
-            self._store_context(inputs)
+        self.replay_or_run(self.context_graphs, inputs.descriptor, "num_prefill_replays",
+                           lambda: self._store_context(inputs))
         if k == 0:
             return None
         r = inputs.num_reqs
         padded = self.load_inputs(inputs)
-        graph = self.block_graphs.get(padded)
-        if graph is not None:
-            graph.replay()
-            self.num_decode_replays += 1
-            return DraftOutput(self.draft_token_ids[:r, :k])
         if not self.keeps_draft_probs or inputs.sampling.all_greedy:
-            self._greedy_block(r)
+            self.replay_or_run(self.block_graphs, padded, "num_decode_replays",
+                               lambda: self._greedy_block(r))
             return DraftOutput(self.draft_token_ids[:r, :k])
         logits = self.compute_logits(self._block_hidden(r)[:, :k].flatten(0, 1)).view(r, k, -1)
         ids, probs = zip(

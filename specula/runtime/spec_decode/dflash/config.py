@@ -127,22 +127,16 @@ class DFlashConfig:
                 ``[0, num_hidden_layers]``, or ``max_num_speculative_tokens`` above
                 what one block yields.
         """
-        if self.layer_config.vocab_size != target.vocab_size:
-            raise ValueError(
-                f"dflash draft vocab_size {self.layer_config.vocab_size} != target "
-                f"vocab_size {target.vocab_size}: the draft was trained for another target"
-            )
-        if self.layer_config.hidden_size != target.hidden_size:
-            raise ValueError(
-                f"dflash draft hidden_size {self.layer_config.hidden_size} != target "
-                f"hidden_size {target.hidden_size}: the draft embeds tokens with the "
-                f"target's embedding"
-            )
-        if self.target_hidden_size is not None and self.target_hidden_size != target.hidden_size:
-            raise ValueError(
-                f"dflash target_hidden_size {self.target_hidden_size} != target "
-                f"hidden_size {target.hidden_size}"
-            )
+        for name, field, ours, why in (
+            ("draft vocab_size", "vocab_size", self.layer_config.vocab_size,
+             ": the draft was trained for another target"),
+            ("draft hidden_size", "hidden_size", self.layer_config.hidden_size,
+             ": the draft embeds tokens with the target's embedding"),
+            ("target_hidden_size", "hidden_size", self.target_hidden_size, ""),
+        ):
+            theirs = getattr(target, field)
+            if ours is not None and ours != theirs:
+                raise ValueError(f"dflash {name} {ours} != target {field} {theirs}{why}")
         check_aux_layer_ids(self.aux_hidden_state_layer_ids, target.num_hidden_layers)
         limit = self.max_num_speculative_tokens
         if num_speculative_tokens > limit:
