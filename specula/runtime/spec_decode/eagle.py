@@ -42,22 +42,14 @@ class Eagle3Runner(DraftRunner):
         metadata: PagedAttentionMetadata,
         hidden_states: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One draft forward, writing the draft's keys and values to its cache.
-
-        Args:
-            input_ids: [num_tokens] int64, the token after each conditioning position.
-            positions: [num_tokens] int64 rotary positions.
-            metadata: paged metadata over the shared block tables.
-            hidden_states: [num_tokens, H], fused target states or the draft's previous
-                output.
+        """One draft forward of ``input_ids`` ([num_tokens] int64, the token after each
+        conditioning position) at ``positions`` with ``hidden_states [num_tokens, H]``
+        (fused target states or the draft's previous output), writing the draft's keys and
+        values to its cache (AssertionError: other shapes).
 
         Returns:
             ``(normed [num_tokens, H] for the draft logits, [num_tokens, H] the state the
-            next draft step reads)``, as
-            :meth:`Eagle3LlamaForCausalLM.forward`.
-
-        Raises:
-            AssertionError: shapes that do not match the above.
+            next draft step reads)``, as :meth:`Eagle3LlamaForCausalLM.forward`.
         """
         assert input_ids.ndim == 1 and input_ids.shape == positions.shape
         assert input_ids.shape[0] == metadata.num_tokens

@@ -1,27 +1,19 @@
 """Prometheus export of the speculative-decoding counters.
 
-Counting and exporting are separate (as vLLM's ``SpecDecodingStats`` vs
-``SpecDecodingProm``, ``vllm/v1/spec_decode/metrics.py``): the engine updates a plain
-:class:`~specula.runtime.spec_decode.metrics.SpecDecodingStats` every step, and the
-collector here reads a snapshot of it at scrape time.  Reading totals at scrape time
-instead of incrementing ``prometheus_client.Counter`` objects keeps the exported
-values exactly equal to the engine's, with no per-step export cost.
+Counting and exporting are separate (as vLLM's ``SpecDecodingStats`` and
+``SpecDecodingProm``, ``vllm/v1/spec_decode/metrics.py``): the engine updates a
+:class:`~specula.runtime.spec_decode.metrics.SpecDecodingStats` every step and the
+collector reads a snapshot of it at scrape time, so the exported values equal the
+engine's, with no per-step export cost.
 
-Exported families (``prometheus_client`` appends ``_total`` to counters in the text
-exposition, so the series are e.g. ``specula:spec_decode_num_drafts_total``, the same
-shape as vLLM's ``vllm:spec_decode_num_drafts_total``):
-
-- ``specula:spec_decode_num_drafts``: draft rounds, one per request per step that
-  proposed tokens.
-- ``specula:spec_decode_num_draft_tokens``: draft tokens proposed.
-- ``specula:spec_decode_num_accepted_tokens``: draft tokens the target accepted.
-- ``specula:spec_decode_num_accepted_tokens_per_pos{position}``: accepted draft
-  tokens by position ``0 .. k_max - 1`` in the draft.
-
-From them a scraper derives the acceptance rate ``accepted / draft_tokens``, the mean
-acceptance length ``1 + accepted / drafts`` and the per-position acceptance rate
-``accepted_per_pos[i] / drafts``.  Ratios are deliberately not exported: they cannot
-be aggregated across pods or time windows.
+Exported counters (``prometheus_client`` appends ``_total``, as in vLLM's
+``vllm:spec_decode_num_drafts_total``): ``specula:spec_decode_num_drafts`` (draft rounds,
+one per request per step that proposed tokens), ``..._num_draft_tokens`` (proposed),
+``..._num_accepted_tokens`` (accepted by the target) and
+``..._num_accepted_tokens_per_pos{position}`` (accepted, by position ``0 .. k_max - 1``).
+Ratios (acceptance rate ``accepted / draft_tokens``, mean acceptance length ``1 +
+accepted / drafts``) are left to the scraper: they cannot be aggregated across pods or
+time windows.
 """
 
 from __future__ import annotations

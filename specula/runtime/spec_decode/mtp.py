@@ -36,18 +36,10 @@ class MTPRunner(DraftRunner):
         hidden_states: torch.Tensor,
     ) -> torch.Tensor:
         """``eh_proj(cat(enorm(embed(input_ids)), hnorm(hidden_states)))`` through the
-        decoder block and the final norm.
-
-        Args:
-            input_ids: [num_tokens] int64, the token after each conditioning position.
-            positions: [num_tokens] int64.
-            metadata: paged metadata over the shared block tables.
-            hidden_states: [num_tokens, H] the target's final states or this head's
-                previous output.
-
-        Returns:
-            [num_tokens, H] normed states, for the logits and the next step.
-        """
+        decoder block and the final norm: ``input_ids`` [num_tokens] int64 (the token after
+        each conditioning position), ``hidden_states [num_tokens, H]`` (the target's final
+        states or this head's previous output) -> [num_tokens, H] normed states, for the
+        logits and the next step."""
         assert hidden_states.shape == (input_ids.shape[0], self.config.hidden_size)
         layer = self.model.mtp_layers[0]
         embeds = self.model.embed_tokens(input_ids)  # [num_tokens, H]

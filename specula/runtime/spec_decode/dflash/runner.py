@@ -30,15 +30,11 @@ class DFlashRunner(DraftRunner):
     def store_context(
         self, aux_hidden_states: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor
     ) -> None:
-        """Write every layer's context keys and values of the target's rows:
-        ``hidden_norm(fc(aux))``, then ``k_proj``, ``k_norm`` and the rotary embedding
-        for keys, ``v_proj`` for values (vLLM's ``precompute_and_store_context_kv``).
-
-        Args:
-            aux_hidden_states: [num_tokens, num_aux * H] the target's auxiliary states.
-            positions: [num_tokens] int64.
-            slot_mapping: [num_tokens] int64 cache slots (-1: skip).
-        """
+        """Write every layer's context keys and values of the target's rows
+        (``aux_hidden_states [num_tokens, num_aux * H]`` at ``positions``, to the cache
+        slots ``slot_mapping``, -1: skip): ``hidden_norm(fc(aux))``, then ``k_proj``,
+        ``k_norm`` and the rotary embedding for keys, ``v_proj`` for values (vLLM's
+        ``precompute_and_store_context_kv``)."""
         features = self.model.context_features(aux_hidden_states.to(self.dtype))  # [n, H]
         n = features.shape[0]
         for i, layer in enumerate(self.model.layers):
@@ -59,17 +55,10 @@ class DFlashRunner(DraftRunner):
     def forward(  # type: ignore[override]
         self, inputs_embeds: torch.Tensor, positions: torch.Tensor, metadata: PagedAttentionMetadata
     ) -> torch.Tensor:
-        """The draft layers over block rows (each row its own one-query request seeing
-        the whole context and block: non-causal within the block).
-
-        Args:
-            inputs_embeds: [num_tokens, H] the target's embeddings of the block tokens.
-            positions: [num_tokens] int64.
-            metadata: one query row per block token.
-
-        Returns:
-            [num_tokens, H] final normed hidden states.
-        """
+        """The draft layers over block rows, ``inputs_embeds [num_tokens, H]`` (the
+        target's embeddings of the block tokens) -> [num_tokens, H] final normed states;
+        ``metadata`` makes each row its own one-query request seeing the whole context and
+        block (non-causal within the block)."""
         ln = self.model.layers[0].input_layernorm
         hidden = rms_norm(inputs_embeds, ln.weight, ln.eps)
         return self.decoder(

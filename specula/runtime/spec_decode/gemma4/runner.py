@@ -1,13 +1,10 @@
 """The Gemma4 MTP draft (``gemma4_assistant``) on the kernels, reading the target's paged
-KV cache.
-
-The assistant (:class:`~specula.runtime.models.gemma4_assistant.
-Gemma4AssistantForCausalLM`) has no KV of its own: each of its layers is query-only and
-attends to the target's cache entry of the target's last non-shared layer of the same
-type, through the target's block tables. A draft row at rotary position ``p`` sees the
-committed target positions ``0 .. p - 1`` (sliding layers: the last ``sliding_window +
-1`` of them, the assistant's inclusive window); KV the target wrote for rejected drafts
-(positions ``>= p``) is never read.
+KV cache: each layer of the assistant (:class:`~specula.runtime.models.gemma4_assistant.
+Gemma4AssistantForCausalLM`) is query-only and attends, through the target's block
+tables, to the cache entry of the target's last non-shared layer of its type. A draft row
+at rotary position ``p`` sees the committed positions ``0 .. p - 1`` (sliding layers: the
+last ``sliding_window + 1``, the assistant's inclusive window), never the KV the target
+wrote for rejected drafts.
 """
 
 from __future__ import annotations
@@ -25,14 +22,9 @@ from specula.runtime.worker.paged_kv import PagedAttentionMetadata
 
 
 class Gemma4AssistantRunner(Gemma4PagedLayers):
-    """Runs a :class:`Gemma4AssistantForCausalLM` on the kernels over the cache of a
-    :class:`Gemma4Runner`.
-
-    Args:
-        model: the assistant, on the target's device, in its dtype, eval mode.
-        target: the target runner; its token embedding, KV cache, block-table width and
-            rotary length are used.
-        attn_num_splits: as for the target runner.
+    """Runs a :class:`Gemma4AssistantForCausalLM` (on the target's device, in its dtype)
+    on the kernels over the cache of the :class:`Gemma4Runner` ``target``, whose token
+    embedding, block-table width and rotary length it uses.
 
     Raises:
         ValueError: an assistant that does not fit the target (see
@@ -40,12 +32,7 @@ class Gemma4AssistantRunner(Gemma4PagedLayers):
             another dtype.
     """
 
-    def __init__(
-        self,
-        model: Gemma4AssistantForCausalLM,
-        target: Gemma4Runner,
-        attn_num_splits: int | None = None,
-    ) -> None:
+    def __init__(self, model: Gemma4AssistantForCausalLM, target: Gemma4Runner) -> None:
         check_gemma4_target(model.config, target.config)
         text = model.config.text
         producers = target.config.kv_producer_layers()
@@ -58,7 +45,7 @@ class Gemma4AssistantRunner(Gemma4PagedLayers):
             [model.sliding_window if t == SLIDING else None for t in text.layer_types],
             model.rotary.by_type,
             target.max_model_len,
-            attn_num_splits,
+            None,  # attn_num_splits: the kernel's choice
             weight.device,
             weight.dtype,
         )
@@ -73,16 +60,11 @@ class Gemma4AssistantRunner(Gemma4PagedLayers):
         metadata: PagedAttentionMetadata,
         backbone: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One draft step, :meth:`Gemma4AssistantForCausalLM.forward` on the kernels.
-
-        Args:
-            input_ids: [num_reqs] int64 token of each row.
-            positions: [num_reqs] int64 rotary positions.
-            metadata: one query row per request whose ``seq_lens`` are the positions
-                (each row sees the target's cache before its position) and whose slot
-                mapping writes nothing.
-            backbone: [num_reqs, backbone_hidden_size] the target's final hidden state
-                (first step) or the previous step's ``post_projection`` output.
+        """One draft step, :meth:`Gemma4AssistantForCausalLM.forward` on the kernels, of
+        ``input_ids`` and ``positions`` ([num_reqs] int64) with ``backbone [num_reqs,
+        backbone_hidden_size]`` (the target's final hidden state at the first step, then
+        the previous step's ``post_projection`` output); ``metadata`` has one query row per
+        request, the positions as ``seq_lens`` and a slot mapping that writes nothing.
 
         Returns:
             ``(hidden [num_reqs, hidden_size] after the final norm, next backbone
