@@ -106,13 +106,16 @@ class Gemma4DecoderLayer(nn.Module):
 
 
 class Gemma4TextModel(nn.Module):
-    def __init__(self, config: Gemma4ModelConfig) -> None:
+    """Embeddings, decoder layers and final norm; ``all_kv_shared``: every layer reads
+    another model's KV (a Gemma4 MTP draft's layers, over the target's cache)."""
+
+    def __init__(self, config: Gemma4ModelConfig, all_kv_shared: bool = False) -> None:
         super().__init__()
         self.config = config
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.embed_tokens = nn.Embedding(config.vocab_size, hidden)
         self.layers = nn.ModuleList(
-            Gemma4DecoderLayer(config, i, config.is_kv_shared(i))
+            Gemma4DecoderLayer(config, i, all_kv_shared or i >= config.first_kv_shared_layer)
             for i in range(config.num_hidden_layers)
         )
         self.norm = Gemma4RMSNorm(hidden, eps)

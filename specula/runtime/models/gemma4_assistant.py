@@ -22,9 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specula.runtime.models.gemma4 import Gemma4DecoderLayer
+from specula.runtime.models.gemma4 import Gemma4TextModel
 from specula.runtime.models.gemma4_config import Gemma4ModelConfig
-from specula.runtime.models.gemma4_layers import Gemma4RMSNorm, Gemma4Rotary
+from specula.runtime.models.gemma4_layers import Gemma4Rotary
 from specula.runtime.models.layers import build_empty, init_dummy_weights
 
 ASSISTANT_MODEL_TYPE = "gemma4_assistant"
@@ -43,10 +43,6 @@ class Gemma4AssistantConfig:
     num_centroids: int
     centroid_intermediate_top_k: int
     tie_word_embeddings: bool
-
-    @property
-    def vocab_size(self) -> int:
-        return self.text.vocab_size
 
     @classmethod
     def from_pretrained(cls, checkpoint_dir: str | Path) -> Gemma4AssistantConfig:
@@ -102,9 +98,9 @@ def check_gemma4_target(config: Gemma4AssistantConfig, target: Any) -> None:
             f"draft backbone_hidden_size {config.backbone_hidden_size} != target hidden_size "
             f"{target.hidden_size}"
         )
-    if config.vocab_size != target.vocab_size:
+    if config.text.vocab_size != target.vocab_size:
         raise ValueError(
-            f"draft vocab_size {config.vocab_size} != target vocab_size {target.vocab_size}"
+            f"draft vocab_size {config.text.vocab_size} != target vocab_size {target.vocab_size}"
         )
     producers = target.kv_producer_layers()
     text = config.text
@@ -141,7 +137,7 @@ class Gemma4AssistantMaskedEmbedder(nn.Module):
         self.top_k = config.centroid_intermediate_top_k
         self.centroids = nn.Linear(hidden, config.num_centroids, bias=False)
         self.token_ordering = nn.Parameter(
-            torch.zeros(config.vocab_size, dtype=torch.long), requires_grad=False
+            torch.zeros(config.text.vocab_size, dtype=torch.long), requires_grad=False
         )
 
     def forward(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
@@ -158,17 +154,6 @@ class Gemma4AssistantMaskedEmbedder(nn.Module):
         return out.scatter_(1, tokens, selected)
 
 
-class Gemma4AssistantModel(nn.Module):
-    def __init__(self, config: Gemma4ModelConfig) -> None:
-        super().__init__()
-        # Only the logits use it (tied lm_head); inputs come from the target's embedding.
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            Gemma4DecoderLayer(config, i, kv_shared=True) for i in range(config.num_hidden_layers)
-        )
-        self.norm = Gemma4RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-
 class Gemma4AssistantForCausalLM(nn.Module):
     """The assistant network; parameter names follow the Hugging Face checkpoint."""
 
@@ -178,7 +163,9 @@ class Gemma4AssistantForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         text = config.text
-        self.model = Gemma4AssistantModel(text)
+        # Its embedding serves only the logits (tied lm_head); inputs come from the
+        # target's embedding.
+        self.model = Gemma4TextModel(text, all_kv_shared=True)
         self.lm_head = (
             None if config.tie_word_embeddings
             else nn.Linear(text.hidden_size, text.vocab_size, bias=False)
@@ -224,9 +211,9 @@ def load_gemma4_assistant(
     model = build_empty(lambda: Gemma4AssistantForCausalLM(config, device=device), dtype, device)
     if load_format == "dummy":
         init_dummy_weights(model, skip=("masked_embedding.token_ordering",))
-        if model.masked_embedding is not None:
-            ordering = torch.randperm(config.vocab_size).to(model.masked_embedding.token_ordering)
-            model.masked_embedding.token_ordering.copy_(ordering)
+        embedder = model.masked_embedding
+        if embedder is not None:
+            embedder.token_ordering.copy_(torch.randperm(config.text.vocab_size))
     else:
         load_safetensors(model, Path(checkpoint_dir))
     return model.eval()

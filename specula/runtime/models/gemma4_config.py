@@ -151,9 +151,6 @@ class Gemma4ModelConfig(ModelConfig):
     def first_kv_shared_layer(self) -> int:
         return self.num_hidden_layers - self.num_kv_shared_layers
 
-    def is_kv_shared(self, layer: int) -> bool:
-        return layer >= self.first_kv_shared_layer
-
     def kv_producer_layers(self) -> dict[str, int]:
         """Per layer type, the last non-shared layer of that type: the layer whose KV the
         shared layers (and a Gemma4 MTP draft) of that type read."""
@@ -167,19 +164,16 @@ class Gemma4ModelConfig(ModelConfig):
         Raises:
             ValueError: a shared layer's type has no non-shared layer before it.
         """
+        first_shared = self.first_kv_shared_layer
+        shared = self.layer_types[first_shared:]
         producers = self.kv_producer_layers()
-        sources = []
-        for i, layer_type in enumerate(self.layer_types):
-            if not self.is_kv_shared(i):
-                sources.append(i)
-            elif layer_type in producers:
-                sources.append(producers[layer_type])
-            else:
+        for i, layer_type in enumerate(shared, first_shared):
+            if layer_type not in producers:
                 raise ValueError(
                     f"layer {i} ({layer_type}) is KV-shared (num_kv_shared_layers="
                     f"{self.num_kv_shared_layers}) but no earlier non-shared layer has that type"
                 )
-        return tuple(sources)
+        return (*range(first_shared), *(producers[t] for t in shared))
 
     def kv_cache_shapes(self) -> tuple[tuple[int, int], ...]:
         """``(num_kv_heads, head_dim)`` of each non-shared layer, in layer order: shared
