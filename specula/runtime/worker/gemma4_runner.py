@@ -1,10 +1,8 @@
 """The paged forward of a Gemma4 text target on the GPU kernels.
 
 :class:`~specula.runtime.models.gemma4.Gemma4ForCausalLM` owns the weights; this module
-runs those same parameters over a :class:`~specula.runtime.worker.paged_kv.
-PagedKVCache` as a :class:`~specula.runtime.worker.model_runner.ModelRunner` with its own
-layers, so :class:`~specula.runtime.worker.cudagraph.CUDAGraphManager` captures it
-unchanged.
+runs them over a :class:`~specula.runtime.worker.paged_kv.PagedKVCache` as a
+:class:`~specula.runtime.worker.model_runner.ModelRunner` with Gemma4's layers.
 
 What differs from the Llama path (see :mod:`specula.runtime.models.gemma4` for the
 model):
@@ -27,9 +25,9 @@ run on the plain (Llama-convention) RMSNorm kernel: exact in float32; in bfloat1
 kernel rounds the normalised row once more before the weight multiplies it, where
 :class:`~specula.runtime.models.gemma4_layers.Gemma4RMSNorm` multiplies in float32.
 
-Nothing copies device data to the host in a decode or verification forward, so it can
-be captured in a CUDA graph. The mixture-of-experts variant (26B-A4B) is refused: its
-expert dispatch runs on the host.
+A decode or verification forward copies nothing to the host, so
+:class:`~specula.runtime.worker.cudagraph.CUDAGraphManager` captures it. The
+mixture-of-experts variant (26B-A4B) is refused: its expert dispatch runs on the host.
 """
 
 from __future__ import annotations
@@ -69,10 +67,7 @@ class Gemma4PagedLayers(ModelRunner):
         windows: per layer, its sliding window in keys (own position included) or
             ``None``.
         rotary: per layer type, the rotary embedding (``inv_freq``) of that type.
-        max_model_len: longest context; fixes ``max_blocks_per_req`` and the rotary
-            tables' length.
-        attn_num_splits: programs per (request, KV head) along the context in paged
-            attention; ``None``: the kernel's default per launch shape.
+        max_model_len, attn_num_splits: as for :class:`ModelRunner`.
         device, dtype: where and in what dtype the layers' weights are.
 
     Raises:
@@ -202,18 +197,14 @@ class Gemma4PagedLayers(ModelRunner):
 
 class Gemma4Runner(Gemma4PagedLayers):
     """Runs a :class:`Gemma4ForCausalLM` over a :class:`PagedKVCache` with the
-    Triton kernels; the interface of :class:`ModelRunner`.
+    Triton kernels, as :class:`ModelRunner` runs Llama and Qwen3.
 
     Args:
         model: the target, on its device, in eval mode, in the cache's dtype.
         kv_cache: one key/value pair per non-shared layer, shaped as
-            ``model.config.kv_cache_shapes()`` (see
-            :meth:`KVCacheSpec.from_model_config`); KV-shared layers read their
-            producer's pair.
-        max_model_len: longest context (tokens) a request may reach; fixes the
-            block-table width ``max_blocks_per_req`` and the rotary table length.
-        attn_num_splits: programs per (request, KV head) along the context in paged
-            attention; ``None`` uses the kernel's default for each launch shape.
+            ``model.config.kv_cache_shapes()`` (:meth:`KVCacheSpec.from_model_config`);
+            KV-shared layers read their producer's pair.
+        max_model_len, attn_num_splits: as for :class:`ModelRunner`.
 
     Raises:
         ValueError: not a Gemma4 text model, the mixture-of-experts variant, or a cache

@@ -268,8 +268,8 @@ class ModelRunner:
     ) -> torch.Tensor:
         # hidden: [num_tokens, hidden_size]
         n, head_dim = hidden.shape[0], attn.head_dim
-        qkv = _proj(attn.qkv_proj, hidden).view(n, -1, head_dim)  # [n, heads + 2 * kv_heads, d]
-        q, k, v = qkv.split([attn.num_heads, attn.num_kv_heads, attn.num_kv_heads], dim=1)
+        qkv = linear(hidden, attn.qkv_proj.weight, attn.qkv_proj.bias)
+        q, k, v = qkv.view(n, -1, head_dim).split([attn.num_heads, attn.num_kv_heads, attn.num_kv_heads], dim=1)
         if self.has_qk_norm:
             q = rms_norm(q.reshape(-1, head_dim), attn.q_norm.weight, attn.q_norm.eps).view_as(q)
             k = rms_norm(k.reshape(-1, head_dim), attn.k_norm.weight, attn.k_norm.eps).view_as(k)
@@ -281,12 +281,12 @@ class ModelRunner:
             q, k, v, key_cache, value_cache, metadata, self.scale, self.attn_num_splits
         )
         # reshape: a one-request prefill's attention output may be a transposed view.
-        return self.reduce(_proj(attn.o_proj, out.reshape(n, -1)))
+        return self.reduce(linear(out.reshape(n, -1), attn.o_proj.weight, attn.o_proj.bias))
 
     def _mlp(self, mlp: LlamaMLP, hidden: torch.Tensor) -> torch.Tensor:
         gate_up = mlp.gate_up_proj
         act = linear_silu_and_mul(hidden, gate_up.weight, gate_up.bias)
-        return self.reduce(_proj(mlp.down_proj, act))
+        return self.reduce(linear(act, mlp.down_proj.weight, mlp.down_proj.bias))
 
     # -- forward ---------------------------------------------------------------------
 
@@ -392,10 +392,4 @@ class ModelRunner:
 
 def _identity(x: torch.Tensor) -> torch.Tensor:
     return x
-
-
-def _proj(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """``module(x)`` through :func:`~specula.runtime.kernels.gemv.linear` (the small-batch
-    kernel for the shapes it is tuned for)."""
-    return linear(x, module.weight, module.bias)
 
