@@ -3,25 +3,20 @@ submission, streamed and whole answers in either route's shape.
 
 One HTTP request with a batch of prompts and ``n`` samples each becomes one engine
 request per choice (choice ``index`` = ``prompt_index * n + j``, as vLLM numbers them),
-all feeding one asyncio queue, so streamed chunks of different choices interleave in
-the order the engine produced them. A whole answer is built like the one chunk a
-choice would stream if it were sent only once finished.
+all feeding one asyncio queue, so streamed chunks of choices interleave in the engine's
+order. A whole answer is built like the one chunk a choice would stream once finished.
 
-Chat messages are rendered by the chat template, the checkpoint's (``chat_template`` in
-its tokenizer config) unless the server was started with ``--chat-template FILE``
-(runtime config ``chat_template``), applied by ``transformers``'
-``tokenizer.apply_chat_template(messages, add_generation_prompt=True)``; the rendered
-text is tokenized without adding special tokens (the template writes them), as vLLM
-does.
+Chat messages are rendered by the chat template (the checkpoint's, or the server's
+``--chat-template FILE``, runtime config ``chat_template``) through ``transformers``'
+``tokenizer.apply_chat_template(messages, add_generation_prompt=True)``; the text is
+tokenized without adding special tokens (the template writes them), as vLLM does.
 
-Log-probabilities are the engine's (:class:`~specula.runtime.engine.request.TokenLogprobs`:
-the target's distribution after the request's temperature, top-k and top-p; greedy
-requests: the raw logits' log-softmax); ``-inf`` (a token the request's top-k or top-p
-excludes) is answered as -9999.0, as vLLM does, since JSON has no infinity. A token's
-string is ``tokenizer.decode([token_id])``. Completions answer OpenAI's legacy shape
-(``tokens``, ``token_logprobs``, ``top_logprobs``, and ``text_offset``: each token's
-character offset in the choice's text); chat answers ``content`` entries with each
-token's UTF-8 ``bytes`` (a token may hold part of a character).
+Log-probabilities are the engine's (:class:`~specula.runtime.engine.request.TokenLogprobs`);
+``-inf`` (a token the request's top-k or top-p excludes) is answered as -9999.0, as vLLM
+does, since JSON has no infinity. A token's string is ``tokenizer.decode([token_id])``.
+Completions answer OpenAI's legacy shape (``tokens``, ``token_logprobs``,
+``top_logprobs``, ``text_offset``: each token's character offset in the choice's text);
+chat answers ``content`` entries with each token's UTF-8 ``bytes``.
 """
 
 from __future__ import annotations

@@ -1,23 +1,23 @@
 """The bridge between the synchronous engine and asyncio request handlers.
 
-``LLMEngine`` is single-threaded: one background thread owns it, loads it, and runs
-``engine.step()`` while there is work.  Handlers never touch the engine; they send
-commands (add, abort) through a thread-safe queue and receive each step's
-``RequestOutput`` on their own ``asyncio.Queue``, fed with
-``loop.call_soon_threadsafe``.  This is the shape of vLLM's ``AsyncLLMEngine``
+One background thread owns the single-threaded ``LLMEngine``: it loads it and runs
+``engine.step()`` while there is work. Handlers send commands (add, abort, settings
+calls) through a thread-safe queue and receive each step's ``RequestOutput`` on their
+own ``asyncio.Queue``, fed with ``loop.call_soon_threadsafe``: vLLM's ``AsyncLLMEngine``
 background loop, reduced to one process.
 
-The thread also times every step for the step-time histogram, labelled with the batch
-size and the k that step's decode round actually used (under a per-batch-size schedule
-it differs from step to step). After each step and each setting change it publishes a
-:class:`~specula.runtime.server.metrics.RuntimeSnapshot` that scrapes read, so a scrape
-never sees the engine's counters half-updated.
+The thread times every step for the step-time histogram, labelled with the batch size
+and the k that step's decode round used (under a per-batch-size schedule it varies).
+After each step and each setting change it publishes a
+:class:`~specula.runtime.server.metrics.RuntimeSnapshot` for scrapes, so a scrape never
+sees the engine's counters half-updated.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import logging
 import queue
 import threading
@@ -288,7 +288,7 @@ class EngineLoop:
         k = self._last_round_k
         if k is None:  # no decode round yet: what a lone request would use
             k = self.engine.num_speculative_tokens_for(1)
-        self._snapshot = RuntimeSnapshot(
+        self._snapshot = copy.deepcopy(RuntimeSnapshot(
             num_requests_running=int(sched["num_requests_running"]),
             num_requests_waiting=int(sched["num_requests_waiting"]) + self._pending_adds,
             generation_tokens=int(self.engine.generation_tokens_total),
@@ -304,7 +304,7 @@ class EngineLoop:
                 if sched.get("num_gpu_blocks")
                 else 0.0
             ),
-        ).copy()
+        ))
 
     def _die(self, exc: BaseException) -> None:
         self.error = exc

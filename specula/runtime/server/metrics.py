@@ -12,7 +12,6 @@ several apps (tests) in one process do not collide.
 from __future__ import annotations
 
 import bisect
-import copy
 import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -92,9 +91,6 @@ class RuntimeSnapshot:
     kv_cache_usage: float = 0.0
     """Fraction of the paged KV cache's blocks in use, in [0, 1] (0 for the one-slot
     engine, whose cache is allocated per slot up front)."""
-
-    def copy(self) -> RuntimeSnapshot:
-        return copy.deepcopy(self)
 
 
 _SCALARS: tuple[tuple[type[GaugeMetricFamily | CounterMetricFamily], str, str], ...] = (
