@@ -133,8 +133,11 @@ def check_aux_layer_ids(
     layer_ids: Sequence[int], num_hidden_layers: int, field: str = "aux_hidden_state_layer_ids"
 ) -> tuple[int, ...]:
     """``layer_ids`` as a tuple, each an auxiliary hidden-state id of a target of
-    ``num_hidden_layers`` layers (see
-    :meth:`~specula.runtime.models.llama.LlamaForCausalLM.check_aux_hidden_state_layers`).
+    ``num_hidden_layers`` layers: id ``i`` is the residual stream entering decoder layer
+    ``i``, ``0`` the embedding output and ``num_hidden_layers`` the last layer's output
+    before the final norm, as EAGLE-3 (arXiv 2503.01840) and vLLM's
+    ``aux_hidden_state_layers`` define them (for ``i < num_hidden_layers`` Hugging Face's
+    ``output_hidden_states[i]``).
 
     Raises:
         ValueError: an id outside ``[0, num_hidden_layers]``; the message names ``field``

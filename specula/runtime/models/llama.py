@@ -107,16 +107,8 @@ class LlamaForCausalLM(nn.Module):
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def check_aux_hidden_state_layers(self, layer_ids: Sequence[int]) -> tuple[int, ...]:
-        """Validate auxiliary hidden-state layer ids: id ``i`` is the residual stream
-        entering decoder layer ``i``, ``0`` the embedding output and ``num_hidden_layers``
-        the last layer's output before the final norm, as EAGLE-3 (arXiv 2503.01840) and
-        vLLM's ``aux_hidden_state_layers`` define them (for ``i < num_hidden_layers``
-        Hugging Face's ``output_hidden_states[i]``).
-
-        Raises:
-            ValueError: an id outside ``[0, num_hidden_layers]``; the message names the
-                field and both values.
-        """
+        """Validate auxiliary hidden-state layer ids
+        (:func:`~specula.runtime.models.config.check_aux_layer_ids`)."""
         return check_aux_layer_ids(layer_ids, self.config.num_hidden_layers)
 
     def full_vocab_weights(self) -> tuple[nn.Embedding, torch.Tensor]:

@@ -84,14 +84,10 @@ def _model_name(checkpoint_name: str) -> str | None:
     """Map a ``speculators`` MTP tensor name to this module's parameter name (``None``:
     not a weight)."""
     parts = checkpoint_name.split(".")
-    if parts[0] != "mtp_layers" or len(parts) < 4:
+    if parts[0] != "mtp_layers" or len(parts) < 4 or parts[2] == "final_layernorm":
         return speculators_weight_name(checkpoint_name)
-    head, module = parts[:2], parts[2]
-    if module in _CHECKPOINT_NAMES:
-        return ".".join([*head, _CHECKPOINT_NAMES[module], *parts[3:]])
-    if module == "final_layernorm":
-        return checkpoint_name
-    return ".".join([*head, "block", *parts[2:]])
+    module = _CHECKPOINT_NAMES.get(parts[2], f"block.{parts[2]}")
+    return ".".join([*parts[:2], module, *parts[3:]])
 
 
 def load_mtp_draft(

@@ -96,16 +96,9 @@ def load_draft_head(
     load_format: str,
     rename: Callable[[str], str | None],
 ) -> nn.Module:
-    """Build ``factory()`` and load its ``*.safetensors`` through ``rename`` (random
-    weights for ``load_format: dummy``), in eval mode; the :data:`SHARED_WITH_TARGET` tensors the
-    checkpoint lacks land in the model's ``missing_target_weights``, for
-    :func:`share_target_weights`.
-
-    Raises:
-        FileNotFoundError: no ``*.safetensors``.
-        ValueError: a tensor of the wrong shape, an unknown tensor, or a required
-            tensor missing.
-    """
+    """Build ``factory()`` and load it (:func:`load_safetensors` through ``rename``; random
+    weights for ``load_format: dummy``), recording the :data:`SHARED_WITH_TARGET` tensors
+    it lacks in ``missing_target_weights`` for :func:`share_target_weights`."""
     model = build_empty(factory, dtype, device)
     if load_format == "dummy":
         init_dummy_weights(model, skip=SHARED_WITH_TARGET)
