@@ -24,11 +24,9 @@ Model Runner V2):
    conditions.
 
 Log-probabilities (``SamplingParams.logprobs``) are computed on the device for the rows
-that asked only, from the target's logits at each position the step verified (whatever
-the draft proposed: an accepted draft, the bonus or the recovered token is scored under
-the target's processed distribution there), and copied with a second non-blocking copy
-beside the tokens'. Prompt log-probabilities come from the prefill's logits at every
-prompt position.
+that asked only: each emitted token (accepted draft, bonus or recovered) under the
+target's processed distribution at its position, prompt tokens from the prefill's logits
+at every prompt position; a second non-blocking copy brings them beside the tokens.
 
 With asynchronous scheduling (the default on CUDA; vLLM's ``async_scheduling``), step 5
 of one step runs after steps 1-4 of the next are queued: the next step's inputs come
@@ -139,20 +137,18 @@ class LLMEngine(SpeculativeSettings):
         load_format: ``auto`` (checkpoint weights) or ``dummy`` (random weights from the
             configs, for benchmarks; vLLM's option of the same name).
         synthetic_acceptance_rate: benchmarks only: instead of verifying, accept each
-            draft token with this probability given that the ones before it were
-            accepted (vLLM's ``rejection_sample_method="synthetic"``); the token after
-            the accepted drafts is the target's argmax. Outputs are then not the
-            target's: it measures speed at a chosen acceptance.
+            draft token with this probability given the ones before it (vLLM's
+            ``rejection_sample_method="synthetic"``), then the target's argmax; outputs
+            are not the target's (speed at a chosen acceptance).
         cudagraph_capture_sizes: request counts to capture graphs for (vLLM's option of
             the same name); default 1, 2, 4, 8, then multiples of 8 up to
             ``max_num_seqs``.
         enable_prefix_caching: reuse the KV blocks of cached prompt prefixes (vLLM's
             automatic prefix caching; :mod:`~specula.runtime.engine.block_manager`).
-        async_scheduling: launch each step before reading the previous one's tokens, so
-            the host's scheduling and stop checks overlap the device's work (vLLM's
-            option of the same name); :meth:`step` then returns the outputs of the step
-            before the one it launched. Default: on for CUDA, off on a CPU (where the
-            host does the device's work too).
+        async_scheduling: launch each step before reading the previous one's tokens
+            (vLLM's option of the same name; module docstring): :meth:`step` then returns
+            the outputs of the step before the one it launched. Default: on for CUDA, off
+            on a CPU (where the host does the device's work too).
 
     Raises:
         ValueError: ``max_model_len`` above the target's limit; an architecture no
@@ -286,8 +282,7 @@ class LLMEngine(SpeculativeSettings):
             max_num_seqs,
             max_num_batched_tokens or max(self.max_model_len, 2048),
         )
-        one_request = self.max_model_len + max_k + 1 + self.num_lookahead_tokens
-        if self.scheduler.max_request_tokens(0) < one_request:
+        if self.scheduler.max_request_tokens(0) < runner_len:
             raise ValueError(
                 f"the KV cache ({num_gpu_blocks} blocks of {block_size} tokens) cannot hold "
                 f"one request of max_model_len {self.max_model_len} tokens; lower "
@@ -326,8 +321,7 @@ class LLMEngine(SpeculativeSettings):
         self._in_flight: _Launched | None = None
         """The step launched by the last :meth:`step` whose tokens the host has not read
         yet (asynchronous scheduling only)."""
-        self._idx: tuple[tuple[int, ...], torch.Tensor] = ((), torch.zeros(0))
-        self._sampling_cache: tuple[tuple[int, ...], int, SamplingMetadata] | None = None
+        self._batch_cache: tuple[Any, ...] = (None, None, None)
         self._zeros = torch.zeros(max_num_seqs, dtype=torch.int64, device=self.device)
         """[max_num_seqs] int64 zeros (accepted and verified counts of rows without
         drafts); never written."""
@@ -524,22 +518,14 @@ class LLMEngine(SpeculativeSettings):
         if logprobs is not None:
             request.new_logprobs.extend(logprobs[: len(appended)])
 
-    def _rows(self, batch: list[Request]) -> torch.Tensor:
-        """[num_reqs] int64 device rows of ``batch`` (reused while the batch is unchanged)."""
-        rows = tuple(r.row for r in batch)
-        if rows != self._idx[0]:
-            self._idx = (rows, to_device(rows, torch.int64, self.device))
-        return self._idx[1]
-
-    def _sampling(self, idx: torch.Tensor, batch: list[Request]) -> SamplingMetadata:
-        """The sampling settings of ``batch`` (rows ``idx``), reused while neither the
-        rows nor the requests holding them change."""
-        rows, version = self._idx[0], self.input_batch.version
-        cached = self._sampling_cache
-        if cached is None or cached[0] != rows or cached[1] != version:
-            cached = (rows, version, self.input_batch.sampling(idx, batch))
-            self._sampling_cache = cached
-        return cached[2]
+    def _rows(self, batch: list[Request]) -> tuple[torch.Tensor, SamplingMetadata]:
+        """The [num_reqs] int64 device rows of ``batch`` and their sampling settings,
+        reused while neither the rows nor the requests holding them change."""
+        key = (tuple(r.row for r in batch), self.input_batch.version)
+        if key != self._batch_cache[0]:
+            idx = to_device(key[0], torch.int64, self.device)
+            self._batch_cache = (key, idx, self.input_batch.sampling(idx, batch))
+        return self._batch_cache[1], self._batch_cache[2]
 
     def _sync_block_tables(self, batch: list[Request]) -> None:
         bm, ib = self.scheduler.block_manager, self.input_batch
@@ -575,7 +561,7 @@ class LLMEngine(SpeculativeSettings):
         batch = decode + prefill
         self._sync_block_tables(batch)
         nd, num_reqs = len(decode), len(batch)
-        idx = self._rows(batch)
+        idx, sampling = self._rows(batch)
         idx_d = idx[:nd]
         dev = self.device
 
@@ -601,7 +587,6 @@ class LLMEngine(SpeculativeSettings):
             descriptor = None
 
         # -- sampling and verification --------------------------------------------------
-        sampling = self._sampling(idx, batch)
         # Draw keys: the position of the first token this step can emit.
         keys = starts + 1
         if prefill:

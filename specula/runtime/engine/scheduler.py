@@ -49,10 +49,6 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
     """Requests preempted this step (now at the front of the waiting queue)."""
 
-    @property
-    def num_reqs(self) -> int:
-        return len(self.decode) + len(self.prefill)
-
 
 class PagedScheduler:
     """Waiting queue, running batch and KV blocks of the engine.
