@@ -105,11 +105,43 @@ def test_unshardable_targets_are_refused_before_any_rank_starts(tiny_llama_targe
     assert get_parallel().world_size == 1
 
 
-def test_a_sharded_draft_is_refused(tiny_llama_target, tiny_llama_draft):
+def test_a_sharded_draft_model_matches_transformers(
+    tiny_llama_target, tiny_llama_draft, hf_model, hf_greedy
+):
+    """``draft_tensor_parallel_size`` equal to the target's: the draft's heads, MLP
+    columns and vocabulary are split over the ranks as the target's are."""
+    config = runtime_config(tiny_llama_target, tiny_llama_draft, k=3, device="cpu")
+    config.speculator.draft_tensor_parallel_size = 2
+    engine = create_engine(config.model_copy(update={"tensor_parallel_size": 2}))
+    try:
+        assert engine.speculator.model.config.tensor_parallel_size == 2
+        assert engine.speculator.model.model.layers[0].self_attn.num_heads == 2  # of 4
+        sharded = _greedy(engine)
+        stats = engine.spec_decoding_stats
+        assert 0 < stats.num_accepted_tokens <= stats.num_draft_tokens
+    finally:
+        engine.shutdown()
+    model = hf_model(tiny_llama_target)
+    assert sharded == [hf_greedy(model, p, 12) for p in PROMPTS]
+
+
+def test_draft_tensor_parallel_sizes_that_cannot_run_are_refused(
+    tiny_llama_target, tiny_llama_draft
+):
     config = runtime_config(tiny_llama_target, tiny_llama_draft, device="cpu")
     config.speculator.draft_tensor_parallel_size = 2
-    with pytest.raises(ValueError, match="draft_tensor_parallel_size 2 is not supported"):
+    with pytest.raises(ValueError, match=r"draft_tensor_parallel_size 2 must be 1 or "
+                                         r"tensor_parallel_size \(1\)"):
         LLMEngine.from_config(config)
+    from specula.runtime.models.config import ModelConfig
+    from specula.runtime.spec_decode.registry import create_speculator
+
+    eagle3 = SpeculatorRuntimeConfig(method="eagle3", model=f"file://{tiny_llama_draft}",
+                                     draft_tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="a eagle3 draft runs unsharded on every rank"):
+        create_speculator(eagle3, ModelConfig.from_pretrained(tiny_llama_target),
+                          target_dir=tiny_llama_target, max_num_seqs=2,
+                          dtype=torch.float32, device=torch.device("cpu"))
 
 
 def test_an_engine_needs_its_ranks(tiny_llama_target):

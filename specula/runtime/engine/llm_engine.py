@@ -156,7 +156,8 @@ class LLMEngine(SpeculativeSettings):
             target (names the field and both values); a KV cache too small for one
             request of ``max_model_len`` tokens; ``tensor_parallel_size`` other than the
             group's size, a target it cannot shard (names the field and both values), or
-            a sharded draft (``draft_tensor_parallel_size`` above 1).
+            ``draft_tensor_parallel_size`` other than 1 or ``tensor_parallel_size``, or a
+            sharded draft the method cannot shard (only ``draft_model`` drafts can).
         UnsupportedSpeculatorMethod: the speculator method is not implemented.
         FileNotFoundError: a checkpoint is missing.
     """
@@ -194,10 +195,10 @@ class LLMEngine(SpeculativeSettings):
                 "ranks joined; start the engine with create_engine (specula serve)"
             )
         draft_tp = getattr(speculator_config, "draft_tensor_parallel_size", 1)
-        if draft_tp != 1:
+        if draft_tp not in (1, tensor_parallel_size):
             raise ValueError(
-                f"draft_tensor_parallel_size {draft_tp} is not supported: the draft runs "
-                "unsharded on every rank (draft_tensor_parallel_size 1)"
+                f"draft_tensor_parallel_size {draft_tp} must be 1 or tensor_parallel_size "
+                f"({tensor_parallel_size})"
             )
         self.tensor_parallel_size = tensor_parallel_size
         self._commands: list[tuple[str, tuple, dict]] | None = (

@@ -3,9 +3,12 @@ vocabulary drafts autoregressively (Leviathan et al., arXiv 2211.17192)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import nn
 
+from specula.runtime.models.config import ModelConfig
 from specula.runtime.models.registry import load_model
 from specula.runtime.spec_decode.autoregressive import AutoRegressiveSpeculator
 from specula.runtime.worker import create_model_runner
@@ -15,10 +18,18 @@ from specula.runtime.worker.paged_kv import KVCacheSpec
 class PlainDraftModelSpeculator(AutoRegressiveSpeculator):
     """A Hugging Face-layout causal LM (any architecture the paged runners serve) as the
     draft (Leviathan et al., arXiv 2211.17192), with its own paged KV cache on the
-    target's block tables; everything else is the generic loop."""
+    target's block tables; everything else is the generic loop. With
+    ``tensor_parallel_size`` N (the target's; vLLM's ``draft_tensor_parallel_size``) it is
+    sharded over the ranks as the target is, else it runs whole on every rank."""
+
+    def __init__(self, *, tensor_parallel_size: int = 1, **kwargs) -> None:
+        self.tensor_parallel_size = tensor_parallel_size
+        super().__init__(**kwargs)
 
     def load_draft_model(self) -> nn.Module:
-        return load_model(self.draft_dir, self.dtype, self.device, load_format=self.load_format)
+        config = ModelConfig.from_pretrained(self.draft_dir)
+        config = replace(config, tensor_parallel_size=self.tensor_parallel_size)
+        return load_model(self.draft_dir, self.dtype, self.device, config, self.load_format)
 
     def kv_cache_spec(self, block_size: int) -> KVCacheSpec:
         return KVCacheSpec.from_model_config(self.model.config, self.dtype, block_size)

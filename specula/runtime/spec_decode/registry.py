@@ -63,6 +63,10 @@ def draft_kwargs(ctx: SpeculatorContext) -> dict:
     }
 
 
+def _draft_model_kwargs(ctx: SpeculatorContext) -> dict:
+    return draft_kwargs(ctx) | {"tensor_parallel_size": ctx.config.draft_tensor_parallel_size}
+
+
 def _ngram_kwargs(ctx: SpeculatorContext) -> dict:
     lookup_min, lookup_max = ctx.config.prompt_lookup_range
     return {
@@ -87,7 +91,7 @@ def _lazy(module: str, name: str, kwargs=draft_kwargs) -> Callable[[SpeculatorCo
 
 SPECULATOR_FACTORIES: dict[str, Callable[[SpeculatorContext], BaseSpeculator]] = {
     "dflash": _lazy("dflash", "DFlashSpeculator"),
-    "draft_model": _lazy("draft_model", "PlainDraftModelSpeculator"),
+    "draft_model": _lazy("draft_model", "PlainDraftModelSpeculator", _draft_model_kwargs),
     "eagle3": _lazy("eagle", "EagleSpeculator"),
     "gemma4_mtp": _lazy("gemma4", "Gemma4MTPSpeculator"),
     "mtp": _lazy("mtp", "MTPSpeculator"),
@@ -115,8 +119,10 @@ def create_speculator(
 
     Raises:
         UnsupportedSpeculatorMethod: the method is not implemented.
-        ValueError: the method needs a draft model URI and has none, or the draft does
-            not fit the target (the message names the field and both values).
+        ValueError: the method needs a draft model URI and has none, the draft does
+            not fit the target (the message names the field and both values), or a
+            ``draft_tensor_parallel_size`` above 1 for a method other than
+            ``draft_model`` (draft heads run unsharded on every rank).
         FileNotFoundError: the draft checkpoint cannot be found.
     """
     factory = SPECULATOR_FACTORIES.get(config.method)
@@ -124,6 +130,12 @@ def create_speculator(
         raise UnsupportedSpeculatorMethod(
             f"speculator method {config.method!r} is not implemented; "
             f"supported: {', '.join(supported_methods())}"
+        )
+    if config.draft_tensor_parallel_size != 1 and config.method != "draft_model":
+        raise ValueError(
+            f"draft_tensor_parallel_size {config.draft_tensor_parallel_size}: a "
+            f"{config.method} draft runs unsharded on every rank (draft_tensor_parallel_size "
+            "1); only draft_model drafts can be sharded"
         )
     ctx = SpeculatorContext(
         config, target_config, Path(target_dir), max_num_seqs, dtype, device, load_format
