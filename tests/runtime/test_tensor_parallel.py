@@ -177,3 +177,27 @@ def test_vocab_parallel_embedding_looks_up_only_its_rows(monkeypatch):
     assert torch.equal(out[0], torch.zeros(3)) and torch.equal(out[3], torch.zeros(3))
     assert torch.equal(out[1], embed.weight[0]) and torch.equal(out[2], embed.weight[2])
 
+
+
+def test_a_server_that_exits_without_shutdown_stops_its_ranks(tiny_llama_target, tmp_path):
+    """``specula serve`` returns without calling ``shutdown``: the exit handler ends the
+    other ranks and leaves the group, and the process exits 0."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "serve_and_exit.py"
+    script.write_text(
+        "import sys\n"
+        "from specula.api.runtime_config import RuntimeConfig\n"
+        "from specula.runtime.engine.llm_engine import SamplingParams, create_engine\n"
+        "if __name__ == '__main__':\n"
+        f"    config = RuntimeConfig(model='file://{tiny_llama_target}', dtype='float32',\n"
+        "                           device='cpu', tensor_parallel_size=2)\n"
+        "    engine = create_engine(config)\n"
+        "    print(engine.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True)))\n"
+    )
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=300, cwd=str(tmp_path))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().startswith("[[")
+    assert "rank 1 left the group" in done.stderr  # told to stop, not terminated

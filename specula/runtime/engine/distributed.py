@@ -61,7 +61,21 @@ def launch(config: RuntimeConfig, device_type: str) -> LLMEngine:
     # Resolved (downloaded) once here, where the ranks find it; refused before they start.
     target = ModelConfig.from_pretrained(resolve_model_uri(config.model, config.revision))
     check_servable(replace(target, tensor_parallel_size=n))
-    return start_ranks(n, device_type, partial(LLMEngine.from_config, config))
+    engine = start_ranks(n, device_type, partial(LLMEngine.from_config, config))
+    atexit.register(_shutdown_at_exit, engine)
+    return engine
+
+
+def _shutdown_at_exit(engine: LLMEngine, timeout_s: float = 10.0) -> None:
+    """Leave the group when the server exits (an NCCL group never destroyed holds the
+    process at exit). Bounded: ranks stuck in a collective (a failed step) would hold it
+    too, and then the process exits 1 without them."""
+    done = threading.Thread(target=engine.shutdown, daemon=True, name="tp-shutdown")
+    done.start()
+    done.join(timeout_s)
+    if done.is_alive():
+        logger.error("the tensor-parallel ranks did not stop within %.0f s", timeout_s)
+        os._exit(1)
 
 
 def start_ranks(
@@ -125,3 +139,4 @@ def _follower_main(
     init_parallel(rank, world_size, init_method, device)
     build(device).follow()
     destroy_parallel()  # with rank 0's, which waits for every rank's
+    logger.info("rank %d left the group", rank)
