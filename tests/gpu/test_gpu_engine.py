@@ -14,9 +14,6 @@ Run on the GPU machine: ``python -m pytest -m gpu tests/gpu``.
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import pytest
 import torch
 from sampling_checks import exact_joint_probs, target_distribution_pvalue
@@ -28,43 +25,6 @@ pytestmark = [
 
 K = 4
 MAX_TOKENS = 48
-
-
-def _demo_models() -> tuple[Path, Path] | None:
-    env = os.environ.get("SPECULA_DEMO_DIR")
-    if env:
-        roots = [Path(env)]
-    else:
-        from specula.demo.recipe import cache_root
-
-        roots = [p.parent for p in (cache_root() / "demo").glob("*/COMPLETE.json")]
-    for root in roots:
-        heads = sorted(root.glob("heads-*/eagle3/config.json"))
-        if (root / "target" / "config.json").is_file() and heads:
-            return root / "target", heads[-1].parent
-    return None
-
-
-@pytest.fixture(scope="module")
-def demo():
-    found = _demo_models()
-    if found is None:
-        pytest.skip("no demo models: run `make demo` or set SPECULA_DEMO_DIR")
-    return found
-
-
-@pytest.fixture(scope="module")
-def tokenizer(demo):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(demo[0]))
-
-
-@pytest.fixture(scope="module")
-def prompts(tokenizer) -> list[list[int]]:
-    from specula.demo.prompts import PROMPTS
-
-    return [tokenizer(p)["input_ids"] for p in PROMPTS]
 
 
 @pytest.fixture(scope="module")
@@ -198,20 +158,16 @@ def test_sampling_keeps_target_distribution(demo, tokenizer, prompts):
 
 
 @pytest.mark.parametrize("with_assistant", [False, True], ids=["target-only", "gemma4_mtp"])
-def test_gemma4_engine_in_cuda_graphs(tmp_path, with_assistant):
+def test_gemma4_engine_in_cuda_graphs(tmp_path, with_assistant, tokenizer):
     """A tiny Gemma4 (sliding-window and KV-shared layers) alone or with its MTP
     assistant through the GPU engine with CUDA graphs: greedy output equals
     ``transformers``' on the CPU, with mixed steps and accepted drafts."""
     from gemma4_checkpoints import save, tiny_gemma4, tiny_gemma4_assistant
     from test_engine_paged import run_gpu_engine
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from specula.demo.prompts import PROMPTS
 
-    tokenizer_dir = _demo_models()
-    if tokenizer_dir is None:
-        pytest.skip("no demo models (their tokenizer is reused here)")
-    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir[0]))
     model = tiny_gemma4(len(tokenizer), tokenizer.eos_token_id, seed=10, sliding_window=4)
     path = save(model, tokenizer, tmp_path / "gemma4")
     assistant = None

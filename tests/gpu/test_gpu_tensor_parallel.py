@@ -7,32 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.gpu.test_gpu_engine import _demo_models
-
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices"),
 ]
 
 MAX_TOKENS = 48
-
-
-@pytest.fixture(scope="module")
-def demo():
-    found = _demo_models()
-    if found is None:
-        pytest.skip("no demo models: run `make demo` or set SPECULA_DEMO_DIR")
-    return found
-
-
-@pytest.fixture(scope="module")
-def prompts(demo) -> list[list[int]]:
-    from transformers import AutoTokenizer
-
-    from specula.demo.prompts import PROMPTS
-
-    tokenizer = AutoTokenizer.from_pretrained(str(demo[0]))
-    return [tokenizer(p)["input_ids"] for p in PROMPTS]
 
 
 def _config(demo, eagle3: bool, tp: int):

@@ -16,7 +16,7 @@ from torch import nn
 from specula.runtime.kernels.gemv import linear
 from specula.runtime.models.config import ModelConfig, check_aux_layer_ids
 from specula.runtime.models.layers import MergedLinear, RMSNorm, RotaryEmbedding, sharded
-from specula.runtime.worker.parallel import VocabParallelEmbedding, gather_rows, gather_vocab
+from specula.runtime.worker.parallel import VocabParallelEmbedding, gather_vocab
 
 
 class LlamaAttention(nn.Module):
@@ -120,13 +120,17 @@ class LlamaForCausalLM(nn.Module):
             return self.model.embed_tokens, self.lm_head_weight
         if self._full_vocab is None:
             vocab = self.config.vocab_size
-            embed_weight = gather_rows(self.model.embed_tokens.weight, vocab)
+            embed_weight = gather_vocab(self.model.embed_tokens.weight, vocab, dim=0)
             embed = nn.Embedding(vocab, self.config.hidden_size, _weight=embed_weight)
-            head = embed_weight if self.lm_head is None else gather_rows(self.lm_head.weight, vocab)
+            head = embed_weight if self.lm_head is None else gather_vocab(self.lm_head.weight, vocab, dim=0)
             self._full_vocab = (embed.requires_grad_(False), head)
         return self._full_vocab
 
+    def vocab_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[num_positions, hidden_size] -> [num_positions, vocab_size] logits in the
+        model's dtype (the ranks' vocabulary shards gathered)."""
+        return gather_vocab(linear(hidden, self.lm_head_weight), self.config.vocab_size)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[num_positions, hidden_size] -> [num_positions, vocab_size] float32 logits
-        (the ranks' vocabulary shards gathered)."""
-        return gather_vocab(linear(hidden, self.lm_head_weight), self.config.vocab_size).float()
+        """[num_positions, hidden_size] -> [num_positions, vocab_size] float32 logits."""
+        return self.vocab_logits(hidden).float()

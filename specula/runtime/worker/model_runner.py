@@ -39,7 +39,7 @@ from specula.runtime.models.config import ModelConfig
 from specula.runtime.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
 from specula.runtime.models.qwen3 import Qwen3ForCausalLM
 from specula.runtime.worker.paged_kv import PagedAttentionMetadata, PagedKVCache
-from specula.runtime.worker.parallel import all_reduce, gather_vocab
+from specula.runtime.worker.parallel import all_reduce
 
 SUPPORTED_MODELS = (LlamaForCausalLM, Qwen3ForCausalLM)
 
@@ -380,7 +380,7 @@ class ModelRunner:
         logits gathered, then ``argmax``)."""
         if self.config.tensor_parallel_size == 1:
             return linear_argmax(hidden, self.model.lm_head_weight)
-        logits = gather_vocab(linear(hidden, self.model.lm_head_weight), self.config.vocab_size)
+        logits = self.model.vocab_logits(hidden)
         return logits, logits.argmax(dim=-1)
 
     @staticmethod

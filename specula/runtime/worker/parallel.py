@@ -20,7 +20,6 @@ serves HTTP broadcasts each step's requests to the others
 
 from __future__ import annotations
 
-import pickle
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,41 +87,25 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def gather_vocab(x: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[n, ceil(V / N)] logits of each rank's vocabulary rows -> [n, vocab_size] (the
-    padding columns of the last rank dropped); ``x`` itself on one rank."""
+def gather_vocab(x: torch.Tensor, vocab_size: int, dim: int = -1) -> torch.Tensor:
+    """The ranks' vocabulary shards of ``x`` concatenated along ``dim``, the last rank's
+    padding dropped: logits ``[n, ceil(V / N)]`` -> ``[n, vocab_size]`` (``dim`` -1), or
+    a vocabulary-parallel weight ``[ceil(V / N), H]`` -> ``[vocab_size, H]`` (``dim``
+    0); ``x`` itself on one rank. Collective: every rank calls it."""
     if _STATE.world_size == 1:
         return x
     parts = [torch.empty_like(x) for _ in range(_STATE.world_size)]
     dist.all_gather(parts, x.contiguous(), group=_STATE.group)
-    return torch.cat(parts, dim=-1)[..., :vocab_size]
-
-
-def gather_rows(x: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """The ranks' row shards of a vocabulary-parallel weight, concatenated:
-    ``[ceil(V / N), ...]`` on each rank -> ``[num_rows, ...]`` (padding dropped)."""
-    if _STATE.world_size == 1:
-        return x[:num_rows]
-    parts = [torch.empty_like(x) for _ in range(_STATE.world_size)]
-    dist.all_gather(parts, x.contiguous(), group=_STATE.group)
-    return torch.cat(parts)[:num_rows]
+    return torch.cat(parts, dim=dim).narrow(dim, 0, vocab_size)
 
 
 def broadcast_object(obj: Any = None) -> Any:
-    """``obj`` of rank 0 on every rank (pickled over the gloo group)."""
-    state = _STATE
-    if state.world_size == 1:
+    """``obj`` of rank 0 on every rank (``broadcast_object_list`` over the gloo group)."""
+    if _STATE.world_size == 1:
         return obj
-    if state.rank == 0:
-        payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-        size = torch.tensor([payload.numel()], dtype=torch.int64)
-    else:
-        size = torch.zeros(1, dtype=torch.int64)
-    dist.broadcast(size, 0, group=state.cpu_group)
-    if state.rank != 0:
-        payload = torch.empty(int(size), dtype=torch.uint8)
-    dist.broadcast(payload, 0, group=state.cpu_group)
-    return obj if state.rank == 0 else pickle.loads(payload.numpy().tobytes())
+    box = [obj]
+    dist.broadcast_object_list(box, src=0, group=_STATE.cpu_group)
+    return box[0]
 
 
 def min_over_ranks(value: int) -> int:
