@@ -200,6 +200,13 @@ def test_demo_model_from_pvc_passes_its_probes(
                     "metadata": {"name": API_KEY_SECRET, "namespace": NS},
                     "stringData": {"key": API_KEY}})
     apply(cluster, *volume_objects(demo_checkpoints))
+    # The pod only after its claim is bound: a pod the scheduler sees before its claim
+    # is parked as unschedulable and may wait out the scheduler's 5-minute flush.
+    wait_for(
+        lambda: cluster.kubectl("get", "pvc", CLAIM, "-n", NS,
+                                "-o", "jsonpath={.status.phase}").stdout == "Bound",
+        timeout=60, interval=1, message=f"PersistentVolumeClaim {CLAIM} Bound",
+    )
     apply(cluster, sm_object())
     pods = wait_serving(cluster, 1)
     container = pods[0]["spec"]["containers"][0]
