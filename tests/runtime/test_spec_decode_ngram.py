@@ -75,8 +75,7 @@ def test_batched_lookup_pads_and_reports_draft_lengths():
         [3, 1, 2, PAD_TOKEN_ID], [PAD_TOKEN_ID] * 4, [7, 6, PAD_TOKEN_ID, PAD_TOKEN_ID]
     ]
     with pytest.raises(ValueError, match="prompt_lookup_min"):
-        NgramSpeculator(4, 16, prompt_lookup_min=3, prompt_lookup_max=2,
-                        device=torch.device("cpu"))
+        NgramSpeculator(4, prompt_lookup_min=3, prompt_lookup_max=2)
 
 
 def test_config_defaults_and_validation():

@@ -157,8 +157,6 @@ class BaseSpeculator(ABC):
 
     def check_num_speculative_tokens(self, num_speculative_tokens: int) -> None:
         """Raises ValueError: ``num_speculative_tokens`` outside ``[0, max]``."""
-        k = num_speculative_tokens
-        if not 0 <= k <= self.max_num_speculative_tokens:
-            raise ValueError(
-                f"num_speculative_tokens {k} outside [0, {self.max_num_speculative_tokens}]"
-            )
+        k, k_max = num_speculative_tokens, self.max_num_speculative_tokens
+        if not 0 <= k <= k_max:
+            raise ValueError(f"num_speculative_tokens {k} outside [0, {k_max}]")

@@ -83,12 +83,7 @@ class NgramSpeculator(BaseSpeculator):
     needs_token_ids = True  # the lookup is a few tensor operations, run eagerly
 
     def __init__(
-        self,
-        num_speculative_tokens: int,
-        vocab_size: int,
-        prompt_lookup_min: int,
-        prompt_lookup_max: int,
-        device: torch.device,
+        self, num_speculative_tokens: int, prompt_lookup_min: int, prompt_lookup_max: int
     ) -> None:
         if not 1 <= prompt_lookup_min <= prompt_lookup_max:
             raise ValueError(
@@ -96,10 +91,8 @@ class NgramSpeculator(BaseSpeculator):
                 f"prompt_lookup_max ({prompt_lookup_max})"
             )
         self.max_num_speculative_tokens = num_speculative_tokens
-        self.vocab_size = vocab_size
         self.prompt_lookup_min = prompt_lookup_min
         self.prompt_lookup_max = prompt_lookup_max
-        self.device = device
 
     @torch.no_grad()
     def propose(self, inputs: ProposeInputs) -> DraftOutput | None:

@@ -71,10 +71,8 @@ def _ngram_kwargs(ctx: SpeculatorContext) -> dict:
     lookup_min, lookup_max = ctx.config.prompt_lookup_range
     return {
         "num_speculative_tokens": ctx.config.max_k,
-        "vocab_size": ctx.target_config.vocab_size,
         "prompt_lookup_min": lookup_min,
         "prompt_lookup_max": lookup_max,
-        "device": ctx.device,
     }
 
 
