@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
+from specula.runtime.engine.block_manager import BlockManager
 from specula.runtime.engine.request import Request
 from specula.runtime.engine.sampler import SamplingMetadata, flags_of
 
@@ -90,19 +91,17 @@ class InputBatch:
 
     # -- host-side changes, applied by flush() ------------------------------------------
 
-    def add(self, request: Request) -> int:
+    def add(self, request: Request) -> None:
         """Give ``request`` a free row (its settings are written at the next flush).
 
         Raises:
             IndexError: no free row (the scheduler admits at most ``max_num_reqs``).
         """
-        row = self._free_rows.pop()
-        request.row = row
+        request.row = row = self._free_rows.pop()
         self._requests[row] = request
         self._num_blocks[row] = 0
         self._new_rows.append(request)
         self.version += 1
-        return row
 
     def remove(self, request: Request) -> None:
         """Free ``request``'s row."""
@@ -113,25 +112,17 @@ class InputBatch:
             self._new_rows.remove(request)
         request.row = -1
 
-    def set_blocks(self, request: Request, first_new: int, blocks: Sequence[int]) -> None:
-        """Record that table entries ``first_new..`` of ``request`` are now ``blocks``
-        (only entries past the ones already written are copied)."""
-        row = request.row
-        first = max(first_new, self._num_blocks[row])
-        new = blocks[first - first_new :]
+    def sync_blocks(self, request: Request, block_manager: BlockManager) -> None:
+        """Record the block-table entries of ``request`` that ``block_manager`` gave it
+        since the last call; entries past the blocks it now holds are stale."""
+        row, request_id = request.row, request.request_id
+        first = self._num_blocks[row]
+        new = block_manager.blocks_from(request_id, first)
         rows, cols, values = self._bt_updates
         rows.extend([row] * len(new))
         cols.extend(range(first, first + len(new)))
         values.extend(new)
-        self._num_blocks[row] = first + len(new)
-
-    def num_blocks_written(self, request: Request) -> int:
-        """Leading entries of ``request``'s block-table row that hold its blocks."""
-        return self._num_blocks[request.row]
-
-    def truncate_blocks(self, request: Request, num_blocks: int) -> None:
-        """The request now holds ``num_blocks`` blocks; later entries are stale."""
-        self._num_blocks[request.row] = min(self._num_blocks[request.row], num_blocks)
+        self._num_blocks[row] = block_manager.num_blocks_held(request_id)
 
     def flush(self) -> None:
         """Copy the recorded block-table entries and the new requests' settings and
@@ -182,8 +173,8 @@ class InputBatch:
         idx: torch.Tensor,
         num_computed_tokens: torch.Tensor,
         next_token_ids: torch.Tensor,
-        output_token_ids: torch.Tensor | None = None,
-        num_output_tokens: torch.Tensor | None = None,
+        output_token_ids: torch.Tensor,
+        num_output_tokens: torch.Tensor,
     ) -> None:
         """After sampling: rows ``idx`` now have ``num_computed_tokens`` committed tokens
         and ``next_token_ids`` as their last token; with a token history, append each
@@ -197,18 +188,14 @@ class InputBatch:
         """
         self.num_computed_tokens[idx] = num_computed_tokens
         self.last_token_ids[idx] = next_token_ids
-        if self.token_ids is None or output_token_ids is None:
+        if self.token_ids is None:
             return
-        assert num_output_tokens is not None
-        n = output_token_ids.shape[1]
+        n, last = output_token_ids.shape[1], self.token_ids.shape[1] - 1
         start = self.num_tokens[idx]  # [num_reqs]
-        cols = start[:, None] + torch.arange(n, device=idx.device)  # [num_reqs, n]
-        valid = torch.arange(n, device=idx.device)[None, :] < num_output_tokens[:, None]
-        cols = torch.where(valid, cols, self.token_ids.shape[1] - 1).clamp_(
-            max=self.token_ids.shape[1] - 1
-        )
-        rows = idx[:, None].expand(-1, n)
+        offsets = torch.arange(n, device=idx.device)
+        valid = offsets < num_output_tokens[:, None]  # [num_reqs, n]
         # Invalid columns write the last column, which nothing reads before it is valid.
-        current = self.token_ids[rows, cols]
-        self.token_ids[rows, cols] = torch.where(valid, output_token_ids, current)
+        cols = torch.where(valid, start[:, None] + offsets, last).clamp_(max=last)
+        rows = idx[:, None].expand(-1, n)
+        self.token_ids[rows, cols] = torch.where(valid, output_token_ids, self.token_ids[rows, cols])
         self.num_tokens[idx] = start + num_output_tokens

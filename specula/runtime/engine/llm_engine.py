@@ -437,19 +437,17 @@ class LLMEngine(SpeculativeSettings):
         if self._commands is not None:
             commands, self._commands = self._commands, []
             broadcast_object(commands)
-        emitted: dict[Request, list[int]] = {}
         launched = self._launch()
         if self.async_scheduling:
             finished, self._in_flight = self._in_flight, launched
         else:
             finished = launched
-        if finished is not None:
-            self._finish(finished, emitted)
+        emitted = self._finish(finished) if finished is not None else {}
         in_flight = self._in_flight
         if in_flight is not None and all(r.finished or r.row < 0 for r in in_flight.batch):
             # Every request of the step in flight has finished since it was launched:
             # drain it now (it emits nothing) so that nothing is left pending.
-            self._finish(in_flight, emitted)
+            self._finish(in_flight)
             self._in_flight = None
         outputs, self._pending = self._pending, []
         for request, tokens in emitted.items():
@@ -510,15 +508,6 @@ class LLMEngine(SpeculativeSettings):
                     results[out.request_id].extend(out.new_token_ids)
         return [results[i] for i in ids]
 
-    def _emit(
-        self, request: Request, tokens: list[int], emitted: dict[Request, list[int]],
-        logprobs: list[TokenLogprobs] | None,
-    ) -> None:
-        appended = request.append_tokens(tokens, self.tokenizer, self.max_model_len)
-        emitted.setdefault(request, []).extend(appended)
-        if logprobs is not None:
-            request.new_logprobs.extend(logprobs[: len(appended)])
-
     def _rows(self, batch: list[Request]) -> tuple[torch.Tensor, SamplingMetadata]:
         """The [num_reqs] int64 device rows of ``batch`` and their sampling settings,
         reused while neither the rows nor the requests holding them change."""
@@ -528,17 +517,6 @@ class LLMEngine(SpeculativeSettings):
             self._batch_cache = (key, idx, self.input_batch.sampling(idx, batch))
         return self._batch_cache[1], self._batch_cache[2]
 
-    def _sync_block_tables(self, batch: list[Request]) -> None:
-        bm, ib = self.scheduler.block_manager, self.input_batch
-        for request in batch:
-            held = bm.num_blocks_held(request.request_id)
-            written = ib.num_blocks_written(request)
-            if held > written:
-                ib.set_blocks(request, written, bm.blocks_from(request.request_id, written))
-            elif held < written:
-                ib.truncate_blocks(request, held)
-        ib.flush()
-
     def _launch(self) -> _Launched | None:
         """Schedule a step and queue all its device work (forward, sampling, the state
         update, the drafting, the copy of its tokens to the host); ``None`` when there is
@@ -547,7 +525,7 @@ class LLMEngine(SpeculativeSettings):
         reserved for that step's query tokens too."""
         k = self._draft_k
         q = k + 1
-        in_flight = self._in_flight.num_query_tokens if self._in_flight is not None else 0
+        in_flight = self._in_flight.k + 1 if self._in_flight is not None else 0
         sched = self.scheduler.schedule(q + in_flight, self.num_lookahead_tokens)
         ib = self.input_batch
         for request in sched.preempted:
@@ -560,7 +538,9 @@ class LLMEngine(SpeculativeSettings):
         for request in prefill:
             ib.add(request)
         batch = decode + prefill
-        self._sync_block_tables(batch)
+        for request in batch:
+            ib.sync_blocks(request, self.scheduler.block_manager)
+        ib.flush()
         nd, num_reqs = len(decode), len(batch)
         idx, sampling = self._rows(batch)
         idx_d = idx[:nd]
@@ -682,7 +662,7 @@ class LLMEngine(SpeculativeSettings):
                     ib.draft_probs[idx, :k_next] = draft.draft_probs
 
         self._draft_k = k_next
-        return _Launched(batch, nd, k, q, k_next, host, ready, lp_host, lp_rows)
+        return _Launched(batch, nd, k, k_next, host, ready, lp_host, lp_rows)
 
     def _output_logprobs(
         self, requests: list[Request], first_row: int, logits: torch.Tensor,
@@ -719,38 +699,41 @@ class LLMEngine(SpeculativeSettings):
                 rows.append((nd + j, True, n - 1))
             start += n
 
-    def _finish(self, step: _Launched, emitted: dict[Request, list[int]]) -> None:
+    def _finish(self, step: _Launched) -> dict[Request, list[int]]:
         """Wait for ``step``'s tokens and accepted counts (its one device-to-host copy),
-        then count, commit and emit them, applying stop conditions. Requests that
-        finished, were aborted or were preempted since the step was launched are
-        skipped: their tokens of that step are dropped."""
+        then count, commit and emit them, applying stop conditions; returns the tokens
+        each request appended. Requests that finished, were aborted or were preempted
+        since the step was launched are skipped: their tokens of that step are dropped."""
         if step.ready is not None:
             step.ready.synchronize()
         rows = step.host.tolist()
         logprobs, prompt_logprobs = self._read_logprobs(step)
+        emitted: dict[Request, list[int]] = {}
         for i, request in enumerate(step.batch):
             if request.finished or request.row < 0:
                 continue
+            # A prefill's row verified and accepted nothing: it emits its first token.
             accepted, verified, *tokens = rows[i]
             if i in prompt_logprobs:
                 request.new_prompt_logprobs = [None, *prompt_logprobs[i]]
+            if step.k > 0 and verified > 0:
+                self.spec_decoding_stats.observe_draft(verified, accepted)
+            appended = request.append_tokens(tokens[: accepted + 1], self.tokenizer, self.max_model_len)
+            emitted[request] = appended
+            if i in logprobs:
+                request.new_logprobs.extend(logprobs[i][: len(appended)])
             if i < step.num_decode:
-                if step.k > 0 and verified > 0:
-                    self.spec_decoding_stats.observe_draft(verified, accepted)
                 request.num_computed_tokens += accepted + 1
-                self._emit(request, tokens[: accepted + 1], emitted, logprobs.get(i))
                 self.scheduler.block_manager.cache_blocks(
                     request.request_id, request.token_ids, request.num_computed_tokens
                 )
-            else:
-                self._emit(request, tokens[:1], emitted, logprobs.get(i))
         if not self.async_scheduling:
             # The drafts were proposed before the host knew which requests finish; the
             # next step verifies no more of them than its own batch size asks for.
             survivors = sum(not r.finished for r in step.batch)
             k = self.num_speculative_tokens_for(survivors) if survivors else 0
             self._draft_k = min(step.num_speculative_tokens, k)
-
+        return emitted
 
     @staticmethod
     def _read_logprobs(
@@ -780,9 +763,7 @@ class _Launched:
     batch: list[Request]
     num_decode: int
     k: int
-    """Drafts each running request verified."""
-    num_query_tokens: int
-    """``k + 1``: the most tokens each running request can commit."""
+    """Drafts each running request verified (``k + 1``: the most tokens it can commit)."""
     num_speculative_tokens: int
     """k of the drafts this step proposed."""
     host: torch.Tensor
