@@ -104,17 +104,13 @@ class BatchSizeSchedule:
                 raise _invalid_schedule(
                     f"{where}the first range must start at batch size 1, not {start}"
                 )
-            if i > 0:
-                prev_end = parsed[-1][1]
-                if start <= prev_end:
-                    raise _invalid_schedule(
-                        f"{where}overlaps the previous range, which ends at {prev_end}"
-                    )
-                if start > prev_end + 1:
-                    raise _invalid_schedule(
-                        f"{where}leaves a gap: batch sizes {prev_end + 1}..{start - 1} "
-                        "are in no range"
-                    )
+            prev_end = parsed[-1][1] if parsed else 0
+            if start <= prev_end:
+                raise _invalid_schedule(f"{where}overlaps the previous range, which ends at {prev_end}")
+            if start > prev_end + 1:
+                raise _invalid_schedule(
+                    f"{where}leaves a gap: batch sizes {prev_end + 1}..{start - 1} are in no range"
+                )
             check_k(k, max_k, param=SCHEDULE_PARAM, where=where)
             parsed.append((start, end, k))
         return cls(tuple(parsed))
@@ -139,12 +135,10 @@ class SpeculativeSettings:
 
     def init_speculative_settings(self, speculator_config: SpeculatorRuntimeConfig | None) -> None:
         """Start from the config's k (0 without a speculator)."""
-        self.speculator_config = speculator_config
-        self.max_num_speculative_tokens = (
-            speculator_config.max_k if speculator_config is not None else 0
-        )
+        self.speculator_config = spec = speculator_config
+        self.max_num_speculative_tokens = spec.max_k if spec is not None else 0
         self.num_speculative_tokens: int | None = (
-            speculator_config.num_speculative_tokens if speculator_config is not None else 0
+            spec.num_speculative_tokens if spec is not None else 0
         )
         """The configured k, or ``None`` while a per-batch-size schedule is in force."""
         self.speculative_schedule: BatchSizeSchedule | None = None
@@ -186,10 +180,10 @@ class SpeculativeSettings:
             raise SpeculativeConfigError(
                 "give exactly one of num_speculative_tokens and "
                 "num_speculative_tokens_per_batch_size",
-                param="num_speculative_tokens",
+                param=K_PARAM,
                 code="invalid_value",
             )
-        param = "num_speculative_tokens" if num_speculative_tokens is not None else SCHEDULE_PARAM
+        param = K_PARAM if num_speculative_tokens is not None else SCHEDULE_PARAM
         if self.speculator_config is None:
             raise SpeculativeConfigError(
                 "no speculator is configured; num_speculative_tokens is fixed at 0",
