@@ -133,7 +133,6 @@ def make_engine(
     return LLMEngine(
         dirs["target"],
         None,
-        model_uri="file://target",
         served_model_name="bench",
         speculator_config=spec,
         dtype="bfloat16" if cuda else "float32",

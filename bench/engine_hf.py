@@ -335,7 +335,6 @@ def engine_spec_point(shape: dict, dtype, device, args, rate: float, k: int) -> 
         engine = LLMEngine(
             dirs["target"],
             None,
-            model_uri="file://target",
             served_model_name="bench",
             speculator_config=SpeculatorRuntimeConfig(
                 method="eagle3", model=f"file://{dirs['eagle3']}", num_speculative_tokens=k

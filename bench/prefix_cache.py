@@ -48,7 +48,6 @@ def make_engine(target_dir: Path, caching: bool, args, device: str):
     return LLMEngine(
         target_dir,
         None,
-        model_uri="file://target",
         served_model_name="bench",
         dtype="bfloat16" if device == "cuda" else "float32",
         max_model_len=args.system_tokens + args.user_tokens + args.max_tokens + 64,

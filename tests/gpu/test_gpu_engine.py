@@ -64,7 +64,6 @@ def _engine(demo, tokenizer, *, eagle3: bool = True, **kw):
     return LLMEngine(
         target,
         tokenizer,
-        model_uri=f"file://{target}",
         served_model_name="demo",
         speculator_config=spec,
         dtype="float32",

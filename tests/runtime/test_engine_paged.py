@@ -57,7 +57,6 @@ def run_gpu_engine(
     engine = LLMEngine(
         target,
         AutoTokenizer.from_pretrained(str(target)),
-        model_uri=f"file://{target}",
         served_model_name="t",
         speculator_config=spec,
         dtype="float32",

@@ -113,7 +113,7 @@ class LLMEngine(SpeculativeSettings):
     Args:
         target_dir: the resolved target checkpoint (Hugging Face layout).
         tokenizer: its tokenizer (stop strings, eos).
-        model_uri, served_model_name: as the runtime config names them.
+        served_model_name: as the runtime config names it.
         speculator_config: how drafts are proposed; ``None``: the target alone.
         dtype: ``auto``, ``bfloat16``, ``float16`` or ``float32``.
         max_model_len: context length; default the target's ``max_position_embeddings``.
@@ -167,7 +167,6 @@ class LLMEngine(SpeculativeSettings):
         target_dir: Path,
         tokenizer: Any,
         *,
-        model_uri: str,
         served_model_name: str,
         speculator_config: SpeculatorRuntimeConfig | None = None,
         dtype: str = "auto",
@@ -207,7 +206,6 @@ class LLMEngine(SpeculativeSettings):
         """Rank 0 of several: the calls the other ranks replay before the next step."""
         self.device = torch.device(device)
         self.tokenizer = tokenizer
-        self.model_uri = model_uri
         self.served_model_name = served_model_name
         self.model_config = ModelConfig.from_pretrained(target_dir)
         limit = self.model_config.max_position_embeddings
@@ -341,7 +339,6 @@ class LLMEngine(SpeculativeSettings):
         return cls(
             target_dir,
             tokenizer,
-            model_uri=config.model,
             served_model_name=name,
             speculator_config=config.speculator,
             dtype=config.dtype,
@@ -442,31 +439,15 @@ class LLMEngine(SpeculativeSettings):
             finished, self._in_flight = self._in_flight, launched
         else:
             finished = launched
-        emitted = self._finish(finished) if finished is not None else {}
+        outputs, self._pending = self._pending, []
+        if finished is not None:
+            outputs += self._finish(finished)
         in_flight = self._in_flight
         if in_flight is not None and all(r.finished or r.row < 0 for r in in_flight.batch):
             # Every request of the step in flight has finished since it was launched:
             # drain it now (it emits nothing) so that nothing is left pending.
             self._finish(in_flight)
             self._in_flight = None
-        outputs, self._pending = self._pending, []
-        for request, tokens in emitted.items():
-            self.generation_tokens_total += len(tokens)
-            logprobs = None
-            if request.params.logprobs is not None:
-                logprobs, request.new_logprobs = request.new_logprobs, []
-            prompt_logprobs, request.new_prompt_logprobs = request.new_prompt_logprobs, None
-            outputs.append(
-                RequestOutput(
-                    request.request_id,
-                    tokens,
-                    request.finished,
-                    request.finish_reason,
-                    request.stop_reason,
-                    logprobs,
-                    prompt_logprobs,
-                )
-            )
         for request in self.scheduler.remove_finished():
             self.input_batch.remove(request)
         return outputs
@@ -699,41 +680,43 @@ class LLMEngine(SpeculativeSettings):
                 rows.append((nd + j, True, n - 1))
             start += n
 
-    def _finish(self, step: _Launched) -> dict[Request, list[int]]:
+    def _finish(self, step: _Launched) -> list[RequestOutput]:
         """Wait for ``step``'s tokens and accepted counts (its one device-to-host copy),
-        then count, commit and emit them, applying stop conditions; returns the tokens
-        each request appended. Requests that finished, were aborted or were preempted
-        since the step was launched are skipped: their tokens of that step are dropped."""
+        then count, commit and emit them, applying stop conditions. Requests that
+        finished, were aborted or were preempted since the step was launched are
+        skipped: their tokens of that step are dropped."""
         if step.ready is not None:
             step.ready.synchronize()
         rows = step.host.tolist()
         logprobs, prompt_logprobs = self._read_logprobs(step)
-        emitted: dict[Request, list[int]] = {}
+        outputs = []
         for i, request in enumerate(step.batch):
             if request.finished or request.row < 0:
                 continue
             # A prefill's row verified and accepted nothing: it emits its first token.
             accepted, verified, *tokens = rows[i]
-            if i in prompt_logprobs:
-                request.new_prompt_logprobs = [None, *prompt_logprobs[i]]
             if step.k > 0 and verified > 0:
                 self.spec_decoding_stats.observe_draft(verified, accepted)
-            appended = request.append_tokens(tokens[: accepted + 1], self.tokenizer, self.max_model_len)
-            emitted[request] = appended
-            if i in logprobs:
-                request.new_logprobs.extend(logprobs[i][: len(appended)])
+            new = request.append_tokens(tokens[: accepted + 1], self.tokenizer, self.max_model_len)
+            self.generation_tokens_total += len(new)
             if i < step.num_decode:
                 request.num_computed_tokens += accepted + 1
                 self.scheduler.block_manager.cache_blocks(
                     request.request_id, request.token_ids, request.num_computed_tokens
                 )
+            outputs.append(RequestOutput(
+                request.request_id, new, request.finished, request.finish_reason,
+                request.stop_reason,
+                logprobs=logprobs[i][: len(new)] if i in logprobs else None,
+                prompt_logprobs=[None, *prompt_logprobs[i]] if i in prompt_logprobs else None,
+            ))
         if not self.async_scheduling:
             # The drafts were proposed before the host knew which requests finish; the
             # next step verifies no more of them than its own batch size asks for.
             survivors = sum(not r.finished for r in step.batch)
             k = self.num_speculative_tokens_for(survivors) if survivors else 0
             self._draft_k = min(step.num_speculative_tokens, k)
-        return emitted
+        return outputs
 
     @staticmethod
     def _read_logprobs(

@@ -56,10 +56,6 @@ class Request:
     """Leading tokens whose target KV is cached and valid."""
     finish_reason: str | None = None
     stop_reason: str | int | None = None
-    new_logprobs: list[TokenLogprobs] = field(default_factory=list)
-    """Log-probabilities of tokens appended since the last output."""
-    new_prompt_logprobs: list[TokenLogprobs | None] | None = None
-    """Prompt log-probabilities not yet output."""
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
