@@ -251,8 +251,8 @@ def create_app(
         @app.post(path, response_model=None, dependencies=openai, openapi_extra=json_body(body))
         async def create(raw: Request) -> Response:
             request = await parse_body(raw, body, limits)
-            run = completions.prepare(request, loop, state.tokenizer(), limits.max_n)
-            state.admit(len(run.params))
+            run = completions.CompletionRun(request, loop, state.tokenizer(), limits.max_n)
+            state.admit(len(run.choices))
             if not request.stream:
                 return JSONResponse(await unless_disconnected(raw, run.complete()))
             await run.submit()

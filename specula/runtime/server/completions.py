@@ -51,6 +51,7 @@ _MIN_LOGPROB = -9999.0
 @dataclass
 class _Choice:
     prompt_index: int
+    params: SamplingParams
     text: IncrementalText
     finished: bool = False
     finish_reason: str | None = None
@@ -65,36 +66,13 @@ class _Choice:
     """The prompt's text while it is still to be sent before the completion's."""
 
 
-def prepare(
-    request: GenerationRequest, loop: EngineLoop, tokenizer: Any, max_n: int
-) -> CompletionRun:
-    """Check the model name, tokenize the prompts (chat: render the messages first),
-    and build the run.
-
-    Raises:
-        APIError: 404 for an unknown model; 400 for an empty prompt, a token id outside
-            the vocabulary, a model without a chat template, messages the template
-            refuses (its message is passed on), and :class:`CompletionRun`'s refusals.
-    """
-    engine = loop.engine
-    assert engine is not None
-    name = engine.served_model_name
-    if request.model is not None and request.model != name:
-        raise APIError(
-            404, f"The model `{request.model}` does not exist; this server serves `{name}`.",
-            type=ERROR_TYPE_NOT_FOUND, param="model", code="model_not_found",
-        )
-    if isinstance(request, ChatCompletionRequest):
-        top = (request.top_logprobs or 0) if request.logprobs else None
-        return CompletionRun(loop, tokenizer, request, [_render_chat(request, tokenizer, name)],
-                             max_n=max_n, top_logprobs=top,
-                             max_tokens=request.max_completion_tokens or request.max_tokens)
-    assert isinstance(request, CompletionRequest)
+def _completion_prompts(
+    request: CompletionRequest, tokenizer: Any, vocab: int
+) -> tuple[list[list[int]], list[str] | None]:
+    """The token ids of each prompt, and with ``echo`` each prompt's text."""
     raw: Any = request.prompt
     if isinstance(raw, str) or isinstance(raw[0], int):
         raw = [raw]
-    # The model's vocabulary can be larger than the tokenizer's (padded embeddings).
-    vocab = getattr(engine, "vocab_size", None) or len(tokenizer)
     prompts: list[list[int]] = []
     for i, p in enumerate(raw):
         ids = tokenizer(p, add_special_tokens=True)["input_ids"] if isinstance(p, str) else p
@@ -104,12 +82,10 @@ def prepare(
             raise APIError(400, f"prompt {i} has a token id >= the vocabulary size {vocab}",
                            param="prompt")
         prompts.append(list(ids))
-    echo = None
-    if request.echo:
-        echo = [p if isinstance(p, str) else tokenizer.decode(
-            p, skip_special_tokens=True, clean_up_tokenization_spaces=False) for p in raw]
-    return CompletionRun(loop, tokenizer, request, prompts, max_n=max_n,
-                         max_tokens=request.max_tokens, top_logprobs=request.logprobs, echo=echo)
+    if not request.echo:
+        return prompts, None
+    return prompts, [p if isinstance(p, str) else tokenizer.decode(
+        p, skip_special_tokens=True, clean_up_tokenization_spaces=False) for p in raw]
 
 
 def _render_chat(request: ChatCompletionRequest, tokenizer: Any, model_name: str) -> list[int]:
@@ -138,35 +114,46 @@ def engine_unavailable(exc: BaseException) -> APIError:
 
 class CompletionRun:
     """The engine requests of one HTTP request (choice ``i`` samples prompt ``i // n``)
-    and their accumulated text.
-
-    Args:
-        prompts: token ids per prompt (chat: the one templated prompt).
-        max_tokens: per choice; ``None``: up to the context length.
-        top_logprobs: top log-probabilities per token; ``None``: no log-probabilities.
-        echo: the prompts' text, prepended to each choice's text (completions only).
+    and their accumulated text, once the model name is checked and the prompts are
+    tokenized (chat: the messages rendered first).
 
     Raises:
-        APIError: 400 for ``n`` above ``max_n``, or a prompt (plus ``max_tokens``)
-            longer than the context (``param`` ``prompt`` or ``messages``, or
-            ``max_tokens``).
+        APIError: 404 for an unknown model; 400 for an empty prompt, a token id outside
+            the vocabulary, a model without a chat template, messages the template
+            refuses (its message is passed on), ``n`` above ``max_n``, or a prompt (plus
+            ``max_tokens``) longer than the context (``param`` ``prompt`` or
+            ``messages``, or ``max_tokens``).
     """
 
     def __init__(
-        self, loop: EngineLoop, tokenizer: Any, request: GenerationRequest,
-        prompts: list[list[int]], *, max_n: int, max_tokens: int | None,
-        top_logprobs: int | None, echo: list[str] | None = None,
+        self, request: GenerationRequest, loop: EngineLoop, tokenizer: Any, max_n: int
     ) -> None:
+        engine = loop.engine
+        assert engine is not None
+        self.model_name = name = engine.served_model_name
+        if request.model is not None and request.model != name:
+            raise APIError(
+                404, f"The model `{request.model}` does not exist; this server serves `{name}`.",
+                type=ERROR_TYPE_NOT_FOUND, param="model", code="model_not_found",
+            )
         self.chat = isinstance(request, ChatCompletionRequest)
+        if isinstance(request, ChatCompletionRequest):
+            prompts, echo = [_render_chat(request, tokenizer, name)], None
+            max_tokens = request.max_completion_tokens or request.max_tokens
+            top_logprobs = (request.top_logprobs or 0) if request.logprobs else None
+        else:
+            assert isinstance(request, CompletionRequest)
+            # The model's vocabulary can be larger than the tokenizer's (padded embeddings).
+            vocab = getattr(engine, "vocab_size", None) or len(tokenizer)
+            prompts, echo = _completion_prompts(request, tokenizer, vocab)
+            max_tokens, top_logprobs = request.max_tokens, request.logprobs
         if request.n > max_n:
             raise APIError(400, f"n={request.n} exceeds this server's maximum of {max_n} "
                            "samples per prompt", param="n")
-        engine = loop.engine
-        assert engine is not None
-        max_len = engine.max_model_len
-        self.params: list[SamplingParams] = []
-        """``len(prompts) * n``, one per choice (sample ``j`` of a prompt seeded ``seed +
-        j``, wrapped into int64, when ``seed`` is given)."""
+        max_len, stop = engine.max_model_len, request.stop_list()
+        self.choices: list[_Choice] = []
+        """``len(prompts) * n`` (sample ``j`` of a prompt seeded ``seed + j``, wrapped
+        into int64, when ``seed`` is given)."""
         for i, ids in enumerate(prompts):
             if len(ids) >= max_len:
                 raise APIError(
@@ -189,23 +176,20 @@ class CompletionRun:
                 seed = request.seed
                 if seed is not None:
                     seed = (seed + j + INT64_MAX + 1) % 2**64 - INT64_MAX - 1
-                self.params.append(SamplingParams(
+                params = SamplingParams(
                     max_tokens=limit, temperature=request.temperature, top_p=request.top_p,
-                    top_k=max(request.top_k, 0), seed=seed, stop=request.stop_list() or None,
+                    top_k=max(request.top_k, 0), seed=seed, stop=stop or None,
                     stop_token_ids=list(request.stop_token_ids or []) or None,
                     ignore_eos=request.ignore_eos, logprobs=top_logprobs,
                     prompt_logprobs=top_logprobs if echo is not None else None,
-                ))
+                )
+                self.choices.append(_Choice(i, params, IncrementalText(tokenizer, stop),
+                                            echo=echo[i] if echo is not None else None))
         self.request, self.prompts = request, prompts
         self.top_logprobs, self.tokenizer, self._loop = top_logprobs, tokenizer, loop
-        self.model_name = engine.served_model_name
         self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self._queue: asyncio.Queue = asyncio.Queue()
-        self.choices = [_Choice(i // request.n, IncrementalText(tokenizer, request.stop_list()),
-                                echo=echo[i // request.n] if echo is not None else None)
-                        for i in range(len(self.params))]
-        self._num_submitted = 0
 
     async def submit(self) -> None:
         """Add every choice's request to the engine; on failure abort those added.
@@ -214,10 +198,9 @@ class CompletionRun:
             APIError: 400 when the engine refuses a prompt, 503 when it is not running.
         """
         try:
-            for i, (choice, params) in enumerate(zip(self.choices, self.params, strict=True)):
-                self._num_submitted += 1
+            for i, choice in enumerate(self.choices):
                 await self._loop.add_request(
-                    f"{self.id}-{i}", self.prompts[choice.prompt_index], params, self._queue)
+                    f"{self.id}-{i}", self.prompts[choice.prompt_index], choice.params, self._queue)
         except BaseException as exc:
             self.abort_unfinished()
             if isinstance(exc, ValueError):
@@ -227,7 +210,7 @@ class CompletionRun:
             raise
 
     def abort_unfinished(self) -> None:
-        for i, choice in enumerate(self.choices[:self._num_submitted]):
+        for i, choice in enumerate(self.choices):
             if not choice.finished:
                 self._loop.abort_request(f"{self.id}-{i}")
 
