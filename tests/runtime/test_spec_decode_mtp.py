@@ -26,7 +26,8 @@ from model_checks import BLOCK_SIZE, CPU, paged_prefill
 
 from specula.runtime.engine.llm_engine import SamplingParams
 from specula.runtime.models.config import ModelConfig
-from specula.runtime.models.mtp import load_mtp_draft, share_target_weights
+from specula.runtime.models.mtp import load_mtp_draft
+from specula.runtime.models.speculators_format import share_target_weights
 from specula.runtime.spec_decode.mtp import MTPRunner
 from specula.runtime.worker.paged_kv import KVCacheSpec, PagedKVCache
 

@@ -15,6 +15,7 @@ Checkpoints are the ``speculators`` ``mtp`` format, whose layer names
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -30,9 +31,6 @@ from specula.runtime.models.speculators_format import (
     load_draft_head,
     read_speculators_config,
     speculators_weight_name,
-)
-from specula.runtime.models.speculators_format import (
-    share_target_weights as share_target_weights,  # re-exported for MTP heads
 )
 
 _CHECKPOINT_NAMES = {
@@ -59,15 +57,16 @@ class MTPLayer(nn.Module):
 class MTPForCausalLM(nn.Module):
     """One MTP layer over the target's embeddings and LM head.
 
-    ``config`` is the layer :class:`ModelConfig` (one attention layer for the KV cache;
-    ``vocab_size`` the target's).
+    ``config`` is the layer :class:`ModelConfig` (``vocab_size`` the target's); the
+    head's keeps ``num_hidden_layers`` 1, its one attention layer with a KV cache (the
+    format's layer config counts the verifier's layers).
     """
 
     packed_modules_mapping = LlamaForCausalLM.packed_modules_mapping
 
     def __init__(self, config: ModelConfig, device: torch.device) -> None:
         super().__init__()
-        self.config = config
+        self.config = replace(config, num_hidden_layers=1)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.mtp_layers = nn.ModuleList([MTPLayer(config)])
@@ -100,7 +99,8 @@ def load_mtp_draft(
     """Build the MTP head of a ``speculators`` ``mtp`` checkpoint for ``target``.
 
     ``embed_tokens`` and ``lm_head`` are normally absent (``speculators`` never saves
-    them); the head then shares the target's (:func:`share_target_weights`).
+    them); the head then shares the target's
+    (:func:`~specula.runtime.models.speculators_format.share_target_weights`).
 
     Raises:
         FileNotFoundError: no ``config.json`` or ``*.safetensors``.

@@ -12,7 +12,6 @@ from specula.runtime.models.config import ModelConfig
 from specula.runtime.models.registry import load_model
 from specula.runtime.spec_decode.autoregressive import AutoRegressiveSpeculator
 from specula.runtime.worker import create_model_runner
-from specula.runtime.worker.paged_kv import KVCacheSpec
 
 
 class PlainDraftModelSpeculator(AutoRegressiveSpeculator):
@@ -30,9 +29,6 @@ class PlainDraftModelSpeculator(AutoRegressiveSpeculator):
         config = ModelConfig.from_pretrained(self.draft_dir)
         config = replace(config, tensor_parallel_size=self.tensor_parallel_size)
         return load_model(self.draft_dir, self.dtype, self.device, config, self.load_format)
-
-    def kv_cache_spec(self, block_size: int) -> KVCacheSpec:
-        return KVCacheSpec.from_model_config(self.model.config, self.dtype, block_size)
 
     def build_runner(self, kv_cache, max_model_len: int):
         return create_model_runner(self.model, kv_cache, max_model_len)

@@ -34,7 +34,7 @@ class DraftRunner(ModelRunner):
     """A draft head's forward (``model``: on its device, in eval mode, in the cache's
     dtype; ``weight``: one of its parameters) with the sublayers of the target's
     :class:`ModelRunner`, over a paged KV cache of its own (one key/value pair per draft
-    layer, ``num_layers``) with as many blocks as the target's, indexed by the *target's*
+    layer, ``config.num_hidden_layers``) with as many blocks as the target's, indexed by the *target's*
     block tables and slot mappings (one block manager for both, as vLLM allocates draft
     layers in the target's KV-cache groups): a draft forward over the slots of a
     verification then reads its attention metadata unchanged, which attention-state reuse
@@ -46,14 +46,15 @@ class DraftRunner(ModelRunner):
     """
 
     def __init__(
-        self, model: nn.Module, kv_cache: PagedKVCache, max_model_len: int, num_layers: int,
-        weight: torch.Tensor,
+        self, model: nn.Module, kv_cache: PagedKVCache, max_model_len: int, weight: torch.Tensor
     ) -> None:
         if getattr(model, "missing_target_weights", None):
             raise ValueError(f"bind the target's {sorted(model.missing_target_weights)} first")
         self.model = model
+        config = model.config
         self.setup_paged(
-            model.config, kv_cache, num_layers, model.rotary.inv_freq, weight, max_model_len, None
+            config, kv_cache, config.num_hidden_layers, model.rotary.inv_freq, weight,
+            max_model_len, None,
         )
 
     def decoder(
@@ -160,16 +161,8 @@ class DraftModelSpeculator(BaseSpeculator):
                 f"{self.vocab_size}: draft and target must share the tokenizer's vocabulary"
             )
 
-    def draft_kv_layers(self) -> int:
-        """Attention layers of the draft that keep KV (default: ``config.num_hidden_layers``)."""
-        return self.model.config.num_hidden_layers
-
     def kv_cache_spec(self, block_size: int) -> KVCacheSpec | None:
-        config = self.model.config
-        return KVCacheSpec.uniform(
-            self.draft_kv_layers(), config.num_key_value_heads, config.head_dim, block_size,
-            self.dtype,
-        )
+        return KVCacheSpec.from_model_config(self.model.config, self.dtype, block_size)
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int, max_model_len: int) -> None:
         spec = self.kv_cache_spec(block_size)

@@ -32,7 +32,7 @@ class Eagle3Runner(DraftRunner):
     def __init__(
         self, model: Eagle3LlamaForCausalLM, kv_cache: PagedKVCache, max_model_len: int
     ) -> None:
-        super().__init__(model, kv_cache, max_model_len, len(model.layers), model.fc.weight)
+        super().__init__(model, kv_cache, max_model_len, model.fc.weight)
 
     @torch.no_grad()
     def forward(  # type: ignore[override]
@@ -91,8 +91,7 @@ class EagleSpeculator(AutoRegressiveSpeculator):
         return model
 
     def bind_target(self, target_runner) -> None:
-        target = target_runner.model
-        embed, lm_head = target.full_vocab_weights()  # whole, at any tensor parallelism
+        embed, lm_head = target_runner.model.full_vocab_weights()  # whole, at any TP degree
         share_target_weights(self.model, embed, lm_head, self.model.draft_to_target)
 
     def build_runner(self, kv_cache, max_model_len: int) -> Eagle3Runner:

@@ -10,7 +10,8 @@ import torch
 
 from specula.runtime.kernels.gemv import linear_argmax
 from specula.runtime.kernels.layernorm import rms_norm
-from specula.runtime.models.mtp import MTPForCausalLM, load_mtp_draft, share_target_weights
+from specula.runtime.models.mtp import MTPForCausalLM, load_mtp_draft
+from specula.runtime.models.speculators_format import share_target_weights
 from specula.runtime.spec_decode.autoregressive import AutoRegressiveSpeculator
 from specula.runtime.spec_decode.draft_model_base import DraftRunner
 from specula.runtime.worker.paged_kv import PagedAttentionMetadata, PagedKVCache
@@ -25,7 +26,7 @@ class MTPRunner(DraftRunner):
     """
 
     def __init__(self, model: MTPForCausalLM, kv_cache: PagedKVCache, max_model_len: int) -> None:
-        super().__init__(model, kv_cache, max_model_len, 1, model.mtp_layers[0].eh_proj.weight)
+        super().__init__(model, kv_cache, max_model_len, model.mtp_layers[0].eh_proj.weight)
 
     @torch.no_grad()
     def forward(  # type: ignore[override]
@@ -75,11 +76,7 @@ class MTPSpeculator(AutoRegressiveSpeculator):
         )
 
     def bind_target(self, target_runner) -> None:
-        target = target_runner.model
-        share_target_weights(self.model, *target.full_vocab_weights())
-
-    def draft_kv_layers(self) -> int:
-        return len(self.model.mtp_layers)
+        share_target_weights(self.model, *target_runner.model.full_vocab_weights())
 
     def build_runner(self, kv_cache, max_model_len: int) -> MTPRunner:
         return MTPRunner(self.model, kv_cache, max_model_len)
