@@ -37,7 +37,6 @@ class Gemma4MTPSpeculator(AutoRegressiveSpeculator):
     """
 
     reads_target_kv = True
-    model_returns_tuple = True
     model: Gemma4AssistantForCausalLM
 
     def load_draft_model(self) -> Gemma4AssistantForCausalLM:
