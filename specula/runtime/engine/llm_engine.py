@@ -48,8 +48,8 @@ The engine is single-threaded and not thread-safe: call it from one thread.
 
 from __future__ import annotations
 
+import itertools
 import json
-import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -94,8 +94,6 @@ from specula.runtime.worker.parallel import (
 
 if TYPE_CHECKING:
     from specula.api.runtime_config import RuntimeConfig, SpeculatorRuntimeConfig
-
-logger = logging.getLogger(__name__)
 
 __all__ = [
     "LLMEngine",
@@ -227,7 +225,7 @@ class LLMEngine(SpeculativeSettings):
         self.generation_tokens_total = 0
         """Tokens emitted to requests since start (a counter)."""
         self._pending: list[RequestOutput] = []
-        self._generate_counter = 0
+        self._generate_ids = itertools.count(1)
 
         self.dtype = resolve_dtype(dtype, self.model_config, self.device)
         self.synthetic_acceptance_rate = synthetic_acceptance_rate
@@ -281,7 +279,7 @@ class LLMEngine(SpeculativeSettings):
             max_num_seqs,
             max_num_batched_tokens or max(self.max_model_len, 2048),
         )
-        if self.scheduler.max_request_tokens(0) < runner_len:
+        if self.scheduler.max_request_tokens() < runner_len:
             raise ValueError(
                 f"the KV cache ({num_gpu_blocks} blocks of {block_size} tokens) cannot hold "
                 f"one request of max_model_len {self.max_model_len} tokens; lower "
@@ -300,7 +298,7 @@ class LLMEngine(SpeculativeSettings):
             self.graphs = CUDAGraphManager(
                 self.runner,
                 max_num_seqs,
-                [1] + [k + 1 for k in range(1, max_k + 1)],
+                list(range(1, max_k + 2)),  # query tokens: 1, or k + 1 for every k
                 capture_sizes=cudagraph_capture_sizes,
                 aux_layer_ids=self.aux_hidden_state_layers,
             )
@@ -479,8 +477,7 @@ class LLMEngine(SpeculativeSettings):
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         ids = []
         for prompt, p in zip(prompts, params_list, strict=True):
-            self._generate_counter += 1
-            ids.append(f"generate-{self._generate_counter}")
+            ids.append(f"generate-{next(self._generate_ids)}")
             self.add_request(ids[-1], prompt, p)
         results: dict[str, list[int]] = {i: [] for i in ids}
         while any(i in self.scheduler for i in ids):

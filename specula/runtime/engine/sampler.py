@@ -122,9 +122,23 @@ def process_logits(logits: torch.Tensor, sampling: SamplingMetadata) -> torch.Te
     greedy = sampling.is_greedy
     temp = torch.where(greedy, torch.ones_like(sampling.temperature), sampling.temperature)
     logits = logits.float() / temp[:, None, None]
-    if sampling.needs_top_k or sampling.needs_top_p:
-        logits = _apply_top_k_top_p(logits, sampling, greedy)
-    return logits
+    if not (sampling.needs_top_k or sampling.needs_top_p):
+        return logits
+    vocab_size = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)  # [num_reqs, P, V]
+    ranks = torch.arange(vocab_size, device=logits.device)
+    top_k = torch.where((sampling.top_k > 0) & ~greedy, sampling.top_k, vocab_size)
+    drop = ranks[None, None, :] >= top_k[:, None, None]
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    if sampling.needs_top_p:
+        top_p = torch.where(greedy, torch.ones_like(sampling.top_p), sampling.top_p)
+        probs = sorted_logits.softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        # Keep the smallest prefix whose mass reaches top_p; the first token always stays.
+        drop = mass_before >= top_p[:, None, None]
+        drop[..., 0] = False
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
 def compute_probs(logits: torch.Tensor, sampling: SamplingMetadata) -> torch.Tensor:
@@ -160,26 +174,6 @@ def token_logprobs(
         return chosen
     top = logprobs.topk(num_top, dim=-1)
     return torch.cat([chosen, top.values, top.indices.float()], dim=-1)
-
-
-def _apply_top_k_top_p(
-    logits: torch.Tensor, sampling: SamplingMetadata, greedy: torch.Tensor
-) -> torch.Tensor:
-    vocab_size = logits.shape[-1]
-    sorted_logits, order = logits.sort(dim=-1, descending=True)  # [num_reqs, P, V]
-    ranks = torch.arange(vocab_size, device=logits.device)
-    top_k = torch.where((sampling.top_k > 0) & ~greedy, sampling.top_k, vocab_size)
-    drop = ranks[None, None, :] >= top_k[:, None, None]
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    if sampling.needs_top_p:
-        top_p = torch.where(greedy, torch.ones_like(sampling.top_p), sampling.top_p)
-        probs = sorted_logits.softmax(dim=-1)
-        mass_before = probs.cumsum(dim=-1) - probs
-        # Keep the smallest prefix whose mass reaches top_p; the first token always stays.
-        drop = mass_before >= top_p[:, None, None]
-        drop[..., 0] = False
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
 def sample(

@@ -87,11 +87,10 @@ class PagedScheduler:
         self.waiting.append(request)
         self._by_id[request.request_id] = request
 
-    def max_request_tokens(self, num_lookahead_tokens: int) -> int:
-        """Most tokens a request can ever reach: the whole pool minus the watermark, less
-        the slots of one step's verification and lookahead."""
+    def max_request_tokens(self) -> int:
+        """Most token slots one request can ever hold: the whole pool minus the watermark."""
         bm = self.block_manager
-        return (bm.num_blocks - bm.watermark_blocks) * bm.block_size - num_lookahead_tokens
+        return (bm.num_blocks - bm.watermark_blocks) * bm.block_size
 
     # -- scheduling ------------------------------------------------------------------
 
