@@ -124,12 +124,9 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
         width = self.runner_hidden_size()
         self.hidden = torch.zeros(r, width, dtype=self.dtype, device=dev)
         """[max_num_seqs, H] the state the next draft step reads."""
-        self.draft_token_ids = torch.zeros(r, k, **i64)
         self.draft_probs = (
             torch.zeros(r, k, self.vocab_size, device=dev) if self.keeps_draft_probs else None
         )
-        self.prefill_graphs: dict[BatchExecutionDescriptor, torch.cuda.CUDAGraph] = {}
-        self.decode_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
 
     def runner_hidden_size(self) -> int:
         """Width of the state carried between draft steps."""

@@ -182,12 +182,19 @@ class DraftModelSpeculator(BaseSpeculator):
         self.block_table = torch.zeros(
             r, self.runner.max_blocks_per_req, dtype=torch.int32, device=dev
         )
+        self.draft_token_ids = torch.zeros(
+            r, max(self.max_num_speculative_tokens, 1), dtype=torch.int64, device=dev
+        )
+        """[max_num_seqs, k] the drafts of the last proposal."""
         self.capture_sizes = cudagraph_capture_sizes(r)
         self.pool: tuple | None = None
+        self.prefill_graphs: dict[BatchExecutionDescriptor, torch.cuda.CUDAGraph] = {}
+        """Draft prefill (DFlash: context) graphs, per target graph."""
+        self.decode_graphs: dict[Any, torch.cuda.CUDAGraph] = {}
+        """Draft decode (DFlash: block) graphs, per padded request count (and steps)."""
         self.num_prefill_replays = 0
-        """Draft prefill (or context) graph replays (a counter)."""
         self.num_decode_replays = 0
-        """Draft decode (or block) graph replays (a counter)."""
+        """Replays of the prefill and decode graphs (counters)."""
 
     @torch.no_grad()
     def capture(

@@ -85,23 +85,14 @@ class DFlashSpeculator(DraftModelSpeculator):
         """``[n, H] -> [n, vocab_size]`` float32 (``-inf`` outside a draft vocabulary)."""
         return self.model.compute_logits(hidden, self.lm_head_weight)
 
-    # ---- buffers and graphs ---------------------------------------------------------
-
-    def init_cudagraph_manager(self) -> None:
-        super().init_cudagraph_manager()
-        r, k = self.max_num_seqs, self.max_num_speculative_tokens
-        self.draft_token_ids = torch.zeros(r, k, dtype=torch.int64, device=self.device)
-        self.context_graphs: dict[BatchExecutionDescriptor, torch.cuda.CUDAGraph] = {}
-        self.block_graphs: dict[int, torch.cuda.CUDAGraph] = {}
-
     def capture_graphs(
         self, captured_attention_states: dict[BatchExecutionDescriptor, CapturedAttentionState]
     ) -> None:
         for d, state in captured_attention_states.items():
-            self.context_graphs[d] = self.capture_in_pool(lambda s=state: self._store_context(s))
+            self.prefill_graphs[d] = self.capture_in_pool(lambda s=state: self._store_context(s))
         sizes = () if self.keeps_draft_probs else sorted(self.capture_sizes, reverse=True)
         for r in sizes:  # sampled drafts run eagerly
-            self.block_graphs[r] = self.capture_in_pool(lambda r=r: self._greedy_block(r))
+            self.decode_graphs[r] = self.capture_in_pool(lambda r=r: self._greedy_block(r))
 
     # ---- drafting -------------------------------------------------------------------
 
@@ -137,14 +128,14 @@ class DFlashSpeculator(DraftModelSpeculator):
     def propose(self, inputs: ProposeInputs) -> DraftOutput | None:
         k = inputs.num_speculative_tokens
         self.check_num_speculative_tokens(k)
-        self.replay_or_run(self.context_graphs, inputs.descriptor, "num_prefill_replays",
+        self.replay_or_run(self.prefill_graphs, inputs.descriptor, "num_prefill_replays",
                            lambda: self._store_context(inputs))
         if k == 0:
             return None
         r = inputs.num_reqs
         padded = self.load_inputs(inputs)
         if not self.keeps_draft_probs or inputs.sampling.all_greedy:
-            self.replay_or_run(self.block_graphs, padded, "num_decode_replays",
+            self.replay_or_run(self.decode_graphs, padded, "num_decode_replays",
                                lambda: self._greedy_block(r))
             return DraftOutput(self.draft_token_ids[:r, :k])
         logits = self.compute_logits(self._block_hidden(r)[:, :k].flatten(0, 1)).view(r, k, -1)
