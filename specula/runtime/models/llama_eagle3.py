@@ -84,13 +84,10 @@ class Eagle3LlamaForCausalLM(nn.Module):
         aux_width = num_aux * eagle.target_hidden_size
         self.embed_tokens = nn.Embedding(config.vocab_size, h)
         self.input_norm = RMSNorm(aux_width, config.rms_norm_eps) if eagle.norm_before_fc else None
-        self.fc_norm = (
-            nn.ModuleList(
-                RMSNorm(eagle.target_hidden_size, config.rms_norm_eps) for _ in range(num_aux)
-            )
-            if eagle.fc_norm
-            else None
-        )
+        self.fc_norm = None
+        if eagle.fc_norm:
+            norms = (RMSNorm(eagle.target_hidden_size, config.rms_norm_eps) for _ in range(num_aux))
+            self.fc_norm = nn.ModuleList(norms)
         self.fc = nn.Linear(aux_width, h, bias=False)
         layer_cls = DECODER_LAYERS[config.model_type]
         self.layers = nn.ModuleList(
@@ -132,19 +129,6 @@ class Eagle3LlamaForCausalLM(nn.Module):
         logits[:, self.draft_to_target] = draft
         return logits
 
-    def set_draft_to_target(self, d2t: torch.Tensor) -> None:
-        """Install the ``d2t`` offsets (draft id ``i`` -> target id ``i + d2t[i]``).
-
-        Raises:
-            ValueError: ``d2t`` has the wrong length, or maps to ids outside the target
-                vocabulary or to one target id twice.
-        """
-        n = self.eagle.draft_vocab_size
-        if d2t.shape != (n,):
-            raise ValueError(f"d2t has shape {tuple(d2t.shape)}, draft_vocab_size is {n}")
-        ids = draft_to_target_ids(d2t.long().cpu(), self.config.vocab_size)
-        self.draft_to_target = ids.to(self.draft_to_target.device)
-
 
 def load_eagle3_draft(
     checkpoint_dir: Path,
@@ -169,13 +153,10 @@ def load_eagle3_draft(
     """
     raw = read_speculators_config(checkpoint_dir, "eagle3")
     layer = layer_model_config(raw, target)
-    target_hidden = raw.get("target_hidden_size") or layer.hidden_size
+    target_hidden = raw.get("target_hidden_size")
+    field = "target_hidden_size" if target_hidden else "transformer_layer_config.hidden_size"
+    target_hidden = target_hidden or layer.hidden_size
     if target_hidden != target.hidden_size:
-        field = (
-            "target_hidden_size"
-            if raw.get("target_hidden_size")
-            else "transformer_layer_config.hidden_size"
-        )
         raise ValueError(f"{field} {target_hidden} != target hidden_size {target.hidden_size}")
     n = target.num_hidden_layers
     aux_ids = check_aux_layer_ids(
@@ -193,27 +174,25 @@ def load_eagle3_draft(
         **{flag: bool(raw.get(flag, False)) for flag in flags},
     )
     model = load_draft_head(
-        lambda: Eagle3LlamaForCausalLM(eagle, device),
-        checkpoint_dir,
-        dtype,
-        device,
-        load_format,
+        lambda: Eagle3LlamaForCausalLM(eagle, device), checkpoint_dir, dtype, device, load_format,
         speculators_weight_name,
     )
     # Not a weight: rebuild what to_empty left uninitialised.
-    model.draft_to_target = torch.arange(eagle.draft_vocab_size, device=device)
-    if eagle.draft_vocab_size != layer.vocab_size:
-        if load_format == "dummy":
-            ids = torch.randperm(layer.vocab_size)[: eagle.draft_vocab_size].sort().values
-            d2t = ids - torch.arange(eagle.draft_vocab_size)
-        else:
-            d2t = read_tensor(checkpoint_dir, "d2t")
+    n, vocab = eagle.draft_vocab_size, layer.vocab_size
+    if n == vocab:
+        target_ids = torch.arange(n)
+    elif load_format == "dummy":
+        target_ids = torch.randperm(vocab)[:n].sort().values
+    else:
+        d2t = read_tensor(checkpoint_dir, "d2t")
         if d2t is None:
             raise ValueError(
-                f"draft_vocab_size {eagle.draft_vocab_size} != target vocab_size "
-                f"{layer.vocab_size} but the checkpoint has no d2t"
+                f"draft_vocab_size {n} != target vocab_size {vocab} but the checkpoint has no d2t"
             )
-        model.set_draft_to_target(d2t)
+        if d2t.shape != (n,):
+            raise ValueError(f"d2t has shape {tuple(d2t.shape)}, draft_vocab_size is {n}")
+        target_ids = draft_to_target_ids(d2t.long(), vocab)
+    model.draft_to_target = target_ids.to(device)
     if model.missing_target_weights and layer.hidden_size != target.hidden_size:
         raise ValueError(
             f"checkpoint lacks {sorted(model.missing_target_weights)} and "
