@@ -7,13 +7,13 @@ as ``max_token`` is answered with 400 rather than silently ignored.  Fields Open
 defines but this runtime does not implement (``best_of`` other than ``n``, penalties,
 ``logit_bias``, ``suffix``) are accepted only at their no-op values, so a client that
 sends the default still works.  ``n`` is bounded by the server's ``max_n`` (checked
-when the request is prepared, as it is a server setting).
+when the completion run is built, as it is a server setting).
 
-Every error, including FastAPI's own (malformed JSON, schema violations, unknown
-routes), is answered as ``{"error": {"message", "type", "param", "code"}}``.  Request
-validation failures are 400, not FastAPI's default 422: OpenAI answers schema errors
-with 400 and vLLM does the same (its ``validation_exception_handler``), so clients
-written against either see the status they expect.
+Every error, including FastAPI's own (unknown routes and methods), is answered as
+``{"error": {"message", "type", "param", "code"}}``.  Malformed JSON and schema
+violations are 400, not FastAPI's default 422: OpenAI answers schema errors with 400 and
+vLLM does the same (its ``validation_exception_handler``), so clients written against
+either see the status they expect.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 from pydantic_core import PydanticCustomError
@@ -104,7 +103,6 @@ class GenerationRequest(_Body):
 
     @model_validator(mode="after")
     def _reject_unsupported(self) -> GenerationRequest:
-        # Each check names the field so the error's ``param`` points at it.
         if self.presence_penalty != 0.0 or self.frequency_penalty != 0.0:
             raise _unsupported("presence_penalty", "penalties are not supported")
         if self.logit_bias:
@@ -286,10 +284,6 @@ def validation_error(errors: Sequence[Any]) -> APIError:
 
 def install_error_handlers(app: FastAPI) -> None:
     """Register the handlers that give every error the OpenAI shape."""
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return validation_error(exc.errors()).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
