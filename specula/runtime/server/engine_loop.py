@@ -238,13 +238,11 @@ class EngineLoop:
 
     def _drain_commands(self, block: bool) -> None:
         """Apply every queued command; wait up to ``_IDLE_WAIT_S`` for one if ``block``."""
-        try:
+        with contextlib.suppress(queue.Empty):
             cmd = self._commands.get(timeout=_IDLE_WAIT_S) if block else self._commands.get_nowait()
             while cmd is not None:
                 self._apply(cmd)
                 cmd = self._commands.get_nowait()
-        except queue.Empty:
-            pass
 
     def _apply(self, cmd: _Command) -> None:
         assert self.engine is not None
@@ -283,27 +281,24 @@ class EngineLoop:
             sink(out)
 
     def _publish_snapshot(self) -> None:
-        assert self.engine is not None
-        sched = self.engine.scheduler_stats()
+        engine = self.engine
+        assert engine is not None
+        sched = engine.scheduler_stats()
         k = self._last_round_k
         if k is None:  # no decode round yet: what a lone request would use
-            k = self.engine.num_speculative_tokens_for(1)
+            k = engine.num_speculative_tokens_for(1)
         self._snapshot = copy.deepcopy(RuntimeSnapshot(
-            num_requests_running=int(sched["num_requests_running"]),
-            num_requests_waiting=int(sched["num_requests_waiting"]) + self._pending_adds,
-            generation_tokens=int(self.engine.generation_tokens_total),
+            num_requests_running=sched["num_requests_running"],
+            num_requests_waiting=sched["num_requests_waiting"] + self._pending_adds,
+            generation_tokens=engine.generation_tokens_total,
             step_times=self._step_times,
-            spec_decoding=getattr(self.engine, "spec_decoding_stats", None),
+            spec_decoding=engine.spec_decoding_stats,
             num_speculative_tokens=k,
-            max_num_speculative_tokens=self.engine.max_num_speculative_tokens,
-            num_preemptions=int(sched.get("num_preemptions", 0)),
-            prefix_cache_queries=int(sched.get("prefix_cache_queries", 0)),
-            prefix_cache_hits=int(sched.get("prefix_cache_hits", 0)),
-            kv_cache_usage=(
-                1.0 - sched["num_free_gpu_blocks"] / sched["num_gpu_blocks"]
-                if sched.get("num_gpu_blocks")
-                else 0.0
-            ),
+            max_num_speculative_tokens=engine.max_num_speculative_tokens,
+            num_preemptions=sched["num_preemptions"],
+            prefix_cache_queries=sched["prefix_cache_queries"],
+            prefix_cache_hits=sched["prefix_cache_hits"],
+            kv_cache_usage=1.0 - sched["num_free_gpu_blocks"] / sched["num_gpu_blocks"],
         ))
 
     def _die(self, exc: BaseException) -> None:
@@ -318,10 +313,8 @@ class EngineLoop:
         for sink in self._sinks.values():
             sink(exc)
         self._sinks.clear()
-        try:
+        with contextlib.suppress(queue.Empty):
             while True:
                 cmd = self._commands.get_nowait()
                 if cmd and cmd.done and cmd.done.set_running_or_notify_cancel():
                     cmd.done.set_exception(exc)
-        except queue.Empty:
-            pass

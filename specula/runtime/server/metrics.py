@@ -69,28 +69,23 @@ class StepTimeStats:
 
 @dataclass
 class RuntimeSnapshot:
-    """Everything exported, copied between steps so one scrape is self-consistent."""
+    """Everything exported, copied between steps so one scrape is self-consistent; each
+    scalar field is the metric of that name (:data:`_SCALARS` gives its meaning)."""
 
     num_requests_running: int = 0
     num_requests_waiting: int = 0
     generation_tokens: int = 0
     step_times: StepTimeStats = field(default_factory=StepTimeStats)
     spec_decoding: object | None = None
-    """A copy of the engine's ``SpecDecodingStats``; ``None`` without a speculator."""
+    """A copy of the engine's ``SpecDecodingStats``; ``None`` before it is loaded."""
     num_speculative_tokens: int = 0
     """The k the last decode round drafted (0: plain decoding); before any round, the
     k a single request would get."""
     max_num_speculative_tokens: int = 0
-    """The largest k the engine accepts (its startup value; 0 without a speculator)."""
     num_preemptions: int = 0
-    """Requests preempted (KV blocks freed, recomputed later) since start."""
     prefix_cache_queries: int = 0
-    """Prompt tokens looked up in the prefix cache since start."""
     prefix_cache_hits: int = 0
-    """Of those, tokens whose KV was reused from the cache."""
     kv_cache_usage: float = 0.0
-    """Fraction of the paged KV cache's blocks in use, in [0, 1] (0 for the one-slot
-    engine, whose cache is allocated per slot up front)."""
 
 
 _SCALARS: tuple[tuple[type[GaugeMetricFamily | CounterMetricFamily], str, str], ...] = (
