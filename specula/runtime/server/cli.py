@@ -42,8 +42,9 @@ def build_runtime_config(args: argparse.Namespace) -> RuntimeConfig:
     ``--speculator-model`` without a method (in flags or file) means ``draft_model``.
 
     Raises:
-        ConfigError: unreadable file (config or chat template), invalid JSON, a missing model, a speculator flag
-            with no speculator method, or a value the pydantic model rejects.
+        ConfigError: unreadable file (config or chat template), invalid JSON, a missing
+            model, a speculator flag with no speculator method, or a value the pydantic
+            model rejects.
     """
     data: dict[str, Any] = {}
     if vars(args).get("config"):
@@ -65,10 +66,9 @@ def build_runtime_config(args: argparse.Namespace) -> RuntimeConfig:
     # Flags named as the config's fields map one to one.
     data.update({key: flags[key] for key in RuntimeConfig.model_fields.keys() & flags.keys()})
 
-    spec_flags = {"method": "speculator_method", "model": "speculator_model",
-                  "num_speculative_tokens": "num_speculative_tokens",
-                  "max_num_speculative_tokens": "max_num_speculative_tokens"}
-    given = {key: flags[dest] for key, dest in spec_flags.items() if dest in flags}
+    spec_flags = ("speculator_method", "speculator_model", "num_speculative_tokens",
+                  "max_num_speculative_tokens")
+    given = {key.removeprefix("speculator_"): flags[key] for key in spec_flags if key in flags}
     if given:
         spec = data.get("speculator")
         spec = {**(spec if isinstance(spec, dict) else {}), **given}
