@@ -1,29 +1,19 @@
 """The FastAPI apps around one engine loop: the model app and the admin app (the
-README's HTTP API section lists their routes).
+README's HTTP API section lists their routes and limits).
 
 Model app: ``POST /v1/completions`` and ``POST /v1/chat/completions``
 (:mod:`~specula.runtime.server.completions`; ``stream: true`` as server-sent events),
-``GET /v1/models`` (the one served model, OpenAI list format), ``GET /health`` (200 once
-the engine is loaded and its loop alive; 503 while loading, after the loop died and while
-draining on SIGTERM) and ``GET /metrics`` (Prometheus text from a per-app registry).
-With an API key, ``/v1/*`` answers 401 unless the request carries ``Authorization:
-Bearer <key>``; ``/health`` and ``/metrics`` stay open to probes and scrapers.
-
-Limits (:mod:`~specula.runtime.server.limits`): 413 for a body beyond
-``max_request_body_bytes``, 408 for one slower than ``http_read_timeout_s``; 429 for a
-completion that would queue beyond ``max_num_seqs + max_queued_requests`` engine
-requests and 503 while draining, both with ``Retry-After``. A client that hangs up has
-its engine requests aborted, freeing their KV blocks.
+``GET /v1/models``, ``GET /health`` (503 while loading, after the loop died and while
+draining) and ``GET /metrics`` (Prometheus text from a per-app registry). With an API
+key, ``/v1/*`` answers 401 unless the request carries ``Authorization: Bearer <key>``.
+The refusals of :mod:`~specula.runtime.server.limits` apply.
 
 Admin app (:func:`create_admin_app`), on a port of its own, every route behind the admin
-token; the model port has no admin route (404). ``GET /v1/speculative_config``: the
-engine's configuration. ``PUT /v1/speculative_config``: ``{"num_speculative_tokens": k}``
-or ``{"num_speculative_tokens_per_batch_size": [[start, end, k], ...]}`` (exactly one),
-applied by the engine thread between two steps and answered, with the new configuration,
-once applied. Refusals are 400, ``param`` naming the field and ``code`` one of
-``above_max`` (the message names the startup maximum), ``invalid_value``,
-``invalid_schedule`` (the message names the bad range) or ``no_speculator``; the
-configuration is then unchanged.
+token: ``GET /v1/speculative_config`` and ``PUT`` with a
+:class:`~specula.runtime.server.protocol.SpeculativeConfigUpdate`, applied by the engine
+thread between two steps and answered, with the new configuration, once applied. A
+refusal is 400, ``param`` and ``code`` those of the engine's ``SpeculativeConfigError``
+(the configuration is then unchanged).
 
 Handlers run on the event loop; the engine on the thread of an
 :class:`~specula.runtime.server.engine_loop.EngineLoop`, which the app's lifespan starts

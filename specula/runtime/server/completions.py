@@ -5,18 +5,15 @@ One HTTP request with a batch of prompts and ``n`` samples each becomes one engi
 request per choice (choice ``index`` = ``prompt_index * n + j``, as vLLM numbers them),
 all feeding one asyncio queue, so streamed chunks of choices interleave in the engine's
 order. A whole answer is built like the one chunk a choice would stream once finished.
+A chat prompt is the chat template's text, tokenized without adding special tokens (the
+template writes them), as vLLM does.
 
-Chat messages are rendered by the chat template (the checkpoint's, or the server's
-``--chat-template FILE``, runtime config ``chat_template``) through ``transformers``'
-``tokenizer.apply_chat_template(messages, add_generation_prompt=True)``; the text is
-tokenized without adding special tokens (the template writes them), as vLLM does.
-
-Log-probabilities are the engine's (:class:`~specula.runtime.engine.request.TokenLogprobs`);
-``-inf`` (a token the request's top-k or top-p excludes) is answered as -9999.0, as vLLM
-does, since JSON has no infinity. A token's string is ``tokenizer.decode([token_id])``.
-Completions answer OpenAI's legacy shape (``tokens``, ``token_logprobs``,
-``top_logprobs``, ``text_offset``: each token's character offset in the choice's text);
-chat answers ``content`` entries with each token's UTF-8 ``bytes``.
+Log-probabilities are the engine's; ``-inf`` (a token the request's top-k or top-p
+excludes) is answered as -9999.0, as vLLM does, since JSON has no infinity. A token's
+string is ``tokenizer.decode([token_id])``. Completions answer OpenAI's legacy shape
+(``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``: each token's
+character offset in the choice's text); chat answers ``content`` entries with each
+token's UTF-8 ``bytes``.
 """
 
 from __future__ import annotations
@@ -69,7 +66,8 @@ class _Choice:
 def _completion_prompts(
     request: CompletionRequest, tokenizer: Any, vocab: int
 ) -> tuple[list[list[int]], list[str] | None]:
-    """The token ids of each prompt, and with ``echo`` each prompt's text."""
+    """The token ids of each prompt, and with ``echo`` each prompt's text; ``vocab`` is
+    the model's vocabulary size (which can exceed the tokenizer's: padded embeddings)."""
     raw: Any = request.prompt
     if isinstance(raw, str) or isinstance(raw[0], int):
         raw = [raw]
@@ -143,9 +141,7 @@ class CompletionRun:
             top_logprobs = (request.top_logprobs or 0) if request.logprobs else None
         else:
             assert isinstance(request, CompletionRequest)
-            # The model's vocabulary can be larger than the tokenizer's (padded embeddings).
-            vocab = getattr(engine, "vocab_size", None) or len(tokenizer)
-            prompts, echo = _completion_prompts(request, tokenizer, vocab)
+            prompts, echo = _completion_prompts(request, tokenizer, engine.vocab_size)
             max_tokens, top_logprobs = request.max_tokens, request.logprobs
         if request.n > max_n:
             raise APIError(400, f"n={request.n} exceeds this server's maximum of {max_n} "

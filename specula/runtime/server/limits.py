@@ -1,10 +1,10 @@
-"""What the HTTP side refuses, and how it stops: bodies too large (413) or too slow
-(408), headers too slow (connection closed), requests beyond the queue (429), and the
-drain on SIGTERM (new completions and ``/health`` 503 while in-flight ones finish).
-
-The limits are :class:`~specula.api.runtime_config.RuntimeConfig` fields
-(``max_request_body_bytes``, ``http_read_timeout_s``, ``max_queued_requests``,
-``drain_timeout_s``).
+"""What the HTTP side refuses, and how it stops: a body beyond ``max_request_body_bytes``
+(413) or slower than ``http_read_timeout_s`` (408), headers slower than that (connection
+closed), a completion that would queue beyond ``max_num_seqs + max_queued_requests``
+engine requests (429 with ``Retry-After``), a client that hangs up (its engine requests
+aborted), and the drain on SIGTERM (new completions and ``/health`` 503 with
+``Retry-After`` while in-flight ones finish, for up to ``drain_timeout_s``). The limits
+are :class:`~specula.api.runtime_config.RuntimeConfig` fields.
 """
 
 from __future__ import annotations
