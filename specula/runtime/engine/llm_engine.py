@@ -376,9 +376,7 @@ class LLMEngine(SpeculativeSettings):
                 f"prompt ({n} tokens) plus max_tokens ({params.max_tokens}) exceeds "
                 f"max_model_len ({self.max_model_len})"
             )
-        seed = params.seed
-        if seed is None:
-            seed = int(torch.randint(0, 2**62, (1,)).item())
+        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
         self._add(request_id, list(prompt_token_ids), params, seed)
 
     def _add(self, request_id: str, tokens: list[int], params: SamplingParams, seed: int) -> None:
@@ -685,7 +683,7 @@ class LLMEngine(SpeculativeSettings):
         if step.ready is not None:
             step.ready.synchronize()
         rows = step.host.tolist()
-        logprobs, prompt_logprobs = self._read_logprobs(step)
+        logprobs = self._read_logprobs(step)
         outputs = []
         for i, request in enumerate(step.batch):
             if request.finished or request.row < 0:
@@ -704,8 +702,8 @@ class LLMEngine(SpeculativeSettings):
             outputs.append(RequestOutput(
                 request.request_id, new, request.finished, request.finish_reason,
                 request.stop_reason,
-                logprobs=logprobs[i][: len(new)] if i in logprobs else None,
-                prompt_logprobs=[None, *prompt_logprobs[i]] if i in prompt_logprobs else None,
+                logprobs=logprobs[i, False][: len(new)] if (i, False) in logprobs else None,
+                prompt_logprobs=[None, *logprobs[i, True]] if (i, True) in logprobs else None,
             ))
         if not self.async_scheduling:
             # The drafts were proposed before the host knew which requests finish; the
@@ -716,19 +714,17 @@ class LLMEngine(SpeculativeSettings):
         return outputs
 
     @staticmethod
-    def _read_logprobs(
-        step: _Launched,
-    ) -> tuple[dict[int, list[TokenLogprobs]], dict[int, list[TokenLogprobs]]]:
-        """``step``'s log-probabilities by batch position: of its output tokens, of its
-        prompts."""
-        out: tuple[dict[int, list[TokenLogprobs]], dict[int, list[TokenLogprobs]]] = ({}, {})
+    def _read_logprobs(step: _Launched) -> dict[tuple[int, bool], list[TokenLogprobs]]:
+        """``step``'s log-probabilities by batch position and whether they are of the
+        prompt (else of the output tokens)."""
+        out: dict[tuple[int, bool], list[TokenLogprobs]] = {}
         values = [] if step.logprobs is None else step.logprobs.tolist()
         num_top = (len(values[0]) - 1) // 2 if values else 0
         start = 0
         for i, is_prompt, count in step.logprob_rows:
             params = step.batch[i].params
             top = params.prompt_logprobs if is_prompt else params.logprobs
-            out[is_prompt][i] = [
+            out[i, is_prompt] = [
                 TokenLogprobs(row[0], [(int(row[1 + num_top + t]), row[1 + t]) for t in range(top)])
                 for row in values[start : start + count]
             ]

@@ -26,8 +26,8 @@ def verify(
     k: int,
     sampling: SamplingMetadata,
     keys: torch.Tensor,
-    synthetic_acceptance_rate: float | None = None,
-    argmax: torch.Tensor | None = None,
+    synthetic_acceptance_rate: float | None,
+    argmax: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Verify the ``k`` drafts of the requests at rows ``idx`` of ``input_batch``.
 
@@ -38,8 +38,8 @@ def verify(
         sampling: the requests' settings (greedy ones match the argmax exactly).
         keys: [num_reqs] int64 draw keys of the step.
         synthetic_acceptance_rate: accept each draft with this probability given the
-            ones before it, instead of verifying (benchmarks).
-        argmax: [num_reqs * (k + 1)] int64 ``logits.argmax(-1)`` if already computed.
+            ones before it, instead of verifying (benchmarks); ``None``: verify.
+        argmax: [num_reqs * (k + 1)] int64 ``logits.argmax(-1)``.
 
     Returns:
         ``(output [num_reqs, k + 1] int64, num_accepted [num_reqs] int64)``: row ``i``
@@ -48,8 +48,6 @@ def verify(
     """
     r = idx.shape[0]
     drafts = input_batch.draft_token_ids[idx, :k].reshape(-1)  # [r * k]
-    if argmax is None:
-        argmax = logits.argmax(dim=-1)
     if synthetic_acceptance_rate is not None:
         return _synthetic(
             drafts.view(r, k), argmax.view(r, k + 1), sampling, keys, synthetic_acceptance_rate
