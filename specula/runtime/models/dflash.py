@@ -108,12 +108,12 @@ def load_dflash_draft(
     config: ModelConfig,
     num_aux_layers: int,
     draft_vocab_size: int | None,
-    target_vocab_size: int,
     dtype: torch.dtype,
     device: torch.device,
     load_format: str = "auto",
 ) -> DFlashDraftModel:
-    """Build a :class:`DFlashDraftModel` and load a ``speculators`` checkpoint into it.
+    """Build a :class:`DFlashDraftModel` and load a ``speculators`` checkpoint into it;
+    ``config.vocab_size`` is the target vocabulary's size.
 
     Checkpoint names follow ``speculators``' ``DFlashDraftModel`` (``layers.N.self_attn
     .q_proj.weight``, ...); ``q/k/v_proj`` and ``gate/up_proj`` are fused on load.
@@ -123,7 +123,7 @@ def load_dflash_draft(
     Raises:
         FileNotFoundError: no ``*.safetensors`` file.
         ValueError: a tensor with no matching parameter, a missing tensor or shard, a
-            shape mismatch, or ``d2t`` mapping outside ``[0, target_vocab_size)`` or
+            shape mismatch, or ``d2t`` mapping outside ``[0, config.vocab_size)`` or
             onto one target id twice.
     """
     # Casting touches floating-point tensors only: d2t stays int64.
@@ -133,10 +133,10 @@ def load_dflash_draft(
     if load_format == "dummy":
         init_dummy_weights(model)
         if model.d2t is not None:
-            ids = torch.randperm(target_vocab_size)[:draft_vocab_size].sort().values
+            ids = torch.randperm(config.vocab_size)[:draft_vocab_size].sort().values
             model.d2t.copy_(ids - torch.arange(draft_vocab_size))
-        return model.eval()
-    load_safetensors(model, checkpoint_dir, lambda name: None if name in SKIPPED_TENSORS else name)
-    if model.d2t is not None:
-        draft_to_target_ids(model.d2t, target_vocab_size)
+    else:
+        load_safetensors(model, checkpoint_dir, lambda name: None if name in SKIPPED_TENSORS else name)
+        if model.d2t is not None:
+            draft_to_target_ids(model.d2t, config.vocab_size)
     return model.eval()

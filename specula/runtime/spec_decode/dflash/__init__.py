@@ -62,7 +62,6 @@ class DFlashSpeculator(DraftModelSpeculator):
             config.layer_config,
             num_aux_layers=len(self.aux_hidden_state_layers),
             draft_vocab_size=config.draft_vocab_size if config.uses_draft_vocab else None,
-            target_vocab_size=self.target_config.vocab_size,
             dtype=self.dtype,
             device=self.device,
             load_format=self.load_format,
