@@ -69,10 +69,6 @@ class SamplingMetadata:
         """[num_reqs] bool."""
         return self.temperature == 0.0
 
-    @property
-    def num_reqs(self) -> int:
-        return self.temperature.shape[0]
-
     @classmethod
     def from_params(
         cls, params: Sequence[SamplingParams], seeds: Sequence[int], device: torch.device
@@ -118,7 +114,7 @@ def process_logits(logits: torch.Tensor, sampling: SamplingMetadata) -> torch.Te
     Returns:
         [num_reqs, num_positions, vocab_size] float32 processed logits.
     """
-    assert logits.ndim == 3 and logits.shape[0] == sampling.num_reqs
+    assert logits.ndim == 3 and logits.shape[0] == sampling.temperature.shape[0]
     greedy = sampling.is_greedy
     temp = torch.where(greedy, torch.ones_like(sampling.temperature), sampling.temperature)
     logits = logits.float() / temp[:, None, None]
