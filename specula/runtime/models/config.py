@@ -68,8 +68,7 @@ class ModelConfig:
         path = Path(checkpoint_dir)
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"no config.json in {str(path)!r}")
-        hf = AutoConfig.from_pretrained(str(path))
-        return cls.from_hf_config(hf)
+        return cls.from_hf_config(AutoConfig.from_pretrained(str(path)))
 
     @classmethod
     def from_hf_config(cls, hf: Any) -> ModelConfig:
@@ -87,13 +86,11 @@ class ModelConfig:
         # transformers >= 4.57 moved rope settings into ``rope_parameters``.
         rope_params = dict(getattr(hf, "rope_parameters", None) or {})
         rope_theta = getattr(hf, "rope_theta", None) or rope_params.get("rope_theta", 10000.0)
-        rope_scaling = getattr(hf, "rope_scaling", None) or rope_params or None
-        if rope_scaling is not None:
-            rope_scaling = dict(rope_scaling)
-            rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
-            rope_scaling["rope_type"] = rope_type
-            if rope_type == "default":
-                rope_scaling = None
+        rope_scaling = dict(getattr(hf, "rope_scaling", None) or rope_params)
+        rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+        rope_scaling["rope_type"] = rope_type
+        if rope_type == "default":
+            rope_scaling = None
         if getattr(hf, "use_sliding_window", False):
             raise ValueError("sliding-window attention is not supported")
         hidden_act = getattr(hf, "hidden_act", "silu")

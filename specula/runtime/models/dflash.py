@@ -135,8 +135,8 @@ def load_dflash_draft(
         if model.d2t is not None:
             ids = torch.randperm(config.vocab_size)[:draft_vocab_size].sort().values
             model.d2t.copy_(ids - torch.arange(draft_vocab_size))
-    else:
-        load_safetensors(model, checkpoint_dir, lambda name: None if name in SKIPPED_TENSORS else name)
-        if model.d2t is not None:
-            draft_to_target_ids(model.d2t, config.vocab_size)
+        return model.eval()
+    load_safetensors(model, checkpoint_dir, lambda name: None if name in SKIPPED_TENSORS else name)
+    if model.d2t is not None:
+        draft_to_target_ids(model.d2t, config.vocab_size)
     return model.eval()

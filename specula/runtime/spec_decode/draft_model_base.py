@@ -33,12 +33,12 @@ distributions go to the verifier (vLLM's ``draft_sample_method``)."""
 class DraftRunner(ModelRunner):
     """A draft head's forward (``model``: on its device, in eval mode, in the cache's
     dtype; ``weight``: one of its parameters) with the sublayers of the target's
-    :class:`ModelRunner`, over a paged KV cache of its own (one key/value pair per draft
-    layer, ``config.num_hidden_layers``) with as many blocks as the target's, indexed by the *target's*
-    block tables and slot mappings (one block manager for both, as vLLM allocates draft
-    layers in the target's KV-cache groups): a draft forward over the slots of a
-    verification then reads its attention metadata unchanged, which attention-state reuse
-    (vLLM PR #40410) relies on.
+    :class:`ModelRunner`, over a paged KV cache of its own (one key/value pair for each
+    of the ``model.config.num_hidden_layers`` draft layers) with as many blocks as the
+    target's, indexed by the *target's* block tables and slot mappings (one block manager
+    for both, as vLLM allocates draft layers in the target's KV-cache groups): a draft
+    forward over the slots of a verification then reads its attention metadata
+    unchanged, which attention-state reuse (vLLM PR #40410) relies on.
 
     Raises:
         ValueError: target weights the head shares not bound yet

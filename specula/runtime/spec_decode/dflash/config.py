@@ -8,15 +8,12 @@ always the target's, and so is the LM head unless the draft has a reduced vocabu
 ``lm_head`` and the ``d2t`` offsets (target id = draft id + ``d2t[draft id]``).
 
 Layer ids. ``aux_hidden_state_layer_ids`` are vLLM's aux-capture ids, which
-:meth:`LlamaForCausalLM.forward_with_aux` shares, so they are used unchanged: ``0`` is the
-embedding output, ``i`` the residual stream entering decoder layer ``i`` (Hugging Face's
-``output_hidden_states[i]``), and ``num_hidden_layers`` the last layer's output *before*
-the final norm (vLLM's capture, which ``speculators`` trains on; ``transformers``' last
-``hidden_states`` entry is after the norm). vLLM's ``update_dflash`` hands these ids to
-its aux capture as they are and applies the shift only for its DFlash model, whose
-z-lab ``dflash_config.target_layer_ids`` name the decoder layer whose *output* is taken:
-``target_layer_ids = [i - 1 for i in aux_hidden_state_layer_ids]`` (vLLM PR #40727);
-``speculators``' converter from z-lab checkpoints applies the inverse ``t + 1``.
+``speculators`` trains on, used unchanged (defined in
+:func:`~specula.runtime.models.config.check_aux_layer_ids`). vLLM's ``update_dflash``
+shifts them only for its DFlash model, whose z-lab ``dflash_config.target_layer_ids``
+name the decoder layer whose *output* is taken: ``target_layer_ids = [i - 1 for i in
+aux_hidden_state_layer_ids]`` (vLLM PR #40727); ``speculators``' converter from z-lab
+checkpoints applies the inverse ``t + 1``.
 """
 
 from __future__ import annotations
