@@ -186,15 +186,10 @@ class EngineLoop:
             with self._lock:
                 self._pending_adds += 1
         self._commands.put(cmd)
-        waiter = asyncio.wrap_future(cmd.done)
-        while True:
-            finished, _ = await asyncio.wait({waiter}, timeout=1.0)
-            if finished:
-                return waiter.result()
-            # The loop may have died after our check and before it read the command.
-            if self.state is not EngineState.READY:
-                waiter.cancel()
-                self._check_alive()
+        # A loop that stopped or died before the put never reads the command; one that
+        # stops or dies later fails it (`_fail_all`, after the state changes).
+        self._check_alive()
+        return await asyncio.shield(asyncio.wrap_future(cmd.done))
 
     def abort_request(self, request_id: str) -> None:
         """Abort a request (client went away); no-op if it already finished."""
@@ -231,10 +226,14 @@ class EngineLoop:
                     self._step()
         except BaseException as exc:  # noqa: BLE001 - a failed load or step leaves no engine
             logger.exception(failed)
-            self._die(exc)
-            return
-        self.state = EngineState.STOPPED
-        self._fail_all(EngineDeadError("the server is shutting down"))
+            self.error, self.state = exc, EngineState.DEAD
+            self._ready.set()
+            self._fail_all(EngineDeadError(f"engine failed: {exc!r}"))
+            if self._on_fatal is not None:
+                self._on_fatal(exc)
+        else:
+            self.state = EngineState.STOPPED
+            self._fail_all(EngineDeadError("the server is shutting down"))
 
     def _drain_commands(self, block: bool) -> None:
         """Apply every queued command; wait up to ``_IDLE_WAIT_S`` for one if ``block``."""
@@ -300,14 +299,6 @@ class EngineLoop:
             prefix_cache_hits=sched["prefix_cache_hits"],
             kv_cache_usage=1.0 - sched["num_free_gpu_blocks"] / sched["num_gpu_blocks"],
         ))
-
-    def _die(self, exc: BaseException) -> None:
-        self.error = exc
-        self.state = EngineState.DEAD
-        self._ready.set()
-        self._fail_all(EngineDeadError(f"engine failed: {exc!r}"))
-        if self._on_fatal is not None:
-            self._on_fatal(exc)
 
     def _fail_all(self, exc: EngineDeadError) -> None:
         for sink in self._sinks.values():
