@@ -93,17 +93,14 @@ def check_gemma4_target(config: Gemma4AssistantConfig, target: Any) -> None:
             f"a gemma4_mtp draft needs a Gemma4 target: target model_type "
             f"{target.model_type!r} ({target.architecture}) != 'gemma4_text'"
         )
-    if config.backbone_hidden_size != target.hidden_size:
-        raise ValueError(
-            f"draft backbone_hidden_size {config.backbone_hidden_size} != target hidden_size "
-            f"{target.hidden_size}"
-        )
-    if config.text.vocab_size != target.vocab_size:
-        raise ValueError(
-            f"draft vocab_size {config.text.vocab_size} != target vocab_size {target.vocab_size}"
-        )
-    producers = target.kv_producer_layers()
     text = config.text
+    for field, ours, theirs in (
+        ("backbone_hidden_size", config.backbone_hidden_size, "hidden_size"),
+        ("vocab_size", text.vocab_size, "vocab_size"),
+    ):
+        if ours != getattr(target, theirs):
+            raise ValueError(f"draft {field} {ours} != target {theirs} {getattr(target, theirs)}")
+    producers = target.kv_producer_layers()
     for i, layer_type in enumerate(text.layer_types):
         if layer_type not in producers:
             raise ValueError(

@@ -78,13 +78,9 @@ class Gemma4ModelConfig(ModelConfig):
             ValueError: an activation we do not implement, bidirectional attention, or
                 a KV-shared layer type with no non-shared layer to read from.
         """
-        architectures = getattr(hf, "architectures", None) or []
+        architecture = (getattr(hf, "architectures", None) or ["Gemma4ForCausalLM"])[0]
         text = hf.get_text_config() if hf.model_type == "gemma4" else hf
-        config = cls.from_text_config(
-            text,
-            architecture=architectures[0] if architectures else "Gemma4ForCausalLM",
-            outer=hf,
-        )
+        config = cls.from_text_config(text, architecture, outer=hf)
         config.kv_source_layers()  # validates the sharing pattern
         return config
 

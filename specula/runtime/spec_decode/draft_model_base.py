@@ -132,7 +132,6 @@ class DraftModelSpeculator(BaseSpeculator):
         self.runner: Any = None
         """The draft's paged runner (set by :meth:`allocate_kv_cache` or, for drafts on the
         target's cache, :meth:`bind_target`)."""
-        self.kv_cache: PagedKVCache | None = None
 
     @abstractmethod
     def load_draft_model(self) -> nn.Module:
@@ -166,10 +165,9 @@ class DraftModelSpeculator(BaseSpeculator):
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int, max_model_len: int) -> None:
         spec = self.kv_cache_spec(block_size)
-        if spec is None:
-            return
-        self.kv_cache = PagedKVCache(spec, num_blocks, self.device)
-        self.runner = self.build_runner(self.kv_cache, max_model_len)
+        if spec is not None:
+            kv_cache = PagedKVCache(spec, num_blocks, self.device)
+            self.runner = self.build_runner(kv_cache, max_model_len)
 
     # ---- graph state shared by the drafting loops ------------------------------------
 
