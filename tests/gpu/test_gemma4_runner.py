@@ -270,6 +270,7 @@ def _assistant(runner: Gemma4Runner) -> Gemma4AssistantForCausalLM:
         num_kv_shared_layers=2,
         hidden_size_per_layer_input=0,
         use_double_wide_mlp=False,
+        tie_word_embeddings=True,
     )
     config = Gemma4AssistantConfig(
         text=text,
@@ -277,7 +278,6 @@ def _assistant(runner: Gemma4Runner) -> Gemma4AssistantForCausalLM:
         use_ordered_embeddings=True,
         num_centroids=8,
         centroid_intermediate_top_k=2,
-        tie_word_embeddings=True,
     )
     torch.manual_seed(1)
     model = Gemma4AssistantForCausalLM(config, DEVICE)

@@ -26,6 +26,7 @@ from specula.runtime.models.gemma4 import Gemma4TextModel
 from specula.runtime.models.gemma4_config import Gemma4ModelConfig
 from specula.runtime.models.gemma4_layers import Gemma4Rotary
 from specula.runtime.models.layers import build_empty, init_dummy_weights
+from specula.runtime.models.registry import load_safetensors
 
 ASSISTANT_MODEL_TYPE = "gemma4_assistant"
 
@@ -42,7 +43,6 @@ class Gemma4AssistantConfig:
     use_ordered_embeddings: bool
     num_centroids: int
     centroid_intermediate_top_k: int
-    tie_word_embeddings: bool
 
     @classmethod
     def from_pretrained(cls, checkpoint_dir: str | Path) -> Gemma4AssistantConfig:
@@ -77,7 +77,6 @@ class Gemma4AssistantConfig:
             use_ordered_embeddings=bool(hf.use_ordered_embeddings),
             num_centroids=int(hf.num_centroids),
             centroid_intermediate_top_k=int(hf.centroid_intermediate_top_k),
-            tie_word_embeddings=bool(hf.tie_word_embeddings),
         )
 
 
@@ -164,7 +163,7 @@ class Gemma4AssistantForCausalLM(nn.Module):
         # target's embedding.
         self.model = Gemma4TextModel(text, all_kv_shared=True)
         self.lm_head = (
-            None if config.tie_word_embeddings
+            None if text.tie_word_embeddings
             else nn.Linear(text.hidden_size, text.vocab_size, bias=False)
         )
         backbone = config.backbone_hidden_size
@@ -202,15 +201,12 @@ def load_gemma4_assistant(
         FileNotFoundError: no ``config.json`` or ``*.safetensors``.
         ValueError: not a ``gemma4_assistant`` checkpoint, or tensors that do not fit.
     """
-    from specula.runtime.models.registry import load_safetensors
-
     config = Gemma4AssistantConfig.from_pretrained(checkpoint_dir)
     model = build_empty(lambda: Gemma4AssistantForCausalLM(config, device=device), dtype, device)
     if load_format == "dummy":
         init_dummy_weights(model, skip=("masked_embedding.token_ordering",))
-        embedder = model.masked_embedding
-        if embedder is not None:
-            embedder.token_ordering.copy_(torch.randperm(config.text.vocab_size))
+        if model.masked_embedding is not None:
+            model.masked_embedding.token_ordering.copy_(torch.randperm(config.text.vocab_size))
     else:
         load_safetensors(model, Path(checkpoint_dir))
     return model.eval()
