@@ -189,7 +189,7 @@ class EngineLoop:
         # A loop that stopped or died before the put never reads the command; one that
         # stops or dies later fails it (`_fail_all`, after the state changes).
         self._check_alive()
-        return await asyncio.shield(asyncio.wrap_future(cmd.done))
+        return await asyncio.wrap_future(cmd.done)  # cancelled, it cancels the command
 
     def abort_request(self, request_id: str) -> None:
         """Abort a request (client went away); no-op if it already finished."""
