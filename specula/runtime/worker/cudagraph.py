@@ -18,6 +18,7 @@ nano-vllm's ``capture_cudagraph``.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -68,7 +69,23 @@ def capture_graph(fn, pool: tuple | None) -> torch.cuda.CUDAGraph:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=pool):
         fn()
+    _captured.add(graph)
     return graph
+
+
+_captured: weakref.WeakSet[torch.cuda.CUDAGraph] = weakref.WeakSet()
+
+
+def release_graphs() -> None:
+    """Free every graph :func:`capture_graph` made that is still alive; they cannot be
+    replayed after. A group's NCCL communicator cannot be destroyed while a graph holds
+    its collectives (``ncclCommDestroy`` waits for them: pytorch/pytorch#115388), so a
+    tensor-parallel rank calls this before it leaves the group."""
+    if _captured:
+        torch.cuda.synchronize()
+    for graph in list(_captured):
+        graph.reset()
+    _captured.clear()
 
 
 def padded_size(capture_sizes: Sequence[int], num_reqs: int) -> int | None:

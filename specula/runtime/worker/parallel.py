@@ -72,9 +72,14 @@ def init_parallel(rank: int, world_size: int, init_method: str, device: torch.de
 
 
 def destroy_parallel() -> None:
-    """Leave the group (if any) and return to one rank."""
+    """Leave the group (if any) and return to one rank, freeing the CUDA graphs first
+    (:func:`~specula.runtime.worker.cudagraph.release_graphs`): this rank's engine
+    cannot replay them after."""
     global _STATE
     if _STATE.world_size > 1 and dist.is_initialized():
+        from specula.runtime.worker.cudagraph import release_graphs
+
+        release_graphs()
         dist.destroy_process_group()
     _STATE = ParallelState(0, 1)
 
