@@ -17,6 +17,12 @@ _DTYPES = {
 
 _DEFAULT_ARCHITECTURE = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
+HF_FIELDS = (
+    "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+    "num_attention_heads", "rms_norm_eps", "max_position_embeddings",
+)
+""":class:`ModelConfig` fields read unchanged from the Hugging Face (text) config."""
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -98,18 +104,11 @@ class ModelConfig:
             raise ValueError(f"hidden_act {hidden_act!r} is not supported (only 'silu')")
         return cls(
             architecture=architectures[0],
-            model_type=hf.model_type,
-            vocab_size=hf.vocab_size,
-            hidden_size=hf.hidden_size,
-            intermediate_size=hf.intermediate_size,
-            num_hidden_layers=hf.num_hidden_layers,
-            num_attention_heads=num_heads,
+            **{f: getattr(hf, f) for f in HF_FIELDS},
             num_key_value_heads=getattr(hf, "num_key_value_heads", None) or num_heads,
             head_dim=head_dim,
-            rms_norm_eps=hf.rms_norm_eps,
             rope_theta=float(rope_theta),
             rope_scaling=rope_scaling,
-            max_position_embeddings=hf.max_position_embeddings,
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
             attention_bias=bool(getattr(hf, "attention_bias", False)),
             mlp_bias=bool(getattr(hf, "mlp_bias", False)),

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from specula.runtime.models.config import ModelConfig, checkpoint_dtype, eos_token_ids
+from specula.runtime.models.config import HF_FIELDS, ModelConfig, checkpoint_dtype, eos_token_ids
 
 GEMMA4_MODEL_TYPES = frozenset({"gemma4_text", "gemma4"})
 """``model_type`` values whose text model :class:`Gemma4ModelConfig` describes."""
@@ -102,24 +102,16 @@ class Gemma4ModelConfig(ModelConfig):
                 "use_bidirectional_attention "
                 f"{text.use_bidirectional_attention!r} is not supported (causal decoding only)"
             )
-        n = text.num_hidden_layers
-        per_layer = [text.per_layer_config[i] for i in range(n)]
+        per_layer = [text.per_layer_config[i] for i in range(text.num_hidden_layers)]
         rope = {t: dict(p) for t, p in (text.rope_parameters or {}).items() if p is not None}
         dtype = checkpoint_dtype(outer) or checkpoint_dtype(text)
         return cls(
             architecture=architecture,
-            model_type=text.model_type,
-            vocab_size=text.vocab_size,
-            hidden_size=text.hidden_size,
-            intermediate_size=text.intermediate_size,
-            num_hidden_layers=n,
-            num_attention_heads=text.num_attention_heads,
+            **{f: getattr(text, f) for f in HF_FIELDS},
             num_key_value_heads=int(per_layer[0].num_key_value_heads),
             head_dim=int(per_layer[0].head_dim),
-            rms_norm_eps=text.rms_norm_eps,
             rope_theta=float(rope.get(SLIDING, {}).get("rope_theta", 10000.0)),
             rope_scaling=None,
-            max_position_embeddings=text.max_position_embeddings,
             tie_word_embeddings=bool(getattr(outer, "tie_word_embeddings", True)),
             attention_bias=bool(text.attention_bias),
             mlp_bias=False,
