@@ -10,10 +10,7 @@ concatenated, projected by ``fc`` and normed by ``hidden_norm``, then by each la
 keys and values. Attention is non-causal within the block.
 
 Each layer is a Qwen3 decoder layer (per-head query/key RMSNorm). The forwards over the
-paged cache are :class:`~specula.runtime.spec_decode.dflash.runner.DFlashRunner`'s:
-context keys and values are written once per committed position (as vLLM's
-``precompute_and_store_context_kv`` does), and the block's keys and values right after
-them, where the next committed positions overwrite them later.
+paged cache are :class:`~specula.runtime.spec_decode.dflash.runner.DFlashRunner`'s.
 """
 
 from __future__ import annotations

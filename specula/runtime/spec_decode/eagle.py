@@ -1,11 +1,7 @@
-"""The ``eagle3`` method: a small head conditioned on the target's auxiliary hidden
-states drafts autoregressively, feeding back its own hidden state.
-
-The head (:class:`~specula.runtime.models.llama_eagle3.Eagle3LlamaForCausalLM`, Li et
-al., arXiv 2503.01840) owns its weights; :class:`Eagle3Runner` applies them with the
-kernels and sublayers of the target's runner, over its own paged KV cache on the
-target's block tables (:class:`~specula.runtime.spec_decode.draft_model_base.DraftRunner`).
-"""
+"""The ``eagle3`` method: a small head
+(:class:`~specula.runtime.models.llama_eagle3.Eagle3LlamaForCausalLM`, Li et al., arXiv
+2503.01840) conditioned on the target's auxiliary hidden states drafts autoregressively,
+feeding back its own hidden state."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
 """The ``mtp`` method (DeepSeek-style multi-token prediction, arXiv 2412.19437; vLLM's
 ``mtp``): an MTP layer conditioned on the target's final hidden state drafts
-autoregressively with the target's embeddings and LM head; :class:`MTPRunner` runs it
-on the kernels over its own paged KV cache (one attention layer), with the target's
-block tables."""
+autoregressively with the target's embeddings and LM head."""
 
 from __future__ import annotations
 

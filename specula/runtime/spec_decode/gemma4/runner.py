@@ -1,11 +1,6 @@
 """The Gemma4 MTP draft (``gemma4_assistant``) on the kernels, reading the target's paged
-KV cache: each layer of the assistant (:class:`~specula.runtime.models.gemma4_assistant.
-Gemma4AssistantForCausalLM`) is query-only and attends, through the target's block
-tables, to the cache entry of the target's last non-shared layer of its type. A draft row
-at rotary position ``p`` sees the committed positions ``0 .. p - 1`` (sliding layers: the
-last ``sliding_window + 1``, the assistant's inclusive window), never the KV the target
-wrote for rejected drafts.
-"""
+KV cache: each query-only layer of the assistant attends, through the target's block
+tables, to the cache entry of the target's last non-shared layer of its type."""
 
 from __future__ import annotations
 
