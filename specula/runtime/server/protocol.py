@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
-from pydantic_core import PydanticCustomError
+from pydantic_core import ErrorDetails, PydanticCustomError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specula.runtime.engine.sampling_params import MAX_LOGPROBS
@@ -255,28 +254,28 @@ _UNION_SHAPES = {
 """Plain-words types of union fields, instead of one pydantic error per member."""
 
 
-def validation_error(errors: Sequence[Any]) -> APIError:
+def validation_error(errors: list[ErrorDetails]) -> APIError:
     """Turn a list of pydantic errors into one 400 ``APIError``.
 
     ``param`` is the first offending field (``prompt``, ``max_tokens``...), or
-    ``None`` when the body as a whole is wrong (not JSON, not an object).
+    ``None`` when the body as a whole is wrong (not an object).
     """
     found: dict[str, str | None] = {}  # each distinct message, in order: the field it names
     for err in errors:
-        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
-        field, kind, ctx = (loc[0] if loc else None), str(err.get("type", "")), err.get("ctx") or {}
+        loc = [str(p) for p in err["loc"]]
+        field, kind, ctx = (loc[0] if loc else None), err["type"], err.get("ctx") or {}
         if field in _UNION_SHAPES and (kind.endswith("_type") or kind == "int_parsing"):
             msg = f"{field} must be {_UNION_SHAPES[field]}"
         elif field == "prompt" and kind in ("greater_than_equal", "too_short"):
             msg = "token ids must be >= 0" if kind == "greater_than_equal" else "prompt is empty"
         elif kind == "unsupported_field":
-            field, msg = ctx["param"], str(err.get("msg"))
-        elif kind in ("model_attributes_type", "model_type", "dict_type") and not loc:
+            field, msg = ctx["param"], err["msg"]
+        elif kind == "model_type" and not loc:
             msg = "the request body must be a JSON object"
         elif kind == "extra_forbidden":
             msg = f"unknown field `{'.'.join(loc)}`"
         else:
-            msg = f"{'.'.join(loc)}: {err.get('msg')}" if loc else str(err.get("msg"))
+            msg = f"{'.'.join(loc)}: {err['msg']}" if loc else err["msg"]
         found.setdefault(msg, field)
     param = next((f for f in found.values() if f is not None), None)
     return APIError(400, "; ".join(found) or "invalid request", param=param)
