@@ -3,14 +3,10 @@
 One background thread owns the single-threaded ``LLMEngine``: it loads it and runs
 ``engine.step()`` while there is work. Handlers send commands (add, abort, settings
 calls) through a thread-safe queue and receive each step's ``RequestOutput`` on their
-own ``asyncio.Queue``, fed with ``loop.call_soon_threadsafe``: vLLM's ``AsyncLLMEngine``
-background loop, reduced to one process.
-
-The thread times every step for the step-time histogram, labelled with the batch size
-and the k that step's decode round used (under a per-batch-size schedule it varies).
-After each step and each setting change it publishes a
-:class:`~specula.runtime.server.metrics.RuntimeSnapshot` for scrapes, so a scrape never
-sees the engine's counters half-updated.
+own ``asyncio.Queue``: vLLM's ``AsyncLLMEngine`` background loop, reduced to one process.
+The thread also times every step and, after each step and each setting change, publishes
+a :class:`~specula.runtime.server.metrics.RuntimeSnapshot` for scrapes, so a scrape
+never sees the engine's counters half-updated.
 """
 
 from __future__ import annotations

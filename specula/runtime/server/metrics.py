@@ -1,9 +1,8 @@
-"""Server-side runtime metrics: plain step-time counting and its Prometheus export.
+"""Server-side runtime metrics: step-time counting and the Prometheus export of the
+:class:`RuntimeSnapshot` the engine loop publishes.
 
-The engine loop (:mod:`specula.runtime.server.engine_loop`) times every
-``engine.step()`` and records it in :class:`StepTimeStats`; after each step it
-publishes a :class:`RuntimeSnapshot`.  :class:`RuntimeProm` turns the latest snapshot
-into Prometheus families at scrape time; the speculative-decoding counters come from
+:class:`RuntimeProm` turns the latest snapshot into Prometheus families at scrape time;
+the speculative-decoding counters come from
 :class:`~specula.runtime.spec_decode.metrics_prom.SpecDecodingProm`.  Both are
 registered in a private ``CollectorRegistry`` per app, never the global one, so
 several apps (tests) in one process do not collide.
