@@ -50,21 +50,16 @@ class DFlashSpeculator(DraftModelSpeculator):
         self.config = DFlashConfig.from_pretrained(draft_dir)
         self.config.check_target(target_config, num_speculative_tokens)
         self.aux_hidden_state_layers = self.config.aux_hidden_state_layer_ids
-        self.block_size = self.config.block_size
         super().__init__(draft_dir, target_config, num_speculative_tokens, *args, **kwargs)
         self.embed_weight: torch.Tensor | None = None
         self.lm_head_weight: torch.Tensor | None = None
 
     def load_draft_model(self) -> DFlashDraftModel:
         config = self.config
+        draft_vocab_size = config.draft_vocab_size if config.uses_draft_vocab else None
         return load_dflash_draft(
-            self.draft_dir,
-            config.layer_config,
-            num_aux_layers=len(self.aux_hidden_state_layers),
-            draft_vocab_size=config.draft_vocab_size if config.uses_draft_vocab else None,
-            dtype=self.dtype,
-            device=self.device,
-            load_format=self.load_format,
+            self.draft_dir, config.layer_config, len(self.aux_hidden_state_layers),
+            draft_vocab_size, self.dtype, self.device, self.load_format,
         )
 
     def bind_target(self, target_runner) -> None:
@@ -78,7 +73,7 @@ class DFlashSpeculator(DraftModelSpeculator):
         return DFlashRunner(self.model, kv_cache, max_model_len)
 
     def num_lookahead_tokens(self, num_speculative_tokens: int) -> int:
-        return self.block_size
+        return self.config.block_size
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[n, H] -> [n, vocab_size]`` float32 (``-inf`` outside a draft vocabulary)."""
@@ -103,7 +98,7 @@ class DFlashSpeculator(DraftModelSpeculator):
 
     def _block_hidden(self, r: int) -> torch.Tensor:
         """[r, num_drafts_max, H] the block's states at the draft slots."""
-        bs, dev = self.block_size, self.device
+        bs, dev = self.config.block_size, self.device
         start = self.start_positions[:r]
         valid = start >= 0
         positions = start.clamp(min=0)[:, None] + torch.arange(bs, device=dev)  # [r, bs]
