@@ -85,7 +85,7 @@ class Gemma4ModelConfig(ModelConfig):
         return config
 
     @classmethod
-    def from_text_config(cls, text: Any, architecture: str, outer: Any = None) -> Gemma4ModelConfig:
+    def from_text_config(cls, text: Any, architecture: str, outer: Any) -> Gemma4ModelConfig:
         """Read a ``Gemma4TextConfig`` without checking its KV-sharing pattern (a Gemma4
         MTP draft's layers are all shared and read the target's KV). ``outer`` is the
         enclosing config, whose ``eos_token_id``, dtype and embedding tying win.
@@ -93,7 +93,6 @@ class Gemma4ModelConfig(ModelConfig):
         Raises:
             ValueError: an activation we do not implement, or bidirectional attention.
         """
-        outer = outer if outer is not None else text
         act = text.hidden_activation
         if act not in ACTIVATIONS:
             raise ValueError(f"hidden_activation {act!r} is not supported ({sorted(ACTIVATIONS)})")
@@ -104,7 +103,6 @@ class Gemma4ModelConfig(ModelConfig):
             )
         per_layer = [text.per_layer_config[i] for i in range(text.num_hidden_layers)]
         rope = {t: dict(p) for t, p in (text.rope_parameters or {}).items() if p is not None}
-        dtype = checkpoint_dtype(outer) or checkpoint_dtype(text)
         return cls(
             architecture=architecture,
             **{f: getattr(text, f) for f in HF_FIELDS},
@@ -115,7 +113,7 @@ class Gemma4ModelConfig(ModelConfig):
             tie_word_embeddings=bool(getattr(outer, "tie_word_embeddings", True)),
             attention_bias=bool(text.attention_bias),
             mlp_bias=False,
-            torch_dtype=dtype,
+            torch_dtype=checkpoint_dtype(outer) or checkpoint_dtype(text),
             eos_token_ids=eos_token_ids(outer) or eos_token_ids(text),
             hidden_act=act,
             layer_types=tuple(text.layer_types),

@@ -61,8 +61,6 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
     """Draft rows attend to the target's cache up to (not including) their position and
     write no KV (Gemma4 MTP); there is no draft prefill."""
 
-    # ---- hooks ----------------------------------------------------------------------
-
     def advance_draft_positions(self, positions: torch.Tensor) -> torch.Tensor:
         """Rotary positions of the next draft step from the current ones, ``[num_reqs]``.
         The plain next position; methods with constant draft positions override it."""
@@ -97,8 +95,6 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
 
     def num_lookahead_tokens(self, num_speculative_tokens: int) -> int:
         return 0 if self.reads_target_kv else num_speculative_tokens
-
-    # ---- buffers and graphs ---------------------------------------------------------
 
     def init_cudagraph_manager(self) -> None:
         super().init_cudagraph_manager()
@@ -149,8 +145,6 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
                       key=lambda rs: (rs[0] * rs[1], rs[0]))
         for r, s in keys:
             self.decode_graphs[(r, s)] = self.capture_in_pool(lambda r=r, s=s: self._decode(r, s))
-
-    # ---- the loop -------------------------------------------------------------------
 
     def _num_decode_steps(self, k: int) -> int:
         return k - 1 if self.conditions_on_hidden_states else k

@@ -169,8 +169,6 @@ class DraftModelSpeculator(BaseSpeculator):
             kv_cache = PagedKVCache(spec, num_blocks, self.device)
             self.runner = self.build_runner(kv_cache, max_model_len)
 
-    # ---- graph state shared by the drafting loops ------------------------------------
-
     def init_cudagraph_manager(self) -> None:
         r, dev = self.max_num_seqs, self.device
         self.next_token_ids = torch.zeros(r, dtype=torch.int64, device=dev)

@@ -88,8 +88,6 @@ class DFlashSpeculator(DraftModelSpeculator):
         for r in sizes:  # sampled drafts run eagerly
             self.decode_graphs[r] = self.capture_in_pool(lambda r=r: self._greedy_block(r))
 
-    # ---- drafting -------------------------------------------------------------------
-
     def _store_context(self, target: ProposeInputs | CapturedAttentionState) -> None:
         assert target.aux_hidden_states is not None, "dflash reads auxiliary hidden states"
         self.runner.store_context(
