@@ -65,7 +65,7 @@ BodyT = TypeVar("BodyT", bound=BaseModel)
 
 
 class _ServerState:
-    """Per-app state built once the engine is ready."""
+    """Per-app state: the engine loop, limits, draining flag, tokenizer copy and metrics."""
 
     def __init__(self, loop: EngineLoop, limits: Limits) -> None:
         self.loop = loop
