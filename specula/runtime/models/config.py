@@ -82,10 +82,9 @@ class ModelConfig:
 
         if hf.model_type in GEMMA4_MODEL_TYPES:
             return Gemma4ModelConfig.from_hf_config(hf)
-        architectures = getattr(hf, "architectures", None) or []
-        if not architectures and hf.model_type in _DEFAULT_ARCHITECTURE:
-            architectures = [_DEFAULT_ARCHITECTURE[hf.model_type]]
-        if not architectures:
+        default = _DEFAULT_ARCHITECTURE.get(hf.model_type)
+        architectures = getattr(hf, "architectures", None) or [default]
+        if architectures[0] is None:
             raise ValueError("config.json lists no 'architectures'")
         num_heads = hf.num_attention_heads
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
@@ -174,9 +173,7 @@ def resolve_dtype(dtype: str, config: ModelConfig, device: torch.device) -> torc
     """
     if dtype == "auto":
         chosen = config.torch_dtype or torch.float32
-        if device.type == "cpu" and chosen == torch.float16:
-            chosen = torch.float32
-        return chosen
+        return torch.float32 if device.type == "cpu" and chosen == torch.float16 else chosen
     if dtype not in _DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; expected auto, {', '.join(_DTYPES)}")
     return _DTYPES[dtype]

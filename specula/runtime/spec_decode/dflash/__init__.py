@@ -5,13 +5,10 @@ whole block; checkpoints in the ``speculators`` ``dflash`` format."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 import torch.nn.functional as F
 
 from specula.runtime.engine.sampler import STREAM_DRAFT, sample
-from specula.runtime.models.config import ModelConfig
 from specula.runtime.models.dflash import DFlashDraftModel, load_dflash_draft
 from specula.runtime.spec_decode.base import DraftOutput, ProposeInputs
 from specula.runtime.spec_decode.dflash.config import DFlashConfig
@@ -44,18 +41,15 @@ class DFlashSpeculator(DraftModelSpeculator):
     """
 
     model: DFlashDraftModel
-
-    def __init__(self, draft_dir: Path, target_config: ModelConfig, num_speculative_tokens: int,
-                 *args, **kwargs) -> None:
-        self.config = DFlashConfig.from_pretrained(draft_dir)
-        self.config.check_target(target_config, num_speculative_tokens)
-        self.aux_hidden_state_layers = self.config.aux_hidden_state_layer_ids
-        super().__init__(draft_dir, target_config, num_speculative_tokens, *args, **kwargs)
-        self.embed_weight: torch.Tensor | None = None
-        self.lm_head_weight: torch.Tensor | None = None
+    config: DFlashConfig
+    embed_weight: torch.Tensor | None = None
+    lm_head_weight: torch.Tensor | None = None
+    """The target's token embedding and LM head (:meth:`bind_target`)."""
 
     def load_draft_model(self) -> DFlashDraftModel:
-        config = self.config
+        config = self.config = DFlashConfig.from_pretrained(self.draft_dir)
+        config.check_target(self.target_config, self.max_num_speculative_tokens)
+        self.aux_hidden_state_layers = config.aux_hidden_state_layer_ids
         draft_vocab_size = config.draft_vocab_size if config.uses_draft_vocab else None
         return load_dflash_draft(
             self.draft_dir, config.layer_config, len(self.aux_hidden_state_layers),
