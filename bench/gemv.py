@@ -35,6 +35,11 @@ SHAPES = {
     "1B gate_up_proj": (16384, 2048),
     "1B down_proj": (2048, 8192),
     "1B lm_head": (128256, 2048),
+    "8B/TP2 qkv_proj": (3072, 4096),
+    "8B/TP2 o_proj": (4096, 2048),
+    "8B/TP2 gate_up_proj": (14336, 4096),
+    "8B/TP2 down_proj": (4096, 7168),
+    "8B/TP2 lm_head": (64128, 4096),
 }
 ROWS = (1, 5, 8, 16, 32, 64, 128, 160)
 
@@ -66,15 +71,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", type=Path, default=None)
     parser.add_argument("--quick", action="store_true", help="fewer configurations")
     parser.add_argument("--shapes", default="", help="comma-separated name prefixes (default: all)")
+    parser.add_argument("--rows", default=",".join(map(str, ROWS)), help="row counts to time")
+    parser.add_argument("--tuned-candidates", action="store_true",
+                        help="try only the configurations already tuned for other shapes")
     args = parser.parse_args(argv)
     import torch
     import torch.nn.functional as F
 
-    from specula.runtime.kernels.gemv import block_m, gemv
+    from specula.runtime.kernels.gemv import CONFIGS, block_m, gemv
 
     configs = list(itertools.product((16, 32, 64, 128), (128, 256, 512), (4, 8), (3, 5)))
     if args.quick:
         configs = [(32, 256, 4, 4), (64, 256, 4, 4), (64, 128, 8, 3)]
+    if args.tuned_candidates:
+        configs = sorted({c for by_bm in CONFIGS.values() for c in by_bm.values()})
+    rows = tuple(int(m) for m in args.rows.split(","))
     dev = torch.device("cuda")
     gen = torch.Generator(dev).manual_seed(0)
     results, table = {}, {}
@@ -87,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         weights = [torch.randn(n, k, device=dev, dtype=torch.bfloat16, generator=gen) * 0.02
                    for _ in range(copies)]
         times: dict[int, dict] = {}
-        for m in ROWS:
+        for m in rows:
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16, generator=gen)
             ref = F.linear(x.float(), weights[0].float())
             times[m] = {"library": time_products(F.linear, weights, x)}
@@ -108,8 +119,8 @@ def main(argv: list[str] | None = None) -> int:
             }
             print(f"{name:22s} m={m:3d}: cuBLAS {r['library_us']:8.2f} us ({r['library_TBps']:.2f} "
                   f"TB/s)  gemv {r['gemv_us']:8.2f} us ({r['gemv_TBps']:.2f} TB/s) {best}", flush=True)
-        for bm in sorted({block_m(m) for m in ROWS}):
-            ms = [m for m in ROWS if block_m(m) == bm]
+        for bm in sorted({block_m(m) for m in rows}):
+            ms = [m for m in rows if block_m(m) == bm]
             common = set.intersection(*(set(times[m]) - {"library"} for m in ms))
             if not common:
                 continue
