@@ -117,8 +117,7 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
             needs_top_p=self.keeps_draft_probs,
         )
         """Static sampling settings the graphs read (general path when drafts are sampled)."""
-        width = self.runner_hidden_size()
-        self.hidden = torch.zeros(r, width, dtype=self.dtype, device=dev)
+        self.hidden = torch.zeros(r, self.runner_hidden_size(), dtype=self.dtype, device=dev)
         """[max_num_seqs, H] the state the next draft step reads."""
         self.draft_probs = (
             torch.zeros(r, k, self.vocab_size, device=dev) if self.keeps_draft_probs else None
