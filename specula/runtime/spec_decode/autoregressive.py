@@ -180,7 +180,7 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
 
     def _store(self, col: int, ids: torch.Tensor, probs: torch.Tensor | None, r: int) -> None:
         self.draft_token_ids[:r, col] = ids
-        if probs is not None and self.draft_probs is not None:
+        if probs is not None:  # sampled drafts: draft_probs is allocated
             self.draft_probs[:r, col] = probs
 
     def _step_metadata(self, positions: torch.Tensor, valid: torch.Tensor) -> PagedAttentionMetadata:
@@ -204,7 +204,7 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
         hidden = self.hidden[:r] if self.conditions_on_hidden_states or self.reads_target_kv else None
         sampling = self.sampling.select(slice(0, r))
         for step in range(num_steps):
-            if step == 0 and not (self.conditions_on_hidden_states or self.reads_target_kv):
+            if step == 0 and hidden is None:  # token-only drafts carry no state
                 ids = torch.stack([self.prev_token_ids[:r], tokens], dim=1)  # [r, 2]
                 positions = torch.stack([(pos - 1).clamp(min=0), pos], dim=1)
             else:
