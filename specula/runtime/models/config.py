@@ -18,8 +18,14 @@ _DTYPES = {
 _DEFAULT_ARCHITECTURE = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 HF_FIELDS = (
-    "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-    "num_attention_heads", "rms_norm_eps", "max_position_embeddings",
+    "model_type",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "rms_norm_eps",
+    "max_position_embeddings",
 )
 """:class:`ModelConfig` fields read unchanged from the Hugging Face (text) config."""
 

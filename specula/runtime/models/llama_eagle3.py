@@ -174,7 +174,11 @@ def load_eagle3_draft(
         **{flag: bool(raw.get(flag, False)) for flag in flags},
     )
     model = load_draft_head(
-        lambda: Eagle3LlamaForCausalLM(eagle, device), checkpoint_dir, dtype, device, load_format,
+        lambda: Eagle3LlamaForCausalLM(eagle, device),
+        checkpoint_dir,
+        dtype,
+        device,
+        load_format,
         speculators_weight_name,
     )
     # Not a weight: rebuild what to_empty left uninitialised.

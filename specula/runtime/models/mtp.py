@@ -121,6 +121,10 @@ def load_mtp_draft(
         # The format itself defines one layer (speculators' MTPSpeculatorConfig).
         raise ValueError(f"num_nextn_predict_layers {num_layers} is not supported (only 1)")
     return load_draft_head(
-        lambda: MTPForCausalLM(layer, device), checkpoint_dir, dtype, device, load_format,
+        lambda: MTPForCausalLM(layer, device),
+        checkpoint_dir,
+        dtype,
+        device,
+        load_format,
         _model_name,
     )

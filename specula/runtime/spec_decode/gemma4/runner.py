@@ -31,13 +31,18 @@ class Gemma4AssistantRunner(Gemma4PagedLayers):
         check_gemma4_target(model.config, target.config)
         text = model.config.text
         producers = target.config.kv_producer_layers()
-        # Non-shared target layers are a prefix: cache entry == layer index.
-        kv_sources = [producers[t] for t in text.layer_types]
-        windows = [model.sliding_window if t == SLIDING else None for t in text.layer_types]
         weight = model.pre_projection.weight
         super().__init__(
-            text, target.kv_cache, kv_sources, windows, model.rotary.by_type,
-            target.max_model_len, attn_num_splits=None, device=weight.device, dtype=weight.dtype,
+            text,
+            target.kv_cache,
+            # Non-shared target layers are a prefix: cache entry == layer index.
+            [producers[t] for t in text.layer_types],
+            [model.sliding_window if t == SLIDING else None for t in text.layer_types],
+            model.rotary.by_type,
+            target.max_model_len,
+            None,  # attn_num_splits: the kernel's choice
+            weight.device,
+            weight.dtype,
         )
         self.model = model
         self.target = target
