@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Callable, Collection
 from pathlib import Path
 
@@ -109,7 +110,7 @@ def load_safetensors(
     params = model.state_dict()
     modules = dict(model.named_modules())
     unloaded = set(params)
-    missing_shards: dict[str, set[int]] = {}
+    loaded_shards: dict[str, set[int]] = defaultdict(set)
     shard_map = {
         sub: (fused, i)
         for fused, subs in model.packed_modules_mapping.items()
@@ -138,11 +139,8 @@ def load_safetensors(
                         tensor = shard_tensor(tensor, module.tp_style, (rows, *tensor.shape[1:]))
                     module.load_shard(param_name, shard_id, tensor)
                     fused_name = f"{fused_path}.{param_name}"
-                    pending = missing_shards.setdefault(
-                        fused_name, set(range(len(module.output_sizes)))
-                    )
-                    pending.discard(shard_id)
-                    if not pending:
+                    loaded_shards[fused_name].add(shard_id)
+                    if len(loaded_shards[fused_name]) == len(module.output_sizes):
                         unloaded.discard(fused_name)
                     continue
                 param = params.get(name)
