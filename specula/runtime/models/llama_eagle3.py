@@ -24,7 +24,7 @@ from torch import nn
 from specula.runtime.kernels.gemv import linear
 from specula.runtime.models.config import ModelConfig, check_aux_layer_ids
 from specula.runtime.models.layers import MergedLinear, RMSNorm, RotaryEmbedding
-from specula.runtime.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+from specula.runtime.models.llama import LlamaForCausalLM
 from specula.runtime.models.speculators_format import (
     DECODER_LAYERS,
     draft_to_target_ids,
@@ -53,18 +53,6 @@ class Eagle3Config:
     norm_output: bool = False
 
 
-def first_eagle3_layer(config: ModelConfig, norm_before_residual: bool) -> LlamaDecoderLayer:
-    """The first EAGLE-3 layer: attention over ``[embedding, hidden]`` of width ``2H``."""
-    layer = DECODER_LAYERS[config.model_type](config)
-    # q/k/v read the concatenated 2H input.
-    layer.self_attn.qkv_proj = MergedLinear(
-        2 * config.hidden_size, layer.self_attn.qkv_proj.output_sizes, config.attention_bias
-    )
-    layer.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-    layer.norm_before_residual = norm_before_residual
-    return layer
-
-
 class Eagle3LlamaForCausalLM(nn.Module):
     """EAGLE-3 draft head (see the module docstring).
 
@@ -90,10 +78,13 @@ class Eagle3LlamaForCausalLM(nn.Module):
             self.fc_norm = nn.ModuleList(norms)
         self.fc = nn.Linear(aux_width, h, bias=False)
         layer_cls = DECODER_LAYERS[config.model_type]
-        self.layers = nn.ModuleList(
-            [first_eagle3_layer(config, eagle.norm_before_residual)]
-            + [layer_cls(config) for _ in range(config.num_hidden_layers - 1)]
+        self.layers = nn.ModuleList(layer_cls(config) for _ in range(config.num_hidden_layers))
+        first = self.layers[0]  # attends over [embedding, hidden]: q/k/v read width 2H
+        first.self_attn.qkv_proj = MergedLinear(
+            2 * h, first.self_attn.qkv_proj.output_sizes, config.attention_bias
         )
+        first.hidden_norm = RMSNorm(h, config.rms_norm_eps)
+        first.norm_before_residual = eagle.norm_before_residual
         self.norm = RMSNorm(h, config.rms_norm_eps)
         self.lm_head = nn.Linear(h, eagle.draft_vocab_size, bias=False)
         self.register_buffer(
