@@ -46,16 +46,18 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
     """Drafts ``k`` tokens one after another with the draft network (module docstring).
 
     Hooks for subclasses: :attr:`conditions_on_hidden_states`, :meth:`conditioning`,
-    :attr:`reads_target_kv`, :meth:`advance_draft_positions`, :meth:`sample_draft`,
-    :meth:`load_draft_model`, :meth:`build_runner`. A runner's forward returns the states
-    for the logits and the next step (MTP), or ``(hidden_for_logits, hidden_for_next_step)``
-    (EAGLE-3's normed and pre-norm states, Gemma4's draft and backbone states; a plain
-    draft's ``(hidden, None)``: token-only drafts carry no state).
+    :attr:`model_returns_tuple`, :attr:`reads_target_kv`, :meth:`advance_draft_positions`,
+    :meth:`sample_draft`, :meth:`load_draft_model`, :meth:`build_runner`.
     """
 
     conditions_on_hidden_states: bool = False
     """The draft reads a conditioning state with each token (EAGLE, MTP): its runner's
     forward takes ``hidden_states [n, H]`` and row ``p`` reads token ``t_{p+1}``."""
+
+    model_returns_tuple: bool = False
+    """The runner returns ``(hidden_for_logits, hidden_for_next_step)`` (EAGLE-3's normed
+    and pre-norm states, Gemma4's draft and backbone states); else the first element of
+    what it returns serves both (MTP's one state; a plain draft's ``(hidden, None)``)."""
 
     reads_target_kv: bool = False
     """Draft rows attend to the target's cache up to (not including) their position and
@@ -151,7 +153,10 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
     def _forward(self, input_ids, positions, metadata, hidden):
         args = (input_ids, positions, metadata)
         out = self.runner.forward(*args, hidden) if hidden is not None else self.runner.forward(*args)
-        return out if isinstance(out, tuple) else (out, out)
+        if self.model_returns_tuple:
+            return out
+        out = out[0] if isinstance(out, tuple) else out
+        return out, out
 
     def _prefill(
         self, r: int, target: ProposeInputs | CapturedAttentionState, sample_first: bool

@@ -76,6 +76,7 @@ class EagleSpeculator(AutoRegressiveSpeculator):
     """
 
     conditions_on_hidden_states = True
+    model_returns_tuple = True
     model: Eagle3LlamaForCausalLM
 
     def load_draft_model(self) -> Eagle3LlamaForCausalLM:

@@ -37,6 +37,7 @@ class Gemma4MTPSpeculator(AutoRegressiveSpeculator):
     """
 
     reads_target_kv = True
+    model_returns_tuple = True
     model: Gemma4AssistantForCausalLM
 
     def load_draft_model(self) -> Gemma4AssistantForCausalLM:
