@@ -7,6 +7,11 @@ become ``x1 * cos - x2 * sin`` and ``x2 * cos + x1 * sin``; channels past ``rota
 laid out as vLLM's ``cos_sin_cache``: ``[max_position, rotary_dim]`` holding
 ``cos(pos * inv_freq)`` in the first half and ``sin(pos * inv_freq)`` in the second.
 Arithmetic is float32, rounded once to the activation dtype.
+
+:func:`rotary_embedding_and_cache` fuses the rotation with the write of the new keys and
+values into the paged KV cache (:func:`~.reshape_and_cache.reshape_and_cache`, vLLM's slot
+mapping, negative slots skipped): one launch, one program per token, so a decode step pays
+one small kernel per layer for both.
 """
 
 from __future__ import annotations
@@ -16,18 +21,17 @@ import triton
 import triton.language as tl
 
 from specula.runtime.kernels.dispatch import FLOATS, use_reference
-from specula.runtime.kernels.reshape_and_cache import reshape_and_cache_reference
+from specula.runtime.kernels.reshape_and_cache import check_cache_write, reshape_and_cache_reference
 
 
-def build_cos_sin_cache(
-    inv_freq: torch.Tensor, max_position: int, dtype: torch.dtype = torch.float32
-) -> torch.Tensor:
+def build_cos_sin_cache(inv_freq: torch.Tensor, max_position: int) -> torch.Tensor:
     """The ``[max_position, rotary_dim]`` table for ``inv_freq [rotary_dim // 2]`` (e.g.
     :attr:`specula.runtime.models.layers.RotaryEmbedding.inv_freq`), computed in float32
-    as the model layer does, then cast to ``dtype``."""
+    as the model layer does and kept in float32: the kernels compute in float32 and round
+    once, closer to the float32 reference than with a table in the activation dtype."""
     positions = torch.arange(max_position, device=inv_freq.device).float()
     freqs = positions[:, None] * inv_freq.float()[None, :]  # [max_position, rotary_dim // 2]
-    return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(dtype)
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
 
 
 @triton.jit
@@ -78,7 +82,7 @@ def _rotary_kernel(
     WRITE_CACHE: tl.constexpr,
 ):
     # One program per token; WRITE_CACHE (full rotary only) also writes the rotated key
-    # and the value to the token's cache slot (:mod:`.rotary_cache`).
+    # and the value to the token's cache slot (:func:`rotary_embedding_and_cache`).
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + token)
     offs_r = tl.arange(0, BLOCK_HALF)
@@ -135,7 +139,7 @@ def rotary_embedding(
             ``rotary_dim`` even and <= ``head_dim``.
         cache: ``(value, key_cache, value_cache, slot_mapping)``: also write the rotated
             keys and the values to the paged cache; for
-            :func:`~.rotary_cache.rotary_embedding_and_cache`, which checks them.
+            :func:`rotary_embedding_and_cache`, which checks them.
 
     Raises:
         AssertionError: shapes, dtypes or layouts do not match the above.
@@ -178,6 +182,39 @@ def rotary_embedding(
     )
 
 
+def rotary_embedding_and_cache(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+) -> None:
+    """Rotate ``query`` and ``key`` in place (the attention that follows reads the query,
+    and a prefill attends over the new keys directly), then write the rotated keys and
+    ``value`` into their cache slots.
+
+    Args:
+        positions, query, key: as :func:`rotary_embedding` (``key`` [num_tokens,
+            num_kv_heads, head_dim] required).
+        value, key_cache, value_cache, slot_mapping: as
+            :func:`~specula.runtime.kernels.reshape_and_cache.reshape_and_cache`, in
+            ``query.dtype``; negative slots write nothing.
+        cos_sin_cache: [max_position, head_dim] (full rotary only: ``rotary_dim ==
+            head_dim``, as Llama and Qwen3) from :func:`build_cos_sin_cache`.
+
+    Raises:
+        AssertionError: shapes, dtypes or layouts do not match the above (including a
+            partial rotary table: use the two separate kernels for those).
+    """
+    check_cache_write(key, value, key_cache, value_cache, slot_mapping)
+    assert cos_sin_cache.shape[-1] == query.shape[-1], "full rotary only"
+    cache = (value, key_cache, value_cache, slot_mapping)
+    rotary_embedding(positions, query, key, cos_sin_cache, cache)
+
+
 def rotary_embedding_reference(
     positions: torch.Tensor,
     query: torch.Tensor,
@@ -197,3 +234,21 @@ def rotary_embedding_reference(
         return torch.cat((rotated, x[..., 2 * half :]), dim=-1)
 
     return rotate(query), None if key is None else rotate(key)
+
+
+def rotary_embedding_and_cache_reference(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+) -> None:
+    """Torch reference of :func:`rotary_embedding_and_cache` (same arguments, in place):
+    the two unfused references one after the other."""
+    q, k = rotary_embedding_reference(positions, query, key, cos_sin_cache)
+    query.copy_(q)
+    key.copy_(k)
+    reshape_and_cache_reference(key, value, key_cache, value_cache, slot_mapping)

@@ -38,8 +38,11 @@ import torch
 
 from specula.runtime.kernels.activation import silu_and_mul
 from specula.runtime.kernels.layernorm import fused_add_rms_norm, rms_norm
-from specula.runtime.kernels.rotary import build_cos_sin_cache, rotary_embedding
-from specula.runtime.kernels.rotary_cache import rotary_embedding_and_cache
+from specula.runtime.kernels.rotary import (
+    build_cos_sin_cache,
+    rotary_embedding,
+    rotary_embedding_and_cache,
+)
 from specula.runtime.models.gemma4 import (
     Gemma4Attention,
     Gemma4DecoderLayer,
@@ -91,8 +94,6 @@ class Gemma4PagedLayers(ModelRunner):
         """Per layer, the cache entry it reads (and writes when it is not shared)."""
         self.windows = tuple(windows)
         """Per layer, its sliding window or ``None`` (full attention)."""
-        # float32 tables, one per layer type: the kernels compute in float32 and round
-        # once, closer to the float32 reference than a table in the activation dtype.
         self.cos_sin_caches = {
             t: build_cos_sin_cache(r.inv_freq.to(device), max_model_len)
             for t, r in rotary.items()

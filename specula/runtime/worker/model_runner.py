@@ -33,8 +33,7 @@ from specula.runtime.engine.block_manager import cdiv
 from specula.runtime.kernels.gemv import linear, linear_argmax, linear_silu_and_mul
 from specula.runtime.kernels.layernorm import fused_add_rms_norm, rms_norm
 from specula.runtime.kernels.paged_attention import paged_attention
-from specula.runtime.kernels.rotary import build_cos_sin_cache
-from specula.runtime.kernels.rotary_cache import rotary_embedding_and_cache
+from specula.runtime.kernels.rotary import build_cos_sin_cache, rotary_embedding_and_cache
 from specula.runtime.models.config import ModelConfig
 from specula.runtime.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
 from specula.runtime.models.qwen3 import Qwen3ForCausalLM
@@ -226,8 +225,6 @@ class ModelRunner:
         # Row-parallel outputs are partial sums over the ranks (Megatron-LM).
         self.reduce = all_reduce if tp > 1 else _identity
         self.scale = config.head_dim**-0.5
-        # float32 table: the kernel computes in float32 and rounds once, closer to the
-        # float32 reference than a table in the activation dtype.
         self.cos_sin_cache = build_cos_sin_cache(inv_freq.to(self.device), max_model_len)
 
     def setup_cache(

@@ -18,8 +18,8 @@ from triton.compiler import ASTSource
 
 from specula.runtime.kernels import activation, rotary
 from specula.runtime.kernels.activation import silu_and_mul, silu_and_mul_reference
-from specula.runtime.kernels.rotary import build_cos_sin_cache
-from specula.runtime.kernels.rotary_cache import (
+from specula.runtime.kernels.rotary import (
+    build_cos_sin_cache,
     rotary_embedding_and_cache,
     rotary_embedding_and_cache_reference,
 )
