@@ -52,20 +52,12 @@ def _rms_norm_kernel(
     variance = tl.sum(xf * xf, axis=0) / HIDDEN
     normed = xf * tl.rsqrt(variance + eps)
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    if GEMMA:
-        y = normed * (1.0 + w)
-    else:
-        y = w * normed.to(dtype).to(tl.float32)
+    y = normed * (1.0 + w) if GEMMA else w * normed.to(dtype).to(tl.float32)
     tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def rms_norm(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float,
-    *,
-    gemma: bool = False,
-    out: torch.Tensor | None = None,
+    x: torch.Tensor, weight: torch.Tensor, eps: float, *, gemma: bool = False
 ) -> torch.Tensor:
     """RMSNorm of each row.
 
@@ -74,7 +66,6 @@ def rms_norm(
         weight: [hidden_size] in ``x.dtype``.
         eps: added to the mean square.
         gemma: scale by ``1 + weight`` in float32 (Gemma) instead of Llama's convention.
-        out: optional output buffer like ``x`` (may be ``x`` itself).
 
     Returns:
         [num_tokens, hidden_size] in ``x.dtype``.
@@ -82,7 +73,7 @@ def rms_norm(
     Raises:
         AssertionError: shapes, dtypes or layouts do not match the above.
     """
-    return fused_add_rms_norm(x, None, weight, eps, gemma=gemma, out=out)[0]
+    return fused_add_rms_norm(x, None, weight, eps, gemma=gemma)[0]
 
 
 def fused_add_rms_norm(

@@ -183,12 +183,6 @@ def _merge_splits_kernel(
     tl.store(o_ptrs, merged.to(out_ptr.dtype.element_ty), mask=d_valid)
 
 
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _block_n(block_m: int, block_d: int, itemsize: int, device: torch.device) -> int:
     """Keys per tile: ``_BLOCK_N`` unless the query, key and value tiles would exceed
     the device's shared memory (Gemma4's 512-wide full-attention heads).
@@ -218,8 +212,10 @@ def default_num_splits(
     A pure function of host-side sizes, so a CUDA graph captured with one value stays
     valid for every ``seq_lens`` up to ``max_context``.
     """
-    programs = num_reqs * num_kv_heads * num_m_blocks
-    wanted = triton.cdiv(2 * _num_sms(device), programs)
+    sms = 4
+    if device.type == "cuda":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+    wanted = triton.cdiv(2 * sms, num_reqs * num_kv_heads * num_m_blocks)
     by_length = triton.cdiv(max_context, _MIN_TOKENS_PER_SPLIT)
     return max(1, min(wanted, by_length, _MAX_SPLITS))
 
@@ -234,7 +230,6 @@ def paged_attention(
     q_len: int = 1,
     *,
     num_splits: int | None = None,
-    out: torch.Tensor | None = None,
     sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Attention of ``q_len`` new query tokens per request over the paged KV cache.
@@ -256,7 +251,6 @@ def paged_attention(
             window: at most ``sliding_window + q_len - 1``) as the longest context.
             Fixed per launch shape, independent of ``seq_lens`` values, so no
             device-to-host copy happens.
-        out: optional [num_reqs * q_len, num_heads, head_dim] output buffer.
         sliding_window: ``W`` >= 1: a query at position ``p`` sees keys at positions
             ``(p - W, p]`` only (see the module docstring); ``None`` (default): all
             keys up to its own.
@@ -279,15 +273,13 @@ def paged_attention(
     assert cache_head_dim == head_dim and num_heads % num_kv_heads == 0
     assert q_len >= 1 and num_tokens == num_reqs * q_len and seq_lens.shape[0] == num_reqs
     assert sliding_window is None or sliding_window >= 1
-    out = torch.empty_like(query) if out is None else out
-    assert out.shape == query.shape and out.dtype == query.dtype and out.stride(-1) == 1
-    if num_reqs == 0:
-        return out
     if use_reference(query):
-        ref = paged_attention_reference(
+        return paged_attention_reference(
             query, key_cache, value_cache, block_table, seq_lens, scale, q_len, sliding_window
         )
-        return out.copy_(ref)
+    out = torch.empty_like(query)
+    if num_reqs == 0:
+        return out
     group_size = num_heads // num_kv_heads
     rows = q_len * group_size
     block_m = max(16, min(_MAX_BLOCK_M, triton.next_power_of_2(rows)))
