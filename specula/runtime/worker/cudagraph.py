@@ -103,10 +103,8 @@ def cudagraph_capture_sizes(max_num_reqs: int) -> list[int]:
     """
     if max_num_reqs < 1:
         raise ValueError(f"max_num_reqs={max_num_reqs} must be >= 1")
-    sizes = {s for s in (1, 2, 4, 8) if s <= max_num_reqs}
-    sizes.update(range(16, max_num_reqs + 1, 8))
-    sizes.add(max_num_reqs)
-    return sorted(sizes)
+    sizes = {1, 2, 4, 8, *range(16, max_num_reqs + 1, 8), max_num_reqs}
+    return sorted(s for s in sizes if s <= max_num_reqs)
 
 
 class CUDAGraphManager:
@@ -190,16 +188,12 @@ class CUDAGraphManager:
         self.seq_lens.zero_()
         for d in self.descriptors():
             n, r, q = d.num_tokens, d.num_reqs, d.uniform_query_len
-            metadata = PagedAttentionMetadata(
-                slot_mapping=self.slot_mapping[:n],
-                block_table=self.block_table[:r],
-                seq_lens=self.seq_lens[:r],
-                query_start_loc=self.query_start_loc[q][: r + 1],
-                num_reqs=r,
-                num_tokens=n,
-                uniform_query_len=q,
-                prefill=False,
-                query_lens_cpu=(q,) * r,
+            metadata = PagedAttentionMetadata.from_query_lens(
+                self.slot_mapping[:n],
+                self.block_table[:r],
+                self.seq_lens[:r],
+                self.query_start_loc[q][: r + 1],
+                (q,) * r,
             )
             state = CapturedAttentionState(d, metadata, self.input_ids[:n], self.positions[:n])
             outputs: list = []
@@ -251,8 +245,7 @@ class CUDAGraphManager:
         if not metadata.prefill and metadata.split is None:
             d = self.descriptor_for(metadata.num_reqs, metadata.uniform_query_len)
         if d is None:
-            hidden, aux = self.runner.forward(input_ids, positions, metadata, self.aux_layer_ids)
-            return hidden, aux, None
+            return *self.runner.forward(input_ids, positions, metadata, self.aux_layer_ids), None
         n, r = metadata.num_tokens, metadata.num_reqs
         assert metadata.block_table.shape[1] == self.block_table.shape[1]
         self.input_ids[:n].copy_(input_ids)

@@ -152,6 +152,25 @@ class PagedAttentionMetadata:
     paged cache) and of the remaining ones (context empty). ``None`` otherwise. Token
     rows keep the batch order, decode rows first."""
 
+    @classmethod
+    def from_query_lens(
+        cls,
+        slot_mapping: torch.Tensor,
+        block_table: torch.Tensor,
+        seq_lens: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        query_lens: Sequence[int],
+        prefill: bool = False,
+    ) -> PagedAttentionMetadata:
+        """The metadata of requests with ``query_lens`` (host) query tokens each, which
+        give ``num_reqs``, ``num_tokens``, ``uniform_query_len`` and ``query_lens_cpu``."""
+        lens = tuple(query_lens)
+        return cls(
+            slot_mapping, block_table, seq_lens, query_start_loc, num_reqs=len(lens),
+            num_tokens=sum(lens), uniform_query_len=_uniform(lens), prefill=prefill,
+            query_lens_cpu=lens,
+        )
+
 
 def device_metadata(
     block_table: torch.Tensor,
@@ -197,16 +216,9 @@ def device_metadata(
         query_start_loc = _to_device(list(accumulate(query_lens, initial=0)), torch.int32, device)
         blocks = block_table[token_req, positions // block_size].long()
     lens = _to_device(list(query_lens), torch.int64, device) if uniform is None else uniform
-    metadata = PagedAttentionMetadata(
-        slot_mapping=blocks * block_size + positions % block_size,
-        block_table=block_table,
-        seq_lens=(starts + lens).to(torch.int32),
-        query_start_loc=query_start_loc,
-        num_reqs=num_reqs,
-        num_tokens=sum(query_lens),
-        uniform_query_len=uniform,
-        prefill=False,
-        query_lens_cpu=tuple(query_lens),
+    metadata = PagedAttentionMetadata.from_query_lens(
+        blocks * block_size + positions % block_size, block_table,
+        (starts + lens).to(torch.int32), query_start_loc, query_lens,
     )
     return metadata, positions
 
@@ -319,28 +331,13 @@ def _split_mixed(
     n = sum(decode_lens)
     qsl = metadata.query_start_loc
     return (
-        _part(metadata, slice(None, num_decode), slice(None, n), qsl[: num_decode + 1], False),
-        _part(metadata, slice(num_decode, None), slice(n, None), qsl[num_decode:] - n, True),
-    )
-
-
-def _part(
-    metadata: PagedAttentionMetadata,
-    reqs: slice,
-    rows: slice,
-    query_start_loc: torch.Tensor,
-    prefill: bool,
-) -> PagedAttentionMetadata:
-    """The requests ``reqs`` of ``metadata``, whose tokens are ``rows``."""
-    lens = metadata.query_lens_cpu[reqs]
-    return PagedAttentionMetadata(
-        slot_mapping=metadata.slot_mapping[rows],
-        block_table=metadata.block_table[reqs],
-        seq_lens=metadata.seq_lens[reqs],
-        query_start_loc=query_start_loc,
-        num_reqs=len(lens),
-        num_tokens=sum(lens),
-        uniform_query_len=_uniform(lens),
-        prefill=prefill,
-        query_lens_cpu=lens,
+        PagedAttentionMetadata.from_query_lens(
+            metadata.slot_mapping[:n], metadata.block_table[:num_decode],
+            metadata.seq_lens[:num_decode], qsl[: num_decode + 1], decode_lens,
+        ),
+        PagedAttentionMetadata.from_query_lens(
+            metadata.slot_mapping[n:], metadata.block_table[num_decode:],
+            metadata.seq_lens[num_decode:], qsl[num_decode:] - n,
+            metadata.query_lens_cpu[num_decode:], prefill=True,
+        ),
     )
