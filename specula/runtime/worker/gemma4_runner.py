@@ -95,8 +95,7 @@ class Gemma4PagedLayers(ModelRunner):
         self.windows = tuple(windows)
         """Per layer, its sliding window or ``None`` (full attention)."""
         self.cos_sin_caches = {
-            t: build_cos_sin_cache(r.inv_freq.to(device), max_model_len)
-            for t, r in rotary.items()
+            t: build_cos_sin_cache(r.inv_freq.to(device), max_model_len) for t, r in rotary.items()
         }
         # The value norm has no scale: a weight of ones makes the plain RMSNorm kernel
         # compute exactly x * rsqrt(mean(x^2) + eps).
@@ -231,15 +230,9 @@ class Gemma4Runner(Gemma4PagedLayers):
             )
         weight = model.model.embed_tokens.weight
         super().__init__(
-            config,
-            kv_cache,
-            config.kv_source_layers(),
+            config, kv_cache, config.kv_source_layers(),
             [config.sliding_window if t == SLIDING else None for t in config.layer_types],
-            model.rotary.by_type,
-            max_model_len,
-            attn_num_splits,
-            weight.device,
-            weight.dtype,
+            model.rotary.by_type, max_model_len, attn_num_splits, weight.device, weight.dtype,
         )
         self.model = model
 
@@ -260,15 +253,8 @@ class Gemma4Runner(Gemma4PagedLayers):
         for i, layer in enumerate(model.layers):
             if i in aux_layer_ids:
                 captured[i] = hidden
-            hidden = self._layer(
-                layer,
-                hidden,
-                None if per_layer is None else per_layer[:, i],
-                positions,
-                i,
-                metadata,
-                produced,
-            )
+            per_layer_input = None if per_layer is None else per_layer[:, i]
+            hidden = self._layer(layer, hidden, per_layer_input, positions, i, metadata, produced)
         return rms_norm(hidden, model.norm.weight, model.norm.eps), hidden
 
     def logits_and_argmax(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -129,9 +129,7 @@ def attend(
             mixed batch (decode requests of one query length, then prefills).
     """
     if metadata.prefill:
-        return _prefill_attention(
-            q, k, v, key_cache, value_cache, metadata, scale, sliding_window
-        )
+        return _prefill_attention(q, k, v, key_cache, value_cache, metadata, scale, sliding_window)
     decode, prefill = metadata.split or (metadata, None)
     if decode.uniform_query_len is None:
         raise ValueError(
@@ -141,15 +139,8 @@ def attend(
         )
     n = decode.num_tokens
     out = paged_attention(
-        q[:n],
-        key_cache,
-        value_cache,
-        decode.block_table,
-        decode.seq_lens,
-        scale,
-        decode.uniform_query_len,
-        num_splits=num_splits,
-        sliding_window=sliding_window,
+        q[:n], key_cache, value_cache, decode.block_table, decode.seq_lens, scale,
+        decode.uniform_query_len, num_splits=num_splits, sliding_window=sliding_window,
     )
     if prefill is None:
         return out
@@ -189,13 +180,8 @@ class ModelRunner:
             )
         self.model = model
         self.setup_paged(
-            model.config,
-            kv_cache,
-            len(model.model.layers),
-            model.rotary.inv_freq,
-            model.model.embed_tokens.weight,
-            max_model_len,
-            attn_num_splits,
+            model.config, kv_cache, len(model.model.layers), model.rotary.inv_freq,
+            model.model.embed_tokens.weight, max_model_len, attn_num_splits,
         )
 
     def setup_paged(
@@ -223,7 +209,7 @@ class ModelRunner:
         self.setup_cache(config, kv_cache, max_model_len, attn_num_splits, weight.device, weight.dtype)
         self.has_qk_norm = config.model_type == "qwen3"
         # Row-parallel outputs are partial sums over the ranks (Megatron-LM).
-        self.reduce = all_reduce if tp > 1 else _identity
+        self.reduce = all_reduce if tp > 1 else (lambda x: x)
         self.scale = config.head_dim**-0.5
         self.cos_sin_cache = build_cos_sin_cache(inv_freq.to(self.device), max_model_len)
 
@@ -253,8 +239,6 @@ class ModelRunner:
         self.max_blocks_per_req = cdiv(max_model_len, self.block_size)
         self.attn_num_splits = attn_num_splits
 
-    # -- sublayers -------------------------------------------------------------------
-
     def _attention(
         self,
         attn: LlamaAttention,
@@ -274,18 +258,13 @@ class ModelRunner:
         rotary_embedding_and_cache(
             positions, q, k, v, key_cache, value_cache, metadata.slot_mapping, self.cos_sin_cache
         )
-        out = attend(
-            q, k, v, key_cache, value_cache, metadata, self.scale, self.attn_num_splits
-        )
+        out = attend(q, k, v, key_cache, value_cache, metadata, self.scale, self.attn_num_splits)
         # reshape: a one-request prefill's attention output may be a transposed view.
         return self.reduce(linear(out.reshape(n, -1), attn.o_proj.weight, attn.o_proj.bias))
 
     def _mlp(self, mlp: LlamaMLP, hidden: torch.Tensor) -> torch.Tensor:
-        gate_up = mlp.gate_up_proj
-        act = linear_silu_and_mul(hidden, gate_up.weight, gate_up.bias)
+        act = linear_silu_and_mul(hidden, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias)
         return self.reduce(linear(act, mlp.down_proj.weight, mlp.down_proj.bias))
-
-    # -- forward ---------------------------------------------------------------------
 
     @torch.no_grad()
     def forward(
@@ -385,8 +364,3 @@ class ModelRunner:
         """[num_reqs] int64 row of each request's last query token (where a prefill
         samples)."""
         return metadata.query_start_loc[1:].long() - 1
-
-
-def _identity(x: torch.Tensor) -> torch.Tensor:
-    return x
-
