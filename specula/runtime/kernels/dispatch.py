@@ -25,4 +25,3 @@ def use_reference(t: torch.Tensor) -> bool:
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 """The activation dtypes the kernels take."""
-

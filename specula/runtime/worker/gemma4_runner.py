@@ -119,12 +119,10 @@ class Gemma4PagedLayers(ModelRunner):
         produced: dict[int, tuple[torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor:
         # hidden: [num_tokens, hidden_size]
-        n = hidden.shape[0]
-        num_heads, num_kv_heads = attn.num_heads, attn.num_kv_heads
         cos_sin = self.cos_sin_caches[self.config.layer_types[layer_idx]]
         source = self.kv_sources[layer_idx]
         key_cache, value_cache = self.kv_cache.layer(source)
-        q = self._head_norm(attn.q_proj(hidden), attn.q_norm, num_heads)
+        q = self._head_norm(attn.q_proj(hidden), attn.q_norm, attn.num_heads)
         if attn.kv_shared:
             rotary_embedding(positions, q, None, cos_sin)
             # The producer's keys and values of this forward, which prefill rows attend
@@ -134,8 +132,8 @@ class Gemma4PagedLayers(ModelRunner):
         else:
             k_proj = attn.k_proj(hidden)  # [num_tokens, num_kv_heads * head_dim]
             v_proj = k_proj if attn.v_proj is None else attn.v_proj(hidden)
-            k = self._head_norm(k_proj, attn.k_norm, num_kv_heads)
-            v = self._head_norm(v_proj, attn.v_norm, num_kv_heads)
+            k = self._head_norm(k_proj, attn.k_norm, attn.num_kv_heads)
+            v = self._head_norm(v_proj, attn.v_norm, attn.num_kv_heads)
             rotary_embedding_and_cache(
                 positions, q, k, v, key_cache, value_cache, metadata.slot_mapping, cos_sin
             )
@@ -145,9 +143,9 @@ class Gemma4PagedLayers(ModelRunner):
             q, k, v, key_cache, value_cache, metadata, 1.0, self.attn_num_splits,
             self.windows[layer_idx],
         )
-        # reshape, not view: a one-request prefill's SDPA output may keep a
+        # flatten (a reshape, not a view): a one-request prefill's SDPA output may keep a
         # [heads, tokens] layout (backends without a fused kernel for this head size).
-        return attn.o_proj(out.reshape(n, num_heads * attn.head_dim))
+        return attn.o_proj(out.flatten(1))
 
     def _mlp(self, mlp: Gemma4MLP, hidden: torch.Tensor) -> torch.Tensor:
         if self.config.hidden_act == "silu":

@@ -58,8 +58,7 @@ def _causal_sdpa(
     mask = None
     if window is not None and q_len > window:
         # Causal band: query i sees keys (i - window, i].
-        mask = torch.ones(q_len, q_len, dtype=torch.bool, device=q.device)
-        mask = mask.tril().triu(1 - window)
+        mask = torch.ones(q_len, q_len, dtype=torch.bool, device=q.device).tril().triu(1 - window)
     q, k, v = (x.view(num_reqs, q_len, -1, head_dim).transpose(1, 2) for x in (q, k, v))
     out = F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
