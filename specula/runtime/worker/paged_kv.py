@@ -162,8 +162,9 @@ class PagedAttentionMetadata:
         query_lens: Sequence[int],
         prefill: bool = False,
     ) -> PagedAttentionMetadata:
-        """The metadata of requests with ``query_lens`` (host) query tokens each, which
-        give ``num_reqs``, ``num_tokens``, ``uniform_query_len`` and ``query_lens_cpu``."""
+        """The metadata of requests with ``query_lens`` query tokens each (host ints), which
+        give ``num_reqs``, ``num_tokens``, ``uniform_query_len`` and ``query_lens_cpu``; the
+        tensors are the fields of the same names."""
         lens = tuple(query_lens)
         return cls(
             slot_mapping, block_table, seq_lens, query_start_loc, num_reqs=len(lens),
