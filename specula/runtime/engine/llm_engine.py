@@ -359,9 +359,9 @@ class LLMEngine(SpeculativeSettings):
 
         Raises:
             ValueError: invalid sampling params, a duplicate ``request_id``, an empty
-                prompt, a token id outside the vocabulary,
-                ``len(prompt_token_ids) + max_tokens > max_model_len``, or more tokens than
-                the whole KV cache holds.
+                prompt, a token id outside the vocabulary, or ``len(prompt_token_ids) +
+                max_tokens > max_model_len`` (the cache always holds one request of
+                ``max_model_len`` tokens: the constructor refuses a smaller one).
         """
         params.validate()
         if request_id in self.scheduler:
