@@ -229,3 +229,30 @@ def test_gemv_epilogues_match_the_unfused_kernels(tmp_path, monkeypatch, num_req
     # may pick another token, and then one within rounding of the maximum.
     best = logits_on.float().max(-1).values
     assert bool((logits_on.float().gather(1, idx_off[:, None])[:, 0] >= best - 0.1).all())
+
+
+def test_release_graphs_frees_every_live_captured_graph(monkeypatch):
+    """A tensor-parallel rank frees its graphs before leaving the group (NCCL cannot
+    destroy a communicator that a live graph captured): every graph
+    :func:`capture_graph` made and still referenced is reset, and a graph already
+    collected is no longer tracked. (Tracked in a registry of this test's own, so the
+    graphs of other tests' fixtures stay live.)"""
+    import weakref
+
+    from specula.runtime.worker import cudagraph
+
+    monkeypatch.setattr(cudagraph, "_captured", weakref.WeakSet())
+    x = torch.ones(8, device=DEVICE)
+    kept = [cudagraph.capture_graph(lambda: x.mul_(2), None) for _ in range(2)]
+    dropped = weakref.ref(cudagraph.capture_graph(lambda: x.add_(1), None))
+    assert dropped() is None
+    assert set(cudagraph._captured) == set(kept)
+    before = x.clone()
+    kept[0].replay()
+    torch.cuda.synchronize()
+    assert torch.equal(x, before * 2)
+    cudagraph.release_graphs()
+    assert len(cudagraph._captured) == 0
+    for graph in kept:
+        with pytest.raises(RuntimeError):
+            graph.replay()
