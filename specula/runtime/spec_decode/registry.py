@@ -30,7 +30,8 @@ class SpeculatorContext:
     config: SpeculatorRuntimeConfig
     target_config: ModelConfig
     target_dir: Path
-    """The target checkpoint (MTP heads live inside it)."""
+    """The resolved target checkpoint, for a factory that reads files of the target's
+    (none of the built-in ones does: their drafts are checkpoints of their own)."""
     max_num_seqs: int
     dtype: torch.dtype
     device: torch.device
