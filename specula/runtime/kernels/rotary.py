@@ -157,12 +157,7 @@ def rotary_embedding(
     if num_tokens == 0:
         return
     if use_reference(query):
-        q, k = rotary_embedding_reference(positions, query, key, cos_sin_cache)
-        query.copy_(q)
-        if key is not None:
-            key.copy_(k)
-        if cache is not None:
-            reshape_and_cache_reference(key, *cache)
+        _reference_in_place(positions, query, key, cos_sin_cache, cache)
         return
     k = key if key is not None else query
     num_kv_heads = 1 if key is None else key.shape[1]
@@ -248,7 +243,22 @@ def rotary_embedding_and_cache_reference(
 ) -> None:
     """Torch reference of :func:`rotary_embedding_and_cache` (same arguments, in place):
     the two unfused references one after the other."""
+    cache = (value, key_cache, value_cache, slot_mapping)
+    _reference_in_place(positions, query, key, cos_sin_cache, cache)
+
+
+def _reference_in_place(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor | None,
+    cos_sin_cache: torch.Tensor,
+    cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None,
+) -> None:
+    """:func:`rotary_embedding_reference` written back into ``query`` and ``key``, then,
+    with ``cache``, :func:`reshape_and_cache_reference` of the rotated keys."""
     q, k = rotary_embedding_reference(positions, query, key, cos_sin_cache)
     query.copy_(q)
-    key.copy_(k)
-    reshape_and_cache_reference(key, value, key_cache, value_cache, slot_mapping)
+    if key is not None:
+        key.copy_(k)
+    if cache is not None:
+        reshape_and_cache_reference(key, *cache)
