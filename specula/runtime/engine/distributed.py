@@ -68,14 +68,26 @@ def launch(config: RuntimeConfig, device_type: str) -> LLMEngine:
 
 def _shutdown_at_exit(engine: LLMEngine, timeout_s: float = 10.0) -> None:
     """Leave the group when the server exits (an NCCL group never destroyed holds the
-    process at exit). Bounded: ranks stuck in a collective (a failed step) would hold it
-    too, and then the process exits 1 without them."""
-    done = threading.Thread(target=engine.shutdown, daemon=True, name="tp-shutdown")
+    process at exit), and wait for the other ranks to leave it too and end: this runs
+    before ``multiprocessing``'s own exit hook, which would terminate them. Bounded: ranks
+    stuck in a collective (a failed step) would hold it too, and then the process exits 1
+    without them."""
+
+    def stop() -> None:
+        engine.shutdown()
+        for process in _ranks:
+            process.join()
+
+    done = threading.Thread(target=stop, daemon=True, name="tp-shutdown")
     done.start()
     done.join(timeout_s)
     if done.is_alive():
         logger.error("the tensor-parallel ranks did not stop within %.0f s", timeout_s)
         os._exit(1)
+
+
+_ranks: list = []
+"""The processes of ranks 1..N-1 of the group :func:`start_ranks` started last."""
 
 
 def start_ranks(
@@ -106,6 +118,7 @@ def start_ranks(
     ]
     for process in ranks:
         process.start()
+    _ranks[:] = ranks
     threading.Thread(target=_watch, args=(ranks,), daemon=True, name="tp-watch").start()
     device = rank_device(device_type, 0)
     init_parallel(0, n, init_method, device)
