@@ -32,7 +32,7 @@ distributions go to the verifier (vLLM's ``draft_sample_method``)."""
 
 class DraftRunner(ModelRunner):
     """A draft head's forward (``model``: on its device, in eval mode, in the cache's
-    dtype; ``weight``: one of its parameters) with the sublayers of the target's
+    dtype; its parameter :attr:`weight_name` gives both) with the sublayers of the target's
     :class:`ModelRunner`, over a paged KV cache of its own (one key/value pair for each
     of the ``model.config.num_hidden_layers`` draft layers) with as many blocks as the
     target's, indexed by the *target's* block tables and slot mappings (one block manager
@@ -45,17 +45,14 @@ class DraftRunner(ModelRunner):
             (``model.missing_target_weights``), or a cache that does not match the head.
     """
 
-    def __init__(
-        self, model: nn.Module, kv_cache: PagedKVCache, max_model_len: int, weight: torch.Tensor
-    ) -> None:
+    weight_name = "fc.weight"
+    """A parameter of the head's own (never one shared from the target)."""
+
+    def __init__(self, model: nn.Module, kv_cache: PagedKVCache, max_model_len: int) -> None:
         if getattr(model, "missing_target_weights", None):
             raise ValueError(f"bind the target's {sorted(model.missing_target_weights)} first")
-        self.model = model
-        config = model.config
-        self.setup_paged(
-            config, kv_cache, config.num_hidden_layers, model.rotary.inv_freq, weight,
-            max_model_len, None,
-        )
+        weight = model.get_parameter(self.weight_name)
+        self.setup_paged(model, kv_cache, max_model_len, None, weight)
 
     def decoder(
         self, layers, hidden: torch.Tensor, residual: torch.Tensor, positions: torch.Tensor,

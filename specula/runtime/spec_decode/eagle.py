@@ -13,7 +13,7 @@ from specula.runtime.models.llama_eagle3 import Eagle3LlamaForCausalLM, load_eag
 from specula.runtime.models.speculators_format import share_target_weights
 from specula.runtime.spec_decode.autoregressive import AutoRegressiveSpeculator
 from specula.runtime.spec_decode.draft_model_base import DraftRunner
-from specula.runtime.worker.paged_kv import PagedAttentionMetadata, PagedKVCache
+from specula.runtime.worker.paged_kv import PagedAttentionMetadata
 
 
 class Eagle3Runner(DraftRunner):
@@ -24,11 +24,6 @@ class Eagle3Runner(DraftRunner):
     Raises:
         ValueError: unbound target weights, or a cache that does not match the head.
     """
-
-    def __init__(
-        self, model: Eagle3LlamaForCausalLM, kv_cache: PagedKVCache, max_model_len: int
-    ) -> None:
-        super().__init__(model, kv_cache, max_model_len, model.fc.weight)
 
     @torch.no_grad()
     def forward(  # type: ignore[override]

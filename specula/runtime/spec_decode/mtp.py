@@ -12,7 +12,7 @@ from specula.runtime.models.mtp import MTPForCausalLM, load_mtp_draft
 from specula.runtime.models.speculators_format import share_target_weights
 from specula.runtime.spec_decode.autoregressive import AutoRegressiveSpeculator
 from specula.runtime.spec_decode.draft_model_base import DraftRunner
-from specula.runtime.worker.paged_kv import PagedAttentionMetadata, PagedKVCache
+from specula.runtime.worker.paged_kv import PagedAttentionMetadata
 
 
 class MTPRunner(DraftRunner):
@@ -23,8 +23,7 @@ class MTPRunner(DraftRunner):
         ValueError: unbound target weights, or a cache that does not match the layer.
     """
 
-    def __init__(self, model: MTPForCausalLM, kv_cache: PagedKVCache, max_model_len: int) -> None:
-        super().__init__(model, kv_cache, max_model_len, model.mtp_layers[0].eh_proj.weight)
+    weight_name = "mtp_layers.0.eh_proj.weight"
 
     @torch.no_grad()
     def forward(  # type: ignore[override]

@@ -28,6 +28,7 @@ from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from specula.runtime.engine.block_manager import cdiv
 from specula.runtime.kernels.gemv import linear, linear_argmax, linear_silu_and_mul
@@ -177,30 +178,28 @@ class ModelRunner:
                 f"{type(model).__name__} is not supported by the paged runner; "
                 f"supported: {', '.join(c.__name__ for c in SUPPORTED_MODELS)}"
             )
-        self.model = model
-        self.setup_paged(
-            model.config, kv_cache, len(model.model.layers), model.rotary.inv_freq,
-            model.model.embed_tokens.weight, max_model_len, attn_num_splits,
-        )
+        weight = model.model.embed_tokens.weight
+        self.setup_paged(model, kv_cache, max_model_len, attn_num_splits, weight)
 
     def setup_paged(
         self,
-        config: ModelConfig,
+        model: nn.Module,
         kv_cache: PagedKVCache,
-        num_layers: int,
-        inv_freq: torch.Tensor,
-        weight: torch.Tensor,
         max_model_len: int,
         attn_num_splits: int | None,
+        weight: torch.Tensor,
     ) -> None:
-        """Set what the sublayers read: ``config`` (heads, head size, ``model_type``),
-        the cache (checked against ``num_layers`` layers of the config's KV shape and
-        ``weight``'s dtype), the rotary table of ``inv_freq``, device and dtype of
-        ``weight``. Draft runners built on these sublayers call it too.
+        """Set what the sublayers read: ``model`` and its ``config`` (heads, head size,
+        ``model_type``), the cache (checked against the config's ``num_hidden_layers``
+        layers of its KV shape and ``weight``'s dtype), the rotary table of
+        ``model.rotary``, device and dtype of ``weight``. Draft runners built on these
+        sublayers call it too.
 
         Raises:
             ValueError: a cache that does not match.
         """
+        self.model = model
+        config, num_layers = model.config, model.config.num_hidden_layers
         tp = config.tensor_parallel_size
         expected = ((config.num_key_value_heads // tp, config.head_dim),) * num_layers
         if kv_cache.spec.layer_shapes != expected:
@@ -210,7 +209,8 @@ class ModelRunner:
         # Row-parallel outputs are partial sums over the ranks (Megatron-LM).
         self.reduce = all_reduce if tp > 1 else (lambda x: x)
         self.scale = config.head_dim**-0.5
-        self.cos_sin_cache = build_cos_sin_cache(inv_freq.to(self.device), max_model_len)
+        inv_freq = model.rotary.inv_freq.to(self.device)
+        self.cos_sin_cache = build_cos_sin_cache(inv_freq, max_model_len)
 
     def setup_cache(
         self,

@@ -23,7 +23,7 @@ class DFlashRunner(DraftRunner):
     """
 
     def __init__(self, model: DFlashDraftModel, kv_cache: PagedKVCache, max_model_len: int) -> None:
-        super().__init__(model, kv_cache, max_model_len, model.fc.weight)
+        super().__init__(model, kv_cache, max_model_len)
         self.has_qk_norm = True  # the layers are Qwen3's whatever the config's model_type
 
     @torch.no_grad()
