@@ -66,9 +66,6 @@ class Gemma4ModelConfig(ModelConfig):
     """KV-shared layers have an MLP twice ``intermediate_size`` wide."""
     enable_moe_block: bool = False
     """Each layer adds a routed mixture of experts beside its dense MLP."""
-    num_experts: int = 0
-    top_k_experts: int = 0
-    moe_intermediate_size: int = 0
 
     @classmethod
     def from_hf_config(cls, hf: Any) -> Gemma4ModelConfig:
@@ -128,9 +125,6 @@ class Gemma4ModelConfig(ModelConfig):
             attention_k_eq_v=bool(text.attention_k_eq_v),
             use_double_wide_mlp=bool(text.use_double_wide_mlp),
             enable_moe_block=bool(text.enable_moe_block),
-            num_experts=int(text.num_experts or 0),
-            top_k_experts=int(text.top_k_experts or 0),
-            moe_intermediate_size=int(text.moe_intermediate_size or 0),
         )
 
     @property

@@ -29,7 +29,6 @@ class LlamaAttention(nn.Module):
         self.num_heads = config.num_attention_heads // tp
         self.num_kv_heads = config.num_key_value_heads // tp
         self.head_dim = config.head_dim
-        self.scale = self.head_dim**-0.5
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = sharded(MergedLinear(

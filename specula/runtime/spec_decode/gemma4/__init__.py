@@ -30,7 +30,7 @@ class Gemma4MTPSpeculator(AutoRegressiveSpeculator):
     constant draft positions, the target's token embedding, ``(draft_hidden,
     backbone_hidden)`` output.
 
-    Raises (at construction and :meth:`bind_target`):
+    Raises (at construction):
         ValueError: not a ``gemma4_assistant`` checkpoint, or one that does not fit the
             target (a non-Gemma4 target, a different backbone hidden size, vocabulary,
             head size or layer type); the message names the field and both values.

@@ -7,10 +7,7 @@ from __future__ import annotations
 import torch
 
 from specula.runtime.kernels.layernorm import rms_norm
-from specula.runtime.models.gemma4_assistant import (
-    Gemma4AssistantForCausalLM,
-    check_gemma4_target,
-)
+from specula.runtime.models.gemma4_assistant import Gemma4AssistantForCausalLM
 from specula.runtime.models.gemma4_config import SLIDING
 from specula.runtime.worker.gemma4_runner import Gemma4PagedLayers, Gemma4Runner
 from specula.runtime.worker.paged_kv import PagedAttentionMetadata
@@ -19,16 +16,15 @@ from specula.runtime.worker.paged_kv import PagedAttentionMetadata
 class Gemma4AssistantRunner(Gemma4PagedLayers):
     """Runs a :class:`Gemma4AssistantForCausalLM` (on the target's device, in its dtype)
     on the kernels over the cache of the :class:`Gemma4Runner` ``target``, whose token
-    embedding, block-table width and rotary length it uses.
+    embedding, block-table width and rotary length it uses; the speculator checked
+    that the assistant fits the target
+    (:func:`~specula.runtime.models.gemma4_assistant.check_gemma4_target`).
 
     Raises:
-        ValueError: an assistant that does not fit the target (see
-            :func:`~specula.runtime.models.gemma4_assistant.check_gemma4_target`), or
-            another dtype.
+        ValueError: an assistant in another dtype.
     """
 
     def __init__(self, model: Gemma4AssistantForCausalLM, target: Gemma4Runner) -> None:
-        check_gemma4_target(model.config, target.config)
         text = model.config.text
         producers = target.config.kv_producer_layers()
         weight = model.pre_projection.weight
