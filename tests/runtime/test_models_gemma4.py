@@ -240,7 +240,7 @@ def test_shared_type_without_producer_fails_at_load(tiny_tokenizer):
 def test_runner_refuses_caches_that_do_not_fit(gemma4_shared):
     model = load_model(gemma4_shared, torch.float32, CPU)
     # One shape for all 6 layers (a Llama-style cache), not the per-layer shapes.
-    uniform = KVCacheSpec.uniform(6, 2, 16, BLOCK_SIZE, torch.float32)
+    uniform = KVCacheSpec(((2, 16),) * 6, BLOCK_SIZE, torch.float32)
     with pytest.raises(ValueError, match="per-layer KV shapes"):
         Gemma4Runner(model, PagedKVCache(uniform, 2, CPU), MAX_MODEL_LEN)
     bf16 = KVCacheSpec.from_model_config(model.config, torch.bfloat16, BLOCK_SIZE)

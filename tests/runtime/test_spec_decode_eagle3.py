@@ -123,10 +123,7 @@ def test_draft_logits_match_speculators(
     aux = torch.randn(n, len(AUX_IDS) * HIDDEN_SIZE, generator=gen)
     (expected,) = _speculators_logits(ref, aux, input_ids, ttt_steps=1)
 
-    c = ours.config
-    spec = KVCacheSpec.uniform(
-        len(ours.layers), c.num_key_value_heads, c.head_dim, BLOCK_SIZE, torch.float32
-    )
+    spec = KVCacheSpec.from_model_config(ours.config, torch.float32, BLOCK_SIZE)
     runner = Eagle3Runner(ours, PagedKVCache(spec, 16, CPU), 64)
     with torch.no_grad():
         fused = ours.combine_hidden_states(aux)

@@ -115,8 +115,7 @@ def test_draft_logits_match_speculators(target, target_hf, tmp_path):
         expected, _, _ = ref(input_ids=input_ids[None], hidden_states=hidden[None])
     # speculators' step 0: row j reads hidden j and token j + 1.
     rows = expected[0].shape[1]
-    c = ours.config
-    spec = KVCacheSpec.uniform(1, c.num_key_value_heads, c.head_dim, BLOCK_SIZE, torch.float32)
+    spec = KVCacheSpec.from_model_config(ours.config, torch.float32, BLOCK_SIZE)
     runner = MTPRunner(ours, PagedKVCache(spec, 16, CPU), 64)
     with torch.no_grad():
         got = ours.compute_logits(paged_prefill(runner, input_ids[1 : rows + 1], hidden[:rows]))

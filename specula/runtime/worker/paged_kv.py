@@ -35,13 +35,6 @@ class KVCacheSpec:
     dtype: torch.dtype
 
     @classmethod
-    def uniform(
-        cls, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype
-    ) -> KVCacheSpec:
-        """``num_layers`` layers of one shape."""
-        return cls(((num_kv_heads, head_dim),) * num_layers, block_size, dtype)
-
-    @classmethod
     def from_model_config(
         cls, config: ModelConfig, dtype: torch.dtype, block_size: int = 16
     ) -> KVCacheSpec:
