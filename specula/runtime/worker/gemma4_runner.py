@@ -71,7 +71,7 @@ class Gemma4PagedLayers(ModelRunner):
             ``None``.
         rotary: per layer type, the rotary embedding (``inv_freq``) of that type.
         max_model_len, attn_num_splits: as for :class:`ModelRunner`.
-        device, dtype: where and in what dtype the layers' weights are.
+        weight: one of the layers' parameters (their device and dtype).
 
     Raises:
         ValueError: a cache in another dtype.
@@ -86,10 +86,10 @@ class Gemma4PagedLayers(ModelRunner):
         rotary: dict[str, RotaryEmbedding],
         max_model_len: int,
         attn_num_splits: int | None,
-        device: torch.device,
-        dtype: torch.dtype,
+        weight: torch.Tensor,
     ) -> None:
-        self.setup_cache(config, kv_cache, max_model_len, attn_num_splits, device, dtype)
+        self.setup_cache(config, kv_cache, max_model_len, attn_num_splits, weight)
+        device, dtype = weight.device, weight.dtype
         self.kv_sources = tuple(kv_sources)
         """Per layer, the cache entry it reads (and writes when it is not shared)."""
         self.windows = tuple(windows)
@@ -226,11 +226,10 @@ class Gemma4Runner(Gemma4PagedLayers):
                 f"KV cache {spec} does not match the model's per-layer KV shapes "
                 f"{config.kv_cache_shapes()}"
             )
-        weight = model.model.embed_tokens.weight
         super().__init__(
             config, kv_cache, config.kv_source_layers(),
             [config.sliding_window if t == SLIDING else None for t in config.layer_types],
-            model.rotary.by_type, max_model_len, attn_num_splits, weight.device, weight.dtype,
+            model.rotary.by_type, max_model_len, attn_num_splits, model.model.embed_tokens.weight,
         )
         self.model = model
 

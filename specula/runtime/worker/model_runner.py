@@ -204,7 +204,7 @@ class ModelRunner:
         expected = ((config.num_key_value_heads // tp, config.head_dim),) * num_layers
         if kv_cache.spec.layer_shapes != expected:
             raise ValueError(f"KV cache {kv_cache.spec} does not match {num_layers} layers of the model")
-        self.setup_cache(config, kv_cache, max_model_len, attn_num_splits, weight.device, weight.dtype)
+        self.setup_cache(config, kv_cache, max_model_len, attn_num_splits, weight)
         self.has_qk_norm = config.model_type == "qwen3"
         # Row-parallel outputs are partial sums over the ranks (Megatron-LM).
         self.reduce = all_reduce if tp > 1 else (lambda x: x)
@@ -218,21 +218,21 @@ class ModelRunner:
         kv_cache: PagedKVCache,
         max_model_len: int,
         attn_num_splits: int | None,
-        device: torch.device,
-        dtype: torch.dtype,
+        weight: torch.Tensor,
     ) -> None:
-        """Set what every paged runner reads: ``config``, the cache, ``device``,
-        ``dtype``, the block size and the block-table width ``max_blocks_per_req``.
+        """Set what every paged runner reads: ``config``, the cache, the device and dtype
+        of ``weight`` (one of the layers' parameters), the block size and the block-table
+        width ``max_blocks_per_req``.
 
         Raises:
             ValueError: a cache in another dtype.
         """
-        if kv_cache.spec.dtype != dtype:
-            raise ValueError(f"KV cache dtype {kv_cache.spec.dtype} != model dtype {dtype}")
+        if kv_cache.spec.dtype != weight.dtype:
+            raise ValueError(f"KV cache dtype {kv_cache.spec.dtype} != model dtype {weight.dtype}")
         self.config = config
         self.kv_cache = kv_cache
-        self.device = device
-        self.dtype = dtype
+        self.device = weight.device
+        self.dtype = weight.dtype
         self.block_size = kv_cache.spec.block_size
         self.max_model_len = max_model_len
         self.max_blocks_per_req = cdiv(max_model_len, self.block_size)

@@ -27,7 +27,6 @@ class Gemma4AssistantRunner(Gemma4PagedLayers):
     def __init__(self, model: Gemma4AssistantForCausalLM, target: Gemma4Runner) -> None:
         text = model.config.text
         producers = target.config.kv_producer_layers()
-        weight = model.pre_projection.weight
         super().__init__(
             text,
             target.kv_cache,
@@ -37,8 +36,7 @@ class Gemma4AssistantRunner(Gemma4PagedLayers):
             model.rotary.by_type,
             target.max_model_len,
             None,  # attn_num_splits: the kernel's choice
-            weight.device,
-            weight.dtype,
+            model.pre_projection.weight,
         )
         self.model = model
         self.target = target
