@@ -45,6 +45,11 @@ CONFIGS: dict[tuple[int, int], dict[int, tuple[int, int, int, int]]] = {
     (2048, 8192): {32: (16, 512, 4, 5)},  # down_proj
     (128256, 2048): {16: (32, 256, 4, 5), 32: (128, 128, 4, 3), 64: (128, 128, 8, 3),
                      128: (128, 128, 8, 3)},  # lm_head
+    (3072, 4096): {16: (32, 256, 4, 5), 32: (32, 128, 4, 5)},  # 8B at TP=2: qkv_proj
+    (4096, 2048): {16: (32, 128, 4, 5)},  # o_proj
+    (14336, 4096): {32: (128, 128, 4, 3)},  # gate_up_proj
+    (4096, 7168): {16: (32, 256, 4, 5), 32: (32, 256, 4, 5)},  # down_proj
+    (64128, 4096): {16: (128, 128, 4, 5), 32: (128, 256, 4, 3)},  # lm_head (vocab shard)
 }
 """Tuned ``(N, K) -> {BLOCK_M: config}``: the weight shapes and row tiles where the kernel
 beat the library GEMM on an H100 (``bench/gemv.py``, ``bench/results/gemv.json``);
