@@ -1,4 +1,4 @@
-"""Inputs of the draft's first forward after a verification step, built on the device.
+"""Inputs of the draft's forwards after a verification step, built on the device.
 
 EAGLE-style drafting (Li et al., arXiv 2401.15077; vLLM's ``EagleProposer.propose`` and
 ``prepare_inputs_padded`` / ``prepare_next_token_ids_padded``) runs the draft over the
@@ -11,6 +11,10 @@ many tokens were accepted) and also read the sampled token; their outputs are un
 
 Everything is computed from device tensors in one kernel: no ``.item()`` or
 ``.tolist()``, so the host never waits for the verification result.
+
+:func:`draft_step_slots` gives each later draft step its cache slots and sequence lengths
+in one kernel (vLLM's ``EagleProposer`` computes them with a handful of elementwise
+operations per step; inside a graph of small draft steps each of those costs a launch).
 """
 
 from __future__ import annotations
@@ -146,3 +150,79 @@ def prepare_draft_inputs_reference(
         draft_input_ids[last : starts[req + 1]] = next_token_ids[req]
         last_token_indices[req] = last
     return draft_input_ids, positions.clone(), last_token_indices
+
+
+@triton.jit
+def _draft_step_slots_kernel(
+    slots_ptr,  # [num_reqs * q] int64
+    seq_lens_ptr,  # [num_reqs] int32
+    positions_ptr,  # [num_reqs, q] int64, contiguous
+    valid_ptr,  # [num_reqs] uint8 (a bool tensor's bytes)
+    block_table_ptr,  # [>= num_reqs, max_blocks] int32
+    stride_bt,
+    q,
+    BLOCK_SIZE: tl.constexpr,  # tokens per KV block
+    BLOCK_Q: tl.constexpr,
+):
+    req = tl.program_id(0)
+    offs = tl.arange(0, BLOCK_Q)
+    in_req = offs < q
+    valid = tl.load(valid_ptr + req) != 0
+    pos = tl.load(positions_ptr + req * q + offs, mask=in_req, other=0)
+    pos = tl.where(valid, pos, 0)  # a padding row's positions may lie past its table
+    block = tl.load(block_table_ptr + req * stride_bt + pos // BLOCK_SIZE, mask=in_req, other=0)
+    slot = tl.where(valid, block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE, -1)
+    tl.store(slots_ptr + req * q + offs, slot, mask=in_req)
+    last = tl.load(positions_ptr + req * q + q - 1)
+    tl.store(seq_lens_ptr + req, tl.where(valid, last + 1, 0).to(tl.int32))
+
+
+def draft_step_slots(
+    positions: torch.Tensor, valid: torch.Tensor, block_table: torch.Tensor, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cache slots and sequence lengths of a draft step whose ``q`` query rows per request
+    sit at ``positions`` and write their KV there.
+
+    Args:
+        positions: [num_reqs, q] int64, each request's consecutive positions.
+        valid: [num_reqs] bool; False marks a padding row (writes nothing, attends to
+            nothing).
+        block_table: [>= num_reqs, max_blocks_per_req] int32, row ``i`` request ``i``'s
+            blocks.
+        block_size: tokens per KV block.
+
+    Returns:
+        ``(slot_mapping [num_reqs * q] int64, seq_lens [num_reqs] int32)``: the slot of
+        each position (-1 on padding rows) and ``positions[:, -1] + 1`` (0 on padding
+        rows).
+
+    Raises:
+        AssertionError: shapes or dtypes do not match the above.
+    """
+    assert positions.ndim == 2 and positions.dtype == torch.int64
+    r, q = positions.shape
+    assert valid.shape == (r,) and valid.dtype == torch.bool
+    assert block_table.ndim == 2 and block_table.shape[0] >= r and block_table.dtype == torch.int32
+    if use_reference(positions):
+        return draft_step_slots_reference(positions, valid, block_table, block_size)
+    positions, valid = positions.contiguous(), valid.contiguous()
+    assert block_table.stride(1) == 1
+    slots = positions.new_empty(r * q)
+    seq_lens = torch.empty(r, dtype=torch.int32, device=positions.device)
+    if r > 0:
+        _draft_step_slots_kernel[(r,)](
+            slots, seq_lens, positions, valid.view(torch.uint8), block_table, block_table.stride(0), q,
+            BLOCK_SIZE=block_size, BLOCK_Q=triton.next_power_of_2(q),
+        )
+    return slots, seq_lens
+
+
+def draft_step_slots_reference(
+    positions: torch.Tensor, valid: torch.Tensor, block_table: torch.Tensor, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch reference of :func:`draft_step_slots` (same arguments and results)."""
+    r, q = positions.shape
+    rows = torch.arange(r, device=positions.device)[:, None].expand(r, q)
+    slots = block_table[rows, positions // block_size].long() * block_size + positions % block_size
+    slots = torch.where(valid[:, None], slots, -1).reshape(-1)
+    return slots, torch.where(valid, positions[:, -1] + 1, 0).to(torch.int32)

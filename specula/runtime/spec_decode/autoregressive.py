@@ -191,11 +191,10 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
     def _step_metadata(self, positions: torch.Tensor, valid: torch.Tensor) -> PagedAttentionMetadata:
         """Metadata of one decode step: ``positions [r, q]`` (q query rows per request,
         consecutive), ``valid [r]`` (False: a padding row)."""
-        last = positions[:, -1]
         if self.reads_target_kv:  # attend to the target's positions before the row
-            slots, seq_lens = torch.full_like(positions, -1), torch.where(valid, last, 0)
+            slots, seq_lens = torch.full_like(positions, -1), torch.where(valid, positions[:, -1], 0)
         else:
-            slots, seq_lens = self.slots(positions, valid), torch.where(valid, last + 1, 0)
+            slots, seq_lens = self.slots(positions, valid)
         r, q = positions.shape
         return self.decode_metadata(slots, self.block_table[:r], seq_lens, q)
 
@@ -219,11 +218,15 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
             h_logits, h_next = self._forward(
                 ids.reshape(-1), positions.reshape(-1), metadata, hidden
             )
-            last = torch.arange(r, device=pos.device) * q + (q - 1)
-            tokens, probs = self.sample_draft(h_logits[last], sampling, self.keys[:r], step + offset)
+            if q > 1:  # each request's last row
+                last = torch.arange(r, device=pos.device) * q + (q - 1)
+                h_logits, h_next = h_logits[last], h_next[last]
+            else:  # views: no launch in a draft step
+                h_logits, h_next = h_logits[:r], h_next[:r]
+            tokens, probs = self.sample_draft(h_logits, sampling, self.keys[:r], step + offset)
             self._store(step + offset, tokens, probs, r)
             if hidden is not None:
-                hidden = h_next[last]
+                hidden = h_next
             pos = self.advance_draft_positions(pos)
 
     def _load(self, inputs: ProposeInputs) -> int:

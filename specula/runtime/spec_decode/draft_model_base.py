@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from specula.runtime.kernels.draft_inputs import draft_step_slots
 from specula.runtime.kernels.layernorm import fused_add_rms_norm
 from specula.runtime.models.config import ModelConfig
 from specula.runtime.spec_decode.base import BaseSpeculator, ProposeInputs
@@ -179,6 +180,9 @@ class DraftModelSpeculator(BaseSpeculator):
             r, max(self.max_num_speculative_tokens, 1), dtype=torch.int64, device=dev
         )
         """[max_num_seqs, k] the drafts of the last proposal."""
+        self.token_starts = torch.arange(r * (self.max_num_speculative_tokens + 2) + 1,
+                                         dtype=torch.int32, device=dev)
+        """``0, 1, 2, ..``: the query start offsets of one-row-per-request steps."""
         self.capture_sizes = cudagraph_capture_sizes(r)
         self.pool: tuple | None = None
         self.prefill_graphs: dict[BatchExecutionDescriptor, torch.cuda.CUDAGraph] = {}
@@ -240,26 +244,25 @@ class DraftModelSpeculator(BaseSpeculator):
         self.block_table[:r] = inputs.metadata.block_table[:r]
         return padded
 
-    def slots(self, positions: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        """Cache slots ``[r, q]`` of ``positions [r, q]`` of rows ``0..r-1`` of
-        :attr:`block_table`; -1 (write nothing) where ``valid [r]`` is False."""
-        r, q = positions.shape
-        bs = self.runner.block_size
-        rows = torch.arange(r, device=positions.device)[:, None].expand(r, q)
-        slots = self.block_table[rows, positions // bs].long() * bs + positions % bs
-        return torch.where(valid[:, None], slots, -1)
+    def slots(self, positions: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cache slots ``[r * q]`` of ``positions [r, q]`` of rows ``0..r-1`` of
+        :attr:`block_table` (-1, write nothing, where ``valid [r]`` is False) and the
+        sequence lengths ``[r]`` int32 after them (:func:`draft_step_slots`)."""
+        return draft_step_slots(positions, valid, self.block_table, self.runner.block_size)
 
-    @staticmethod
     def decode_metadata(
-        slots: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, q: int
+        self, slots: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, q: int
     ) -> PagedAttentionMetadata:
         """Metadata of ``n`` requests with ``q`` consecutive query rows each: ``slots
         [n, q]``, ``block_table [n, max_blocks_per_req]``, ``seq_lens [n]``."""
         n = seq_lens.shape[0]
+        if q == 1 and n < self.token_starts.shape[0]:  # a view: no launch in a draft step
+            query_start_loc = self.token_starts[: n + 1]
+        else:
+            query_start_loc = torch.arange(0, n * q + 1, q, device=slots.device, dtype=torch.int32)
         return PagedAttentionMetadata(
             slot_mapping=slots.reshape(-1), block_table=block_table,
-            seq_lens=seq_lens.to(torch.int32),
-            query_start_loc=torch.arange(0, n * q + 1, q, device=slots.device, dtype=torch.int32),
+            seq_lens=seq_lens.to(torch.int32), query_start_loc=query_start_loc,
             num_reqs=n, num_tokens=n * q, uniform_query_len=q, prefill=False,
             query_lens_cpu=(q,) * n,
         )

@@ -28,6 +28,8 @@ from specula.runtime.engine.sampler import (
 )
 from specula.runtime.engine.sampling_params import SamplingParams
 from specula.runtime.kernels.draft_inputs import (
+    draft_step_slots,
+    draft_step_slots_reference,
     prepare_draft_inputs,
     prepare_draft_inputs_reference,
 )
@@ -266,6 +268,33 @@ def check_prepare_draft_inputs() -> None:
 
 def test_prepare_draft_inputs(interpreted):
     interpreted(check_prepare_draft_inputs)
+
+
+def check_draft_step_slots() -> None:
+    # Blocks of 4 tokens; request 0 holds blocks [7, 2, 9], request 1 [5, 3], request 2
+    # is a padding row.
+    block_table = torch.tensor([[7, 2, 9], [5, 3, 0], [0, 0, 0], [1, 1, 1]], dtype=torch.int32)
+    valid = torch.tensor([True, True, False])
+    positions = torch.tensor([[3, 4], [6, 7], [0, 1]])  # q = 2: request 0 crosses a block
+    expected_slots = torch.tensor([7 * 4 + 3, 2 * 4 + 0, 3 * 4 + 2, 3 * 4 + 3, -1, -1])
+    expected_lens = torch.tensor([5, 8, 0], dtype=torch.int32)
+    for fn in (draft_step_slots, draft_step_slots_reference):
+        slots, lens = fn(positions, valid, block_table, 4)
+        torch.testing.assert_close(slots, expected_slots, rtol=0, atol=0)
+        torch.testing.assert_close(lens, expected_lens, rtol=0, atol=0)
+
+    # One row per request over a wider table, against the reference.
+    gen = torch.Generator().manual_seed(0)
+    block_table = torch.randint(0, 500, (9, 40), generator=gen, dtype=torch.int32)
+    positions = torch.randint(0, 16 * 40, (8, 1), generator=gen)
+    valid = torch.rand(8, generator=gen) > 0.3
+    for got, want in zip(draft_step_slots(positions, valid, block_table, 16),
+                         draft_step_slots_reference(positions, valid, block_table, 16), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_draft_step_slots(interpreted):
+    interpreted(check_draft_step_slots)
 
 
 def _lowbias32(x: int) -> int:

@@ -97,7 +97,7 @@ class DFlashSpeculator(DraftModelSpeculator):
         ids = torch.full((r, bs), self.config.mask_token_id, dtype=torch.int64, device=dev)
         ids[:, 0] = self.next_token_ids[:r]
         metadata = self.decode_metadata(
-            self.slots(positions, valid), self.block_table[:r].repeat_interleave(bs, dim=0),
+            self.slots(positions, valid)[0], self.block_table[:r].repeat_interleave(bs, dim=0),
             torch.where(valid, start + bs, 0).repeat_interleave(bs), 1,
         )
         assert self.embed_weight is not None, "bind_target first"
