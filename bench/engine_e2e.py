@@ -25,15 +25,23 @@ known mean acceptance length. Methods and their drafts (all random weights):
   prompt is a random 64-token span, the target's own 128-token greedy continuation of
   it, and the span again, so the output repeats text the lookup finds), k = 4.
 
-``engine_vs_runner`` divides the engine's decode tokens/s by the target runner's alone
-(its CUDA graph replayed back to back at the batch size: batch / step time);
-``engine_vs_runner_with_logits`` by the graph plus the LM head and argmax, which a
-decode step needs too and which run outside the graph.
+``engine_vs_runner`` divides the engine's decode tokens/s by the target runner's: its
+CUDA graph replayed back to back at the batch size, each replay followed by the LM head
+and the argmax (batch / step time). That is the model runner's decode step as
+``bench/engine.py`` times it, whose figures are the "runner only" column of the engine
+issue's table. ``engine_vs_graph_only`` divides by the graph alone, without the LM head
+and argmax (which run outside the graph).
+
+Phase ``ksweep`` times ``--sweep-methods`` at batch 1 for every k of ``--sweep-k`` (one
+engine per method, started at the largest k and moved with
+:meth:`LLMEngine.set_num_speculative_tokens`, as the operator's tuner moves it), and
+reports each method's speedup at the k that gave the most decode tokens/s
+(``speedup_by_method_best_k``) beside its speedup at every k.
 
 Run on the GPU machine::
 
-    PYTHONPATH=. python3 bench/engine_e2e.py [--phases target,methods] [--batches 1,8,32,128]
-        [--methods eagle3,...] [--output FILE]
+    PYTHONPATH=. python3 bench/engine_e2e.py [--phases target,methods,ksweep]
+        [--batches 1,8,32,128] [--methods eagle3,...] [--sweep-k 3,4,5,6] [--output FILE]
 
 Merges into ``bench/results/engine.json`` under ``e2e`` (with command, GPU, versions,
 date) and prints a table. ``--dry-run`` runs tiny shapes on the CPU to check plumbing.
@@ -284,7 +292,40 @@ def run(args) -> dict:
             del engine
             release_memory()
         out["methods"] = rows
+    if "ksweep" in args.phases:
+        out["k_sweep"] = k_sweep(args, dirs, device, vocab, max_tokens)
     return out
+
+
+def k_sweep(args, dirs, device: str, vocab: int, max_tokens: int) -> dict:
+    """Batch-1 decode tokens/s of each ``--sweep-methods`` method at every k of
+    ``--sweep-k`` (mean of ``--repeats`` timed runs after a warm-up run at that k)."""
+    ks = sorted(int(k) for k in args.sweep_k.split(","))
+    rows: dict = {}
+    for method in args.sweep_methods.split(","):
+        # (the CPU dry run's KV cache is sized by its batches, as the methods phase's)
+        engine = make_engine(dirs, method, ks[-1], (1,) if device == "cuda" else (1, 2), device, 0.8)
+        prompts = random_prompts(1, vocab, 128, seed=1)
+        rows[method] = {}
+        for k in ks:
+            engine.set_num_speculative_tokens(k)
+            timed_run(engine, prompts, max_tokens)
+            runs = [timed_run(engine, prompts, max_tokens) for _ in range(args.repeats)]
+            row = mean_of_runs(runs)
+            # The draws move a run's mean acceptance length by several percent, and the k
+            # with the best mean is the one whose draws ran luckiest: also the rate at the
+            # expected length, (1 - a^(k+1)) / (1 - a) (the step time measured, the tokens
+            # per step taken as expected).
+            expected = (1 - 0.8 ** (k + 1)) / (1 - 0.8)
+            row["expected_acceptance_length"] = round(expected, 3)
+            row["decode_tokens_per_s_at_expected_acceptance"] = round(
+                row["decode_tokens_per_s"] * expected / row["mean_acceptance_length"], 1
+            )
+            rows[method][f"k{k}"] = row
+            print(f"{method} k={k} bs1: {row}", flush=True)
+        del engine
+        release_memory()
+    return rows
 
 
 def copy_heavy_prompts(engine, batch: int, vocab: int, max_tokens: int) -> list[list[int]]:
@@ -302,7 +343,8 @@ def copy_heavy_prompts(engine, batch: int, vocab: int, max_tokens: int) -> list[
 
 def summarize(results: dict, peer: dict | None) -> dict:
     """The keys the issue asks for: ``speedup_by_method`` (batch 1 and 32 against
-    target-only), ``engine_vs_runner``, ``vs_vllm`` (when the peer's figures exist)."""
+    target-only), ``engine_vs_runner``, ``vs_vllm`` (when the peer's figures exist); also
+    ``speedup_by_method_best_k`` (phase ``ksweep``) and ``engine_vs_graph_only``."""
     target = results.get("target_only", {})
     summary: dict = {}
     if target and "methods" in results:
@@ -314,16 +356,23 @@ def summarize(results: dict, peer: dict | None) -> dict:
             m: round(r["bs32"]["decode_tokens_per_s"] / target["bs32"]["decode_tokens_per_s"], 3)
             for m, r in results["methods"].items() if "bs32" in r and "bs32" in target
         }
-    if target and all("runner_tokens_per_s" in target.get(b, {}) for b in ("bs1", "bs32")):
-        summary["engine_vs_runner"] = {
-            b: round(target[b]["decode_tokens_per_s"] / target[b]["runner_tokens_per_s"], 3)
-            for b in ("bs1", "bs32")
-        }
-        if all("runner_with_logits_tokens_per_s" in target[b] for b in ("bs1", "bs32")):
-            summary["engine_vs_runner_with_logits"] = {
-                b: round(
-                    target[b]["decode_tokens_per_s"] / target[b]["runner_with_logits_tokens_per_s"], 3
-                )
+    if target and "bs1" in target and "k_sweep" in results:
+        base = target["bs1"]["decode_tokens_per_s"]
+        best = {}
+        for m, by_k in results["k_sweep"].items():
+            speedups = {int(k[1:]): round(r["decode_tokens_per_s"] / base, 3)
+                        for k, r in by_k.items()}
+            expected = {int(k[1:]): round(r["decode_tokens_per_s_at_expected_acceptance"] / base, 3)
+                        for k, r in by_k.items()}
+            k = max(speedups, key=speedups.get)
+            best[m] = {"k": k, "speedup": speedups[k], "by_k": speedups,
+                       "by_k_at_expected_acceptance": expected}
+        summary["speedup_by_method_best_k"] = best
+    for key, runner in (("engine_vs_runner", "runner_with_logits_tokens_per_s"),
+                        ("engine_vs_graph_only", "runner_tokens_per_s")):
+        if target and all(runner in target.get(b, {}) for b in ("bs1", "bs32")):
+            summary[key] = {
+                b: round(target[b]["decode_tokens_per_s"] / target[b][runner], 3)
                 for b in ("bs1", "bs32")
             }
     if peer:
@@ -352,6 +401,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT)
     parser.add_argument("--peer", type=Path, default=None, help="peer_vllm.py's JSON")
     parser.add_argument("--repeats", type=int, default=6, help="timed runs per method row")
+    parser.add_argument("--sweep-k", default="3,4,5,6", help="phase ksweep: the k values")
+    parser.add_argument("--sweep-methods", default="eagle3,mtp,draft_model",
+                        help="phase ksweep: the methods")
     parser.add_argument("--dry-run", action="store_true")
     args = parser.parse_args(argv)
     args.phases = args.phases.split(",")
