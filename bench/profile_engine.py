@@ -10,6 +10,11 @@ method and batch size:
   wall means the device waits for the host.
 
     PYTHONPATH=. python3 bench/profile_engine.py [--methods none,eagle3] [--batches 1,32]
+        [--tensor-parallel-size 2]
+
+With ``--tensor-parallel-size`` N > 1 the engine runs on N GPUs (rank 0 here, the others
+spawned, as ``bench/tp.py`` starts them) and rank 0 is profiled; the target graph's
+replay alone is not timed there (its collectives need every rank).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import pstats
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -36,7 +42,9 @@ from bench.engine_e2e import (  # noqa: E402
 )
 
 
-def profile_batch(engine, label: str, batch: int, steps: int, torch_profile: bool) -> None:
+def profile_batch(
+    engine, label: str, batch: int, steps: int, torch_profile: bool, time_graph: bool = True
+) -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -52,9 +60,10 @@ def profile_batch(engine, label: str, batch: int, steps: int, torch_profile: boo
         engine.step()
     torch.cuda.synchronize()
     wall = (time.perf_counter() - start) / steps
-    graph_ms = batch / runner_tokens_per_s(engine, batch) * 1e3
-    print(f"\n=== {label} batch {batch}: {1e3 * wall:.3f} ms/step wall (no profiler); "
-          f"target decode graph alone {graph_ms:.3f} ms", flush=True)
+    graph = (f"; target decode graph alone {batch / runner_tokens_per_s(engine, batch) * 1e3:.3f} ms"
+             if time_graph else "")
+    print(f"\n=== {label} batch {batch}: {1e3 * wall:.3f} ms/step wall (no profiler){graph}",
+          flush=True)
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(steps):
@@ -88,6 +97,14 @@ def profile_batch(engine, label: str, batch: int, steps: int, torch_profile: boo
         engine.step()
 
 
+def _build(dirs, method, k, batches, max_num_batched_tokens, tp, device):
+    """One rank's engine (module-level, so that spawned ranks can unpickle it)."""
+    return make_engine(
+        dirs, method, k, batches, str(device), 0.8,
+        max_num_batched_tokens=max_num_batched_tokens, tensor_parallel_size=tp,
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--methods", default="none,eagle3", help="'none' for target-only")
@@ -96,18 +113,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--no-torch-profile", action="store_true")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
     args = parser.parse_args(argv)
+    import torch
+
+    from specula.runtime.engine.distributed import start_ranks
 
     batches = tuple(int(b) for b in args.batches.split(","))
     dirs = write_checkpoints(Path(tempfile.mkdtemp()), LLAMA_8B, LLAMA_1B)
     for name in args.methods.split(","):
         method = None if name == "none" else name
-        engine = make_engine(
-            dirs, method, args.k, batches, "cuda", 0.8,
-            max_num_batched_tokens=args.max_num_batched_tokens,
+        tp = args.tensor_parallel_size
+        build = partial(
+            _build, dirs, method, args.k, batches, args.max_num_batched_tokens, tp
         )
+        engine = build(torch.device("cuda:0")) if tp == 1 else start_ranks(tp, "cuda", build)
         for b in batches:
-            profile_batch(engine, name, b, args.steps, not args.no_torch_profile)
+            profile_batch(engine, name, b, args.steps, not args.no_torch_profile, tp == 1)
+        engine.shutdown()
         del engine
         release_memory()
     return 0
