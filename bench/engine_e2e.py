@@ -81,8 +81,10 @@ LLAMA_8B = dict(
 )
 LLAMA_1B = dict(
     LLAMA_8B, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-    num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True,
+    num_attention_heads=32, num_key_value_heads=8, head_dim=64, tie_word_embeddings=True,
+    rope_scaling=dict(LLAMA_8B["rope_scaling"], factor=32.0),
 )
+"""Llama-3.2-1B's shape (its ``config.json``: 64-wide heads, ``qkv_proj`` 3072 x 2048)."""
 TINY = dict(
     LLAMA_8B, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
