@@ -42,6 +42,12 @@ Run on the GPU machine::
 
     PYTHONPATH=. python3 bench/engine_e2e.py [--phases target,methods,ksweep]
         [--batches 1,8,32,128] [--methods eagle3,...] [--sweep-k 3,4,5,6] [--output FILE]
+        [--target gemma4]
+
+``--target gemma4`` runs the target-only and methods phases on a Gemma-4-E2B-shaped
+target (``bench/gemma4_kv.py``'s text config: sliding and full layers, KV sharing,
+per-layer inputs, 262144-token vocabulary) with ``gemma4_mtp`` and ``eagle3``
+(:func:`write_gemma4_checkpoints`), k = 4, and merges under ``e2e_gemma4``.
 
 Merges into ``bench/results/engine.json`` under ``e2e`` (with command, GPU, versions,
 date) and prints a table. ``--dry-run`` runs tiny shapes on the CPU to check plumbing.
@@ -120,6 +126,61 @@ def write_checkpoints(root: Path, target: dict, draft: dict) -> dict[str, Path]:
         "block_size": 8, "mask_token_id": target["vocab_size"] - 1,
         "aux_hidden_state_layer_ids": [1, n // 2, n - 1],
     })
+    return dirs
+
+
+TINY_GEMMA4 = dict(
+    vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=6,
+    layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32,
+    attention_k_eq_v=False, sliding_window=64, num_kv_shared_layers=2,
+    hidden_size_per_layer_input=8, vocab_size_per_layer_input=512, use_double_wide_mlp=True,
+    max_position_embeddings=4096, final_logit_softcapping=30.0,
+)
+"""A tiny Gemma4 text config with every feature of the real ones (the CPU dry run)."""
+
+GEMMA4_METHODS = {"gemma4_mtp": 4, "eagle3": 4}
+
+
+def write_gemma4_checkpoints(root: Path, text: dict) -> dict[str, Path]:
+    """Config-only checkpoints of a Gemma4 target of ``text`` (a ``Gemma4TextConfig``'s
+    fields), its ``gemma4_assistant`` draft (``gemma4_mtp``: 4 KV-shared layers, three
+    sliding and one full, of the target's width and head shapes, reading the target's KV)
+    and a 1-layer EAGLE-3 head (Llama-style layer of the target's width, draft vocabulary
+    32000, auxiliary states of layers 2, L/2 and L-3)."""
+    from transformers import Gemma4TextConfig
+    from transformers.models.gemma4_assistant import Gemma4AssistantConfig
+
+    dirs = {name: root / name for name in ("target", "gemma4_mtp", "eagle3")}
+    Gemma4TextConfig(
+        **text, architectures=["Gemma4ForCausalLM"], bos_token_id=2, eos_token_id=1,
+        pad_token_id=0, torch_dtype="bfloat16",
+    ).save_pretrained(dirs["target"])
+    n, hidden = text["num_hidden_layers"], text["hidden_size"]
+    assistant = dict(
+        text, num_hidden_layers=4, layer_types=["sliding_attention"] * 3 + ["full_attention"],
+        num_kv_shared_layers=4, hidden_size_per_layer_input=0, vocab_size_per_layer_input=0,
+        use_double_wide_mlp=False,
+    )
+    Gemma4AssistantConfig(
+        text_config=assistant, backbone_hidden_size=hidden, architectures=["Gemma4AssistantForCausalLM"],
+        torch_dtype="bfloat16",
+    ).save_pretrained(dirs["gemma4_mtp"])
+    heads = max(text["num_attention_heads"], hidden // 128)
+    layer = dict(
+        LLAMA_8B, vocab_size=text["vocab_size"], hidden_size=hidden,
+        intermediate_size=text["intermediate_size"], num_hidden_layers=1,
+        num_attention_heads=heads, num_key_value_heads=max(1, heads // 4), head_dim=hidden // heads,
+        max_position_embeddings=text["max_position_embeddings"],
+    )
+    for key in ("architectures", "torch_dtype", "rope_scaling"):
+        layer.pop(key)
+    dirs["eagle3"].mkdir(parents=True, exist_ok=True)
+    (dirs["eagle3"] / "config.json").write_text(json.dumps({
+        "speculators_model_type": "eagle3", "transformer_layer_config": layer,
+        "draft_vocab_size": min(32000, text["vocab_size"]),
+        "eagle_aux_hidden_state_layer_ids": [2, n // 2, n - 3],
+    }))
     return dirs
 
 
@@ -248,12 +309,21 @@ def release_memory() -> None:
 
 def run(args) -> dict:
     device = "cpu" if args.dry_run else "cuda"
-    target = TINY if args.dry_run else LLAMA_8B
-    vocab = target["vocab_size"]
     max_tokens = 16 if args.dry_run else 256
     batches = (1, 2) if args.dry_run else tuple(int(b) for b in args.batches.split(","))
     root = Path(tempfile.mkdtemp())
-    dirs = write_checkpoints(root, target, TINY_DRAFT if args.dry_run else LLAMA_1B)
+    if args.target == "gemma4":
+        from bench.gemma4_kv import GEMMA4_E2B_TEXT
+
+        text = TINY_GEMMA4 if args.dry_run else GEMMA4_E2B_TEXT
+        vocab = text["vocab_size"]
+        dirs = write_gemma4_checkpoints(root, text)
+        methods = GEMMA4_METHODS
+    else:
+        target = TINY if args.dry_run else LLAMA_8B
+        vocab = target["vocab_size"]
+        dirs = write_checkpoints(root, target, TINY_DRAFT if args.dry_run else LLAMA_1B)
+        methods = {"eagle3": 4, "mtp": 4, "draft_model": 4, "dflash": 7, "ngram": 4}
     out: dict = {}
     if "target" in args.phases:
         engine = make_engine(dirs, None, 0, batches, device, None)
@@ -272,7 +342,6 @@ def run(args) -> dict:
         del engine
         release_memory()
     if "methods" in args.phases:
-        methods = {"eagle3": 4, "mtp": 4, "draft_model": 4, "dflash": 7, "ngram": 4}
         rows = {}
         for method, k in methods.items():
             if args.methods and method not in args.methods:
@@ -406,6 +475,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep-k", default="3,4,5,6", help="phase ksweep: the k values")
     parser.add_argument("--sweep-methods", default="eagle3,mtp,draft_model",
                         help="phase ksweep: the methods")
+    parser.add_argument("--target", choices=("llama", "gemma4"), default="llama",
+                        help="gemma4: a Gemma-4-E2B-shaped target with gemma4_mtp and eagle3 "
+                             "(figures under e2e_gemma4)")
     parser.add_argument("--dry-run", action="store_true")
     args = parser.parse_args(argv)
     args.phases = args.phases.split(",")
@@ -428,7 +500,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         return 0
     data = json.loads(args.output.read_text()) if args.output.is_file() else {}
-    data.setdefault("e2e", {}).update(record)
+    data.setdefault("e2e_gemma4" if args.target == "gemma4" else "e2e", {}).update(record)
     args.output.write_text(json.dumps(data, indent=1) + "\n")
     return 0
 
