@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from specula.runtime.kernels.activation import silu_and_mul
-from specula.runtime.kernels.dispatch import use_reference
+from specula.runtime.kernels.dispatch import pdl, use_reference, wait_for_previous_kernel
 
 DEFAULT_CONFIG = (32, 256, 4, 4)
 """``(BLOCK_N, BLOCK_K, num_warps, num_stages)`` when none is given or tuned."""
@@ -89,7 +89,9 @@ def _gemv_kernel(
     EVEN: tl.constexpr,
     SILU_MUL: tl.constexpr,
     ARGMAX: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
@@ -250,7 +252,7 @@ def gemv(
         y, x, weight, *parts, m, n, k, y.stride(0), x.stride(0), weight.stride(0),
         n * weight.stride(0), BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k,
         EVEN=(k % block_k == 0 and n % block_n == 0), SILU_MUL=silu_mul, ARGMAX=with_argmax,
-        num_warps=warps, num_stages=stages,
+        PDL=pdl(x), num_warps=warps, num_stages=stages, launch_pdl=pdl(x),
     )
     return (y, _merge_argmax(*parts)) if with_argmax else y
 

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specula.runtime.kernels.dispatch import FLOATS, use_reference
+from specula.runtime.kernels.dispatch import FLOATS, pdl, use_reference, wait_for_previous_kernel
 
 _MAX_HIDDEN = 65536
 """One program holds a whole row in registers."""
@@ -38,10 +38,12 @@ def _rms_norm_kernel(
     BLOCK: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     GEMMA: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < HIDDEN
+    wait_for_previous_kernel(PDL)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     dtype = x.dtype
     if HAS_RESIDUAL:
@@ -127,7 +129,8 @@ def fused_add_rms_norm(
         out, res_out, x, res_in, weight, eps,
         out.stride(0), res_out.stride(0), x.stride(0), res_in.stride(0),
         HIDDEN=hidden, BLOCK=block, HAS_RESIDUAL=residual is not None, GEMMA=gemma,
-        num_warps=min(16, max(1, block // 512)), enable_fp_fusion=True,
+        PDL=pdl(x), num_warps=min(16, max(1, block // 512)), enable_fp_fusion=True,
+        launch_pdl=pdl(x),
     )
     return out, residual_out
 

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specula.runtime.kernels.dispatch import FLOATS, use_reference
+from specula.runtime.kernels.dispatch import FLOATS, pdl, use_reference, wait_for_previous_kernel
 
 _MIN_TOKENS_PER_SPLIT = 128
 """A split reads at least this many keys: fewer would cost more in the merge than the
@@ -75,7 +75,9 @@ def _paged_attention_kernel(
     NUM_SPLITS: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     SLIDING: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     req = tl.program_id(0)
     kv_head = tl.program_id(1) // num_m_blocks
     m_block = tl.program_id(1) % num_m_blocks
@@ -160,7 +162,9 @@ def _merge_splits_kernel(
     BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     token = tl.program_id(0)
     head = tl.program_id(1)
     row = token.to(tl.int64) * num_heads + head
@@ -308,13 +312,15 @@ def paged_attention(
         *value_cache.stride()[:3], block_table.stride(0),
         GROUP_SIZE=group_size, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=num_splits, INPUT_PRECISION=precision,
-        SLIDING=sliding_window is not None, num_warps=4, enable_fp_fusion=True,
+        SLIDING=sliding_window is not None, PDL=pdl(query), num_warps=4,
+        enable_fp_fusion=True, launch_pdl=pdl(query),
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
             out, partial_out, partial_lse, num_heads, *out.stride()[:2],
             HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_splits,
-            BLOCK_S=triton.next_power_of_2(num_splits), enable_fp_fusion=True,
+            BLOCK_S=triton.next_power_of_2(num_splits), PDL=pdl(query),
+            enable_fp_fusion=True, launch_pdl=pdl(query),
         )
     return out
 

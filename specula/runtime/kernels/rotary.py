@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specula.runtime.kernels.dispatch import FLOATS, use_reference
+from specula.runtime.kernels.dispatch import FLOATS, pdl, use_reference, wait_for_previous_kernel
 from specula.runtime.kernels.reshape_and_cache import check_cache_write, reshape_and_cache_reference
 
 
@@ -80,10 +80,12 @@ def _rotary_kernel(
     BLOCK_KH: tl.constexpr,
     HAS_KEY: tl.constexpr,
     WRITE_CACHE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # One program per token; WRITE_CACHE (full rotary only) also writes the rotated key
     # and the value to the token's cache slot (:func:`rotary_embedding_and_cache`).
     token = tl.program_id(0).to(tl.int64)
+    wait_for_previous_kernel(PDL)
     pos = tl.load(positions_ptr + token)
     offs_r = tl.arange(0, BLOCK_HALF)
     r_valid = offs_r < HALF
@@ -173,7 +175,8 @@ def rotary_embedding(
         BLOCK_SIZE=1 if cache is None else key_cache.shape[1],
         BLOCK_HALF=triton.next_power_of_2(half), BLOCK_H=triton.next_power_of_2(num_heads),
         BLOCK_KH=triton.next_power_of_2(num_kv_heads),
-        HAS_KEY=key is not None, WRITE_CACHE=cache is not None, enable_fp_fusion=True,
+        HAS_KEY=key is not None, WRITE_CACHE=cache is not None, PDL=pdl(query),
+        enable_fp_fusion=True, launch_pdl=pdl(query),
     )
 
 
