@@ -1,4 +1,5 @@
-"""Every kernel compiles for Hopper (sm_90) at Llama-3.1-8B constants, without a GPU.
+"""Every kernel compiles for Hopper (sm_90) at Llama-3.1-8B constants, without a GPU; the
+per-layer ones in the variant launched with programmatic dependent launch (``PDL``).
 
 The interpreter runs kernels as Python, so it accepts programs the compiler rejects (a
 variable whose type differs between the branches of a runtime ``if``, a loop-carried
@@ -30,7 +31,7 @@ CASES = {
          "query_ptr": "*bf16", "key_cache_ptr": "*bf16", "value_cache_ptr": "*bf16",
          "block_table_ptr": "*i32", "seq_lens_ptr": "*i32", "scale_log2": "fp32"},
         dict(GROUP_SIZE=4, BLOCK_SIZE=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=16, BLOCK_N=64,
-             NUM_SPLITS=4, INPUT_PRECISION="tf32", SLIDING=False),
+             NUM_SPLITS=4, INPUT_PRECISION="tf32", SLIDING=False, PDL=True),
     ),
     # Gemma4's sliding layers: 256-wide heads, a window, 32-key tiles.
     "paged_attention_sliding": (
@@ -39,25 +40,26 @@ CASES = {
          "query_ptr": "*bf16", "key_cache_ptr": "*bf16", "value_cache_ptr": "*bf16",
          "block_table_ptr": "*i32", "seq_lens_ptr": "*i32", "scale_log2": "fp32"},
         dict(GROUP_SIZE=8, BLOCK_SIZE=16, HEAD_DIM=256, BLOCK_D=256, BLOCK_M=16, BLOCK_N=32,
-             NUM_SPLITS=2, INPUT_PRECISION="tf32", SLIDING=True),
+             NUM_SPLITS=2, INPUT_PRECISION="tf32", SLIDING=True, PDL=True),
     ),
     "merge_splits": (
         paged_attention._merge_splits_kernel,
         {"out_ptr": "*bf16", "partial_out_ptr": "*fp32", "partial_lse_ptr": "*fp32"},
-        dict(HEAD_DIM=128, BLOCK_D=128, NUM_SPLITS=5, BLOCK_S=8),
+        dict(HEAD_DIM=128, BLOCK_D=128, NUM_SPLITS=5, BLOCK_S=8, PDL=True),
     ),
     # The GEMV's epilogues at Llama-3.1-8B's gate_up_proj and LM head (bench/gemv.py configs).
     "gemv_silu_mul": (
         gemv._gemv_kernel,
         {"y_ptr": "*bf16", "x_ptr": "*bf16", "w_ptr": "*bf16", "part_max_ptr": "*bf16",
          "part_idx_ptr": "*bf16", "up_offset": "i64"},
-        dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, EVEN=True, SILU_MUL=True, ARGMAX=False),
+        dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, EVEN=True, SILU_MUL=True, ARGMAX=False, PDL=True),
     ),
     "gemv_argmax": (
         gemv._gemv_kernel,
         {"y_ptr": "*bf16", "x_ptr": "*bf16", "w_ptr": "*bf16", "part_max_ptr": "*fp32",
          "part_idx_ptr": "*i32"},
-        dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=512, EVEN=False, SILU_MUL=False, ARGMAX=True),
+        dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=512, EVEN=False, SILU_MUL=False, ARGMAX=True,
+             PDL=True),
     ),
     "argmax_first_pass": (
         gemv._argmax_kernel,
@@ -79,14 +81,14 @@ CASES = {
         layernorm._rms_norm_kernel,
         {"out_ptr": "*bf16", "residual_out_ptr": "*bf16", "x_ptr": "*bf16",
          "residual_ptr": "*bf16", "weight_ptr": "*bf16", "eps": "fp32"},
-        dict(HIDDEN=4096, BLOCK=4096, HAS_RESIDUAL=True, GEMMA=True),
+        dict(HIDDEN=4096, BLOCK=4096, HAS_RESIDUAL=True, GEMMA=True, PDL=True),
     ),
     "rotary": (
         rotary._rotary_kernel,
         {"positions_ptr": "*i64", "query_ptr": "*bf16", "key_ptr": "*bf16",
          "cos_sin_ptr": "*fp32"},
         dict(NUM_HEADS=32, NUM_KV_HEADS=8, HALF=64, BLOCK_SIZE=1, BLOCK_HALF=64, BLOCK_H=32,
-             BLOCK_KH=8, HAS_KEY=True, WRITE_CACHE=False),
+             BLOCK_KH=8, HAS_KEY=True, WRITE_CACHE=False, PDL=True),
     ),
     "rejection_sample_random": (
         rs._rejection_sample_kernel,
@@ -104,6 +106,12 @@ CASES = {
          "query_start_loc_ptr": "*i32", "cu_num_draft_tokens_ptr": "*i32",
          "num_accepted_ptr": "*i64", "next_token_ids_ptr": "*i64"},
         dict(BLOCK=128),
+    ),
+    "draft_step_slots": (
+        draft_inputs._draft_step_slots_kernel,
+        {"slots_ptr": "*i64", "seq_lens_ptr": "*i32", "positions_ptr": "*i64",
+         "valid_ptr": "*u8", "block_table_ptr": "*i32"},
+        dict(BLOCK_SIZE=16, BLOCK_Q=2),
     ),
 }
 
@@ -124,4 +132,6 @@ def test_compiles_for_sm90(name):
         ASTSource(kernel, signature, constexprs), target=HOPPER, options={"num_warps": NUM_WARPS.get(name, 4), "enable_fp_fusion": True}
     )
     assert f".entry {kernel.fn.__name__}" in compiled.asm["ptx"]
+    # The variant launched with programmatic dependent launch waits for its predecessor.
+    assert ("griddepcontrol.wait" in compiled.asm["ptx"]) == constexprs.get("PDL", False)
     assert compiled.asm["cubin"], "ptxas produced no binary"
