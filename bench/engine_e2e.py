@@ -75,6 +75,9 @@ VLLM_MAX_NUM_BATCHED_TOKENS = 16384
 GPU of 70 GiB or more (``EngineArgs._set_default_args``): a whole batch of 128 prompts
 of 128 tokens then prefills in one step on both sides."""
 
+ACCEPTANCE = 0.8
+"""The synthetic per-position acceptance rate of every speculative row."""
+
 LLAMA_8B = dict(
     architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256,
     hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
@@ -347,7 +350,7 @@ def run(args) -> dict:
             if args.methods and method not in args.methods:
                 continue
             bs = (1, 32) if not args.dry_run else (1, 2)
-            engine = make_engine(dirs, method, k, bs, device, 0.8)
+            engine = make_engine(dirs, method, k, bs, device, ACCEPTANCE)
             rows[method] = {"num_speculative_tokens": k}
             for b in bs:
                 if method == "ngram":
@@ -375,7 +378,8 @@ def k_sweep(args, dirs, device: str, vocab: int, max_tokens: int) -> dict:
     rows: dict = {}
     for method in args.sweep_methods.split(","):
         # (the CPU dry run's KV cache is sized by its batches, as the methods phase's)
-        engine = make_engine(dirs, method, ks[-1], (1,) if device == "cuda" else (1, 2), device, 0.8)
+        engine = make_engine(dirs, method, ks[-1], (1,) if device == "cuda" else (1, 2), device,
+                             ACCEPTANCE)
         prompts = random_prompts(1, vocab, 128, seed=1)
         rows[method] = {}
         for k in ks:
@@ -387,7 +391,7 @@ def k_sweep(args, dirs, device: str, vocab: int, max_tokens: int) -> dict:
             # with the best mean is the one whose draws ran luckiest: also the rate at the
             # expected length, (1 - a^(k+1)) / (1 - a) (the step time measured, the tokens
             # per step taken as expected).
-            expected = (1 - 0.8 ** (k + 1)) / (1 - 0.8)
+            expected = (1 - ACCEPTANCE ** (k + 1)) / (1 - ACCEPTANCE)
             row["expected_acceptance_length"] = round(expected, 3)
             row["decode_tokens_per_s_at_expected_acceptance"] = round(
                 row["decode_tokens_per_s"] * expected / row["mean_acceptance_length"], 1

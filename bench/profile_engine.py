@@ -32,6 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.engine_e2e import (  # noqa: E402
+    ACCEPTANCE,
     LLAMA_1B,
     LLAMA_8B,
     make_engine,
@@ -100,7 +101,7 @@ def profile_batch(
 def _build(dirs, method, k, batches, max_num_batched_tokens, tp, device):
     """One rank's engine (module-level, so that spawned ranks can unpickle it)."""
     return make_engine(
-        dirs, method, k, batches, str(device), 0.8,
+        dirs, method, k, batches, str(device), ACCEPTANCE,
         max_num_batched_tokens=max_num_batched_tokens, tensor_parallel_size=tp,
     )
 

@@ -163,25 +163,34 @@ def _draft_step_slots_kernel(
     q,
     BLOCK_SIZE: tl.constexpr,  # tokens per KV block
     BLOCK_Q: tl.constexpr,
+    WRITES_KV: tl.constexpr,
 ):
     req = tl.program_id(0)
     offs = tl.arange(0, BLOCK_Q)
     in_req = offs < q
     valid = tl.load(valid_ptr + req) != 0
-    pos = tl.load(positions_ptr + req * q + offs, mask=in_req, other=0)
-    pos = tl.where(valid, pos, 0)  # a padding row's positions may lie past its table
-    block = tl.load(block_table_ptr + req * stride_bt + pos // BLOCK_SIZE, mask=in_req, other=0)
-    slot = tl.where(valid, block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE, -1)
-    tl.store(slots_ptr + req * q + offs, slot, mask=in_req)
     last = tl.load(positions_ptr + req * q + q - 1)
-    tl.store(seq_lens_ptr + req, tl.where(valid, last + 1, 0).to(tl.int32))
+    if WRITES_KV:
+        pos = tl.load(positions_ptr + req * q + offs, mask=in_req, other=0)
+        pos = tl.where(valid, pos, 0)  # a padding row's positions may lie past its table
+        block = tl.load(block_table_ptr + req * stride_bt + pos // BLOCK_SIZE, mask=in_req,
+                        other=0)
+        slot = tl.where(valid, block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE, -1)
+        seq_len = tl.where(valid, last + 1, 0)
+    else:
+        slot = tl.full((BLOCK_Q,), -1, tl.int64)
+        seq_len = tl.where(valid, last, 0)
+    tl.store(slots_ptr + req * q + offs, slot, mask=in_req)
+    tl.store(seq_lens_ptr + req, seq_len.to(tl.int32))
 
 
 def draft_step_slots(
-    positions: torch.Tensor, valid: torch.Tensor, block_table: torch.Tensor, block_size: int
+    positions: torch.Tensor, valid: torch.Tensor, block_table: torch.Tensor, block_size: int,
+    *, writes_kv: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Cache slots and sequence lengths of a draft step whose ``q`` query rows per request
-    sit at ``positions`` and write their KV there.
+    sit at ``positions`` and write their KV there (``writes_kv``), or attend to the KV
+    before them and write none (drafts on the target's KV, Gemma4 MTP).
 
     Args:
         positions: [num_reqs, q] int64, each request's consecutive positions.
@@ -190,6 +199,8 @@ def draft_step_slots(
         block_table: [>= num_reqs, max_blocks_per_req] int32, row ``i`` request ``i``'s
             blocks.
         block_size: tokens per KV block.
+        writes_kv: False: every slot is -1 and a request's sequence length is
+            ``positions[:, -1]``.
 
     Returns:
         ``(slot_mapping [num_reqs * q] int64, seq_lens [num_reqs] int32)``: the slot of
@@ -204,7 +215,8 @@ def draft_step_slots(
     assert valid.shape == (r,) and valid.dtype == torch.bool
     assert block_table.ndim == 2 and block_table.shape[0] >= r and block_table.dtype == torch.int32
     if use_reference(positions):
-        return draft_step_slots_reference(positions, valid, block_table, block_size)
+        return draft_step_slots_reference(positions, valid, block_table, block_size,
+                                          writes_kv=writes_kv)
     positions, valid = positions.contiguous(), valid.contiguous()
     assert block_table.stride(1) == 1
     slots = positions.new_empty(r * q)
@@ -212,16 +224,20 @@ def draft_step_slots(
     if r > 0:
         _draft_step_slots_kernel[(r,)](
             slots, seq_lens, positions, valid.view(torch.uint8), block_table, block_table.stride(0), q,
-            BLOCK_SIZE=block_size, BLOCK_Q=triton.next_power_of_2(q),
+            BLOCK_SIZE=block_size, BLOCK_Q=triton.next_power_of_2(q), WRITES_KV=writes_kv,
         )
     return slots, seq_lens
 
 
 def draft_step_slots_reference(
-    positions: torch.Tensor, valid: torch.Tensor, block_table: torch.Tensor, block_size: int
+    positions: torch.Tensor, valid: torch.Tensor, block_table: torch.Tensor, block_size: int,
+    *, writes_kv: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Torch reference of :func:`draft_step_slots` (same arguments and results)."""
     r, q = positions.shape
+    if not writes_kv:
+        return (torch.full((r * q,), -1, dtype=torch.int64, device=positions.device),
+                torch.where(valid, positions[:, -1], 0).to(torch.int32))
     rows = torch.arange(r, device=positions.device)[:, None].expand(r, q)
     slots = block_table[rows, positions // block_size].long() * block_size + positions % block_size
     slots = torch.where(valid[:, None], slots, -1).reshape(-1)

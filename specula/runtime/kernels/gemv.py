@@ -248,11 +248,12 @@ def gemv(
     grid = triton.cdiv(n, block_n)
     parts = (torch.empty(m, grid, dtype=torch.float32, device=x.device),
              torch.empty(m, grid, dtype=torch.int32, device=x.device)) if with_argmax else (y, y)
+    with_pdl = pdl(x)
     _gemv_kernel[(grid,)](
         y, x, weight, *parts, m, n, k, y.stride(0), x.stride(0), weight.stride(0),
         n * weight.stride(0), BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k,
         EVEN=(k % block_k == 0 and n % block_n == 0), SILU_MUL=silu_mul, ARGMAX=with_argmax,
-        PDL=pdl(x), num_warps=warps, num_stages=stages, launch_pdl=pdl(x),
+        PDL=with_pdl, num_warps=warps, num_stages=stages, launch_pdl=with_pdl,
     )
     return (y, _merge_argmax(*parts)) if with_argmax else y
 

@@ -125,12 +125,13 @@ def fused_add_rms_norm(
     block = triton.next_power_of_2(hidden)
     # Without a residual the kernel neither reads nor writes the residual pointers.
     res_in, res_out = (x, out) if residual is None else (residual, residual_out)
+    with_pdl = pdl(x)
     _rms_norm_kernel[(num_tokens,)](
         out, res_out, x, res_in, weight, eps,
         out.stride(0), res_out.stride(0), x.stride(0), res_in.stride(0),
         HIDDEN=hidden, BLOCK=block, HAS_RESIDUAL=residual is not None, GEMMA=gemma,
-        PDL=pdl(x), num_warps=min(16, max(1, block // 512)), enable_fp_fusion=True,
-        launch_pdl=pdl(x),
+        PDL=with_pdl, num_warps=min(16, max(1, block // 512)), enable_fp_fusion=True,
+        launch_pdl=with_pdl,
     )
     return out, residual_out
 

@@ -305,6 +305,7 @@ def paged_attention(
     block_n = _block_n(block_m, block_d, query.element_size(), query.device)
     # float32 caches are for tests and references: keep their dot products exact.
     precision = "ieee" if query.dtype == torch.float32 else "tf32"
+    with_pdl = pdl(query)
     _paged_attention_kernel[(num_reqs, num_kv_heads * num_m_blocks, num_splits)](
         out, partial_out, partial_lse, query, key_cache, value_cache, block_table, seq_lens,
         scale * math.log2(math.e), q_len, sliding_window or 0, num_heads, num_m_blocks,
@@ -312,15 +313,15 @@ def paged_attention(
         *value_cache.stride()[:3], block_table.stride(0),
         GROUP_SIZE=group_size, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=num_splits, INPUT_PRECISION=precision,
-        SLIDING=sliding_window is not None, PDL=pdl(query), num_warps=4,
-        enable_fp_fusion=True, launch_pdl=pdl(query),
+        SLIDING=sliding_window is not None, PDL=with_pdl, num_warps=4,
+        enable_fp_fusion=True, launch_pdl=with_pdl,
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
             out, partial_out, partial_lse, num_heads, *out.stride()[:2],
             HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_splits,
-            BLOCK_S=triton.next_power_of_2(num_splits), PDL=pdl(query),
-            enable_fp_fusion=True, launch_pdl=pdl(query),
+            BLOCK_S=triton.next_power_of_2(num_splits), PDL=with_pdl,
+            enable_fp_fusion=True, launch_pdl=with_pdl,
         )
     return out
 

@@ -168,6 +168,7 @@ def rotary_embedding(
     strides = (0,) * 8
     if cache is not None:
         strides = (*value.stride()[:2], *key_cache.stride()[:3], *value_cache.stride()[:3])
+    with_pdl = pdl(query)
     _rotary_kernel[(num_tokens,)](
         positions, slot_mapping, query, k, value, key_cache, value_cache, cos_sin_cache,
         *query.stride()[:2], *k.stride()[:2], *strides, cos_sin_cache.stride(0),
@@ -175,8 +176,8 @@ def rotary_embedding(
         BLOCK_SIZE=1 if cache is None else key_cache.shape[1],
         BLOCK_HALF=triton.next_power_of_2(half), BLOCK_H=triton.next_power_of_2(num_heads),
         BLOCK_KH=triton.next_power_of_2(num_kv_heads),
-        HAS_KEY=key is not None, WRITE_CACHE=cache is not None, PDL=pdl(query),
-        enable_fp_fusion=True, launch_pdl=pdl(query),
+        HAS_KEY=key is not None, WRITE_CACHE=cache is not None, PDL=with_pdl,
+        enable_fp_fusion=True, launch_pdl=with_pdl,
     )
 
 

@@ -191,10 +191,8 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
     def _step_metadata(self, positions: torch.Tensor, valid: torch.Tensor) -> PagedAttentionMetadata:
         """Metadata of one decode step: ``positions [r, q]`` (q query rows per request,
         consecutive), ``valid [r]`` (False: a padding row)."""
-        if self.reads_target_kv:  # attend to the target's positions before the row
-            slots, seq_lens = torch.full_like(positions, -1), torch.where(valid, positions[:, -1], 0)
-        else:
-            slots, seq_lens = self.slots(positions, valid)
+        # Drafts on the target's KV attend to its positions before the row, writing none.
+        slots, seq_lens = self.slots(positions, valid, writes_kv=not self.reads_target_kv)
         r, q = positions.shape
         return self.decode_metadata(slots, self.block_table[:r], seq_lens, q)
 

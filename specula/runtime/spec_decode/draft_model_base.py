@@ -244,11 +244,14 @@ class DraftModelSpeculator(BaseSpeculator):
         self.block_table[:r] = inputs.metadata.block_table[:r]
         return padded
 
-    def slots(self, positions: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def slots(
+        self, positions: torch.Tensor, valid: torch.Tensor, writes_kv: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Cache slots ``[r * q]`` of ``positions [r, q]`` of rows ``0..r-1`` of
         :attr:`block_table` (-1, write nothing, where ``valid [r]`` is False) and the
         sequence lengths ``[r]`` int32 after them (:func:`draft_step_slots`)."""
-        return draft_step_slots(positions, valid, self.block_table, self.runner.block_size)
+        return draft_step_slots(positions, valid, self.block_table, self.runner.block_size,
+                                writes_kv=writes_kv)
 
     def decode_metadata(
         self, slots: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, q: int

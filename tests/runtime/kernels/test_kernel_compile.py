@@ -111,7 +111,13 @@ CASES = {
         draft_inputs._draft_step_slots_kernel,
         {"slots_ptr": "*i64", "seq_lens_ptr": "*i32", "positions_ptr": "*i64",
          "valid_ptr": "*u8", "block_table_ptr": "*i32"},
-        dict(BLOCK_SIZE=16, BLOCK_Q=2),
+        dict(BLOCK_SIZE=16, BLOCK_Q=2, WRITES_KV=True),
+    ),
+    "draft_step_slots_target_kv": (
+        draft_inputs._draft_step_slots_kernel,
+        {"slots_ptr": "*i64", "seq_lens_ptr": "*i32", "positions_ptr": "*i64",
+         "valid_ptr": "*u8", "block_table_ptr": "*i32"},
+        dict(BLOCK_SIZE=16, BLOCK_Q=1, WRITES_KV=False),
     ),
 }
 

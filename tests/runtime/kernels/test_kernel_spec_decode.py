@@ -283,6 +283,12 @@ def check_draft_step_slots() -> None:
         torch.testing.assert_close(slots, expected_slots, rtol=0, atol=0)
         torch.testing.assert_close(lens, expected_lens, rtol=0, atol=0)
 
+    # Rows on the target's KV (Gemma4 MTP): no slot written, attending before the row.
+    for fn in (draft_step_slots, draft_step_slots_reference):
+        slots, lens = fn(positions, valid, block_table, 4, writes_kv=False)
+        torch.testing.assert_close(slots, torch.full((6,), -1), rtol=0, atol=0)
+        torch.testing.assert_close(lens, torch.tensor([4, 7, 0], dtype=torch.int32), rtol=0, atol=0)
+
     # One row per request over a wider table, against the reference.
     gen = torch.Generator().manual_seed(0)
     block_table = torch.randint(0, 500, (9, 40), generator=gen, dtype=torch.int32)

@@ -96,9 +96,10 @@ class DFlashSpeculator(DraftModelSpeculator):
         positions = start.clamp(min=0)[:, None] + torch.arange(bs, device=dev)  # [r, bs]
         ids = torch.full((r, bs), self.config.mask_token_id, dtype=torch.int64, device=dev)
         ids[:, 0] = self.next_token_ids[:r]
+        slots, seq_lens = self.slots(positions, valid)  # seq_lens: start + bs, 0 on padding
         metadata = self.decode_metadata(
-            self.slots(positions, valid)[0], self.block_table[:r].repeat_interleave(bs, dim=0),
-            torch.where(valid, start + bs, 0).repeat_interleave(bs), 1,
+            slots, self.block_table[:r].repeat_interleave(bs, dim=0),
+            seq_lens.repeat_interleave(bs), 1,
         )
         assert self.embed_weight is not None, "bind_target first"
         embeds = F.embedding(ids.reshape(-1), self.embed_weight)
