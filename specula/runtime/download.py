@@ -1,13 +1,11 @@
 """``specula download``: fetch the ``hf://`` checkpoints of a runtime config into the
-local Hugging Face cache (``HF_HOME``), so that ``specula serve`` then loads them
-offline.
+local Hugging Face cache (``HF_HOME``), from which ``specula serve`` loads them offline.
 
 The operator runs it as the init container of ``engine: specula`` pods; the cache is
 an ``emptyDir`` or a PersistentVolumeClaim (``spec.modelCache``), so a restart or a
-second replica on a shared claim finds the files already there (``snapshot_download``
-skips files whose content is cached).  The Hub is ``HF_ENDPOINT`` (default
-huggingface.co), the token ``HF_TOKEN`` (from ``spec.hfTokenSecret``); both are read
-by ``huggingface_hub``, the real client.
+second replica on a shared claim finds the files already there.  ``huggingface_hub``
+reads the Hub's address from ``HF_ENDPOINT`` and the token from ``HF_TOKEN`` (from
+``spec.hfTokenSecret``).
 
 A failure prints one line that says why (missing repository or revision, refused
 token, gated repository, full disk, unreachable Hub) to stderr and to the container's
@@ -16,14 +14,14 @@ termination-message file, and exits 1.  No torch import.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import sys
 from pathlib import Path
 
 TERMINATION_LOG = Path("/dev/termination-log")
-"""The kubelet's default ``terminationMessagePath``: the kubelet mounts it into each
-container, so it is written only where it exists."""
+"""The kubelet's default ``terminationMessagePath``, mounted into each container."""
 
 
 def write_termination_message(message: str) -> None:
@@ -31,10 +29,8 @@ def write_termination_message(message: str) -> None:
     pod's status then carries it (the operator's ``Degraded`` message) instead of the
     last log lines, whose start a traceback would fill."""
     if TERMINATION_LOG.exists():
-        try:
+        with contextlib.suppress(OSError):  # a read-only file: the log has the reason too
             TERMINATION_LOG.write_text(message)
-        except OSError:
-            pass  # a read-only or foreign file: the log has the reason too
 
 
 class DownloadError(RuntimeError):
@@ -69,6 +65,15 @@ def download(repo_id: str, revision: str | None) -> Path:
         DownloadError: with the reason (see module docstring).
     """
     from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(repo_id, revision=revision))
+    except Exception as exc:  # noqa: BLE001 - any failure gets its reason out
+        where = f"hf://{repo_id}" + (f" (revision {revision})" if revision else "")
+        raise DownloadError(f"{where}: {_reason(exc)}") from exc
+
+
+def _reason(exc: Exception) -> str:
     from huggingface_hub.errors import (
         GatedRepoError,
         HfHubHTTPError,
@@ -77,45 +82,28 @@ def download(repo_id: str, revision: str | None) -> Path:
         RevisionNotFoundError,
     )
 
-    where = f"hf://{repo_id}" + (f" (revision {revision})" if revision else "")
     endpoint = os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
-    token_note = "with the token from HF_TOKEN" if os.environ.get("HF_TOKEN") else "without a token"
-    try:
-        return Path(snapshot_download(repo_id, revision=revision))
-    except RevisionNotFoundError as exc:
-        raise DownloadError(f"{where}: revision not found on {endpoint}") from exc
-    except GatedRepoError as exc:
-        raise DownloadError(
-            f"{where}: gated repository; access was refused {token_note}"
-        ) from exc
-    except RepositoryNotFoundError as exc:
+    token = os.environ.get("HF_TOKEN")
+    token_note = "with the token from HF_TOKEN" if token else "without a token"
+    if isinstance(exc, RevisionNotFoundError):
+        return f"revision not found on {endpoint}"
+    if isinstance(exc, GatedRepoError):
+        return f"gated repository; access was refused {token_note}"
+    if isinstance(exc, HfHubHTTPError):
         status = exc.response.status_code if exc.response is not None else None
-        if status == 401 and os.environ.get("HF_TOKEN"):
-            raise DownloadError(
-                f"{where}: the Hub at {endpoint} refused the token from HF_TOKEN (401)"
-            ) from exc
-        raise DownloadError(
-            f"{where}: repository not found on {endpoint}, or private and not "
-            f"accessible {token_note}"
-        ) from exc
-    except HfHubHTTPError as exc:
-        status = exc.response.status_code if exc.response is not None else None
+        if isinstance(exc, RepositoryNotFoundError) and status == 401 and token:
+            return f"the Hub at {endpoint} refused the token from HF_TOKEN (401)"
+        if isinstance(exc, RepositoryNotFoundError):
+            return f"repository not found on {endpoint}, or private and not accessible {token_note}"
         if status in (401, 403):
-            raise DownloadError(
-                f"{where}: the Hub at {endpoint} refused access {token_note} ({status})"
-            ) from exc
-        raise DownloadError(f"{where}: HTTP error from {endpoint}: {exc}") from exc
-    except LocalEntryNotFoundError as exc:  # an OSError too: before the clause below
-        raise DownloadError(f"{where}: cannot reach the Hub at {endpoint}: {exc}") from exc
-    except OSError as exc:
-        if exc.errno == errno.ENOSPC:
-            raise DownloadError(
-                f"{where}: no space left on device in the model cache "
-                f"({os.environ.get('HF_HOME', 'HF_HOME')}); give spec.modelCache more room"
-            ) from exc
-        raise DownloadError(f"{where}: {exc}") from exc
-    except Exception as exc:  # noqa: BLE001 - any other failure still gets its reason out
-        raise DownloadError(f"{where}: {type(exc).__name__}: {exc}") from exc
+            return f"the Hub at {endpoint} refused access {token_note} ({status})"
+        return f"HTTP error from {endpoint}: {exc}"
+    if isinstance(exc, LocalEntryNotFoundError):  # an OSError too: before the test below
+        return f"cannot reach the Hub at {endpoint}: {exc}"
+    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+        return (f"no space left on device in the model cache "
+                f"({os.environ.get('HF_HOME', 'HF_HOME')}); give spec.modelCache more room")
+    return str(exc) if isinstance(exc, OSError) else f"{type(exc).__name__}: {exc}"
 
 
 def run_download(args) -> int:

@@ -1,17 +1,12 @@
-"""Resolution of checkpoint URIs to local directories.
-
-The runtime loads Hugging Face-layout checkpoints (``config.json``, ``*.safetensors``,
-tokenizer files) from a local directory; this module maps the URI schemes of
-:data:`specula.api.runtime_config.MODEL_URI_PATTERN` to that directory.
-"""
+"""The local directory of a checkpoint URI (the schemes of
+:data:`specula.api.runtime_config.MODEL_URI_PATTERN`), holding a Hugging Face-layout
+checkpoint: ``config.json``, ``*.safetensors``, tokenizer files."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from specula.api.runtime_config import PVC_MOUNT_ROOT
-
-_SCHEMES = ("file://", "pvc://", "hf://")
 
 
 def resolve_model_uri(uri: str, revision: str | None = None) -> Path:
@@ -29,13 +24,12 @@ def resolve_model_uri(uri: str, revision: str | None = None) -> Path:
         FileNotFoundError: the directory does not exist, or the Hub repository is not
             in the local cache.
     """
-    scheme = next((s for s in _SCHEMES if uri.startswith(s)), None)
-    rest = uri[len(scheme) :] if scheme else ""
-    if scheme is None or not rest.strip("/"):
+    scheme, _, rest = uri.partition("://")
+    if scheme not in ("file", "pvc", "hf") or not rest.strip("/"):
         raise ValueError(f"unsupported model URI {uri!r}: expected file://, pvc:// or hf://")
-    if scheme == "file://":
+    if scheme == "file":
         path = Path(rest)
-    elif scheme == "pvc://":
+    elif scheme == "pvc":
         path = Path(PVC_MOUNT_ROOT) / rest.lstrip("/")
     else:
         path = _hf_snapshot(rest.strip("/"), revision)

@@ -5,18 +5,15 @@ the first stop string (OpenAI semantics: the stop string is not returned).  Stre
 releases a prefix of that text as tokens arrive, holding back what may still change:
 the last ``len(longest stop string) - 1`` characters (they may begin a stop string
 that the next token completes) and trailing U+FFFD characters (an incomplete UTF-8
-sequence split across byte-level tokens).  Because the held-back tail is released at
-the end, the streamed deltas concatenate to exactly the non-streamed text.
-
-Decoding everything on each step costs O(n^2) characters over a completion; fine at
-the lengths served here, and the simplest way to stay exact.
+sequence split across byte-level tokens).  The held-back tail is released at the end,
+so the streamed deltas concatenate to exactly the non-streamed text.  Re-decoding
+everything per step is O(n^2) characters over a completion: fine at the lengths served
+here, and the simplest way to stay exact.
 """
 
 from __future__ import annotations
 
 from typing import Any
-
-_REPLACEMENT_CHAR = "\ufffd"
 
 
 class IncrementalText:
@@ -47,7 +44,7 @@ class IncrementalText:
             self.token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False
         )
         # Search the whole text: re-decoding can change the tail of earlier text
-        # (an incomplete UTF-8 sequence completing), and decode is O(n) anyway.
+        # (an incomplete UTF-8 sequence completing).
         hits = [i for s in self._stop if (i := text.find(s)) != -1]
         self.stopped = bool(hits)
         self.text = text[:min(hits)] if hits else text
@@ -57,7 +54,7 @@ class IncrementalText:
         end = len(self.text)
         if not (final or self.stopped):
             end -= self._holdback
-            while end > self._released and self.text[end - 1] == _REPLACEMENT_CHAR:
+            while end > self._released and self.text[end - 1] == "\ufffd":
                 end -= 1
         if end <= self._released:
             return ""

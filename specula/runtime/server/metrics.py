@@ -1,11 +1,7 @@
-"""Server-side runtime metrics: step-time counting and the Prometheus export of the
-:class:`RuntimeSnapshot` the engine loop publishes.
-
-:class:`RuntimeProm` turns the latest snapshot into Prometheus families at scrape time;
-the speculative-decoding counters come from
-:class:`~specula.runtime.spec_decode.metrics_prom.SpecDecodingProm`.  Both are
-registered in a private ``CollectorRegistry`` per app, never the global one, so
-several apps (tests) in one process do not collide.
+"""Step-time counting and the Prometheus export, at scrape time, of the
+:class:`RuntimeSnapshot` the engine loop publishes (speculative-decoding counters by
+:class:`~specula.runtime.spec_decode.metrics_prom.SpecDecodingProm`), in a private
+``CollectorRegistry`` per app so that several apps (tests) in one process do not collide.
 """
 
 from __future__ import annotations
@@ -33,19 +29,17 @@ STEP_DURATION_BUCKETS_S: tuple[float, ...] = (
     0.0005, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05,
     0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
 )
-"""Upper bounds (seconds) of the step-time histogram, 0.5 ms .. 10 s. Roughly 1.5x
-apart from 1 ms to 1 s, where steps live (tiny CPU models and small GPU batches at a
-few ms, large GPU batches at 10-300 ms), so quantiles of T(batch, k) are resolved to
-about a third; coarser beyond, where only pathological steps land."""
+"""Upper bounds (seconds) of the step-time histogram: about 1.5x apart from 1 ms to 1 s,
+where steps live (small batches at a few ms, large GPU batches at 10-300 ms), so
+quantiles of T(batch, k) are resolved to about a third; coarser beyond."""
+_BUCKET_LABELS = [*map(str, STEP_DURATION_BUCKETS_S), "+Inf"]
 
 
 @dataclass
 class StepTimeSeries:
     """Histogram state of one (batch bucket, k) label pair."""
 
-    bucket_counts: list[int] = field(
-        default_factory=lambda: [0] * (len(STEP_DURATION_BUCKETS_S) + 1)
-    )
+    bucket_counts: list[int] = field(default_factory=lambda: [0] * len(_BUCKET_LABELS))
     """Non-cumulative counts; the last slot is ``+Inf``."""
     sum_s: float = 0.0
     count: int = 0
@@ -69,7 +63,7 @@ class StepTimeStats:
 @dataclass
 class RuntimeSnapshot:
     """Everything exported, copied between steps so one scrape is self-consistent; each
-    scalar field is the metric of that name (:data:`_SCALARS` gives its meaning)."""
+    scalar field is the metric of that name (:data:`_SCALARS`)."""
 
     num_requests_running: int = 0
     num_requests_waiting: int = 0
@@ -107,7 +101,6 @@ _SCALARS: tuple[tuple[type[GaugeMetricFamily | CounterMetricFamily], str, str], 
     (GaugeMetricFamily, "kv_cache_usage_perc",
      "Fraction of the paged KV cache's blocks in use (1 = full)."),
 )
-_BUCKET_LABELS = [*map(str, STEP_DURATION_BUCKETS_S), "+Inf"]
 
 
 class RuntimeProm(Collector):
