@@ -1,6 +1,5 @@
 """The engine: paged KV cache, continuous batching, per-request sampling and speculative
-decoding through the speculator hierarchy, on a GPU (Triton kernels, CUDA graphs) or a
-CPU (the kernels' torch references), by the same code.
+decoding, by the same code on a GPU (Triton kernels, CUDA graphs) or a CPU (torch).
 
 One :meth:`LLMEngine.step` (Leviathan et al., arXiv 2211.17192; the step order of vLLM
 Model Runner V2):
@@ -9,19 +8,17 @@ Model Runner V2):
    requests and admits new ones by KV capacity (preempting by recompute when the running
    ones cannot grow), giving each the KV slots the whole step may write;
 2. the inputs are built on the device from the persistent
-   :class:`~specula.runtime.engine.input_batch.InputBatch` (last tokens, drafts, context
-   lengths, block tables); ONE target forward runs every running request's ``[last
-   token, d_1 .. d_k]`` (or one token without drafts) and every admitted request's
-   prompt; a batch without prefills replays the CUDA graph of its
+   :class:`~specula.runtime.engine.input_batch.InputBatch`; ONE target forward runs every
+   running request's ``[last token, d_1 .. d_k]`` (or one token without drafts) and every
+   admitted request's prompt; a batch without prefills replays the CUDA graph of its
    :class:`~specula.runtime.worker.cudagraph.BatchExecutionDescriptor`;
 3. sampling on the device: the rejection sampler keeps an accepted prefix of the drafts
    plus one recovered or bonus token (greedy requests: exact argmax matching), prefills
    sample their first token; the persistent state is updated in place;
 4. the speculator proposes the next drafts from this forward's inputs, metadata and
    hidden states (:meth:`~specula.runtime.spec_decode.base.BaseSpeculator.propose`);
-5. the host reads the step's tokens and accepted counts once (the copy was queued before
-   the proposal, so the host's stop checks overlap the drafting) and applies stop
-   conditions.
+5. the host reads the step's tokens and accepted counts (one copy, queued before the
+   proposal so that its stop checks overlap the drafting) and applies stop conditions.
 
 Log-probabilities (``SamplingParams.logprobs``) are computed on the device for the rows
 that asked only: each emitted token (accepted draft, bonus or recovered) under the
@@ -29,19 +26,17 @@ target's processed distribution at its position, prompt tokens from the prefill'
 at every prompt position; a second non-blocking copy brings them beside the tokens.
 
 With asynchronous scheduling (the default on CUDA; vLLM's ``async_scheduling``), step 5
-of one step runs after steps 1-4 of the next are queued: the next step's inputs come
-from the device state, which the device updated itself, so the host's scheduling, input
-preparation and stop checks overlap the device's work, and the device never waits for
-the host. A request that finished is then part of one more step, whose tokens are
-dropped.
+of one step runs after steps 1-4 of the next are queued, from the state the device
+updated itself: the host's scheduling, input preparation and stop checks overlap the
+device's work, which never waits for the host. A request that finished is then part of
+one more step, whose tokens are dropped.
 
-``k`` is either one configured value or, with a per-batch-size schedule
+``k`` is one configured value or, with a per-batch-size schedule
 (:mod:`specula.runtime.engine.spec_schedule`), looked up by batch size: drafts are
 proposed for the k of the step's batch, and the next step verifies the first
-``k(surviving requests)`` of them. So when the batch shrinks to a size whose k is
-larger, the first step at that size verifies the smaller k (one step late). Either
-changes between steps, without recapture (graphs exist for every ``k`` up to the
-maximum).
+``k(surviving requests)`` of them (a batch that shrinks to a size with a larger k
+verifies the smaller k once). k changes between steps without recapture (graphs exist
+for every k up to the maximum).
 
 The engine is single-threaded and not thread-safe: call it from one thread.
 """
@@ -67,7 +62,7 @@ from specula.runtime.engine.sampler import (
 )
 from specula.runtime.engine.sampling_params import SamplingParams
 from specula.runtime.engine.scheduler import PagedScheduler
-from specula.runtime.engine.spec_schedule import SpeculativeConfigError, SpeculativeSettings
+from specula.runtime.engine.spec_schedule import SpeculativeSettings
 from specula.runtime.engine.verification import verify
 from specula.runtime.loader import resolve_model_uri
 from specula.runtime.models.config import ModelConfig, resolve_dtype
@@ -95,14 +90,7 @@ from specula.runtime.worker.parallel import (
 if TYPE_CHECKING:
     from specula.api.runtime_config import RuntimeConfig, SpeculatorRuntimeConfig
 
-__all__ = [
-    "LLMEngine",
-    "create_engine",
-    "RequestOutput",
-    "SamplingParams",
-    "SpecDecodingStats",
-    "SpeculativeConfigError",
-]
+__all__ = ["LLMEngine", "RequestOutput", "SamplingParams", "create_engine"]
 
 
 class LLMEngine(SpeculativeSettings):
@@ -127,35 +115,33 @@ class LLMEngine(SpeculativeSettings):
             ``max(max_model_len, 2048)``.
         enforce_eager: no CUDA graphs (vLLM's flag of the same name).
         tensor_parallel_size: ranks the target is sharded over
-            (:mod:`~specula.runtime.worker.parallel`); the group must be joined first
-            (:func:`create_engine` starts the ranks). Every rank runs this engine on the
-            same inputs: rank 0's requests, aborts and settings reach the others at
-            each :meth:`step`, and the others run :meth:`follow`. A draft runs unsharded
-            on every rank.
+            (:mod:`~specula.runtime.worker.parallel`), joined first (:func:`create_engine`
+            starts them). Every rank runs this engine on the same inputs: rank 0 sends its
+            calls at each :meth:`step`, the others replay them in :meth:`follow`. A draft
+            runs unsharded on every rank.
         load_format: ``auto`` (checkpoint weights) or ``dummy`` (random weights from the
-            configs, for benchmarks; vLLM's option of the same name).
+            configs, for benchmarks).
         synthetic_acceptance_rate: benchmarks only: instead of verifying, accept each
             draft token with this probability given the ones before it (vLLM's
             ``rejection_sample_method="synthetic"``), then the target's argmax; outputs
             are not the target's (speed at a chosen acceptance).
-        cudagraph_capture_sizes: request counts to capture graphs for (vLLM's option of
-            the same name); default 1, 2, 4, 8, then multiples of 8 up to
-            ``max_num_seqs``.
+        cudagraph_capture_sizes: request counts to capture graphs for; default 1, 2, 4,
+            8, then multiples of 8 up to ``max_num_seqs``.
         enable_prefix_caching: reuse the KV blocks of cached prompt prefixes (vLLM's
             automatic prefix caching; :mod:`~specula.runtime.engine.block_manager`).
         async_scheduling: launch each step before reading the previous one's tokens
-            (vLLM's option of the same name; module docstring): :meth:`step` then returns
-            the outputs of the step before the one it launched. Default: on for CUDA, off
-            on a CPU (where the host does the device's work too).
+            (module docstring): :meth:`step` then returns the outputs of the step before
+            the one it launched. Default: on for CUDA, off on a CPU.
 
     Raises:
-        ValueError: ``max_model_len`` above the target's limit; an architecture no
-            paged runner serves (the message names it); a draft that does not fit the
-            target (names the field and both values); a KV cache too small for one
-            request of ``max_model_len`` tokens; ``tensor_parallel_size`` other than the
-            group's size, a target it cannot shard (names the field and both values), or
-            ``draft_tensor_parallel_size`` other than 1 or ``tensor_parallel_size``, or a
-            sharded draft the method cannot shard (only ``draft_model`` drafts can).
+        ValueError: an unknown ``load_format``; ``max_model_len`` above the target's
+            limit; an architecture no paged runner serves (the message names it); a draft
+            that does not fit the target (names the field and both values); a KV cache too
+            small for one request of ``max_model_len`` tokens; ``tensor_parallel_size``
+            other than the group's size, a target it cannot shard (names the field and
+            both values), ``draft_tensor_parallel_size`` other than 1 or
+            ``tensor_parallel_size``, or a sharded draft the method cannot shard (only
+            ``draft_model`` drafts can).
         UnsupportedSpeculatorMethod: the speculator method is not implemented.
         FileNotFoundError: a checkpoint is missing.
     """
@@ -234,12 +220,8 @@ class LLMEngine(SpeculativeSettings):
         self.speculator: BaseSpeculator | None = None
         if speculator_config is not None:
             self.speculator = create_speculator(
-                speculator_config,
-                self.model_config,
-                target_dir=target_dir,
-                max_num_seqs=max_num_seqs,
-                dtype=self.dtype,
-                device=self.device,
+                speculator_config, self.model_config, target_dir=target_dir,
+                max_num_seqs=max_num_seqs, dtype=self.dtype, device=self.device,
                 load_format=load_format,
             )
         spec = self.speculator
@@ -253,33 +235,28 @@ class LLMEngine(SpeculativeSettings):
         target_spec = KVCacheSpec.from_model_config(model.config, self.dtype, block_size)
         draft_spec = spec.kv_cache_spec(block_size) if spec else None
         self.input_batch = InputBatch(
-            max_num_seqs,
-            cdiv(runner_len, block_size),
-            max_k,
-            self.vocab_size,
-            self.device,
+            max_num_seqs, cdiv(runner_len, block_size), max_k, self.vocab_size, self.device,
             token_capacity=runner_len if spec is not None and spec.needs_token_ids else None,
             keep_draft_probs=spec is not None and spec.keeps_draft_probs,
         )
         if num_gpu_blocks is None:
             if self.device.type == "cuda":
                 # The speculator's static buffers come later: keep their largest part.
-                probs = 4 * max_num_seqs * max_k * self.vocab_size if spec and spec.keeps_draft_probs else 0
+                probs = 4 * max_num_seqs * max_k * self.vocab_size
                 num_gpu_blocks = num_blocks_from_free_memory(
                     target_spec.bytes_per_block + (draft_spec.bytes_per_block if draft_spec else 0),
-                    self.device,
-                    gpu_memory_utilization,
-                    reserve_bytes=(1 << 30) + probs,
+                    self.device, gpu_memory_utilization,
+                    reserve_bytes=(1 << 30) + (probs if spec and spec.keeps_draft_probs else 0),
                 )
             else:
                 num_gpu_blocks = cdiv(max_num_seqs * runner_len, block_size)
             num_gpu_blocks = min_over_ranks(num_gpu_blocks)  # one scheduler for all ranks
+        bm = BlockManager(num_gpu_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
         self.scheduler = PagedScheduler(
-            BlockManager(num_gpu_blocks, block_size, enable_prefix_caching=enable_prefix_caching),
-            max_num_seqs,
-            max_num_batched_tokens or max(self.max_model_len, 2048),
+            bm, max_num_seqs, max_num_batched_tokens or max(self.max_model_len, 2048)
         )
-        if self.scheduler.max_request_tokens() < runner_len:
+        # Most slots one request can hold: the whole pool minus the watermark.
+        if (num_gpu_blocks - bm.watermark_blocks) * block_size < runner_len:
             raise ValueError(
                 f"the KV cache ({num_gpu_blocks} blocks of {block_size} tokens) cannot hold "
                 f"one request of max_model_len {self.max_model_len} tokens; lower "
@@ -296,11 +273,8 @@ class LLMEngine(SpeculativeSettings):
         self.graphs: CUDAGraphManager | None = None
         if self.device.type == "cuda" and not enforce_eager:
             self.graphs = CUDAGraphManager(
-                self.runner,
-                max_num_seqs,
-                list(range(1, max_k + 2)),  # query tokens: 1, or k + 1 for every k
-                capture_sizes=cudagraph_capture_sizes,
-                aux_layer_ids=self.aux_hidden_state_layers,
+                self.runner, max_num_seqs, list(range(1, max_k + 2)),  # query tokens: 1 or k + 1
+                capture_sizes=cudagraph_capture_sizes, aux_layer_ids=self.aux_hidden_state_layers,
             )
             states = self.graphs.capture()
             if spec is not None:
@@ -401,12 +375,8 @@ class LLMEngine(SpeculativeSettings):
             self._pending.append(RequestOutput(request_id, [], True, "abort"))
 
     def has_unfinished_requests(self) -> bool:
-        return bool(
-            self.scheduler.waiting
-            or self.scheduler.running
-            or self._pending
-            or self._in_flight is not None
-        )
+        sched = self.scheduler
+        return bool(sched.waiting or sched.running or self._pending or self._in_flight)
 
     def scheduler_stats(self) -> dict[str, int]:
         bm = self.scheduler.block_manager
@@ -430,11 +400,9 @@ class LLMEngine(SpeculativeSettings):
         if self._commands is not None:
             commands, self._commands = self._commands, []
             broadcast_object(commands)
-        launched = self._launch()
+        finished = self._launch()
         if self.async_scheduling:
-            finished, self._in_flight = self._in_flight, launched
-        else:
-            finished = launched
+            finished, self._in_flight = self._in_flight, finished
         outputs, self._pending = self._pending, []
         if finished is not None:
             outputs += self._finish(finished)
@@ -444,7 +412,8 @@ class LLMEngine(SpeculativeSettings):
             # drain it now (it emits nothing) so that nothing is left pending.
             self._finish(in_flight)
             self._in_flight = None
-        for request in self.scheduler.remove_finished():
+        for request in [r for r in self.scheduler.running if r.finished]:
+            self.scheduler.remove(request.request_id)
             self.input_batch.remove(request)
         return outputs
 
@@ -603,27 +572,14 @@ class LLMEngine(SpeculativeSettings):
             cu_num_draft_tokens = self.cu_num_draft_tokens[k][:num_reqs]
             if prefill:  # prefills verified no drafts
                 cu_num_draft_tokens = cu_num_draft_tokens.clamp(max=k * nd)
-            draft = self.speculator.propose(
-                ProposeInputs(
-                    num_reqs=num_reqs,
-                    num_decode=nd,
-                    idx_mapping=idx,
-                    input_batch=ib,
-                    input_ids=input_ids,
-                    positions=positions,
-                    metadata=metadata,
-                    descriptor=descriptor,
-                    hidden_states=hidden,
-                    aux_hidden_states=aux,
-                    cu_num_draft_tokens=cu_num_draft_tokens,
-                    num_accepted=num_accepted,
-                    next_token_ids=next_tokens,
-                    next_positions=committed,
-                    sampling=sampling,
-                    draw_keys=committed + 1,
-                    num_speculative_tokens=k_next,
-                )
-            )
+            draft = self.speculator.propose(ProposeInputs(
+                num_reqs=num_reqs, num_decode=nd, idx_mapping=idx, input_batch=ib,
+                input_ids=input_ids, positions=positions, metadata=metadata,
+                descriptor=descriptor, hidden_states=hidden, aux_hidden_states=aux,
+                cu_num_draft_tokens=cu_num_draft_tokens, num_accepted=num_accepted,
+                next_token_ids=next_tokens, next_positions=committed, sampling=sampling,
+                draw_keys=committed + 1, num_speculative_tokens=k_next,
+            ))
             if draft is None:
                 k_next = 0
             else:
@@ -638,7 +594,7 @@ class LLMEngine(SpeculativeSettings):
                     ib.draft_probs[idx, :k_next] = draft.draft_probs
 
         self._draft_k = k_next
-        return _Launched(batch, nd, k, k_next, host, ready, lp_host, lp_rows)
+        return _Launched(batch, nd, k, host, ready, lp_host, lp_rows)
 
     def _output_logprobs(
         self, requests: list[Request], first_row: int, logits: torch.Tensor,
@@ -690,7 +646,7 @@ class LLMEngine(SpeculativeSettings):
                 continue
             # A prefill's row verified and accepted nothing: it emits its first token.
             accepted, verified, *tokens = rows[i]
-            if step.k > 0 and verified > 0:
+            if verified > 0:
                 self.spec_decoding_stats.observe_draft(verified, accepted)
             new = request.append_tokens(tokens[: accepted + 1], self.tokenizer, self.max_model_len)
             self.generation_tokens_total += len(new)
@@ -706,11 +662,12 @@ class LLMEngine(SpeculativeSettings):
                 prompt_logprobs=[None, *logprobs[i, True]] if (i, True) in logprobs else None,
             ))
         if not self.async_scheduling:
-            # The drafts were proposed before the host knew which requests finish; the
-            # next step verifies no more of them than its own batch size asks for.
+            # The drafts (of ``step``, the last launched) were proposed before the host
+            # knew which requests finish; the next step verifies no more of them than its
+            # own batch size asks for.
             survivors = sum(not r.finished for r in step.batch)
             k = self.num_speculative_tokens_for(survivors) if survivors else 0
-            self._draft_k = min(step.num_speculative_tokens, k)
+            self._draft_k = min(self._draft_k, k)
         return outputs
 
     @staticmethod
@@ -740,8 +697,6 @@ class _Launched:
     num_decode: int
     k: int
     """Drafts each running request verified (``k + 1``: the most tokens it can commit)."""
-    num_speculative_tokens: int
-    """k of the drafts this step proposed."""
     host: torch.Tensor
     """[num_reqs, 2 + width] int64 on the host: accepted, verified, tokens."""
     ready: torch.cuda.Event | None

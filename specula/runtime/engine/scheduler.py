@@ -87,11 +87,6 @@ class PagedScheduler:
         self.waiting.append(request)
         self._by_id[request.request_id] = request
 
-    def max_request_tokens(self) -> int:
-        """Most token slots one request can ever hold: the whole pool minus the watermark."""
-        bm = self.block_manager
-        return (bm.num_blocks - bm.watermark_blocks) * bm.block_size
-
     # -- scheduling ------------------------------------------------------------------
 
     def _preempt(self, request: Request) -> None:
@@ -171,10 +166,3 @@ class PagedScheduler:
         else:
             self.waiting.remove(request)
         return request
-
-    def remove_finished(self) -> list[Request]:
-        """Drop the finished running requests; returns them."""
-        done = [r for r in self.running if r.finished]
-        for request in done:
-            self.remove(request.request_id)
-        return done
