@@ -22,10 +22,10 @@ from torch import nn
 
 from specula.runtime.kernels.gemv import linear
 from specula.runtime.models.config import ModelConfig
-from specula.runtime.models.layers import RMSNorm, RotaryEmbedding, build_empty, init_dummy_weights
+from specula.runtime.models.layers import RMSNorm, RotaryEmbedding
 from specula.runtime.models.llama import LlamaForCausalLM
 from specula.runtime.models.qwen3 import Qwen3DecoderLayer
-from specula.runtime.models.registry import load_safetensors
+from specula.runtime.models.registry import load_checkpoint
 from specula.runtime.models.speculators_format import draft_to_target_ids
 
 SKIPPED_TENSORS = frozenset(
@@ -124,16 +124,17 @@ def load_dflash_draft(
             onto one target id twice.
     """
     # Casting touches floating-point tensors only: d2t stays int64.
-    model = build_empty(
-        lambda: DFlashDraftModel(config, num_aux_layers, draft_vocab_size, device), dtype, device
+    model, _ = load_checkpoint(
+        lambda: DFlashDraftModel(config, num_aux_layers, draft_vocab_size, device),
+        checkpoint_dir,
+        dtype,
+        device,
+        load_format,
+        lambda name: None if name in SKIPPED_TENSORS else name,
     )
-    if load_format == "dummy":
-        init_dummy_weights(model)
-        if model.d2t is not None:
-            ids = torch.randperm(config.vocab_size)[:draft_vocab_size].sort().values
-            model.d2t.copy_(ids - torch.arange(draft_vocab_size))
-        return model.eval()
-    load_safetensors(model, checkpoint_dir, lambda name: None if name in SKIPPED_TENSORS else name)
-    if model.d2t is not None:
+    if model.d2t is not None and load_format == "dummy":
+        ids = torch.randperm(config.vocab_size)[:draft_vocab_size].sort().values
+        model.d2t.copy_(ids - torch.arange(draft_vocab_size))
+    elif model.d2t is not None:
         draft_to_target_ids(model.d2t, config.vocab_size)
-    return model.eval()
+    return model

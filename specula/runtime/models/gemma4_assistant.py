@@ -15,6 +15,7 @@ normed state gives the logits, through the tied ``lm_head`` or, with
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +26,7 @@ from torch import nn
 from specula.runtime.models.gemma4 import Gemma4TextModel
 from specula.runtime.models.gemma4_config import Gemma4ModelConfig
 from specula.runtime.models.gemma4_layers import Gemma4Rotary
-from specula.runtime.models.layers import build_empty, init_dummy_weights
-from specula.runtime.models.registry import load_safetensors
+from specula.runtime.models.registry import load_checkpoint
 
 ASSISTANT_MODEL_TYPE = "gemma4_assistant"
 
@@ -202,11 +202,8 @@ def load_gemma4_assistant(
         ValueError: not a ``gemma4_assistant`` checkpoint, or tensors that do not fit.
     """
     config = Gemma4AssistantConfig.from_pretrained(checkpoint_dir)
-    model = build_empty(lambda: Gemma4AssistantForCausalLM(config, device=device), dtype, device)
-    if load_format == "dummy":
-        init_dummy_weights(model, skip=("masked_embedding.token_ordering",))
-        if model.masked_embedding is not None:
-            model.masked_embedding.token_ordering.copy_(torch.randperm(config.text.vocab_size))
-    else:
-        load_safetensors(model, Path(checkpoint_dir))
-    return model.eval()
+    factory = partial(Gemma4AssistantForCausalLM, config, device=device)
+    model, _ = load_checkpoint(factory, Path(checkpoint_dir), dtype, device, load_format)
+    if load_format == "dummy" and model.masked_embedding is not None:
+        model.masked_embedding.token_ordering.copy_(torch.randperm(config.text.vocab_size))
+    return model

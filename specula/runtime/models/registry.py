@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable, Collection
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -55,9 +56,7 @@ def load_model(
     config: ModelConfig | None = None,
     load_format: str = "auto",
 ) -> LlamaForCausalLM:
-    """Build the model named by the checkpoint's config and load its ``*.safetensors``
-    (``load_format: dummy``: random weights, see
-    :func:`~specula.runtime.models.layers.init_dummy_weights`).
+    """Build the model named by the checkpoint's config and load it (:func:`load_checkpoint`).
 
     Raises:
         ValueError: unsupported architecture (or one :func:`check_servable` refuses), or
@@ -73,12 +72,34 @@ def load_model(
             f"architecture {config.architecture!r} is not supported; "
             f"supported: {', '.join(sorted(MODEL_REGISTRY))}"
         )
-    model = build_empty(lambda: model_cls(config, device=device), dtype, device)
+    factory = partial(model_cls, config, device=device)
+    return load_checkpoint(factory, path, dtype, device, load_format)[0]
+
+
+def load_checkpoint(
+    factory: Callable[[], nn.Module],
+    checkpoint_dir: Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    load_format: str = "auto",
+    rename: Callable[[str], str | None] | None = None,
+    optional: Collection[str] = (),
+) -> tuple[nn.Module, set[str]]:
+    """Build ``factory()`` (:func:`~specula.runtime.models.layers.build_empty`) and load
+    it: :func:`load_safetensors`, or for ``load_format: dummy`` random weights
+    (:func:`~specula.runtime.models.layers.init_dummy_weights`, ``optional`` left alone).
+
+    Returns:
+        ``(model in eval mode, the names of optional it was not given)``.
+
+    Raises:
+        as :func:`load_safetensors`.
+    """
+    model = build_empty(factory, dtype, device).eval()
     if load_format == "dummy":
-        init_dummy_weights(model)
-    else:
-        load_safetensors(model, path)
-    return model.eval()
+        init_dummy_weights(model, skip=tuple(optional))
+        return model, set(optional)
+    return model, load_safetensors(model, checkpoint_dir, rename, optional)
 
 
 def load_safetensors(

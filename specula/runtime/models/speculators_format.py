@@ -20,10 +20,9 @@ import torch
 from torch import nn
 
 from specula.runtime.models.config import ModelConfig
-from specula.runtime.models.layers import build_empty, init_dummy_weights
 from specula.runtime.models.llama import LlamaDecoderLayer
 from specula.runtime.models.qwen3 import Qwen3DecoderLayer
-from specula.runtime.models.registry import load_safetensors
+from specula.runtime.models.registry import load_checkpoint
 
 DECODER_LAYERS: dict[str, type[LlamaDecoderLayer]] = {
     "llama": LlamaDecoderLayer,
@@ -58,29 +57,38 @@ def read_speculators_config(checkpoint_dir: Path, expected_type: str) -> dict[st
     return config
 
 
-def layer_model_config(config: dict[str, Any], target: ModelConfig) -> ModelConfig:
-    """The :class:`ModelConfig` of ``transformer_layer_config`` (through
-    ``transformers.AutoConfig.for_model``, so architecture defaults apply), a head's
-    layers over the vocabulary of ``target``.
+def layer_model_config(
+    config: dict[str, Any], target: ModelConfig | None = None, default_type: str | None = None
+) -> ModelConfig:
+    """The :class:`ModelConfig` of ``transformer_layer_config`` (``model_type``:
+    ``default_type`` when it names none) through ``transformers.AutoConfig.for_model``, so
+    that architecture defaults apply as ``speculators`` reads them; with a ``target``,
+    layers of :data:`DECODER_LAYERS` over ``target``'s vocabulary.
 
     Raises:
-        ValueError: an unknown ``model_type``, a setting our layers do not implement
-            (sliding-window layers, an activation other than SiLU), or a ``vocab_size``
-            other than ``target``'s.
+        ValueError: a setting our layers do not implement (sliding-window layers, an
+            activation other than SiLU); with a ``target``, a ``model_type`` outside
+            :data:`DECODER_LAYERS` or a ``vocab_size`` other than ``target``'s.
     """
     from transformers import AutoConfig
 
     layer = dict(config["transformer_layer_config"])
-    model_type = layer.pop("model_type", None)
-    if model_type not in DECODER_LAYERS:
+    model_type = layer.pop("model_type", None) or default_type
+    if target is not None and model_type not in DECODER_LAYERS:
         raise ValueError(
             f"transformer_layer_config.model_type {model_type!r} is not supported (llama, qwen3)"
         )
     hf = AutoConfig.for_model(model_type, **layer)
-    if "sliding_attention" in (getattr(hf, "layer_types", None) or []):
-        raise ValueError("transformer_layer_config.layer_types: sliding attention is not supported")
+    layer_types = getattr(hf, "layer_types", None) or ()
+    if any(t != "full_attention" for t in layer_types):
+        raise ValueError(
+            f"transformer_layer_config.layer_types {list(layer_types)}: only full-attention "
+            "layers are supported"
+        )
+    # Only the layer shapes matter here; ModelConfig wants an architecture name.
+    hf.architectures = getattr(hf, "architectures", None) or ["DraftLayers"]
     ours = ModelConfig.from_hf_config(hf)
-    if ours.vocab_size != target.vocab_size:
+    if target is not None and ours.vocab_size != target.vocab_size:
         raise ValueError(
             f"transformer_layer_config.vocab_size {ours.vocab_size} != target vocab_size "
             f"{target.vocab_size}"
@@ -96,18 +104,13 @@ def load_draft_head(
     load_format: str,
     rename: Callable[[str], str | None],
 ) -> nn.Module:
-    """Build ``factory()`` and load it (:func:`load_safetensors` through ``rename``; random
-    weights for ``load_format: dummy``), recording the :data:`SHARED_WITH_TARGET` tensors
-    it lacks in ``missing_target_weights`` for :func:`share_target_weights`."""
-    model = build_empty(factory, dtype, device)
-    if load_format == "dummy":
-        init_dummy_weights(model, skip=SHARED_WITH_TARGET)
-        model.missing_target_weights = set(SHARED_WITH_TARGET)
-    else:
-        model.missing_target_weights = load_safetensors(
-            model, checkpoint_dir, rename, SHARED_WITH_TARGET
-        )
-    return model.eval()
+    """:func:`load_checkpoint` through ``rename``, recording the :data:`SHARED_WITH_TARGET`
+    tensors it lacks in ``missing_target_weights`` for :func:`share_target_weights`."""
+    model, missing = load_checkpoint(
+        factory, checkpoint_dir, dtype, device, load_format, rename, SHARED_WITH_TARGET
+    )
+    model.missing_target_weights = missing
+    return model
 
 
 def speculators_weight_name(name: str) -> str | None:

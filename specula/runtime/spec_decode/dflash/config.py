@@ -20,10 +20,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from specula.runtime.models.config import ModelConfig, check_aux_layer_ids
-from specula.runtime.models.speculators_format import read_speculators_config
+from specula.runtime.models.speculators_format import layer_model_config, read_speculators_config
 
 SPECULATORS_MODEL_TYPE = "dflash"
 
@@ -81,7 +80,7 @@ class DFlashConfig:
                 or draft layers our runtime does not implement (sliding-window layers).
         """
         raw = read_speculators_config(checkpoint_dir, SPECULATORS_MODEL_TYPE)
-        layer_config = _layer_config(raw["transformer_layer_config"])
+        layer_config = layer_model_config(raw, default_type="qwen3")
         block_size = raw.get("block_size", 8)
         if not isinstance(block_size, int) or block_size < 2:
             raise ValueError(f"block_size {block_size!r} must be an integer >= 2")
@@ -143,22 +142,3 @@ class DFlashConfig:
                 f"draft tokens one dflash block yields (block_size {self.block_size}{anchor})"
             )
 
-
-def _layer_config(layer_dict: dict[str, Any]) -> ModelConfig:
-    """``transformer_layer_config`` as a :class:`ModelConfig`, through the same
-    ``transformers`` config class (and so the same defaults) ``speculators`` uses."""
-    from transformers import AutoConfig
-
-    fields = dict(layer_dict)
-    model_type = fields.pop("model_type", None) or "qwen3"
-    hf = AutoConfig.for_model(model_type, **fields)
-    layer_types = getattr(hf, "layer_types", None) or ()
-    if any(t != "full_attention" for t in layer_types):
-        raise ValueError(
-            f"dflash draft layer_types {list(layer_types)} are not supported: only "
-            f"full-attention draft layers"
-        )
-    if not getattr(hf, "architectures", None):
-        # Only the layer shapes matter here; ModelConfig wants an architecture name.
-        hf.architectures = ["DFlashDraftModel"]
-    return ModelConfig.from_hf_config(hf)
