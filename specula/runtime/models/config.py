@@ -32,12 +32,9 @@ HF_FIELDS = (
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The decoder-only hyper-parameters our model classes need.
-
-    Read through ``transformers.AutoConfig`` so that per-architecture defaults (for
-    example Qwen3's ``head_dim`` of 128) come from the same place the checkpoint's
-    authors relied on.
-    """
+    """The decoder-only hyper-parameters our model classes need, read through
+    ``transformers.AutoConfig`` so that per-architecture defaults (Qwen3's ``head_dim``
+    of 128) are those the checkpoint's authors relied on."""
 
     architecture: str
     """``architectures[0]`` of the checkpoint, e.g. ``LlamaForCausalLM``."""
@@ -64,23 +61,18 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     hidden_act: str
     tensor_parallel_size: int = field(default=1, kw_only=True)
-    """Ranks the model's heads, MLP columns and vocabulary are split over (the
-    runtime's setting, not the checkpoint's); the modules hold ``1/N`` of each."""
+    """Ranks the heads, MLP columns and vocabulary are split over (the runtime's
+    setting, not the checkpoint's)."""
 
     @classmethod
     def from_pretrained(cls, checkpoint_dir: str | Path) -> ModelConfig:
-        """Read ``config.json`` in ``checkpoint_dir``.
+        """Read ``config.json`` in ``checkpoint_dir`` (:func:`read_hf_config`).
 
         Raises:
             FileNotFoundError: no ``config.json``.
             ValueError: a setting our models do not implement (activation, sliding window).
         """
-        from transformers import AutoConfig
-
-        path = Path(checkpoint_dir)
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"no config.json in {str(path)!r}")
-        return cls.from_hf_config(AutoConfig.from_pretrained(str(path)))
+        return cls.from_hf_config(read_hf_config(checkpoint_dir))
 
     @classmethod
     def from_hf_config(cls, hf: Any) -> ModelConfig:
@@ -123,22 +115,32 @@ class ModelConfig:
         )
 
     def kv_cache_shapes(self) -> tuple[tuple[int, int], ...]:
-        """``(num_kv_heads, head_dim)`` of each layer that owns KV-cache storage, in
-        layer order (every layer here; architectures that share KV between layers
-        override it); this rank's ``num_key_value_heads / tensor_parallel_size`` heads."""
+        """``(num_kv_heads, head_dim)`` of each layer owning KV-cache storage, in order;
+        this rank's ``num_key_value_heads / tensor_parallel_size`` heads."""
         heads = self.num_key_value_heads // self.tensor_parallel_size
         return ((heads, self.head_dim),) * self.num_hidden_layers
+
+
+def read_hf_config(checkpoint_dir: str | Path) -> Any:
+    """``transformers.AutoConfig`` of ``checkpoint_dir``.
+
+    Raises:
+        FileNotFoundError: no ``config.json``.
+    """
+    from transformers import AutoConfig
+
+    if not (Path(checkpoint_dir) / "config.json").is_file():
+        raise FileNotFoundError(f"no config.json in {str(checkpoint_dir)!r}")
+    return AutoConfig.from_pretrained(str(checkpoint_dir))
 
 
 def check_aux_layer_ids(
     layer_ids: Sequence[int], num_hidden_layers: int, field: str = "aux_hidden_state_layer_ids"
 ) -> tuple[int, ...]:
-    """``layer_ids`` as a tuple, each an auxiliary hidden-state id of a target of
-    ``num_hidden_layers`` layers: id ``i`` is the residual stream entering decoder layer
-    ``i``, ``0`` the embedding output and ``num_hidden_layers`` the last layer's output
-    before the final norm, as EAGLE-3 (arXiv 2503.01840) and vLLM's
-    ``aux_hidden_state_layers`` define them (for ``i < num_hidden_layers`` Hugging Face's
-    ``output_hidden_states[i]``).
+    """``layer_ids`` as a tuple of auxiliary hidden-state ids: id ``i`` is the residual
+    stream entering decoder layer ``i`` (HF's ``output_hidden_states[i]``), ``0`` the
+    embedding output, ``num_hidden_layers`` the last layer's output before the final norm,
+    as EAGLE-3 (arXiv 2503.01840) and vLLM's ``aux_hidden_state_layers`` define them.
 
     Raises:
         ValueError: an id outside ``[0, num_hidden_layers]``; the message names ``field``
@@ -168,11 +170,9 @@ def eos_token_ids(hf: Any) -> tuple[int, ...]:
 
 
 def resolve_dtype(dtype: str, config: ModelConfig, device: torch.device) -> torch.dtype:
-    """Pick the weight/activation dtype.
-
-    ``"auto"`` takes the checkpoint's ``torch_dtype`` (float32 when absent); on CPU a
-    float16 checkpoint runs in float32 because CPU half-precision matmuls are slow and
-    partly unimplemented, while bfloat16 is kept.
+    """The weight/activation dtype: ``"auto"`` takes the checkpoint's (float32 when
+    absent), except that a float16 checkpoint runs in float32 on CPU, where half-precision
+    matmuls are slow and partly unimplemented (bfloat16 is kept).
 
     Raises:
         ValueError: unknown dtype name.

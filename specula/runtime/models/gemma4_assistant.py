@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specula.runtime.models.config import read_hf_config
 from specula.runtime.models.gemma4 import Gemma4TextModel
 from specula.runtime.models.gemma4_config import Gemma4ModelConfig
 from specula.runtime.models.gemma4_layers import Gemma4Rotary
@@ -54,12 +55,7 @@ class Gemma4AssistantConfig:
                 allow (per-layer inputs, experts, double-wide MLPs); the message names
                 the field and its value.
         """
-        from transformers import AutoConfig
-
-        path = Path(checkpoint_dir)
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"no config.json in {str(path)!r}")
-        hf = AutoConfig.from_pretrained(str(path))
+        hf = read_hf_config(checkpoint_dir)
         if hf.model_type != ASSISTANT_MODEL_TYPE:
             raise ValueError(
                 f"gemma4_mtp draft model_type {hf.model_type!r} != {ASSISTANT_MODEL_TYPE!r}"

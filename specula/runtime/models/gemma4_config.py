@@ -1,15 +1,6 @@
-"""Gemma4 text hyper-parameters: per-layer attention geometry and KV sharing.
-
-Gemma4 (Hugging Face ``Gemma4TextConfig``, model type ``gemma4_text``; the text part of
-``gemma4`` checkpoints) departs from the Llama shape in ways that change the KV cache:
-
-- ``layer_types``: each layer is ``sliding_attention`` (window ``sliding_window``, its
-  own rotary settings) or ``full_attention``; the two types have their own ``head_dim``
-  and number of KV heads (``per_layer_config`` in the checkpoint's ``config.json``).
-- ``num_kv_shared_layers``: the last that many layers compute no keys and values; each
-  reads the KV of the last earlier non-shared layer of the same type. Only non-shared
-  layers own KV-cache storage.
-"""
+"""Gemma4 text hyper-parameters (Hugging Face ``Gemma4TextConfig``, model type
+``gemma4_text``; the text part of ``gemma4`` checkpoints): per-layer-type attention
+geometry (``per_layer_config``) and KV sharing between layers."""
 
 from __future__ import annotations
 
@@ -36,17 +27,19 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 """The MLP activations Gemma4 may use, as Hugging Face's ``ACT2FN[name]``."""
 
+_INT_FIELDS = ("num_kv_shared_layers", "hidden_size_per_layer_input", "vocab_size_per_layer_input")
+_BOOL_FIELDS = ("attention_k_eq_v", "use_double_wide_mlp", "enable_moe_block")
+
 
 @dataclass(frozen=True)
 class Gemma4ModelConfig(ModelConfig):
-    """:class:`ModelConfig` plus the Gemma4-specific fields.
-
-    The inherited ``head_dim`` / ``num_key_value_heads`` are layer 0's; :attr:`layer_head_dims`
-    and :attr:`layer_num_kv_heads` hold every layer's own.
-    """
+    """:class:`ModelConfig` plus the Gemma4 fields; the inherited ``head_dim`` and
+    ``num_key_value_heads`` are layer 0's, :attr:`layer_head_dims` and
+    :attr:`layer_num_kv_heads` every layer's."""
 
     layer_types: tuple[str, ...] = ()
-    """Per layer, ``sliding_attention`` or ``full_attention``."""
+    """Per layer, ``sliding_attention`` or ``full_attention`` (each type has its own head
+    size, KV heads and rotary settings)."""
     sliding_window: int = 0
     """Sliding layers see the last ``sliding_window`` positions, their own included."""
     layer_head_dims: tuple[int, ...] = ()
@@ -55,6 +48,8 @@ class Gemma4ModelConfig(ModelConfig):
     """Per layer type: ``rope_type`` (``default`` or ``proportional``), ``rope_theta``,
     optional ``partial_rotary_factor`` and ``factor``."""
     num_kv_shared_layers: int = 0
+    """The last that many layers compute no keys and values and own no KV-cache storage;
+    each reads the KV of the last earlier non-shared layer of its type."""
     final_logit_softcapping: float | None = None
     """Logits become ``cap * tanh(logits / cap)``; ``None`` disables it."""
     hidden_size_per_layer_input: int = 0
@@ -83,9 +78,9 @@ class Gemma4ModelConfig(ModelConfig):
 
     @classmethod
     def from_text_config(cls, text: Any, architecture: str, outer: Any) -> Gemma4ModelConfig:
-        """Read a ``Gemma4TextConfig`` without checking its KV-sharing pattern (a Gemma4
-        MTP draft's layers are all shared and read the target's KV). ``outer`` is the
-        enclosing config, whose ``eos_token_id``, dtype and embedding tying win.
+        """:meth:`from_hf_config` without the KV-sharing check (a Gemma4 MTP draft's
+        layers all read the target's KV); ``outer``'s ``eos_token_id``, dtype and
+        embedding tying win.
 
         Raises:
             ValueError: an activation we do not implement, or bidirectional attention.
@@ -118,13 +113,9 @@ class Gemma4ModelConfig(ModelConfig):
             layer_head_dims=tuple(int(c.head_dim) for c in per_layer),
             layer_num_kv_heads=tuple(int(c.num_key_value_heads) for c in per_layer),
             rope_parameters=rope,
-            num_kv_shared_layers=int(text.num_kv_shared_layers or 0),
             final_logit_softcapping=text.final_logit_softcapping,
-            hidden_size_per_layer_input=int(text.hidden_size_per_layer_input or 0),
-            vocab_size_per_layer_input=int(text.vocab_size_per_layer_input or 0),
-            attention_k_eq_v=bool(text.attention_k_eq_v),
-            use_double_wide_mlp=bool(text.use_double_wide_mlp),
-            enable_moe_block=bool(text.enable_moe_block),
+            **{f: int(getattr(text, f) or 0) for f in _INT_FIELDS},
+            **{f: bool(getattr(text, f)) for f in _BOOL_FIELDS},
         )
 
     @property
@@ -132,14 +123,13 @@ class Gemma4ModelConfig(ModelConfig):
         return self.num_hidden_layers - self.num_kv_shared_layers
 
     def kv_producer_layers(self) -> dict[str, int]:
-        """Per layer type, the last non-shared layer of that type: the layer whose KV the
-        shared layers (and a Gemma4 MTP draft) of that type read."""
+        """Per layer type, the last non-shared layer of that type, whose KV the shared
+        layers (and a Gemma4 MTP draft) of that type read."""
         return {t: i for i, t in enumerate(self.layer_types[: self.first_kv_shared_layer])}
 
     def kv_source_layers(self) -> tuple[int, ...]:
-        """Per layer, the layer whose keys and values it attends to (itself when it is
-        not KV-shared). Non-shared layers are a prefix and own KV-cache entries ``0..`` in
-        order, so this is also each layer's index into the cache's layer list.
+        """Per layer, the layer whose KV it attends to (itself when not shared); as the
+        non-shared layers are a prefix owning cache entries ``0..``, also its cache index.
 
         Raises:
             ValueError: a shared layer's type has no non-shared layer before it.

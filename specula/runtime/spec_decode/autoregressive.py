@@ -2,31 +2,26 @@
 paged cache, eager and in CUDA graphs (vLLM Model Runner V2's ``AutoRegressiveSpeculator``,
 PR #43241; draft prefill on the target's captured attention state, PR #40410).
 
-After the target's forward and the verification, a proposal has two stages:
+A proposal has two stages, neither copying device data to the host:
 
 1. **Draft prefill** over the target forward's own token slots (same block tables, slot
-   mapping and positions, so a graph of it reads the target graph's
-   :class:`~specula.runtime.worker.cudagraph.CapturedAttentionState`).
+   mapping and positions, so its graph reads the target graph's captured attention state).
 
    - *Hidden-state-conditioned drafts* (EAGLE, arXiv 2401.15077 / 2503.01840; DeepSeek
      MTP, arXiv 2412.19437): the row at position ``p`` reads token ``t_{p+1}`` with the
-     target's state at ``p`` (the inputs shifted left, the sampled token at each request's
-     last accepted row: :func:`~specula.runtime.kernels.draft_inputs.prepare_draft_inputs`);
-     that row's output gives draft 1. Rows past it (rejected drafts) write KV that the
-     next verification's rows overwrite.
+     target's state at ``p`` (:func:`~specula.runtime.kernels.draft_inputs.
+     prepare_draft_inputs`); each request's last accepted row gives draft 1. Rows of
+     rejected drafts write KV that the next verification's rows overwrite.
    - *Token-only drafts* (a plain draft model, Leviathan et al., arXiv 2211.17192): the
-     row at ``p`` reads ``t_p``, the target's own inputs. Their KV for verified drafts was
-     written when they were drafted, so this stage runs only for prefills (and when
-     nothing is drafted, to keep the cache complete).
+     row at ``p`` reads ``t_p``. Verified drafts' KV was written when they were drafted,
+     so this stage runs only for prefills (and when nothing is drafted).
    - *Drafts on the target's KV* (Gemma4 MTP) have no prefill: their first step reads
      the target's final state at the last accepted row.
 
 2. **Draft decode steps**, one token per request each (token-only drafts: the first step
    reads the last accepted token and the sampled one, rewriting the former's KV), at the
-   positions after the sampled token, where the next verification's rows go. Each step
-   samples one draft; all steps are one graph per ``(padded requests, steps)``.
-
-Nothing here copies device data to the host.
+   positions where the next verification's rows go; one graph per ``(padded requests,
+   steps)``.
 """
 
 from __future__ import annotations
@@ -43,12 +38,8 @@ from specula.runtime.worker.paged_kv import PagedAttentionMetadata
 
 
 class AutoRegressiveSpeculator(DraftModelSpeculator):
-    """Drafts ``k`` tokens one after another with the draft network (module docstring).
-
-    Hooks for subclasses: :attr:`conditions_on_hidden_states`, :meth:`conditioning`,
-    :attr:`model_returns_tuple`, :attr:`reads_target_kv`, :meth:`advance_draft_positions`,
-    :meth:`sample_draft`, :meth:`load_draft_model`, :meth:`build_runner`.
-    """
+    """Drafts ``k`` tokens one after another with the draft network (module docstring);
+    subclasses set the class attributes and override the hooks below."""
 
     conditions_on_hidden_states: bool = False
     """The draft reads a conditioning state with each token (EAGLE, MTP): its runner's
@@ -64,13 +55,12 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
     write no KV (Gemma4 MTP); there is no draft prefill."""
 
     def advance_draft_positions(self, positions: torch.Tensor) -> torch.Tensor:
-        """Rotary positions of the next draft step from the current ones, ``[num_reqs]``.
-        The plain next position; methods with constant draft positions override it."""
+        """Rotary positions ``[num_reqs]`` of the next draft step from the current ones."""
         return positions + 1
 
     def conditioning(self, hidden: torch.Tensor, aux: torch.Tensor | None) -> torch.Tensor:
         """The conditioning rows ``[n, H]`` from the target's final states ``hidden`` and
-        auxiliary states ``aux`` of the same rows. Default: the final states (MTP)."""
+        auxiliary states ``aux`` of the same rows (default: ``hidden``)."""
         return hidden
 
     def compute_draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -80,14 +70,13 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
 
     def draft_argmax(self, hidden: torch.Tensor) -> torch.Tensor:
         """Greedy drafts ``[n]`` int64 target ids from ``hidden [n, H]``."""
-        return argmax(self.compute_draft_logits(hidden))  # two passes, not one block per row
+        return argmax(self.compute_draft_logits(hidden))
 
     def sample_draft(
         self, hidden: torch.Tensor, sampling: SamplingMetadata, keys: torch.Tensor, step: int
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Draft ``step`` (0-based) of each request from ``hidden [num_reqs, H]``: the
-        argmax (``draft_sample_method: greedy``), or a sample of the processed draft
-        distribution (``probabilistic``; greedy requests still take the argmax).
+        argmax (``draft_sample_method: greedy``) or a sample (``probabilistic``).
 
         Returns ``(token_ids [num_reqs], probs [num_reqs, vocab_size] | None)``.
         """
@@ -118,7 +107,6 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
             needs_top_k=self.keeps_draft_probs,
             needs_top_p=self.keeps_draft_probs,
         )
-        """Static sampling settings the graphs read (general path when drafts are sampled)."""
         self.hidden = torch.zeros(r, self.runner_hidden_size(), dtype=self.dtype, device=dev)
         """[max_num_seqs, H] the state the next draft step reads."""
         self.draft_probs = (
@@ -126,14 +114,12 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
         )
 
     def runner_hidden_size(self) -> int:
-        """Width of the state carried between draft steps."""
         return self.model.config.hidden_size
 
     def capture_graphs(
         self, captured_attention_states: dict[BatchExecutionDescriptor, CapturedAttentionState]
     ) -> None:
-        """Prefill graphs on the target's captured states (largest first), then the
-        decode graphs for the same request counts."""
+        """Prefill graphs on the target's captured states, then the decode graphs."""
         if not self.reads_target_kv:
             for d, state in captured_attention_states.items():
                 if not self.conditions_on_hidden_states and d.uniform_query_len > 1:
@@ -161,9 +147,8 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
     def _prefill(
         self, r: int, target: ProposeInputs | CapturedAttentionState, sample_first: bool
     ) -> None:
-        """Stage 1 over the ``r`` requests of the ``target`` forward (its inputs, metadata
-        and hidden states; module docstring); conditioned drafts write draft 1 of each
-        request to ``draft_token_ids[:, 0]`` and its state to :attr:`hidden`."""
+        """Stage 1 over the ``r`` requests of the ``target`` forward; conditioned drafts
+        write draft 1 to ``draft_token_ids[:, 0]`` and its state to :attr:`hidden`."""
         input_ids, positions, metadata = target.input_ids, target.positions, target.metadata
         if not self.conditions_on_hidden_states:
             self._forward(input_ids, positions, metadata, None)
@@ -189,15 +174,15 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
             self.draft_probs[:r, col] = probs
 
     def _step_metadata(self, positions: torch.Tensor, valid: torch.Tensor) -> PagedAttentionMetadata:
-        """Metadata of one decode step: ``positions [r, q]`` (q query rows per request,
-        consecutive), ``valid [r]`` (False: a padding row)."""
+        """Metadata of one decode step: ``positions [r, q]`` (q consecutive query rows per
+        request), ``valid [r]`` (False: a padding row)."""
         # Drafts on the target's KV attend to its positions before the row, writing none.
         slots, seq_lens = self.slots(positions, valid, writes_kv=not self.reads_target_kv)
         r, q = positions.shape
         return self.decode_metadata(slots, self.block_table[:r], seq_lens, q)
 
     def _decode(self, r: int, num_steps: int) -> None:
-        """Stage 2: ``num_steps`` one-token steps for rows ``0..r-1`` (module docstring)."""
+        """Stage 2: ``num_steps`` one-token steps for rows ``0..r-1``."""
         offset = 1 if self.conditions_on_hidden_states else 0
         start = self.start_positions[:r]
         valid = start >= 0
@@ -228,8 +213,7 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
             pos = self.advance_draft_positions(pos)
 
     def _load(self, inputs: ProposeInputs) -> int:
-        """Copy the step's per-request inputs into the static buffers; returns the
-        number of rows the graphs run (padded)."""
+        """:meth:`load_inputs` plus this loop's per-request buffers."""
         r = inputs.num_reqs
         padded = self.load_inputs(inputs)
         self.num_accepted[:r] = inputs.num_accepted

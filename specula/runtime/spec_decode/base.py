@@ -1,11 +1,8 @@
-"""The speculator interface: what the engine asks of every drafting method.
+"""The speculator interface the engine calls, never naming a method.
 
 Shaped after vLLM Model Runner V2's ``Speculator`` (``vllm/v1/worker/gpu/spec_decode/
 speculator.py``; PRs #40410, #43241): a small abstract base, one subclass family per
-method, device tensors in and out, no shared mutable config. The engine calls
-:meth:`BaseSpeculator.propose` once per step, right after the target's forward and the
-rejection sampler, with that forward's inputs, attention metadata and hidden states and
-the verification's outcome; it never names a method.
+method, device tensors in and out.
 """
 
 from __future__ import annotations
@@ -26,25 +23,21 @@ if TYPE_CHECKING:
 
 @dataclass
 class ProposeInputs:
-    """One step's target forward and verification outcome, as the speculator sees them.
-
-    Requests are in batch order: ``num_decode`` running requests (each verified the same
-    number of drafts, or decoded one token), then the requests prefilled this step.
-    """
+    """One step's target forward and verification outcome. Requests are in batch order:
+    ``num_decode`` running requests (each verified the same number of drafts, or decoded
+    one token), then the requests prefilled this step."""
 
     num_reqs: int
     num_decode: int
     idx_mapping: torch.Tensor
     """[num_reqs] int64 row of each request in the engine's :class:`InputBatch`."""
     input_batch: InputBatch
-    """The engine's persistent per-request state (token history, when kept)."""
     input_ids: torch.Tensor
     """[num_tokens] int64 the target forward's inputs: per running request its last token
     and its drafts, per prefill its tokens."""
     positions: torch.Tensor
     """[num_tokens] int64."""
     metadata: PagedAttentionMetadata
-    """The target forward's attention metadata (slot mapping, block tables)."""
     descriptor: BatchExecutionDescriptor | None
     """The target graph that ran (its captured attention state holds the batch, padded),
     or ``None`` for an eager forward."""
@@ -63,7 +56,6 @@ class ProposeInputs:
     next_positions: torch.Tensor
     """[num_reqs] int64 the position of ``next_token_ids`` (the committed length)."""
     sampling: SamplingMetadata
-    """The requests' sampling settings (probabilistic drafting samples under them)."""
     draw_keys: torch.Tensor
     """[num_reqs] int64 keys of this proposal's random draws."""
     num_speculative_tokens: int
@@ -84,21 +76,17 @@ class DraftOutput:
 
 
 class BaseSpeculator(ABC):
-    """Proposes draft tokens for the target to verify.
-
-    Lifecycle (the engine's calls, in order): :meth:`bind_target`,
-    :meth:`kv_cache_spec` and :meth:`allocate_kv_cache` (methods with a KV cache of
-    their own), :meth:`init_cudagraph_manager`, :meth:`capture` (CUDA only), then
-    :meth:`propose` every step.
-    """
+    """Proposes draft tokens for the target to verify. The engine calls, in order:
+    :meth:`bind_target`, :meth:`kv_cache_spec` and :meth:`allocate_kv_cache`,
+    :meth:`init_cudagraph_manager`, :meth:`capture` (CUDA only), then :meth:`propose`
+    every step."""
 
     max_num_speculative_tokens: int
     """The largest k :meth:`propose` is asked for."""
 
     aux_hidden_state_layers: tuple[int, ...] = ()
-    """Target layers whose input residual streams the method reads (EAGLE-3, DFlash);
-    ids as :meth:`~specula.runtime.worker.model_runner.ModelRunner.forward` defines
-    them."""
+    """Target layers whose input residual streams the method reads (EAGLE-3, DFlash),
+    as :func:`~specula.runtime.models.config.check_aux_layer_ids` defines the ids."""
 
     needs_token_ids: bool = False
     """The method reads every request's tokens (n-gram lookup): the engine keeps them
@@ -109,9 +97,8 @@ class BaseSpeculator(ABC):
     their distributions for the verifier."""
 
     def bind_target(self, target_runner) -> None:
-        """Called once after the target is loaded: methods that share its weights
-        (embeddings, LM head) or read its KV cache keep what they need; validation
-        against the target happens here. The default keeps nothing.
+        """Called once after the target is loaded: methods that share its weights or
+        read its KV cache keep what they need (default: nothing).
 
         Raises:
             ValueError: the draft does not fit this target (names the field and values).
@@ -120,18 +107,17 @@ class BaseSpeculator(ABC):
 
     def num_lookahead_tokens(self, num_speculative_tokens: int) -> int:
         """KV slots :meth:`propose` writes after a request's last sampled position when
-        drafting ``num_speculative_tokens`` (the engine reserves them). Default 0."""
+        drafting ``num_speculative_tokens`` (the engine reserves them)."""
         return 0
 
     def kv_cache_spec(self, block_size: int) -> KVCacheSpec | None:
         """The draft's own paged KV cache (indexed by the target's block tables), or
-        ``None`` when it keeps none (the default)."""
+        ``None`` (the default)."""
         return None
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int, max_model_len: int) -> None:
         """Allocate the :meth:`kv_cache_spec` cache with ``num_blocks`` blocks of
-        ``block_size`` tokens; positions up to ``max_model_len``. The default has nothing
-        to allocate."""
+        ``block_size`` tokens; positions up to ``max_model_len``."""
         return None
 
     def init_cudagraph_manager(self) -> None:
@@ -148,8 +134,8 @@ class BaseSpeculator(ABC):
 
     @abstractmethod
     def propose(self, inputs: ProposeInputs) -> DraftOutput | None:
-        """Draft ``inputs.num_speculative_tokens`` tokens per request (``None`` when it
-        is 0), keeping any state the method carries across steps complete.
+        """Draft ``inputs.num_speculative_tokens`` tokens per request (``None`` when 0),
+        keeping any state the method carries across steps complete.
 
         Raises:
             ValueError: ``num_speculative_tokens`` above ``max_num_speculative_tokens``.
