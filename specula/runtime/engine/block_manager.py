@@ -7,10 +7,8 @@ owns an ordered list of blocks, its *block table*: its token ``t`` lives in bloc
 :func:`specula.runtime.kernels.reshape_and_cache.reshape_and_cache` takes).
 
 Admission keeps a *watermark* of free blocks (vLLM's ``watermark``): a new request is
-admitted only if the blocks left after its allocation stay above it, so that running
-requests can still grow by a few blocks before anything must be preempted. Growing a
-running request (:meth:`BlockManager.resize`, one decode token or the ``k + 1``
-tokens of a verification step) may use the reserve.
+admitted only if the blocks left after its allocation stay above it, a reserve that
+running requests may grow into (:meth:`BlockManager.resize`) before any is preempted.
 
 Automatic prefix caching (vLLM's, after SGLang's RadixAttention, Zheng et al., arXiv
 2312.07104): a full block of committed tokens is named by a hash chain, the SHA-256 of
@@ -21,8 +19,7 @@ its last prompt token). A freed block keeps its name until it is reused; free bl
 with no name are taken first, then named ones least recently freed first (LRU
 eviction), the tail of a request before its head.
 
-Pure Python: no torch, no device; the model runner turns block tables and slots into
-device tensors.
+Pure Python, no torch.
 """
 
 from __future__ import annotations
@@ -34,8 +31,8 @@ from collections.abc import Hashable, Sequence
 
 
 class NoFreeBlocksError(RuntimeError):
-    """The pool has fewer free blocks than an allocation needs; the scheduler should
-    have checked :meth:`BlockManager.can_allocate` and preempted first."""
+    """The pool has fewer free blocks than an allocation needs (the scheduler checks
+    :meth:`BlockManager.can_allocate` and preempts first)."""
 
 
 def cdiv(a: int, b: int) -> int:
@@ -101,7 +98,6 @@ class BlockManager:
         return len(self._block_of)
 
     def num_blocks_needed(self, num_tokens: int) -> int:
-        """Blocks that hold ``num_tokens`` tokens."""
         return cdiv(num_tokens, self.block_size)
 
     def block_table(self, request_id: Hashable) -> list[int]:
@@ -125,10 +121,8 @@ class BlockManager:
         short of the last token (which a request computes to sample from); ``[]`` with
         caching off. Changes nothing."""
         blocks: list[int] = []
-        if not self.enable_prefix_caching:
-            return blocks
         parent = b""
-        for i in range((len(token_ids) - 1) // self.block_size):
+        for i in range((len(token_ids) - 1) // self.block_size):  # none named with caching off
             parent = self._name(parent, token_ids, i)
             block = self._block_of.get(parent)
             if block is None:
@@ -258,7 +252,6 @@ class BlockManager:
         return have if need > have else len(table)
 
     def num_blocks_held(self, request_id: Hashable) -> int:
-        """Blocks in the request's table."""
         return len(self._tables[request_id])
 
     def blocks_from(self, request_id: Hashable, start: int) -> list[int]:

@@ -38,7 +38,7 @@ atexit.register(stopping.set)
 
 
 def rank_device(device_type: str, rank: int) -> torch.device:
-    """``cuda:<rank>`` on CUDA (the pod's GPUs, one per rank), else the CPU."""
+    """``cuda:<rank>`` on CUDA (one GPU per rank), else the CPU."""
     return torch.device(f"cuda:{rank}" if device_type == "cuda" else "cpu")
 
 
@@ -68,10 +68,9 @@ def launch(config: RuntimeConfig, device_type: str) -> LLMEngine:
 
 def _shutdown_at_exit(engine: LLMEngine, timeout_s: float = 10.0) -> None:
     """Leave the group when the server exits (an NCCL group never destroyed holds the
-    process at exit), and wait for the other ranks to leave it too and end: this runs
-    before ``multiprocessing``'s own exit hook, which would terminate them. Bounded: ranks
-    stuck in a collective (a failed step) would hold it too, and then the process exits 1
-    without them."""
+    process at exit) and wait for the other ranks to end, before ``multiprocessing``'s
+    exit hook would terminate them. Ranks stuck in a collective (a failed step) would
+    hold it too: past ``timeout_s`` the process exits 1 without them."""
 
     def stop() -> None:
         engine.shutdown()

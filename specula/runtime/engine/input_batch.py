@@ -14,6 +14,7 @@ updates the rest itself after sampling (:meth:`InputBatch.commit`).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 
 import torch
 
@@ -44,18 +45,14 @@ class InputBatch:
     """
 
     def __init__(
-        self,
-        max_num_reqs: int,
-        max_blocks_per_req: int,
-        max_num_speculative_tokens: int,
-        vocab_size: int,
-        device: torch.device,
-        token_capacity: int | None = None,
+        self, max_num_reqs: int, max_blocks_per_req: int, max_num_speculative_tokens: int,
+        vocab_size: int, device: torch.device, token_capacity: int | None = None,
         keep_draft_probs: bool = False,
     ) -> None:
         r, k = max_num_reqs, max(max_num_speculative_tokens, 1)
         self.device = device
         i64 = {"dtype": torch.int64, "device": device}
+        f32 = {"dtype": torch.float32, "device": device}
         self.block_table = torch.zeros(r, max_blocks_per_req, dtype=torch.int32, device=device)
         """[max_num_reqs, max_blocks_per_req] int32 block ids (target and drafts share)."""
         self.num_computed_tokens = torch.zeros(r, **i64)
@@ -66,14 +63,10 @@ class InputBatch:
         """[max_num_reqs, k_max] the drafts the next verification checks."""
         self.num_draft_tokens = torch.zeros(r, **i64)
         """[max_num_reqs] how many leading drafts are real (n-gram drafts may be short)."""
-        self.draft_probs = (
-            torch.zeros(r, k, vocab_size, dtype=torch.float32, device=device)
-            if keep_draft_probs
-            else None
-        )
+        self.draft_probs = torch.zeros(r, k, vocab_size, **f32) if keep_draft_probs else None
         """[max_num_reqs, k_max, vocab_size] float32 distributions of sampled drafts."""
-        self.temperature = torch.zeros(r, dtype=torch.float32, device=device)
-        self.top_p = torch.ones(r, dtype=torch.float32, device=device)
+        self.temperature = torch.zeros(r, **f32)
+        self.top_p = torch.ones(r, **f32)
         self.top_k = torch.zeros(r, **i64)
         self.seeds = torch.zeros(r, **i64)
         self.token_ids = None if token_capacity is None else torch.zeros(r, token_capacity, **i64)
@@ -86,8 +79,7 @@ class InputBatch:
         self._bt_updates: tuple[list[int], list[int], list[int]] = ([], [], [])
         self._new_rows: list[Request] = []
         self.version = 0
-        """Bumped whenever a row is given to a request (cached per-batch views of the
-        settings are then stale)."""
+        """Bumped whenever a row is given to a request (cached views of rows go stale)."""
 
     # -- host-side changes, applied by flush() ------------------------------------------
 
@@ -104,7 +96,6 @@ class InputBatch:
         self.version += 1
 
     def remove(self, request: Request) -> None:
-        """Free ``request``'s row."""
         if request.row >= 0 and self._requests[request.row] is request:
             self._requests[request.row] = None
             self._free_rows.append(request.row)
@@ -128,12 +119,10 @@ class InputBatch:
         """Copy the recorded block-table entries and the new requests' settings and
         tokens to the device (a few batched copies)."""
         dev = self.device
+        rows_of = partial(to_device, dtype=torch.int64, device=dev)
 
         def put(tensor: torch.Tensor, index, values: list) -> None:
             tensor[index] = to_device(values, tensor.dtype, dev)
-
-        def rows_of(values: list[int]) -> torch.Tensor:
-            return to_device(values, torch.int64, dev)
 
         rows, cols, values = self._bt_updates
         if rows:
@@ -169,12 +158,8 @@ class InputBatch:
         )
 
     def commit(
-        self,
-        idx: torch.Tensor,
-        num_computed_tokens: torch.Tensor,
-        next_token_ids: torch.Tensor,
-        output_token_ids: torch.Tensor,
-        num_output_tokens: torch.Tensor,
+        self, idx: torch.Tensor, num_computed_tokens: torch.Tensor, next_token_ids: torch.Tensor,
+        output_token_ids: torch.Tensor, num_output_tokens: torch.Tensor,
     ) -> None:
         """After sampling: rows ``idx`` now have ``num_computed_tokens`` committed tokens
         and ``next_token_ids`` as their last token; with a token history, append each

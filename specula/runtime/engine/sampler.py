@@ -2,12 +2,12 @@
 both draw from, all as device tensor operations (no host loop, CUDA-graph safe).
 
 Randomness is counter-based (:mod:`specula.runtime.kernels.random`, one kernel per
-draw): every draw is a pure function of the request's seed, a *key* that is unique per
-request and step, a *stream* id that keeps different uses apart, and a column index. A request's output then depends only on its
-own seed, prompt and speculation settings, never on the batch it runs in, and there is
-no ``torch.Generator`` per request to loop over. Keys are the position of the first
-token a step can emit for the request (strictly increasing from step to step, preemption
-included), so no draw is ever reused (a reused uniform would bias rejection sampling).
+draw): every draw is a pure function of the request's seed, a *key* unique per request
+and step, a *stream* id that keeps different uses apart, and a column index. A request's
+output then depends only on its own seed, prompt and speculation settings, never on its
+batch, with no ``torch.Generator`` per request to loop over. Keys are the position of
+the first token a step can emit for the request (strictly increasing from step to step,
+preemption included), so no draw is ever reused (which would bias rejection sampling).
 
 Sampling uses the exponential race (``argmax(p / E)`` with ``E ~ Exp(1)`` i.i.d. picks
 index ``i`` with probability ``p_i``), which needs no cumulative sums and is exact for
@@ -74,7 +74,7 @@ class SamplingMetadata:
         cls, params: Sequence[SamplingParams], seeds: Sequence[int], device: torch.device
     ) -> SamplingMetadata:
         """Build the tensors from the host (tests and references; the engine gathers
-        them from its persistent per-request state instead)."""
+        them from :class:`~specula.runtime.engine.input_batch.InputBatch`)."""
         return cls(
             temperature=torch.tensor([p.temperature for p in params], device=device),
             top_p=torch.tensor([p.top_p for p in params], device=device),

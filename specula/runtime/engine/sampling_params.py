@@ -19,8 +19,8 @@ class SamplingParams:
     top_k: int = 0
     """Keep only the k most likely tokens; 0 (or -1) disables."""
     seed: int | None = None
-    """Seeds this request's own ``torch.Generator``: the same seed, prompt and settings
-    give the same tokens. ``None`` draws from the global generator."""
+    """Seeds the request's random draws: the same seed, prompt and settings give the same
+    tokens. ``None``: a seed drawn from torch's global generator."""
     stop: list[str] | None = None
     """Stop strings, matched on the detokenized completion; generation ends at the token
     that completes one (that token is still returned; the caller trims the text)."""

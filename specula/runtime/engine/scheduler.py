@@ -6,10 +6,9 @@ drafts: ``k + 1`` query tokens) together with *prefills* of newly admitted reque
 one forward. Before the step, :meth:`PagedScheduler.schedule` gives every request the KV
 slots the whole step may write, so nothing is allocated while the device works:
 
-- a running request with ``num_computed_tokens`` tokens in the cache holds slots for
-  ``num_computed_tokens + num_decode_tokens + num_lookahead_tokens``: this step's query
-  tokens, then the draft tokens the speculator writes after the last accepted one
-  (however many are accepted);
+- a running request holds slots for ``num_computed_tokens + num_decode_tokens +
+  num_lookahead_tokens``: this step's query tokens, then the draft tokens the speculator
+  writes after the last accepted one (however many are accepted);
 - an admitted request holds slots for its tokens plus ``num_lookahead_tokens``; the
   leading full blocks of a cached prefix are shared (:meth:`BlockManager.match_prefix`),
   its ``num_computed_tokens`` start after them and only the rest is prefilled; its own
@@ -44,8 +43,8 @@ class SchedulerOutput:
     decode: list[Request] = field(default_factory=list)
     """Running requests: one decode token or ``k + 1`` verification tokens each."""
     prefill: list[Request] = field(default_factory=list)
-    """Requests admitted this step (new, or resumed after preemption); their tokens
-    from ``num_computed_tokens`` on (after a cached prefix) are prefilled."""
+    """Requests admitted this step (new, or resumed after preemption), prefilled from
+    ``num_computed_tokens`` on (after a cached prefix)."""
     preempted: list[Request] = field(default_factory=list)
     """Requests preempted this step (now at the front of the waiting queue)."""
 
@@ -87,8 +86,6 @@ class PagedScheduler:
         self.waiting.append(request)
         self._by_id[request.request_id] = request
 
-    # -- scheduling ------------------------------------------------------------------
-
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         self.block_manager.free(request.request_id)
@@ -104,18 +101,13 @@ class PagedScheduler:
                 ``k + 1`` to verify ``k`` drafts).
             num_lookahead_tokens: slots the speculator may write after a request's last
                 accepted token (0 without one).
-
-        Returns:
-            the running requests to decode or verify, then the admitted requests (now
-            running too), and the preempted ones.
         """
         bm = self.block_manager
         out = SchedulerOutput()
         step = num_decode_tokens + num_lookahead_tokens
 
         growth = {
-            r: bm.num_blocks_needed(r.num_computed_tokens + step)
-            - bm.num_blocks_held(r.request_id)
+            r: bm.num_blocks_needed(r.num_computed_tokens + step) - bm.num_blocks_held(r.request_id)
             for r in self.running
         }
         needed = sum(growth.values())
@@ -136,9 +128,8 @@ class PagedScheduler:
             n = len(request.token_ids)
             cached = bm.match_prefix(request.token_ids) if request.reuses_prefix_cache else []
             num_new = n - len(cached) * bm.block_size
-            if num_new > budget and (out.prefill or out.decode):
-                break
-            if not bm.can_allocate(n + num_lookahead_tokens, cached):
+            too_long = num_new > budget and (out.prefill or out.decode)
+            if too_long or not bm.can_allocate(n + num_lookahead_tokens, cached):
                 break
             self.waiting.popleft()
             bm.allocate(request.request_id, n + num_lookahead_tokens, cached)
@@ -152,8 +143,6 @@ class PagedScheduler:
             out.prefill.append(request)
             budget -= num_new
         return out
-
-    # -- removal ---------------------------------------------------------------------
 
     def remove(self, request_id: str) -> Request | None:
         """Drop a request wherever it is and free its blocks; ``None`` if unknown."""

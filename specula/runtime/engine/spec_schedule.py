@@ -4,10 +4,9 @@ the engine was started with, applied from the next proposal on.
 
 A per-batch-size schedule has the shape of vLLM's ``num_speculative_tokens_per_batch_size``
 speculative-config field (the batch-size dependence of the best k is SmartSpec's
-finding, arXiv 2406.14066): a list
-of inclusive ranges ``[start, end, k]`` over the number of requests in a speculative
-round. The first range starts at 1, ranges are sorted, contiguous and non-overlapping,
-and batch sizes above the last range's ``end`` use the last range's ``k``.
+finding, arXiv 2406.14066): a list of inclusive ranges ``[start, end, k]`` over the
+number of requests in a speculative round. The first range starts at 1, ranges are
+sorted, contiguous and non-overlapping, and larger batches use the last range's ``k``.
 """
 
 from __future__ import annotations
@@ -136,23 +135,17 @@ class SpeculativeSettings:
     def init_speculative_settings(self, speculator_config: SpeculatorRuntimeConfig | None) -> None:
         """Start from the config's k (0 without a speculator)."""
         self.speculator_config = spec = speculator_config
-        self.max_num_speculative_tokens = spec.max_k if spec is not None else 0
-        self.num_speculative_tokens: int | None = (
-            spec.num_speculative_tokens if spec is not None else 0
-        )
+        self.max_num_speculative_tokens = spec.max_k if spec else 0
+        self.num_speculative_tokens: int | None = spec.num_speculative_tokens if spec else 0
         """The configured k, or ``None`` while a per-batch-size schedule is in force."""
         self.speculative_schedule: BatchSizeSchedule | None = None
 
     def get_speculative_config(self) -> dict[str, Any]:
-        """The configured speculation, as ``GET /v1/speculative_config`` returns it.
-
-        ``num_speculative_tokens`` is the configured single k, ``None`` while a
-        per-batch-size schedule is in force; ``num_speculative_tokens_per_batch_size``
-        is that schedule as ``[[start, end, k], ...]``, else ``None``. The k a step
-        actually used is :attr:`last_step_num_speculative_tokens`.
-        """
-        spec = self.speculator_config
-        schedule = self.speculative_schedule
+        """The configured speculation, as ``GET /v1/speculative_config`` returns it: one k
+        (``num_speculative_tokens``) or a schedule (``num_speculative_tokens_per_batch_size``
+        as ``[[start, end, k], ...]``), the other ``None``. The k a step actually used is
+        :attr:`last_step_num_speculative_tokens`."""
+        spec, schedule = self.speculator_config, self.speculative_schedule
         return {
             "method": spec.method if spec else None,
             "num_speculative_tokens": self.num_speculative_tokens,
@@ -179,16 +172,13 @@ class SpeculativeSettings:
         if (num_speculative_tokens is None) == (num_speculative_tokens_per_batch_size is None):
             raise SpeculativeConfigError(
                 "give exactly one of num_speculative_tokens and "
-                "num_speculative_tokens_per_batch_size",
-                param=K_PARAM,
-                code="invalid_value",
+                "num_speculative_tokens_per_batch_size", param=K_PARAM, code="invalid_value"
             )
         param = K_PARAM if num_speculative_tokens is not None else SCHEDULE_PARAM
         if self.speculator_config is None:
             raise SpeculativeConfigError(
                 "no speculator is configured; num_speculative_tokens is fixed at 0",
-                param=param,
-                code="no_speculator",
+                param=param, code="no_speculator",
             )
         if num_speculative_tokens is None:
             self.speculative_schedule = BatchSizeSchedule.parse(
@@ -200,13 +190,9 @@ class SpeculativeSettings:
         self.num_speculative_tokens = num_speculative_tokens
 
     def set_num_speculative_tokens(self, k: int) -> None:
-        """Draft ``k`` tokens per step from the next proposal on (clearing any
-        per-batch-size schedule); ``0`` turns speculation off without unloading the draft.
-
-        Raises:
-            SpeculativeConfigError (a ``ValueError``): ``k`` outside
-                ``[0, max_num_speculative_tokens]`` or no speculator.
-        """
+        """:meth:`set_speculative_config` with ``num_speculative_tokens=k`` (which raises
+        SpeculativeConfigError for a k outside ``[0, max_num_speculative_tokens]`` or no
+        speculator)."""
         self.set_speculative_config(num_speculative_tokens=k)
 
     def num_speculative_tokens_for(self, num_reqs: int) -> int:
