@@ -12,7 +12,6 @@ import torch
 from torch import nn
 
 from specula.runtime.kernels.draft_inputs import draft_step_slots
-from specula.runtime.kernels.layernorm import fused_add_rms_norm
 from specula.runtime.models.config import ModelConfig
 from specula.runtime.spec_decode.base import BaseSpeculator, ProposeInputs
 from specula.runtime.worker.cudagraph import (
@@ -54,28 +53,6 @@ class DraftRunner(ModelRunner):
             raise ValueError(f"bind the target's {sorted(model.missing_target_weights)} first")
         weight = model.get_parameter(self.weight_name)
         self.setup_paged(model, kv_cache, max_model_len, None, weight)
-
-    def decoder(
-        self, layers, hidden: torch.Tensor, residual: torch.Tensor, positions: torch.Tensor,
-        metadata: PagedAttentionMetadata, norm: nn.Module,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The decoder ``layers`` from layer 0's attention input ``hidden [n, width]``
-        (normed) and its residual stream ``residual [n, H]``, then the final ``norm``;
-        per layer: attention, post-attention norm and MLP, then the next layer's input
-        norm, each norm fused with its residual add.
-
-        Returns:
-            ``(normed [n, H], residual stream [n, H])``.
-        """
-        for i, layer in enumerate(layers):
-            if i > 0:
-                ln = layer.input_layernorm
-                hidden, residual = fused_add_rms_norm(hidden, residual, ln.weight, ln.eps)
-            hidden = self._attention(layer.self_attn, hidden, positions, i, metadata)
-            ln = layer.post_attention_layernorm
-            hidden, residual = fused_add_rms_norm(hidden, residual, ln.weight, ln.eps)
-            hidden = self._mlp(layer.mlp, hidden)
-        return fused_add_rms_norm(hidden, residual, norm.weight, norm.eps)
 
 
 class DraftModelSpeculator(BaseSpeculator):

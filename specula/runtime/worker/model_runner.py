@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specula.runtime.engine.block_manager import cdiv
-from specula.runtime.kernels.gemv import linear, linear_argmax, linear_silu_and_mul
+from specula.runtime.kernels.gemv import linear, linear_argmax, linear_rms_norm
 from specula.runtime.kernels.layernorm import fused_add_rms_norm, rms_norm
 from specula.runtime.kernels.paged_attention import paged_attention
 from specula.runtime.kernels.rotary import build_cos_sin_cache, rotary_embedding_and_cache
@@ -242,13 +242,21 @@ class ModelRunner:
         self,
         attn: LlamaAttention,
         hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        norm: nn.Module | None,
         positions: torch.Tensor,
         layer_idx: int,
         metadata: PagedAttentionMetadata,
-    ) -> torch.Tensor:
-        # hidden: [num_tokens, hidden_size]
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The input ``norm`` (None: ``hidden`` is normed already) and self-attention;
+        returns ``(output, residual stream)`` (:func:`linear_rms_norm`)."""
         n, head_dim = hidden.shape[0], attn.head_dim
-        qkv = linear(hidden, attn.qkv_proj.weight, attn.qkv_proj.bias)
+        if norm is None:
+            qkv = linear(hidden, attn.qkv_proj.weight, attn.qkv_proj.bias)
+        else:
+            qkv, residual = linear_rms_norm(
+                hidden, residual, norm, attn.qkv_proj.weight, attn.qkv_proj.bias
+            )
         q, k, v = qkv.view(n, -1, head_dim).split([attn.num_heads, attn.num_kv_heads, attn.num_kv_heads], dim=1)
         if self.has_qk_norm:
             q = rms_norm(q.reshape(-1, head_dim), attn.q_norm.weight, attn.q_norm.eps).view_as(q)
@@ -259,11 +267,54 @@ class ModelRunner:
         )
         out = attend(q, k, v, key_cache, value_cache, metadata, self.scale, self.attn_num_splits)
         # reshape: a one-request prefill's attention output may be a transposed view.
-        return self.reduce(linear(out.reshape(n, -1), attn.o_proj.weight, attn.o_proj.bias))
+        out = linear(out.reshape(n, -1), attn.o_proj.weight, attn.o_proj.bias)
+        return self.reduce(out), residual
 
-    def _mlp(self, mlp: LlamaMLP, hidden: torch.Tensor) -> torch.Tensor:
-        act = linear_silu_and_mul(hidden, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias)
-        return self.reduce(linear(act, mlp.down_proj.weight, mlp.down_proj.bias))
+    def _mlp(
+        self, mlp: LlamaMLP, hidden: torch.Tensor, residual: torch.Tensor, norm: nn.Module
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The post-attention ``norm`` and the MLP; returns ``(output, residual stream)``."""
+        act, residual = linear_rms_norm(
+            hidden, residual, norm, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, silu_mul=True
+        )
+        return self.reduce(linear(act, mlp.down_proj.weight, mlp.down_proj.bias)), residual
+
+    def decoder(
+        self,
+        layers: Sequence[nn.Module],
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        metadata: PagedAttentionMetadata,
+        norm: nn.Module,
+        aux_layer_ids: Sequence[int] = (),
+        captured: dict[int, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decoder ``layers``, then the final ``norm``. Each norm is fused with its
+        residual add and, where the GEMV takes the shape, with the projection after it.
+
+        Args:
+            hidden: with ``residual=None``, [n, H] the residual stream entering layer 0
+                (the embeddings); else [n, width] layer 0's attention input, normed.
+            residual: [n, H] the residual stream entering layer 0, or None.
+            aux_layer_ids, captured: the residual stream entering each layer of
+                ``aux_layer_ids`` goes in ``captured`` under the layer's index.
+
+        Returns:
+            ``(normed [n, H], residual stream [n, H])``.
+        """
+        for i, layer in enumerate(layers):
+            ln = layer.input_layernorm if i > 0 or residual is None else None
+            hidden, residual = self._attention(
+                layer.self_attn, hidden, residual, ln, positions, i, metadata
+            )
+            if i in aux_layer_ids:
+                captured[i] = residual
+            hidden, residual = self._mlp(layer.mlp, hidden, residual, layer.post_attention_layernorm)
+        if residual is None:  # no layers
+            hidden = rms_norm(hidden, norm.weight, norm.eps)
+            return hidden, hidden
+        return fused_add_rms_norm(hidden, residual, norm.weight, norm.eps)
 
     @torch.no_grad()
     def forward(
@@ -316,30 +367,13 @@ class ModelRunner:
         aux_layer_ids: Sequence[int],
         captured: dict[int, torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The embedding and decoder layers, the input of each layer of ``aux_layer_ids``
-        put in ``captured``; returns ``(normed [num_tokens, hidden_size], the last
-        layer's output)``."""
+        """The embedding and :meth:`decoder`; returns ``(normed [num_tokens, hidden_size],
+        the last layer's output)``."""
         model = self.model.model
         hidden = model.embed_tokens(input_ids)  # [num_tokens, hidden_size]
-        residual: torch.Tensor | None = None
-        for i, layer in enumerate(model.layers):
-            ln = layer.input_layernorm
-            if residual is None:
-                residual = hidden
-                hidden = rms_norm(hidden, ln.weight, ln.eps)
-            else:
-                hidden, residual = fused_add_rms_norm(hidden, residual, ln.weight, ln.eps)
-            if i in aux_layer_ids:
-                captured[i] = residual
-            hidden = self._attention(layer.self_attn, hidden, positions, i, metadata)
-            ln = layer.post_attention_layernorm
-            hidden, residual = fused_add_rms_norm(hidden, residual, ln.weight, ln.eps)
-            hidden = self._mlp(layer.mlp, hidden)
-        norm = model.norm
-        if residual is None:  # no layers
-            hidden = rms_norm(hidden, norm.weight, norm.eps)
-            return hidden, hidden
-        return fused_add_rms_norm(hidden, residual, norm.weight, norm.eps)
+        return self.decoder(
+            model.layers, hidden, None, positions, metadata, model.norm, aux_layer_ids, captured
+        )
 
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
