@@ -1,23 +1,18 @@
-"""The FastAPI apps around one engine loop: the model app and the admin app (the
-README's HTTP API section lists their routes and limits).
+"""The FastAPI apps around one engine loop (the README's HTTP API section lists their
+routes and limits); the engine runs on the thread of an
+:class:`~specula.runtime.server.engine_loop.EngineLoop`, handlers on the event loop.
 
 Model app: ``POST /v1/completions`` and ``POST /v1/chat/completions``
-(:mod:`~specula.runtime.server.completions`; ``stream: true`` as server-sent events),
-``GET /v1/models``, ``GET /health`` (503 while loading, after the loop died and while
-draining) and ``GET /metrics`` (Prometheus text from a per-app registry). With an API
-key, ``/v1/*`` answers 401 unless the request carries ``Authorization: Bearer <key>``.
-The refusals of :mod:`~specula.runtime.server.limits` apply.
+(:mod:`~specula.runtime.server.completions`), ``GET /v1/models``, ``GET /health`` (503
+while loading, after the loop died and while draining) and ``GET /metrics``; with an
+API key, ``/v1/*`` needs ``Authorization: Bearer <key>``.  The refusals of
+:mod:`~specula.runtime.server.limits` apply.
 
-Admin app (:func:`create_admin_app`), on a port of its own, every route behind the admin
-token: ``GET /v1/speculative_config`` and ``PUT`` with a
-:class:`~specula.runtime.server.protocol.SpeculativeConfigUpdate`, applied by the engine
-thread between two steps and answered, with the new configuration, once applied. A
-refusal is 400, ``param`` and ``code`` those of the engine's ``SpeculativeConfigError``
-(the configuration is then unchanged).
-
-Handlers run on the event loop; the engine on the thread of an
-:class:`~specula.runtime.server.engine_loop.EngineLoop`, which the app's lifespan starts
-and stops.
+Admin app, on a port of its own, behind the admin token: ``GET /v1/speculative_config``
+and ``PUT`` with a :class:`~specula.runtime.server.protocol.SpeculativeConfigUpdate`,
+answered with the new configuration once the engine thread applied it between two
+steps; a refusal is 400 with the ``param`` and ``code`` of the engine's
+``SpeculativeConfigError`` (the configuration is then unchanged).
 """
 
 from __future__ import annotations
@@ -85,12 +80,11 @@ class _ServerState:
         Raises:
             APIError: 503 while loading or after the engine loop died.
         """
-        loop = self.loop
-        if loop.state is EngineState.READY and loop.engine is not None:
-            return loop.engine
-        message = "the model is still loading" if loop.state is EngineState.LOADING else (
-            f"the engine is not running ({loop.state.value}): {loop.error!r}")
-        raise APIError(503, message, type=ERROR_TYPE_UNAVAILABLE)
+        try:
+            self.loop.check_alive()
+        except EngineDeadError as exc:
+            raise APIError(503, str(exc), type=ERROR_TYPE_UNAVAILABLE) from exc
+        return self.loop.engine
 
     def tokenizer(self) -> Any:
         engine = self.ready_engine()

@@ -1,19 +1,18 @@
 """``POST /v1/completions`` and ``POST /v1/chat/completions``: prompt validation,
 submission, streamed and whole answers in either route's shape.
 
-One HTTP request with a batch of prompts and ``n`` samples each becomes one engine
-request per choice (choice ``index`` = ``prompt_index * n + j``, as vLLM numbers them),
-all feeding one asyncio queue, so streamed chunks of choices interleave in the engine's
-order. A whole answer is built like the one chunk a choice would stream once finished.
-A chat prompt is the chat template's text, tokenized without adding special tokens (the
-template writes them), as vLLM does.
+Each choice of an HTTP request (``index`` = ``prompt_index * n + j``, as vLLM numbers
+them) is one engine request; all feed one asyncio queue, so streamed chunks interleave
+in the engine's order.  A whole answer is built like the one chunk a finished choice
+would stream.  A chat prompt is the chat template's text, tokenized without adding
+special tokens (the template writes them), as vLLM does.
 
-Log-probabilities are the engine's; ``-inf`` (a token the request's top-k or top-p
-excludes) is answered as -9999.0, as vLLM does, since JSON has no infinity. A token's
-string is ``tokenizer.decode([token_id])``. Completions answer OpenAI's legacy shape
-(``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``: each token's
-character offset in the choice's text); chat answers ``content`` entries with each
-token's UTF-8 ``bytes``.
+Log-probabilities are the engine's; ``-inf`` (excluded by top-k or top-p) is answered
+as -9999.0, as vLLM does, since JSON has no infinity.  A token's string is
+``tokenizer.decode([token_id])``.  Completions answer OpenAI's legacy shape (``tokens``,
+``token_logprobs``, ``top_logprobs``, ``text_offset``: each token's character offset
+in the choice's text); chat answers ``content`` entries with each token's UTF-8
+``bytes``.
 """
 
 from __future__ import annotations
@@ -89,8 +88,7 @@ def _completion_prompts(
 def _render_chat(request: ChatCompletionRequest, tokenizer: Any, model_name: str) -> list[int]:
     if not getattr(tokenizer, "chat_template", None):
         raise APIError(
-            400,
-            f"the model `{model_name}` has no chat template, so it cannot serve chat "
+            400, f"the model `{model_name}` has no chat template, so it cannot serve chat "
             "completions; use /v1/completions, or start the server with --chat-template FILE",
             param="messages", code="no_chat_template",
         )
@@ -112,8 +110,8 @@ def engine_unavailable(exc: BaseException) -> APIError:
 
 class CompletionRun:
     """The engine requests of one HTTP request (choice ``i`` samples prompt ``i // n``)
-    and their accumulated text, once the model name is checked and the prompts are
-    tokenized (chat: the messages rendered first).
+    and their accumulated text, built once the model name is checked and the prompts
+    tokenized (chat: rendered first).
 
     Raises:
         APIError: 404 for an unknown model; 400 for an empty prompt, a token id outside
@@ -153,8 +151,7 @@ class CompletionRun:
         for i, ids in enumerate(prompts):
             if len(ids) >= max_len:
                 raise APIError(
-                    400,
-                    f"This model's maximum context length is {max_len} tokens, but "
+                    400, f"This model's maximum context length is {max_len} tokens, but "
                     f"{'the templated prompt' if self.chat else f'prompt {i}'} has "
                     f"{len(ids)} tokens; at least one token must be left for the completion.",
                     param="messages" if self.chat else "prompt", code="context_length_exceeded",
@@ -162,8 +159,7 @@ class CompletionRun:
             limit = max_tokens if max_tokens is not None else max_len - len(ids)
             if len(ids) + limit > max_len:
                 raise APIError(
-                    400,
-                    f"This model's maximum context length is {max_len} tokens, but {len(ids)} "
+                    400, f"This model's maximum context length is {max_len} tokens, but {len(ids)} "
                     f"prompt tokens plus max_tokens={limit} make {len(ids) + limit}; "
                     "reduce the prompt or max_tokens.",
                     param="max_tokens", code="context_length_exceeded",
@@ -215,9 +211,8 @@ class CompletionRun:
         return all(c.finished for c in self.choices)
 
     async def next_update(self) -> int | None:
-        """Wait for one engine output; apply it; return the choice index it changed.
-
-        Returns ``None`` for an output of an already-finished choice.
+        """Wait for one engine output and apply it; return the index of the choice it
+        changed, ``None`` for an output of an already-finished choice.
 
         Raises:
             APIError: 503 if the engine died meanwhile.

@@ -1,12 +1,12 @@
-"""The bridge between the synchronous engine and asyncio request handlers.
+"""The bridge between the synchronous engine and asyncio request handlers (vLLM's
+``AsyncLLMEngine`` background loop, reduced to one process).
 
 One background thread owns the single-threaded ``LLMEngine``: it loads it and runs
 ``engine.step()`` while there is work. Handlers send commands (add, abort, settings
 calls) through a thread-safe queue and receive each step's ``RequestOutput`` on their
-own ``asyncio.Queue``: vLLM's ``AsyncLLMEngine`` background loop, reduced to one process.
-The thread also times every step and, after each step and each setting change, publishes
-a :class:`~specula.runtime.server.metrics.RuntimeSnapshot` for scrapes, so a scrape
-never sees the engine's counters half-updated.
+own ``asyncio.Queue``. After each step and setting change the thread publishes a
+:class:`~specula.runtime.server.metrics.RuntimeSnapshot`, so a scrape never sees the
+engine's counters half-updated.
 """
 
 from __future__ import annotations
@@ -32,8 +32,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_IDLE_WAIT_S = 0.5
-"""How long the idle loop blocks on the command queue before re-checking ``stop``."""
+_IDLE_WAIT_S = 0.5  # how long the idle loop waits for a command before re-checking stop
 
 
 class EngineState(Enum):
@@ -69,15 +68,13 @@ class EngineLoop:
     """
 
     def __init__(
-        self,
-        load: Callable[[], LLMEngine],
-        on_fatal: Callable[[BaseException], None] | None = None,
+        self, load: Callable[[], LLMEngine], on_fatal: Callable[[BaseException], None] | None = None
     ) -> None:
         self._load = load
         self._on_fatal = on_fatal
         self._commands: queue.SimpleQueue[_Command | None] = queue.SimpleQueue()
         self._sinks: dict[str, Callable[[RequestOutput | BaseException], None]] = {}
-        """Per request, where its outputs go: the handler's queue, on its event loop."""
+        """Per request, where its outputs go (the handler's queue, on its event loop)."""
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._ready = threading.Event()
@@ -91,8 +88,8 @@ class EngineLoop:
         self._pending_adds = 0
         self._last_round_k: int | None = None
         self.engine: LLMEngine | None = None
-        """Set once loaded.  Read-only attributes (``tokenizer``, ``max_model_len``,
-        ``served_model_name``) may be read from other threads; methods may not."""
+        """Set once loaded; other threads may read its attributes (``tokenizer``,
+        ``max_model_len``...), not call its methods."""
         self.speculative_config: dict[str, Any] = {}
         """``engine.get_speculative_config()``, refreshed by the loop thread at load and
         after every :meth:`call` (the only way settings change)."""
@@ -103,12 +100,12 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="specula-engine", daemon=True)
         self._thread.start()
 
-    def stop(self, timeout_s: float = 30.0) -> None:
+    def stop(self) -> None:
         """Stop the thread after the current step; unfinished requests get an error."""
         self._stop.set()
         self._commands.put(None)
         if self._thread is not None:
-            self._thread.join(timeout_s)
+            self._thread.join(30.0)
 
     def wait_ready(self, timeout_s: float | None = None) -> bool:
         """Block until loaded (True) or failed/timed out (False)."""
@@ -124,15 +121,11 @@ class EngineLoop:
         return self._snapshot  # replaced whole by the loop thread, never mutated
 
     async def add_request(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
         out: asyncio.Queue,
     ) -> None:
-        """Submit a request; its ``RequestOutput`` objects will arrive on ``out``.
-
-        If the loop dies later, ``out`` receives an :class:`EngineDeadError` instead.
+        """Submit a request; its ``RequestOutput`` objects will arrive on ``out`` (an
+        :class:`EngineDeadError` instead if the loop dies later).
 
         Raises:
             ValueError: the engine refused the request (``engine.add_request``).
@@ -154,10 +147,8 @@ class EngineLoop:
 
     async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
         """Run ``fn(engine)`` on the loop thread between two steps; return its result.
-
-        This is how settings change at run time (``set_speculative_config``) without
-        racing a step: the loop thread drains commands only between steps, so the step
-        after ``fn`` returns is the first to see the change.
+        Settings change this way (``set_speculative_config``) without racing a step: the
+        step after ``fn`` returns is the first to see the change.
 
         Raises:
             Exception: whatever ``fn`` raises.
@@ -176,7 +167,7 @@ class EngineLoop:
         return await self._submit(_Command(apply))
 
     async def _submit(self, cmd: _Command) -> Any:
-        self._check_alive()
+        self.check_alive()
         cmd.done = Future()
         if cmd.is_add:
             with self._lock:
@@ -184,7 +175,7 @@ class EngineLoop:
         self._commands.put(cmd)
         # A loop that stopped or died before the put never reads the command; one that
         # stops or dies later fails it (`_fail_all`, after the state changes).
-        self._check_alive()
+        self.check_alive()
         return await asyncio.wrap_future(cmd.done)  # cancelled, it cancels the command
 
     def abort_request(self, request_id: str) -> None:
@@ -195,12 +186,15 @@ class EngineLoop:
 
         self._commands.put(_Command(abort))
 
-    def _check_alive(self) -> None:
-        if self.state is EngineState.READY:
-            return
+    def check_alive(self) -> None:
+        """Raises:
+            EngineDeadError: the engine is loading, stopped or dead (the message says).
+        """
         if self.state is EngineState.LOADING:
             raise EngineDeadError("the model is still loading")
-        raise EngineDeadError(f"the engine is not running: {self.error!r}")
+        if self.state is not EngineState.READY:
+            raise EngineDeadError(
+                f"the engine is not running ({self.state.value}): {self.error!r}")
 
     # ---- loop thread -------------------------------------------------------------
 
@@ -216,9 +210,7 @@ class EngineLoop:
             failed = "engine step failed"
             while not self._stop.is_set():
                 self._drain_commands(block=not self.engine.has_unfinished_requests())
-                if self._stop.is_set():
-                    break
-                if self.engine.has_unfinished_requests():
+                if not self._stop.is_set() and self.engine.has_unfinished_requests():
                     self._step()
         except BaseException as exc:  # noqa: BLE001 - a failed load or step leaves no engine
             logger.exception(failed)
@@ -264,8 +256,7 @@ class EngineLoop:
             self._last_round_k = self.engine.last_step_num_speculative_tokens
             self._step_times.observe(batch, self._last_round_k, elapsed)
         # Publish before delivering: a client that has its last token and then scrapes
-        # must find the step's tokens already counted. (``speculative_config`` changes
-        # only through a :meth:`call`, which refreshes it; no need to rebuild it per step.)
+        # must find the step's tokens already counted.
         self._publish_snapshot()
         for out in outputs:
             sink = self._sinks.get(out.request_id)

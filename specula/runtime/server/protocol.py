@@ -2,18 +2,16 @@
 
 Field names and defaults follow the OpenAI Completions and Chat Completions APIs
 (https://platform.openai.com/docs/api-reference/completions, ``/chat``) and vLLM's
-``vllm/entrypoints/openai/protocol.py``.  Requests forbid unknown fields: a typo such
-as ``max_token`` is answered with 400 rather than silently ignored.  Fields OpenAI
-defines but this runtime does not implement (``best_of`` other than ``n``, penalties,
-``logit_bias``, ``suffix``) are accepted only at their no-op values, so a client that
-sends the default still works.  ``n`` is bounded by the server's ``max_n`` (checked
-when the completion run is built, as it is a server setting).
+``vllm/entrypoints/openai/protocol.py``.  Unknown fields are refused (a typo such as
+``max_token`` gets 400, not silence); fields this runtime does not implement
+(``best_of`` other than ``n``, penalties, ``logit_bias``, ``suffix``) are accepted only
+at their no-op values.  ``n``'s bound, the server's ``max_n``, is checked when the
+completion run is built.
 
-Every error, including FastAPI's own (unknown routes and methods), is answered as
-``{"error": {"message", "type", "param", "code"}}``.  Malformed JSON and schema
-violations are 400, not FastAPI's default 422: OpenAI answers schema errors with 400 and
-vLLM does the same (its ``validation_exception_handler``), so clients written against
-either see the status they expect.
+Every error, FastAPI's own included (unknown routes and methods), is answered as
+``{"error": {"message", "type", "param", "code"}}``; malformed JSON and schema
+violations are 400, not FastAPI's 422, as OpenAI and vLLM (its
+``validation_exception_handler``) answer them.
 """
 
 from __future__ import annotations
@@ -45,8 +43,7 @@ class _Body(BaseModel):
 
 
 def _unsupported(param: str, message: str) -> PydanticCustomError:
-    """Raised inside validation for a field value this server does not implement; the
-    error body's ``param`` names ``param`` (:func:`validation_error`)."""
+    """A validation error whose body names ``param`` (:func:`validation_error`)."""
     return PydanticCustomError("unsupported_field", message, {"param": param})
 
 
@@ -229,18 +226,12 @@ class APIError(StarletteHTTPException):
     """An error answered to the client with ``status`` and an OpenAI error body."""
 
     def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
+        self, status: int, message: str, *,
         type: str = ERROR_TYPE_INVALID_REQUEST,  # noqa: A002 - OpenAI's field name
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
+        param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(status, message, headers)
         self.body = {"error": {"message": message, "type": type, "param": param, "code": code}}
-        """OpenAI's error shape."""
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body, status_code=self.status_code, headers=self.headers)
