@@ -26,19 +26,16 @@ from specula.runtime.models.layers import RMSNorm, RotaryEmbedding
 from specula.runtime.models.llama import LlamaForCausalLM
 from specula.runtime.models.qwen3 import Qwen3DecoderLayer
 from specula.runtime.models.registry import load_checkpoint
-from specula.runtime.models.speculators_format import draft_to_target_ids
-
-SKIPPED_TENSORS = frozenset(
-    {"embed_tokens.weight", "verifier_lm_head.weight", "verifier_norm.weight", "t2d"}
+from specula.runtime.models.speculators_format import (
+    draft_vocab_ids,
+    speculators_weight_name,
+    target_vocab_logits,
 )
-"""Checkpoint tensors the runtime does not load: the draft embeds with the target's
-embedding (``speculators`` replaces any stored copy with the verifier's too), the
-verifier head and norm only serve training, and ``t2d`` is the inverse of ``d2t``."""
 
 
 class DFlashDraftModel(nn.Module):
     """Draft layers, ``fc``/``hidden_norm`` over the context features, the final
-    ``norm``, and, for a reduced draft vocabulary, ``lm_head`` with its ``d2t`` map.
+    ``norm``, and, for a reduced draft vocabulary, ``lm_head`` and ``draft_to_target``.
 
     Args:
         config: the draft layers' hyper-parameters (``transformer_layer_config``).
@@ -65,14 +62,12 @@ class DFlashDraftModel(nn.Module):
         self.fc = nn.Linear(num_aux_layers * hidden, hidden, bias=False)
         self.hidden_norm = RMSNorm(hidden, config.rms_norm_eps)
         self.norm = RMSNorm(hidden, config.rms_norm_eps)
-        self.lm_head: nn.Linear | None = None
-        self.d2t: torch.Tensor | None
-        if draft_vocab_size is None:
-            self.register_buffer("d2t", None)
-        else:
+        self.lm_head = None
+        if draft_vocab_size is not None:
             self.lm_head = nn.Linear(hidden, draft_vocab_size, bias=False)
-            # Draft id i is target id i + d2t[i] (the speculators / EAGLE-3 convention).
-            self.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.long))
+            self.register_buffer(
+                "draft_to_target", torch.arange(draft_vocab_size), persistent=False
+            )
         self.rotary = RotaryEmbedding.from_config(config, device)
 
     def context_features(self, aux_hidden_states: torch.Tensor) -> torch.Tensor:
@@ -84,20 +79,14 @@ class DFlashDraftModel(nn.Module):
         self, hidden: torch.Tensor, target_lm_head_weight: torch.Tensor
     ) -> torch.Tensor:
         """``[num_positions, hidden_size]`` -> ``[num_positions, target_vocab_size]``
-        float32 logits over the *target* vocabulary. With a reduced draft vocabulary the
-        draft head's logits are placed at their target ids (``d2t``) and every other
-        target id gets ``-inf``, so the draft never proposes it and its probability is 0.
+        float32 logits over the *target* vocabulary (``-inf`` outside a reduced draft
+        vocabulary: :func:`~specula.runtime.models.speculators_format.target_vocab_logits`).
         """
         if self.lm_head is None:
             return linear(hidden, target_lm_head_weight).float()
-        assert self.d2t is not None
-        draft_logits = self.lm_head(hidden).float()  # [num_positions, draft_vocab_size]
-        logits = draft_logits.new_full(
-            (hidden.shape[0], target_lm_head_weight.shape[0]), float("-inf")
-        )
-        target_ids = torch.arange(self.d2t.shape[0], device=self.d2t.device) + self.d2t
-        logits[:, target_ids] = draft_logits
-        return logits
+        draft_logits = self.lm_head(hidden).float()
+        vocab_size = target_lm_head_weight.shape[0]
+        return target_vocab_logits(draft_logits, self.draft_to_target, vocab_size)
 
 
 def load_dflash_draft(
@@ -113,28 +102,26 @@ def load_dflash_draft(
     ``config.vocab_size`` is the target vocabulary's size.
 
     Checkpoint names follow ``speculators``' ``DFlashDraftModel`` (``layers.N.self_attn
-    .q_proj.weight``, ...); ``q/k/v_proj`` and ``gate/up_proj`` are fused on load.
-    :data:`SKIPPED_TENSORS` are skipped, and so is ``lm_head.weight`` when the
-    draft uses the target's head (``speculators`` replaces it with the verifier's too).
+    .q_proj.weight``, ...). ``embed_tokens.weight`` is skipped (the draft embeds with the
+    target's embedding; ``speculators`` replaces any stored copy with the verifier's), and
+    so is ``lm_head.weight`` when the draft uses the target's head.
 
     Raises:
         FileNotFoundError: no ``*.safetensors`` file.
         ValueError: a tensor with no matching parameter, a missing tensor or shard, a
-            shape mismatch, or ``d2t`` mapping outside ``[0, config.vocab_size)`` or
-            onto one target id twice.
+            shape mismatch, or a bad ``d2t``
+            (:func:`~specula.runtime.models.speculators_format.draft_vocab_ids`).
     """
-    # Casting touches floating-point tensors only: d2t stays int64.
     model, _ = load_checkpoint(
         lambda: DFlashDraftModel(config, num_aux_layers, draft_vocab_size, device),
         checkpoint_dir,
         dtype,
         device,
         load_format,
-        lambda name: None if name in SKIPPED_TENSORS else name,
+        lambda name: None if name == "embed_tokens.weight" else speculators_weight_name(name),
     )
-    if model.d2t is not None and load_format == "dummy":
-        ids = torch.randperm(config.vocab_size)[:draft_vocab_size].sort().values
-        model.d2t.copy_(ids - torch.arange(draft_vocab_size))
-    elif model.d2t is not None:
-        draft_to_target_ids(model.d2t, config.vocab_size)
+    if draft_vocab_size is not None:  # not a weight: rebuild what to_empty left uninitialised
+        model.draft_to_target = draft_vocab_ids(
+            checkpoint_dir, draft_vocab_size, config.vocab_size, load_format
+        ).to(device)
     return model

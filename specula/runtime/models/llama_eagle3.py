@@ -27,12 +27,12 @@ from specula.runtime.models.layers import MergedLinear, RMSNorm, RotaryEmbedding
 from specula.runtime.models.llama import LlamaForCausalLM
 from specula.runtime.models.speculators_format import (
     DECODER_LAYERS,
-    draft_to_target_ids,
+    draft_vocab_ids,
     layer_model_config,
     load_draft_head,
     read_speculators_config,
-    read_tensor,
     speculators_weight_name,
+    target_vocab_logits,
 )
 
 
@@ -111,14 +111,10 @@ class Eagle3LlamaForCausalLM(nn.Module):
         return linear(hidden, self.lm_head.weight).float()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[num_positions, H] -> [num_positions, target vocab_size] float32; target ids
-        outside the draft vocabulary get ``-inf`` (probability zero)."""
+        """[num_positions, H] -> [num_positions, target vocab_size] float32
+        (:func:`~specula.runtime.models.speculators_format.target_vocab_logits`)."""
         draft = self.compute_draft_vocab_logits(hidden)
-        if draft.shape[-1] == self.config.vocab_size:
-            return draft
-        logits = draft.new_full((draft.shape[0], self.config.vocab_size), float("-inf"))
-        logits[:, self.draft_to_target] = draft
-        return logits
+        return target_vocab_logits(draft, self.draft_to_target, self.config.vocab_size)
 
 
 def load_eagle3_draft(
@@ -173,21 +169,9 @@ def load_eagle3_draft(
         speculators_weight_name,
     )
     # Not a weight: rebuild what to_empty left uninitialised.
-    n, vocab = eagle.draft_vocab_size, layer.vocab_size
-    if n == vocab:
-        target_ids = torch.arange(n)
-    elif load_format == "dummy":
-        target_ids = torch.randperm(vocab)[:n].sort().values
-    else:
-        d2t = read_tensor(checkpoint_dir, "d2t")
-        if d2t is None:
-            raise ValueError(
-                f"draft_vocab_size {n} != target vocab_size {vocab} but the checkpoint has no d2t"
-            )
-        if d2t.shape != (n,):
-            raise ValueError(f"d2t has shape {tuple(d2t.shape)}, draft_vocab_size is {n}")
-        target_ids = draft_to_target_ids(d2t.long(), vocab)
-    model.draft_to_target = target_ids.to(device)
+    model.draft_to_target = draft_vocab_ids(
+        checkpoint_dir, eagle.draft_vocab_size, layer.vocab_size, load_format
+    ).to(device)
     if model.missing_target_weights and layer.hidden_size != target.hidden_size:
         raise ValueError(
             f"checkpoint lacks {sorted(model.missing_target_weights)} and "

@@ -149,18 +149,47 @@ def share_target_weights(
     model.missing_target_weights = set()
 
 
-def draft_to_target_ids(d2t: torch.Tensor, target_vocab_size: int) -> torch.Tensor:
-    """The target id ``i + d2t[i]`` of each draft id ``i``, ``[draft_vocab_size]``.
+def draft_vocab_ids(
+    checkpoint_dir: Path, draft_vocab_size: int, vocab_size: int, load_format: str
+) -> torch.Tensor:
+    """The target id ``i + d2t[i]`` of each draft id ``i``, ``[draft_vocab_size]`` int64 on
+    the CPU (every id for a full vocabulary; distinct random ids for ``load_format:
+    dummy``).
 
     Raises:
-        ValueError: ids outside ``[0, target_vocab_size)``, or two draft ids on one target id.
+        ValueError: a reduced vocabulary without a ``d2t`` of shape ``[draft_vocab_size]``,
+            or one mapping outside ``[0, vocab_size)`` or two draft ids onto one target id.
     """
-    target_ids = torch.arange(d2t.shape[0], device=d2t.device) + d2t
-    if target_ids.min() < 0 or target_ids.max() >= target_vocab_size:
+    n = draft_vocab_size
+    if n == vocab_size:
+        return torch.arange(n)
+    if load_format == "dummy":
+        return torch.randperm(vocab_size)[:n].sort().values
+    d2t = read_tensor(checkpoint_dir, "d2t")
+    if d2t is None:
+        raise ValueError(
+            f"draft_vocab_size {n} != target vocab_size {vocab_size} but the checkpoint has no d2t"
+        )
+    if d2t.shape != (n,):
+        raise ValueError(f"d2t has shape {tuple(d2t.shape)}, draft_vocab_size is {n}")
+    target_ids = torch.arange(n) + d2t.long()
+    if target_ids.min() < 0 or target_ids.max() >= vocab_size:
         raise ValueError(
             f"d2t maps draft ids to target ids in [{int(target_ids.min())}, "
-            f"{int(target_ids.max())}], outside the target vocab_size {target_vocab_size}"
+            f"{int(target_ids.max())}], outside the target vocab_size {vocab_size}"
         )
-    if target_ids.unique().numel() != target_ids.numel():
+    if target_ids.unique().numel() != n:
         raise ValueError("d2t maps two draft ids onto one target id")
     return target_ids
+
+
+def target_vocab_logits(
+    draft_logits: torch.Tensor, draft_to_target: torch.Tensor, vocab_size: int
+) -> torch.Tensor:
+    """``[n, draft_vocab_size]`` logits -> ``[n, vocab_size]``: each at its target id
+    (``draft_to_target``), ``-inf`` (probability zero) at ids outside the draft vocabulary."""
+    if draft_logits.shape[-1] == vocab_size:
+        return draft_logits
+    logits = draft_logits.new_full((draft_logits.shape[0], vocab_size), float("-inf"))
+    logits[:, draft_to_target] = draft_logits
+    return logits
