@@ -55,10 +55,7 @@ class BlockManager:
     """
 
     def __init__(
-        self,
-        num_blocks: int,
-        block_size: int,
-        watermark: float = 0.01,
+        self, num_blocks: int, block_size: int, watermark: float = 0.01,
         enable_prefix_caching: bool = False,
     ) -> None:
         if num_blocks <= 0 or block_size <= 0:
@@ -85,8 +82,6 @@ class BlockManager:
         """Prompt tokens looked up in the prefix cache (a counter, vLLM's semantics)."""
         self.prefix_cache_hits = 0
         """Of those, tokens found cached (a counter)."""
-
-    # -- queries ---------------------------------------------------------------------
 
     @property
     def num_free_blocks(self) -> int:
@@ -133,8 +128,6 @@ class BlockManager:
     def _name(self, parent: bytes, token_ids: Sequence[int], i: int) -> bytes:
         bs = self.block_size
         return hashlib.sha256(parent + array("q", token_ids[i * bs : (i + 1) * bs]).tobytes()).digest()
-
-    # -- updates ---------------------------------------------------------------------
 
     def _take(self, n: int) -> list[int]:
         if n > self.num_free_blocks:

@@ -121,10 +121,9 @@ class LLMEngine(SpeculativeSettings):
             runs unsharded on every rank.
         load_format: ``auto`` (checkpoint weights) or ``dummy`` (random weights from the
             configs, for benchmarks).
-        synthetic_acceptance_rate: benchmarks only: instead of verifying, accept each
-            draft token with this probability given the ones before it (vLLM's
-            ``rejection_sample_method="synthetic"``), then the target's argmax; outputs
-            are not the target's (speed at a chosen acceptance).
+        synthetic_acceptance_rate: benchmarks only: accept each draft token with this
+            probability given the ones before it, then the target's argmax, instead of
+            verifying (vLLM's ``rejection_sample_method="synthetic"``).
         cudagraph_capture_sizes: request counts to capture graphs for; default 1, 2, 4,
             8, then multiples of 8 up to ``max_num_seqs``.
         enable_prefix_caching: reuse the KV blocks of cached prompt prefixes (vLLM's
@@ -309,19 +308,12 @@ class LLMEngine(SpeculativeSettings):
             tokenizer.chat_template = config.chat_template
         name = config.served_model_name or config.model.rstrip("/").rsplit("/", 1)[-1]
         return cls(
-            target_dir,
-            tokenizer,
-            served_model_name=name,
-            speculator_config=config.speculator,
-            dtype=config.dtype,
-            max_model_len=config.max_model_len,
-            max_num_seqs=config.max_num_seqs,
-            device=device,
+            target_dir, tokenizer, served_model_name=name, speculator_config=config.speculator,
+            dtype=config.dtype, max_model_len=config.max_model_len,
+            max_num_seqs=config.max_num_seqs, device=device,
             gpu_memory_utilization=config.gpu_memory_utilization,
-            enforce_eager=config.enforce_eager,
-            tensor_parallel_size=config.tensor_parallel_size,
-            load_format=config.load_format,
-            enable_prefix_caching=config.enable_prefix_caching,
+            enforce_eager=config.enforce_eager, tensor_parallel_size=config.tensor_parallel_size,
+            load_format=config.load_format, enable_prefix_caching=config.enable_prefix_caching,
         )
 
     # ---- requests -------------------------------------------------------------------
@@ -453,21 +445,11 @@ class LLMEngine(SpeculativeSettings):
                     results[out.request_id].extend(out.new_token_ids)
         return [results[i] for i in ids]
 
-    def _rows(self, batch: list[Request]) -> tuple[torch.Tensor, SamplingMetadata]:
-        """The [num_reqs] int64 device rows of ``batch`` and their sampling settings,
-        reused while neither the rows nor the requests holding them change."""
-        key = (tuple(r.row for r in batch), self.input_batch.version)
-        if key != self._batch_cache[0]:
-            idx = to_device(key[0], torch.int64, self.device)
-            self._batch_cache = (key, idx, self.input_batch.sampling(idx, batch))
-        return self._batch_cache[1], self._batch_cache[2]
-
     def _launch(self) -> _Launched | None:
-        """Schedule a step and queue all its device work (forward, sampling, the state
-        update, the drafting, the copy of its tokens to the host); ``None`` when there is
-        nothing to run. With a step in flight (asynchronous scheduling) the running
-        requests' committed lengths are known one step late, so their KV slots are
-        reserved for that step's query tokens too."""
+        """Schedule a step and queue all its device work (steps 1-4 of the module
+        docstring and the copy to the host); ``None`` when there is nothing to run. With a
+        step in flight, the running requests' committed lengths are known one step late:
+        their KV slots are reserved for that step's query tokens too."""
         k = self._draft_k
         q = k + 1
         in_flight = self._in_flight.k + 1 if self._in_flight is not None else 0
@@ -487,9 +469,15 @@ class LLMEngine(SpeculativeSettings):
             ib.sync_blocks(request, self.scheduler.block_manager)
         ib.flush()
         nd, num_reqs = len(decode), len(batch)
-        idx, sampling = self._rows(batch)
-        idx_d = idx[:nd]
         dev = self.device
+        # The rows' [num_reqs] int64 ids and sampling settings, reused while neither the
+        # rows nor the requests holding them change.
+        key = (tuple(r.row for r in batch), ib.version)
+        if key != self._batch_cache[0]:
+            idx = to_device(key[0], torch.int64, dev)
+            self._batch_cache = (key, idx, ib.sampling(idx, batch))
+        _, idx, sampling = self._batch_cache
+        idx_d = idx[:nd]
 
         # -- inputs and the target forward ----------------------------------------------
         prompt_lens = [len(r.token_ids) for r in prefill]
@@ -632,10 +620,9 @@ class LLMEngine(SpeculativeSettings):
             start += n
 
     def _finish(self, step: _Launched) -> list[RequestOutput]:
-        """Wait for ``step``'s tokens and accepted counts (its one device-to-host copy),
-        then count, commit and emit them, applying stop conditions. Requests that
-        finished, were aborted or were preempted since the step was launched are
-        skipped: their tokens of that step are dropped."""
+        """Wait for ``step``'s tokens and accepted counts, then count, commit and emit
+        them, applying stop conditions. The tokens of requests that finished, were
+        aborted or were preempted since the step was launched are dropped."""
         if step.ready is not None:
             step.ready.synchronize()
         rows = step.host.tolist()
@@ -711,8 +698,7 @@ class _Launched:
 def create_engine(config: RuntimeConfig) -> LLMEngine:
     """The engine ``specula serve`` runs for ``config``, on a CUDA device (``device``
     ``cuda``, or ``auto`` with a GPU visible) or the CPU; with ``tensor_parallel_size``
-    N > 1, rank 0's, the other ranks started in their own processes
-    (:func:`~specula.runtime.engine.distributed.launch`).
+    N > 1, rank 0's (:func:`~specula.runtime.engine.distributed.launch`).
 
     Raises:
         ValueError: ``device: cuda`` without a visible GPU (or fewer than N); load

@@ -66,10 +66,6 @@ class Request:
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
-
-    @property
     def reuses_prefix_cache(self) -> bool:
         """Whether a prefill may start after cached prefix blocks: not while the prompt's
         log-probabilities, which need the logits at every prompt position, are due."""
@@ -115,5 +111,6 @@ class Request:
         # token; decoding a tail long enough for the longest stop string suffices (x4:
         # byte-level tokens may carry a fraction of a character).
         window = 4 * max(len(s) for s in stops) + 4
-        tail = tokenizer.decode(self.output_token_ids[-window:], skip_special_tokens=True)
+        output = self.token_ids[self.num_prompt_tokens :]
+        tail = tokenizer.decode(output[-window:], skip_special_tokens=True)
         return next((s for s in stops if s in tail), None)

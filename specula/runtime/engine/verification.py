@@ -20,13 +20,8 @@ from specula.runtime.kernels.rejection_sampler import PLACEHOLDER_TOKEN_ID, reje
 
 
 def verify(
-    input_batch: InputBatch,
-    logits: torch.Tensor,
-    idx: torch.Tensor,
-    k: int,
-    sampling: SamplingMetadata,
-    keys: torch.Tensor,
-    synthetic_acceptance_rate: float | None,
+    input_batch: InputBatch, logits: torch.Tensor, idx: torch.Tensor, k: int,
+    sampling: SamplingMetadata, keys: torch.Tensor, synthetic_acceptance_rate: float | None,
     argmax: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Verify the ``k`` drafts of the requests at rows ``idx`` of ``input_batch``.
@@ -68,10 +63,7 @@ def verify(
 
 
 def _synthetic(
-    drafts: torch.Tensor,
-    argmax: torch.Tensor,
-    sampling: SamplingMetadata,
-    keys: torch.Tensor,
+    drafts: torch.Tensor, argmax: torch.Tensor, sampling: SamplingMetadata, keys: torch.Tensor,
     rate: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``drafts [r, k]``, the target's ``argmax [r, k + 1]`` -> what :func:`verify`
