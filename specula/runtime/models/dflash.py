@@ -1,16 +1,10 @@
 """The DFlash draft network (Chen, Liang, Liu, "DFlash: Block Diffusion for Flash
-Speculative Decoding", arXiv 2602.06036), in the ``speculators`` ``dflash`` layout.
-
-The draft drafts a whole block in one forward. Its queries are the block: the anchor
-token (the last verified token) followed by ``block_size - 1`` mask tokens, embedded with
-the target's embedding, at the positions right after the context. Its keys and values
-are the *context* (the target's auxiliary hidden states at every earlier position,
-concatenated, projected by ``fc`` and normed by ``hidden_norm``, then by each layer's
-``k_proj``/``v_proj``, ``k_norm`` and the rotary embedding) followed by the block's own
-keys and values. Attention is non-causal within the block.
-
-Each layer is a Qwen3 decoder layer (per-head query/key RMSNorm). The forwards over the
-paged cache are :class:`~specula.runtime.spec_decode.dflash.runner.DFlashRunner`'s.
+Speculative Decoding", arXiv 2602.06036), in the ``speculators`` ``dflash`` layout: Qwen3
+decoder layers whose queries are a block of target-embedded tokens and whose keys and
+values are the *context* (the target's auxiliary hidden states at every earlier position
+through ``fc``, ``hidden_norm`` and each layer's ``k_proj``/``v_proj``, ``k_norm`` and
+rotary embedding) then the block's own, non-causal within the block. The paged forwards
+are :class:`~specula.runtime.spec_decode.dflash.runner.DFlashRunner`'s.
 """
 
 from __future__ import annotations
@@ -98,13 +92,10 @@ def load_dflash_draft(
     device: torch.device,
     load_format: str = "auto",
 ) -> DFlashDraftModel:
-    """Build a :class:`DFlashDraftModel` and load a ``speculators`` checkpoint into it;
-    ``config.vocab_size`` is the target vocabulary's size.
-
-    Checkpoint names follow ``speculators``' ``DFlashDraftModel`` (``layers.N.self_attn
-    .q_proj.weight``, ...). ``embed_tokens.weight`` is skipped (the draft embeds with the
-    target's embedding; ``speculators`` replaces any stored copy with the verifier's), and
-    so is ``lm_head.weight`` when the draft uses the target's head.
+    """Build a :class:`DFlashDraftModel` and load a ``speculators`` checkpoint into it
+    (``config.vocab_size``: the target's). ``embed_tokens.weight`` is skipped (the draft
+    embeds with the target's; ``speculators`` replaces any stored copy with the
+    verifier's), and so is ``lm_head.weight`` when the draft uses the target's head.
 
     Raises:
         FileNotFoundError: no ``*.safetensors`` file.

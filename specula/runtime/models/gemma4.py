@@ -1,28 +1,18 @@
 """Gemma4 text decoder: the modules that hold the weights (the paged forward is
-:class:`~specula.runtime.worker.gemma4_runner.Gemma4Runner`'s).
-
-Parameter names follow Hugging Face ``Gemma4ForCausalLM`` so checkpoints load by name
-(``Gemma4ForConditionalGeneration`` checkpoints too: their text model). Only
-``gate/up_proj`` are fused: KV-shared layers have no ``k/v_proj``, and full-attention
-layers with ``attention_k_eq_v`` no ``v_proj``.
+:class:`~specula.runtime.worker.gemma4_runner.Gemma4Runner`'s), under Hugging Face
+``Gemma4ForCausalLM`` parameter names (``Gemma4ForConditionalGeneration`` checkpoints
+too: their text model). Only ``gate/up_proj`` are fused: KV-shared layers have no
+``k/v_proj``, full-attention layers with ``attention_k_eq_v`` no ``v_proj``.
 
 What sets it apart from Llama (Gemma 4 model card, Google DeepMind 2026; the Gemma 3
-report, arXiv 2503.19786, for the shared parts):
-
-- sliding-window and full-attention layers (``layer_types``), each type with its own
-  head size, KV heads and rotary embedding (``proportional`` RoPE rotates only a
-  ``partial_rotary_factor`` share of the full layers' dimensions);
-- RMSNorm on queries, keys and (unscaled) values, attention scale 1, and a norm after
-  attention and after the MLP as well as before them; embeddings scaled by
-  ``sqrt(hidden_size)``; a learned ``layer_scalar`` per layer; final logit soft-capping;
-- per-layer input embeddings (PLE): a second, narrow embedding per layer, gated into the
-  residual stream after each MLP;
-- ``num_kv_shared_layers``: the last layers compute no keys or values and attend to the
-  cache of the last earlier non-shared layer of their type, which the KV cache does
-  not allocate for them (:meth:`Gemma4ModelConfig.kv_cache_shapes`).
-
-The mixture-of-experts variant (26B-A4B, ``enable_moe_block``) is not served: the
-engine refuses it at load.
+report, arXiv 2503.19786, for the shared parts): per-layer-type geometry and rotary
+embeddings (``proportional`` RoPE rotates a ``partial_rotary_factor`` share of the
+dimensions); RMSNorm on queries, keys and (unscaled) values, attention scale 1, norms
+after attention and the MLP as well as before; embeddings scaled by ``sqrt(hidden_size)``;
+a learned ``layer_scalar`` per layer; final logit soft-capping; per-layer input
+embeddings (PLE) gated into the residual stream after each MLP; KV-shared layers
+(:class:`~specula.runtime.models.gemma4_config.Gemma4ModelConfig`). The
+mixture-of-experts variant (``enable_moe_block``) is refused at load.
 """
 
 from __future__ import annotations
@@ -38,8 +28,8 @@ from specula.runtime.models.llama import LlamaForCausalLM
 
 
 def _rounded(value: float, dtype: torch.dtype) -> float:
-    """``value`` rounded to ``dtype``: HF Gemma keeps its embedding scales as tensors in
-    the weights' dtype (sqrt(3072) is 55.5 in bfloat16), and checkpoints expect that."""
+    """``value`` rounded to ``dtype``, as HF Gemma keeps its embedding scales (sqrt(3072)
+    is 55.5 in bfloat16)."""
     return torch.tensor(value, dtype=dtype).item()
 
 
@@ -148,9 +138,8 @@ class Gemma4TextModel(nn.Module):
 
 
 class Gemma4ForCausalLM(LlamaForCausalLM):
-    """Gemma4 causal LM with the :class:`LlamaForCausalLM` interface
-    (``check_aux_hidden_state_layers``, ``compute_logits``); aux ids count Gemma4 decoder
-    layers the same way (``0``: the scaled embedding output)."""
+    """Gemma4 causal LM with the :class:`LlamaForCausalLM` interface (aux id ``0``: the
+    scaled embedding output)."""
 
     model_cls = Gemma4TextModel
     packed_modules_mapping = {"gate_up_proj": ["gate_proj", "up_proj"]}
@@ -162,10 +151,9 @@ class Gemma4ForCausalLM(LlamaForCausalLM):
         self.multimodal_checkpoint = config.architecture == "Gemma4ForConditionalGeneration"
 
     def checkpoint_name(self, name: str) -> str | None:
-        """Our parameter name for checkpoint tensor ``name``: a
-        ``Gemma4ForConditionalGeneration`` checkpoint keeps the text model under
-        ``model.language_model.`` and its vision/audio towers (which text generation does
-        not use, ``None``) elsewhere under ``model.``."""
+        """Our parameter name for checkpoint tensor ``name`` (``None``: the vision and
+        audio towers of a ``Gemma4ForConditionalGeneration`` checkpoint, whose text model
+        is under ``model.language_model.``)."""
         if not self.multimodal_checkpoint or not name.startswith("model."):
             return name
         prefix = "model.language_model."

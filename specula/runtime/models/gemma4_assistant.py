@@ -1,15 +1,11 @@
 """The Gemma4 MTP draft network (Hugging Face ``Gemma4AssistantForCausalLM``, model type
 ``gemma4_assistant``) and its checkpoint loading.
 
-The assistant has no KV of its own. Each draft step feeds one row per request:
-``pre_projection(cat(target_embedding(token), backbone_hidden))`` where the backbone
-hidden state is the target's final hidden state at the position before ``token`` (first
-step) or the assistant's own ``post_projection`` output (later steps). The row runs
-through Gemma4 decoder layers whose attention is query-only: layer type ``t`` attends to
-the target's cached keys and values of the target's last non-shared layer of type ``t``,
-at one constant rotary position (the position of the last verified token). The final
-normed state gives the logits, through the tied ``lm_head`` or, with
-``use_ordered_embeddings``, only over the tokens of the top centroids.
+A row is ``pre_projection(cat(target_embedding(token), backbone_hidden))`` through Gemma4
+decoder layers with query-only attention on the target's KV (layer type ``t`` reads the
+target's last non-shared layer of type ``t``), then the final norm; its logits come from
+the tied ``lm_head`` or, with ``use_ordered_embeddings``, only over the tokens of the top
+centroids. The draft steps: :mod:`specula.runtime.spec_decode.gemma4`.
 """
 
 from __future__ import annotations
@@ -34,8 +30,8 @@ ASSISTANT_MODEL_TYPE = "gemma4_assistant"
 
 @dataclass(frozen=True)
 class Gemma4AssistantConfig:
-    """``Gemma4AssistantConfig`` of ``transformers``: the decoder layers' text config
-    plus the projection and logits settings."""
+    """``transformers``' ``Gemma4AssistantConfig``: the layers' text config plus the
+    projection and logits settings."""
 
     text: Gemma4ModelConfig
     """The assistant's own layers (every one KV-shared with the target)."""

@@ -29,12 +29,9 @@ class RMSNorm(nn.Module):
 
 
 class MergedLinear(nn.Linear):
-    """A linear layer whose output rows concatenate several checkpoint projections.
-
-    ``output_sizes[i]`` rows starting at ``sum(output_sizes[:i])`` hold shard ``i`` (for
-    ``qkv_proj``: q, k, v). Fusing turns three (or two) matmuls into one, which matters on
-    CPU where each small matmul has a fixed overhead.
-    """
+    """A linear layer whose output rows concatenate several checkpoint projections (one
+    matmul instead of two or three): ``output_sizes[i]`` rows starting at
+    ``sum(output_sizes[:i])`` hold shard ``i`` (for ``qkv_proj``: q, k, v)."""
 
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool) -> None:
         super().__init__(in_features, sum(output_sizes), bias=bias)
@@ -60,8 +57,7 @@ class MergedLinear(nn.Linear):
 def sharded(module: nn.Module, style: str, tensor_parallel_size: int) -> nn.Module:
     """Mark ``module`` as split over ``tensor_parallel_size`` ranks by ``style``
     (``colwise``, ``rowwise`` or ``vocab``; :func:`~specula.runtime.worker.parallel.
-    shard_tensor`), so the loader copies only this rank's part of each checkpoint tensor.
-    Unmarked on one rank."""
+    shard_tensor`): the loader copies only this rank's part of each checkpoint tensor."""
     if tensor_parallel_size > 1:
         module.tp_style = style
     return module
@@ -85,14 +81,10 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.T
 
 
 class RotaryEmbedding:
-    """Rotary position embedding (RoFormer, arXiv 2104.09864), "rotate half" layout.
-
-    Supports rope types ``default``, ``linear``, ``llama3`` and Gemma4's ``proportional``,
-    which keeps the default frequencies of the first
-    ``int(partial_rotary_factor * head_dim // 2)`` pairs and zeroes the rest (those
-    dimensions pass through unrotated), all divided by ``factor``. Not an ``nn.Module``
-    on purpose: its frequencies are derived from the config, never loaded from a
-    checkpoint.
+    """Rotary position embedding (RoFormer, arXiv 2104.09864), "rotate half" layout, of
+    rope type ``default``, ``linear``, ``llama3`` or Gemma4's ``proportional`` (the first
+    ``int(partial_rotary_factor * head_dim // 2)`` pairs' default frequencies, the rest
+    zero, all divided by ``factor``). Not an ``nn.Module``: derived, never loaded.
 
     Raises:
         ValueError: an unsupported ``rope_type``.
@@ -150,9 +142,8 @@ def init_dummy_weights(model: nn.Module, skip: tuple[str, ...] = (), std: float 
 
 def build_empty(factory: Callable[[], nn.Module], dtype: torch.dtype, device: torch.device):
     """Build ``factory()`` on the meta device, cast its floating-point tensors to ``dtype``
-    and allocate uninitialised storage on ``device``: no time goes into random
-    initialisation of weights a checkpoint overwrites. Buffers computed at construction
-    (rotary tables, index maps) are left uninitialised too; callers rebuild them."""
+    and allocate uninitialised storage on ``device`` (no time spent initialising weights
+    a checkpoint overwrites); callers rebuild buffers computed at construction."""
     with torch.device("meta"):
         model = factory()
         model.to(dtype)

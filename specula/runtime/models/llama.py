@@ -1,9 +1,7 @@
-"""Llama decoder (arXiv 2302.13971, 2407.21783): the modules that hold the weights.
-
-Parameter names follow Hugging Face ``LlamaForCausalLM`` so checkpoints load by name;
-``q/k/v_proj`` and ``gate/up_proj`` are fused (see ``packed_modules_mapping``). The
-forward over a paged KV cache is :class:`~specula.runtime.worker.model_runner.
-ModelRunner`'s, which runs these parameters through the kernels.
+"""Llama decoder (arXiv 2302.13971, 2407.21783): the modules that hold the weights, under
+Hugging Face ``LlamaForCausalLM`` names, ``q/k/v_proj`` and ``gate/up_proj`` fused
+(``packed_modules_mapping``). The paged forward is :class:`~specula.runtime.worker.
+model_runner.ModelRunner`'s.
 """
 
 from __future__ import annotations
@@ -78,8 +76,8 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Causal LM weights; ``compute_logits`` projects final hidden states to the
-    vocabulary, so callers project only the positions they sample from."""
+    """Causal LM weights; callers project only the positions they sample from
+    (:meth:`compute_logits`)."""
 
     model_cls: type[LlamaModel] = LlamaModel
     packed_modules_mapping: dict[str, list[str]] = {
@@ -106,15 +104,13 @@ class LlamaForCausalLM(nn.Module):
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def check_aux_hidden_state_layers(self, layer_ids: Sequence[int]) -> tuple[int, ...]:
-        """Validate auxiliary hidden-state layer ids
-        (:func:`~specula.runtime.models.config.check_aux_layer_ids`)."""
+        """:func:`~specula.runtime.models.config.check_aux_layer_ids` for this model."""
         return check_aux_layer_ids(layer_ids, self.config.num_hidden_layers)
 
     def full_vocab_weights(self) -> tuple[nn.Embedding, torch.Tensor]:
         """``(embedding, lm_head weight [vocab_size, hidden_size])`` of the whole
-        vocabulary, for a draft that shares them and runs unsharded on every rank: the
-        model's own on one rank, else gathered from the ranks once (collective: every
-        rank calls it)."""
+        vocabulary, for a draft that shares them and runs unsharded on every rank;
+        gathered once at tensor_parallel_size > 1 (collective: every rank calls it)."""
         if self.config.tensor_parallel_size == 1:
             return self.model.embed_tokens, self.lm_head_weight
         if self._full_vocab is None:

@@ -1,16 +1,12 @@
-"""The EAGLE-3 draft network (Li et al., arXiv 2503.01840) over Llama or Qwen3 layers.
+"""The EAGLE-3 draft network (Li et al., arXiv 2503.01840) over Llama or Qwen3 layers,
+under the ``speculators`` checkpoint's parameter names (design reference: vLLM's
+``llama_eagle3.py``).
 
-The target's auxiliary hidden states (the residual stream entering a few of its layers,
-concatenated, ``[n, num_aux * H_target]``) are fused to width ``H`` by ``fc`` once, when
-they arrive (:meth:`Eagle3LlamaForCausalLM.combine_hidden_states`). The first decoder
-layer attends over ``cat(input_layernorm(embedding), hidden_norm(hidden))`` of width
-``2H`` (its q/k/v projections take ``2H``) and keeps ``hidden`` as its residual; further
-layers are ordinary decoder layers. ``norm`` and an ``lm_head`` over the draft
-vocabulary follow; draft id ``i`` is target id ``i + d2t[i]``.
-
-Parameter names follow the ``speculators`` checkpoint (``fc``, ``layers.0.hidden_norm``,
-``norm``, ``lm_head``, ``embed_tokens``, ``d2t``); q/k/v and gate/up are fused as in
-:mod:`specula.runtime.models.llama`. Design reference: vLLM's ``llama_eagle3.py``.
+``fc`` fuses the target's auxiliary hidden states ``[n, num_aux * H_target]`` to width
+``H`` once, when they arrive. The first decoder layer attends over
+``cat(input_layernorm(embedding), hidden_norm(hidden))`` of width ``2H`` and keeps
+``hidden`` as its residual; further layers are ordinary. ``norm`` and an ``lm_head`` over
+the draft vocabulary follow; draft id ``i`` is target id ``i + d2t[i]``.
 """
 
 from __future__ import annotations
@@ -54,11 +50,8 @@ class Eagle3Config:
 
 
 class Eagle3LlamaForCausalLM(nn.Module):
-    """EAGLE-3 draft head (see the module docstring).
-
-    ``config`` is the layer :class:`ModelConfig` (the KV cache is shaped from it; its
-    ``vocab_size`` is the target vocabulary that :meth:`compute_logits` covers).
-    """
+    """EAGLE-3 draft head; ``config``: the layer :class:`ModelConfig` (the KV cache's
+    shape; ``vocab_size`` the target's)."""
 
     packed_modules_mapping = LlamaForCausalLM.packed_modules_mapping
 
@@ -93,7 +86,6 @@ class Eagle3LlamaForCausalLM(nn.Module):
         """[draft_vocab_size] target id of each draft id (``i + d2t[i]``)."""
         self.rotary = RotaryEmbedding.from_config(config, device)
         self.missing_target_weights: set[str] = set()
-        """Parameters the checkpoint lacked, to be shared from the target."""
 
     def combine_hidden_states(self, aux_hidden_states: torch.Tensor) -> torch.Tensor:
         """Fuse the target's auxiliary states ``[n, num_aux * H_target]`` to ``[n, H]``."""
@@ -124,11 +116,8 @@ def load_eagle3_draft(
     device: torch.device,
     load_format: str = "auto",
 ) -> Eagle3LlamaForCausalLM:
-    """Build the EAGLE-3 head of a ``speculators`` ``eagle3`` checkpoint for ``target``.
-
-    ``embed_tokens.weight`` and ``lm_head.weight`` may be absent from the checkpoint;
-    the head then shares the target's
-    (:func:`~specula.runtime.models.speculators_format.share_target_weights`), as
+    """Build the EAGLE-3 head of a ``speculators`` ``eagle3`` checkpoint for ``target``;
+    ``embed_tokens.weight`` and ``lm_head.weight`` it lacks are the target's, as
     ``speculators`` fills them from the verifier.
 
     Raises:

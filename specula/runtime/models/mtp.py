@@ -1,16 +1,11 @@
 """The multi-token-prediction (MTP) draft head of DeepSeek-V3 (arXiv 2412.19437, §2.2).
 
-An MTP layer reads, at position ``p``, the target's final hidden state ``h_p`` and the
-embedding of the next token ``t_{p+1}``: ``eh_proj(cat(enorm(embedding), hnorm(h_p)))``
-goes through one decoder block and a final norm; the target's LM head turns the result
-into logits for ``t_{p+2}``, and the same normed state conditions the next draft step.
-Embeddings and LM head are the target's (shared, not copied).
-
-Checkpoints are the ``speculators`` ``mtp`` format, whose layer names
-(``mtp_layers.0.token_layernorm``, ``hidden_layernorm``, ``input_proj``,
-``final_layernorm`` beside the block's own modules) map to DeepSeek's ``enorm``,
-``hnorm``, ``eh_proj`` and ``shared_head.norm``. Design reference: vLLM's
-``deepseek_mtp.py``.
+At position ``p``, ``eh_proj(cat(enorm(embedding of t_{p+1}), hnorm(h_p)))`` (``h_p`` the
+target's final hidden state) goes through one decoder block and a final norm; the
+target's LM head gives logits for ``t_{p+2}`` and the normed state conditions the next
+step. Checkpoints are the ``speculators`` ``mtp`` format, whose ``token_layernorm``,
+``hidden_layernorm`` and ``input_proj`` are DeepSeek's ``enorm``, ``hnorm`` and
+``eh_proj``. Design reference: vLLM's ``deepseek_mtp.py``.
 """
 
 from __future__ import annotations
@@ -55,12 +50,9 @@ class MTPLayer(nn.Module):
 
 
 class MTPForCausalLM(nn.Module):
-    """One MTP layer over the target's embeddings and LM head.
-
-    ``config`` is the layer :class:`ModelConfig` (``vocab_size`` the target's); the
-    head's keeps ``num_hidden_layers`` 1, its one attention layer with a KV cache (the
-    format's layer config counts the verifier's layers).
-    """
+    """One MTP layer over the target's embeddings and LM head; ``config``: the layer
+    :class:`ModelConfig`, kept with ``num_hidden_layers`` 1 (the format's counts the
+    verifier's layers)."""
 
     packed_modules_mapping = LlamaForCausalLM.packed_modules_mapping
 
@@ -72,7 +64,6 @@ class MTPForCausalLM(nn.Module):
         self.mtp_layers = nn.ModuleList([MTPLayer(config)])
         self.rotary = RotaryEmbedding.from_config(config, device)
         self.missing_target_weights: set[str] = set()
-        """Parameters the checkpoint lacked, to be shared from the target."""
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_positions, H] -> [num_positions, vocab_size] float32."""
@@ -80,8 +71,7 @@ class MTPForCausalLM(nn.Module):
 
 
 def _model_name(checkpoint_name: str) -> str | None:
-    """Map a ``speculators`` MTP tensor name to this module's parameter name (``None``:
-    not a weight)."""
+    """Our parameter name of a ``speculators`` MTP tensor (``None``: not a weight)."""
     parts = checkpoint_name.split(".")
     if parts[0] != "mtp_layers" or len(parts) < 4 or parts[2] == "final_layernorm":
         return speculators_weight_name(checkpoint_name)
@@ -96,11 +86,9 @@ def load_mtp_draft(
     device: torch.device,
     load_format: str = "auto",
 ) -> MTPForCausalLM:
-    """Build the MTP head of a ``speculators`` ``mtp`` checkpoint for ``target``.
-
-    ``embed_tokens`` and ``lm_head`` are normally absent (``speculators`` never saves
-    them); the head then shares the target's
-    (:func:`~specula.runtime.models.speculators_format.share_target_weights`).
+    """Build the MTP head of a ``speculators`` ``mtp`` checkpoint for ``target``; it
+    shares the target's ``embed_tokens`` and ``lm_head``, which ``speculators`` never
+    saves (:func:`~specula.runtime.models.speculators_format.share_target_weights`).
 
     Raises:
         FileNotFoundError: no ``config.json`` or ``*.safetensors``.

@@ -1,12 +1,8 @@
-"""Reading draft heads saved in the ``speculators`` format.
-
-A ``speculators`` checkpoint is a directory with a ``config.json`` that names the
-method in ``speculators_model_type`` (``"eagle3"``, ``"mtp"``, ...), describes the draft's
-decoder layers in ``transformer_layer_config`` (a Hugging Face config dict with its own
-``model_type``), keeps method settings at the top level and the proposal and verifier
-settings in ``speculators_config``; the weights are ``*.safetensors`` named after the
-draft's modules, plus the ``d2t`` / ``t2d`` vocabulary-mapping buffers for heads with a
-reduced vocabulary.
+"""Reading draft heads saved in the ``speculators`` format: a ``config.json`` naming the
+method in ``speculators_model_type`` (``"eagle3"``, ``"mtp"``, ...), the draft's decoder
+layers in ``transformer_layer_config`` (a Hugging Face config dict) and method settings at
+the top level; ``*.safetensors`` named after the draft's modules, plus the ``d2t`` /
+``t2d`` vocabulary maps of heads with a reduced vocabulary.
 """
 
 from __future__ import annotations
@@ -114,8 +110,7 @@ def load_draft_head(
 
 
 def speculators_weight_name(name: str) -> str | None:
-    """``name``, or ``None`` for a tensor that is no draft weight: the ``d2t`` / ``t2d``
-    vocabulary maps and the training-only ``verifier_*`` copies."""
+    """``name``, or ``None`` for the vocabulary maps and training-only ``verifier_*``."""
     return None if name in ("d2t", "t2d") or name.startswith("verifier_") else name
 
 
@@ -137,8 +132,8 @@ def share_target_weights(
     rows: torch.Tensor | None = None,
 ) -> None:
     """Give a draft head the target's embeddings and LM head where its checkpoint had
-    none (``model.missing_target_weights``); ``rows``: the LM head keeps only these rows
-    (the target ids of a draft vocabulary, a copy), else it is the target's own."""
+    none (``model.missing_target_weights``); ``rows``: the LM head is a copy of only these
+    rows (the target ids of a draft vocabulary)."""
     if "embed_tokens.weight" in model.missing_target_weights:
         model.embed_tokens = embed
     if "lm_head.weight" in model.missing_target_weights:

@@ -1,5 +1,4 @@
-"""The ``draft_model`` method (vLLM's): an independent, smaller causal LM of the same
-vocabulary drafts autoregressively (Leviathan et al., arXiv 2211.17192)."""
+"""The ``draft_model`` method (vLLM's; Leviathan et al., arXiv 2211.17192)."""
 
 from __future__ import annotations
 
@@ -15,11 +14,10 @@ from specula.runtime.worker import create_model_runner
 
 
 class PlainDraftModelSpeculator(AutoRegressiveSpeculator):
-    """A Hugging Face-layout causal LM (any architecture the paged runners serve) as the
-    draft (Leviathan et al., arXiv 2211.17192), with its own paged KV cache on the
-    target's block tables; everything else is the generic loop. With
-    ``tensor_parallel_size`` N (the target's; vLLM's ``draft_tensor_parallel_size``) it is
-    sharded over the ranks as the target is, else it runs whole on every rank."""
+    """A smaller causal LM of the target's vocabulary (any architecture the paged runners
+    serve) drafting over the generic loop with its own paged KV cache; sharded over
+    ``tensor_parallel_size`` ranks (vLLM's ``draft_tensor_parallel_size``) like the target,
+    else whole on every rank."""
 
     def __init__(self, *, tensor_parallel_size: int = 1, **kwargs) -> None:
         self.tensor_parallel_size = tensor_parallel_size

@@ -1,7 +1,4 @@
-"""The ``eagle3`` method: a small head
-(:class:`~specula.runtime.models.llama_eagle3.Eagle3LlamaForCausalLM`, Li et al., arXiv
-2503.01840) conditioned on the target's auxiliary hidden states drafts autoregressively,
-feeding back its own hidden state."""
+"""The ``eagle3`` method (Li et al., arXiv 2503.01840)."""
 
 from __future__ import annotations
 
@@ -17,9 +14,7 @@ from specula.runtime.worker.paged_kv import PagedAttentionMetadata
 
 
 class Eagle3Runner(DraftRunner):
-    """Runs an :class:`Eagle3LlamaForCausalLM` (the target's weights bound:
-    ``missing_target_weights`` empty) over a :class:`PagedKVCache` of its layers with the
-    Triton kernels.
+    """Runs an :class:`Eagle3LlamaForCausalLM` over a paged KV cache of its layers.
 
     Raises:
         ValueError: unbound target weights, or a cache that does not match the head.
@@ -35,12 +30,11 @@ class Eagle3Runner(DraftRunner):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft forward of ``input_ids`` ([num_tokens] int64, the token after each
         conditioning position) at ``positions`` with ``hidden_states [num_tokens, H]``
-        (fused target states or the draft's previous output), writing the draft's keys and
-        values to its cache (AssertionError: other shapes).
+        (fused target states or the draft's previous output), writing its KV.
 
         Returns:
-            ``(normed [num_tokens, H] for the draft logits, [num_tokens, H] the state the
-            next draft step reads)``, as :meth:`Eagle3LlamaForCausalLM.forward`.
+            ``(normed [num_tokens, H] for the logits, [num_tokens, H] the next step's
+            state)``.
         """
         assert input_ids.ndim == 1 and input_ids.shape == positions.shape
         assert input_ids.shape[0] == metadata.num_tokens
@@ -59,11 +53,9 @@ class Eagle3Runner(DraftRunner):
 
 
 class EagleSpeculator(AutoRegressiveSpeculator):
-    """EAGLE-3 (Li et al., arXiv 2503.01840) over the generic loop: the target records
-    the residual streams entering the checkpoint's ``eagle_aux_hidden_state_layer_ids``
-    (default ``(2, L // 2, L - 3)``), ``fc`` fuses them, the head returns ``(normed,
-    next-step state)``, and drafts come from the draft vocabulary mapped through
-    ``d2t`` (``-inf`` elsewhere when drafts are sampled).
+    """EAGLE-3 over the generic loop: ``fc`` fuses the target's residual streams entering
+    the checkpoint's ``eagle_aux_hidden_state_layer_ids`` (default ``(2, L // 2, L -
+    3)``); drafts come from the draft vocabulary mapped through ``d2t``.
 
     Raises (at construction):
         ValueError: the checkpoint does not fit the target (see
@@ -93,6 +85,5 @@ class EagleSpeculator(AutoRegressiveSpeculator):
         return self.model.combine_hidden_states(aux)
 
     def draft_argmax(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Argmax over the draft vocabulary, mapped to target ids through ``d2t``."""
-        # The LM head with its argmax fused in ([n, draft_vocab_size] logits unused).
+        # The LM head with its argmax fused in, mapped to target ids.
         return self.model.draft_to_target[linear_argmax(hidden, self.model.lm_head.weight)[1]]

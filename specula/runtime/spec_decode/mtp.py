@@ -1,6 +1,5 @@
 """The ``mtp`` method (DeepSeek-style multi-token prediction, arXiv 2412.19437; vLLM's
-``mtp``): an MTP layer conditioned on the target's final hidden state drafts
-autoregressively with the target's embeddings and LM head."""
+``mtp``)."""
 
 from __future__ import annotations
 
@@ -16,8 +15,7 @@ from specula.runtime.worker.paged_kv import PagedAttentionMetadata
 
 
 class MTPRunner(DraftRunner):
-    """Runs an :class:`MTPForCausalLM` (DeepSeek-V3 MTP, arXiv 2412.19437) with the
-    sublayers of :class:`ModelRunner`.
+    """Runs an :class:`MTPForCausalLM` with the sublayers of :class:`ModelRunner`.
 
     Raises:
         ValueError: unbound target weights, or a cache that does not match the layer.
@@ -33,11 +31,9 @@ class MTPRunner(DraftRunner):
         metadata: PagedAttentionMetadata,
         hidden_states: torch.Tensor,
     ) -> torch.Tensor:
-        """``eh_proj(cat(enorm(embed(input_ids)), hnorm(hidden_states)))`` through the
-        decoder block and the final norm: ``input_ids`` [num_tokens] int64 (the token after
-        each conditioning position), ``hidden_states [num_tokens, H]`` (the target's final
-        states or this head's previous output) -> [num_tokens, H] normed states, for the
-        logits and the next step."""
+        """``input_ids`` [num_tokens] int64 (the token after each conditioning position)
+        and ``hidden_states [num_tokens, H]`` (the target's final states or this head's
+        previous output) -> [num_tokens, H] normed states, for the logits and next step."""
         assert hidden_states.shape == (input_ids.shape[0], self.config.hidden_size)
         layer = self.model.mtp_layers[0]
         embeds = self.model.embed_tokens(input_ids)  # [num_tokens, H]
@@ -53,11 +49,9 @@ class MTPRunner(DraftRunner):
 
 
 class MTPSpeculator(AutoRegressiveSpeculator):
-    """DeepSeek-V3 MTP (arXiv 2412.19437, §2.2) over the generic loop. Conditioning rows
-    are the target's final normed hidden states (what vLLM's MTP proposer feeds); every
-    draft step reuses the checkpoint's one MTP layer, reading its own previous output, so
-    any k works (as ``speculators`` trains it: the same layer for every step). Logits
-    cover the full vocabulary through the target's LM head.
+    """DeepSeek-V3 MTP (arXiv 2412.19437, §2.2) over the generic loop, conditioned on the
+    target's final normed hidden states (as vLLM's MTP proposer); every draft step reuses
+    the one MTP layer on its own previous output, as ``speculators`` trains it.
 
     Raises (at construction):
         ValueError: the checkpoint does not fit the target (see
