@@ -38,7 +38,6 @@ from specula.runtime.server.limits import (
     DEFAULT_LIMITS,
     RETRY_AFTER,
     Limits,
-    draining_error,
     read_body,
     unless_disconnected,
 )
@@ -75,11 +74,7 @@ class _ServerState:
         self.exposition.register(self)  # type: ignore[arg-type] - a collector by `collect`
 
     def ready_engine(self) -> Any:
-        """The loaded engine.
-
-        Raises:
-            APIError: 503 while loading or after the engine loop died.
-        """
+        """The loaded engine; 503 (an ``APIError``) while loading or after it died."""
         try:
             self.loop.check_alive()
         except EngineDeadError as exc:
@@ -94,14 +89,19 @@ class _ServerState:
             self._tokenizer = copy.deepcopy(engine.tokenizer)
         return self._tokenizer
 
+    def serving_engine(self) -> Any:
+        """:meth:`ready_engine`; 503 with ``Retry-After`` too while draining."""
+        if self.draining:
+            raise APIError(503, "the server is shutting down; retry on another replica",
+                           type=ERROR_TYPE_UNAVAILABLE, headers=RETRY_AFTER)
+        return self.ready_engine()
+
     def admit(self, num_prompts: int) -> None:
         """Raises:
-            APIError: 503 while draining; 429 when the engine already holds its batch
-                plus ``max_queued_requests`` (a lone request is always admitted).
+            APIError: 503 (:meth:`serving_engine`); 429 when the engine already holds its
+                batch plus ``max_queued_requests`` (a lone request is always admitted).
         """
-        if self.draining:
-            raise draining_error()
-        engine = self.ready_engine()
+        engine = self.serving_engine()
         held = self.loop.num_unfinished
         if held and held + num_prompts > engine.max_num_seqs + self.limits.max_queued_requests:
             raise APIError(429, f"the server is at capacity ({held} requests running or "
@@ -214,9 +214,7 @@ def create_app(
 
     @app.get("/health")
     async def health() -> Response:
-        if state.draining:
-            raise draining_error()
-        state.ready_engine()
+        state.serving_engine()
         return Response(status_code=200)
 
     @app.get("/metrics")

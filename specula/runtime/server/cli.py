@@ -1,11 +1,10 @@
 """``specula serve``: build the runtime config, load the engine, run uvicorn.
 
-The config comes from ``--config FILE`` (the JSON the operator writes), from flags,
-or both; a flag overrides the file's value.  An invalid config is reported on stderr
-with exit status 2 (argparse's status for usage errors) before anything is loaded.
-
-Secrets (the API key, the admin token) never enter the config, which the operator
-writes into a ConfigMap: they come from flags, environment variables or a file.
+The config comes from ``--config FILE`` (the JSON the operator writes), from flags
+(which win), or both; an invalid one is reported on stderr with exit status 2
+(argparse's for usage errors) before anything is loaded.  Secrets (the API key, the
+admin token) come from flags, environment variables or a file, never the config (a
+ConfigMap).
 """
 
 from __future__ import annotations
@@ -30,6 +29,7 @@ from specula.runtime import download
 logger = logging.getLogger(__name__)
 
 EXIT_CONFIG_ERROR = 2
+
 
 class ConfigError(ValueError):
     """The flags and file do not make a valid runtime config."""
@@ -77,10 +77,8 @@ def build_runtime_config(args: argparse.Namespace) -> RuntimeConfig:
         if "method" not in spec:
             flag = "--num-speculative-tokens" if "num_speculative_tokens" in given else (
                 "--max-num-speculative-tokens")
-            raise ConfigError(
-                f"{flag} needs a speculator: pass --speculator-method "
-                "and/or --speculator-model (or a speculator in --config)"
-            )
+            raise ConfigError(f"{flag} needs a speculator: pass --speculator-method "
+                              "and/or --speculator-model (or a speculator in --config)")
         data["speculator"] = spec
 
     if "model" not in data:
@@ -102,8 +100,8 @@ API_KEY_ENV = "SPECULA_API_KEY"
 def admin_token_source(
     config: RuntimeConfig, args: argparse.Namespace, environ: Mapping[str, str]
 ) -> Callable[[], str | None]:
-    """Where admin requests' bearer token comes from: ``admin_token_file`` (read
-    again per request; checked readable and non-empty here), else ``$SPECULA_ADMIN_TOKEN``.
+    """Where admin requests' bearer token comes from: ``admin_token_file`` (read per
+    request; checked readable and non-empty here), else ``$SPECULA_ADMIN_TOKEN``.
 
     Raises:
         ConfigError: no token and no ``--admin-insecure-no-token``, or an unreadable
@@ -124,10 +122,9 @@ def admin_token_source(
         logger.warning("admin API on port %d WITHOUT a token (--admin-insecure-no-token): "
                        "anyone who reaches it can change k", config.admin_port)
         return lambda: None
-    raise ConfigError(
-        f"admin_port {config.admin_port} needs a token: --admin-token-file FILE or "
-        f"${ADMIN_TOKEN_ENV} (or --admin-insecure-no-token for a local development run)"
-    )
+    raise ConfigError(f"admin_port {config.admin_port} needs a token: --admin-token-file FILE "
+                      f"or ${ADMIN_TOKEN_ENV} (or --admin-insecure-no-token for a local "
+                      "development run)")
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -145,9 +142,8 @@ def serve(args: argparse.Namespace) -> int:
         print(f"specula serve: {exc}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
 
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # Imported here so that a config error is reported without importing torch.
     import uvicorn
     from prometheus_client import start_http_server
@@ -200,8 +196,7 @@ def serve(args: argparse.Namespace) -> int:
         logger.error("engine failed: %r", loop.error)
         # The runtime's own reason (a checkpoint it refuses names the field and both
         # values) reaches the pod's status, and from there the resource's Degraded.
-        download.write_termination_message(
-            f"engine failed: {type(loop.error).__name__}: {loop.error}"
-        )
+        message = f"engine failed: {type(loop.error).__name__}: {loop.error}"
+        download.write_termination_message(message)
         return 1
     return 0 if server.started else 1

@@ -144,7 +144,8 @@ class CompletionRun:
         if request.n > max_n:
             raise APIError(400, f"n={request.n} exceeds this server's maximum of {max_n} "
                            "samples per prompt", param="n")
-        max_len, stop = engine.max_model_len, request.stop_list()
+        max_len = engine.max_model_len
+        stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
         self.choices: list[_Choice] = []
         """``len(prompts) * n`` (sample ``j`` of a prompt seeded ``seed + j``, wrapped
         into int64, when ``seed`` is given)."""

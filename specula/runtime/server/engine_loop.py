@@ -193,8 +193,7 @@ class EngineLoop:
         if self.state is EngineState.LOADING:
             raise EngineDeadError("the model is still loading")
         if self.state is not EngineState.READY:
-            raise EngineDeadError(
-                f"the engine is not running ({self.state.value}): {self.error!r}")
+            raise EngineDeadError(f"the engine is not running ({self.state.value}): {self.error!r}")
 
     # ---- loop thread -------------------------------------------------------------
 

@@ -1,10 +1,10 @@
-"""What the HTTP side refuses, and how it stops: a body beyond ``max_request_body_bytes``
-(413) or slower than ``http_read_timeout_s`` (408), headers slower than that (connection
-closed), a completion that would queue beyond ``max_num_seqs + max_queued_requests``
-engine requests (429 with ``Retry-After``), a client that hangs up (its engine requests
-aborted), and the drain on SIGTERM (new completions and ``/health`` 503 with
-``Retry-After`` while in-flight ones finish, for up to ``drain_timeout_s``). The limits
-are :class:`~specula.api.runtime_config.RuntimeConfig` fields.
+"""What the HTTP side refuses, and how it stops (the limits are
+:class:`~specula.api.runtime_config.RuntimeConfig` fields): a body beyond
+``max_request_body_bytes`` (413) or slower than ``http_read_timeout_s`` (408), headers
+slower than that (connection closed), a completion that would queue beyond
+``max_num_seqs + max_queued_requests`` engine requests (429), a client that hangs up
+(its engine requests aborted), and the drain on SIGTERM (new completions and ``/health``
+503 while in-flight ones finish, for up to ``drain_timeout_s``).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from starlette.requests import Request
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from specula.api.runtime_config import RuntimeConfig
-from specula.runtime.server.protocol import ERROR_TYPE_UNAVAILABLE, APIError
+from specula.runtime.server.protocol import APIError
 
 logger = logging.getLogger(__name__)
 
@@ -72,8 +72,8 @@ async def read_body(raw: Request, limits: Limits) -> bytes:
 
 
 async def unless_disconnected(raw: Request, work: Any) -> Any:
-    """Await ``work`` (a coroutine), cancelling it if the client hangs up first (a
-    whole, non-streamed answer would otherwise keep its batch slot and KV blocks)."""
+    """Await the coroutine ``work``, cancelling it if the client hangs up first (else a
+    non-streamed answer keeps its batch slot and KV blocks)."""
     task = asyncio.ensure_future(work)
     hangup = asyncio.ensure_future(raw.receive())  # after the body: http.disconnect
     try:
@@ -125,11 +125,10 @@ def h11_with_header_timeout(seconds: float) -> type[H11Protocol]:
 
 
 class DrainingServer(uvicorn.Server):
-    """A uvicorn server that drains on SIGTERM/SIGINT: ``state.draining`` is set (new
-    completions and ``/health`` answer 503 with ``Retry-After``, so the readiness probe
-    takes the pod out of its Service) and the listener stays open until the engine has
-    no request left or ``drain_timeout_s`` passed; then uvicorn's own graceful shutdown
-    runs. A second signal stops at once."""
+    """A uvicorn server that drains on SIGTERM/SIGINT: ``state.draining`` is set (503
+    with ``Retry-After``, so the readiness probe takes the pod out of its Service) and
+    the listener stays open until the engine has no request left or ``drain_timeout_s``
+    passed; then uvicorn's graceful shutdown runs. A second signal stops at once."""
 
     def __init__(self, config: uvicorn.Config, state: Any, drain_timeout_s: float) -> None:
         super().__init__(config)
@@ -151,8 +150,3 @@ class DrainingServer(uvicorn.Server):
         logger.info("drained in %.1f s, %d requests left", time.monotonic() - start,
                     self._state.loop.num_unfinished)
         self.should_exit = True
-
-
-def draining_error() -> APIError:
-    return APIError(503, "the server is shutting down; retry on another replica",
-                    type=ERROR_TYPE_UNAVAILABLE, headers=RETRY_AFTER)

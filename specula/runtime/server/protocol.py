@@ -107,16 +107,10 @@ class GenerationRequest(_Body):
             raise _unsupported("stream_options", "stream_options needs stream=true")
         return self
 
-    def stop_list(self) -> list[str]:
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-
 
 class CompletionRequest(GenerationRequest):
-    """``POST /v1/completions`` body.
-
-    ``prompt`` is a string, a list of strings (a batch: ``n`` choices per prompt), a
-    list of token ids, or a list of token-id lists.
-    """
+    """``POST /v1/completions`` body; ``prompt`` is a string, a list of strings (a batch:
+    ``n`` choices per prompt), a list of token ids, or a list of token-id lists."""
 
     prompt: str | NonEmptyTokenIds | Annotated[list[str], Field(min_length=1)] | Annotated[
         list[NonEmptyTokenIds], Field(min_length=1)
@@ -126,8 +120,8 @@ class CompletionRequest(GenerationRequest):
     best_of: int | None = None
     """Accepted only as ``n`` (or 1 with ``n`` 1): every sample is returned."""
     echo: bool = False
-    """Return the prompt before the completion (with ``logprobs``, the prompt tokens'
-    too, the first ``None``)."""
+    """Return the prompt before the completion (with ``logprobs``, its tokens' too, the
+    first ``None``)."""
     logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     """Each token's log-probability and the ``logprobs`` most likely tokens'."""
     suffix: str | None = None
@@ -183,12 +177,9 @@ class ChatCompletionRequest(GenerationRequest):
 
 class SpeculativeConfigUpdate(_Body):
     """``PUT /v1/speculative_config`` body: exactly one of a single k or a
-    per-batch-size schedule, used from the next engine step on.
-
-    Only the shape is checked here; the bounds (k at most the value the server was
-    started with) and the schedule's rules are the engine's
-    (:mod:`specula.runtime.engine.spec_schedule`), so there is one source of truth.
-    """
+    per-batch-size schedule, used from the next engine step on.  Only the shape is
+    checked here; the bounds and the schedule's rules are the engine's
+    (:mod:`specula.runtime.engine.spec_schedule`)."""
 
     num_speculative_tokens: StrictInt | None = None
     """0 turns speculation off (the draft stays loaded); at most the k the server was
@@ -246,11 +237,8 @@ _UNION_SHAPES = {
 
 
 def validation_error(errors: list[ErrorDetails]) -> APIError:
-    """Turn a list of pydantic errors into one 400 ``APIError``.
-
-    ``param`` is the first offending field (``prompt``, ``max_tokens``...), or
-    ``None`` when the body as a whole is wrong (not an object).
-    """
+    """One 400 ``APIError`` for pydantic's errors; ``param`` is the first offending field
+    (``prompt``, ``max_tokens``...), ``None`` when the body as a whole is wrong."""
     found: dict[str, str | None] = {}  # each distinct message, in order: the field it names
     for err in errors:
         loc = [str(p) for p in err["loc"]]
