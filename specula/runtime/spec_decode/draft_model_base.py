@@ -31,14 +31,11 @@ distributions go to the verifier (vLLM's ``draft_sample_method``)."""
 
 
 class DraftRunner(ModelRunner):
-    """A draft head's forward (``model``: on its device, in eval mode, in the cache's
-    dtype; its parameter :attr:`weight_name` gives both) with the sublayers of the target's
-    :class:`ModelRunner`, over a paged KV cache of its own (one key/value pair for each
-    of the ``model.config.num_hidden_layers`` draft layers) with as many blocks as the
-    target's, indexed by the *target's* block tables and slot mappings (one block manager
-    for both, as vLLM allocates draft layers in the target's KV-cache groups): a draft
-    forward over the slots of a verification then reads its attention metadata
-    unchanged, which attention-state reuse (vLLM PR #40410) relies on.
+    """A draft head's forward with the sublayers of the target's :class:`ModelRunner`,
+    over a paged KV cache of its own layers indexed by the *target's* block tables and
+    slot mappings (as vLLM allocates draft layers in the target's KV-cache groups), so
+    that a draft forward over a verification's slots reuses its attention metadata
+    (vLLM PR #40410). ``model``'s parameter :attr:`weight_name` gives device and dtype.
 
     Raises:
         ValueError: target weights the head shares not bound yet
@@ -56,12 +53,9 @@ class DraftRunner(ModelRunner):
 
 
 class DraftModelSpeculator(BaseSpeculator):
-    """Owns the draft network, its runner over a paged KV cache that shares the target's
-    block tables, and buffers sized by the maximum number of requests.
-
-    Subclasses say what the network is (:meth:`load_draft_model`) and how it runs on the
-    paged cache (:meth:`build_runner`); the runner has ``forward(input_ids, positions,
-    metadata[, hidden_states])`` and the network (or runner) ``compute_logits``.
+    """Owns the draft network (:meth:`load_draft_model`), its runner over a paged KV
+    cache on the target's block tables (:meth:`build_runner`: ``forward(input_ids,
+    positions, metadata[, hidden_states])``), and buffers sized by ``max_num_seqs``.
 
     Args:
         draft_dir: the draft checkpoint.
@@ -74,8 +68,8 @@ class DraftModelSpeculator(BaseSpeculator):
             from its config, for benchmarks).
 
     Raises (at construction):
-        ValueError: the draft does not fit the target (see :meth:`check_draft_model`), or
-            an unknown ``draft_sample_method``.
+        ValueError: the draft does not fit the target (:meth:`load_draft_model`), or an
+            unknown ``draft_sample_method``.
     """
 
     def __init__(
@@ -103,14 +97,13 @@ class DraftModelSpeculator(BaseSpeculator):
         self.keeps_draft_probs = draft_sample_method == "probabilistic"
         self.load_format = load_format
         self.model = self.load_draft_model()
-        self.check_draft_model(self.model)
         self.runner: Any = None
         """The draft's paged runner (set by :meth:`allocate_kv_cache` or, for drafts on the
         target's cache, :meth:`bind_target`)."""
 
     @abstractmethod
     def load_draft_model(self) -> nn.Module:
-        """Build and load the draft network (extension point for each method).
+        """Build and load the draft network.
 
         Raises:
             ValueError: the checkpoint is malformed or does not fit the target; the
@@ -121,19 +114,6 @@ class DraftModelSpeculator(BaseSpeculator):
         """The draft network's paged runner over ``kv_cache`` (drafts with a KV cache
         of their own implement it)."""
         raise NotImplementedError
-
-    def check_draft_model(self, model: Any) -> None:
-        """Validate the loaded draft against the target; the default checks that its
-        logits cover the target's vocabulary.
-
-        Raises:
-            ValueError: ``model.config.vocab_size`` differs from the target's.
-        """
-        if model.config.vocab_size != self.vocab_size:
-            raise ValueError(
-                f"draft model vocab_size {model.config.vocab_size} != target vocab_size "
-                f"{self.vocab_size}: draft and target must share the tokenizer's vocabulary"
-            )
 
     def kv_cache_spec(self, block_size: int) -> KVCacheSpec | None:
         return KVCacheSpec.from_model_config(self.model.config, self.dtype, block_size)
@@ -174,8 +154,8 @@ class DraftModelSpeculator(BaseSpeculator):
     def capture(
         self, captured_attention_states: dict[BatchExecutionDescriptor, CapturedAttentionState]
     ) -> None:
-        """Capture for the target's request counts (none captured: the default ladder):
-        :meth:`capture_graphs`, all in one memory pool."""
+        """:meth:`capture_graphs` for the target's request counts (none captured: the
+        default ladder)."""
         self.capture_sizes = (
             sorted({d.num_reqs for d in captured_attention_states}) or self.capture_sizes
         )
@@ -198,8 +178,7 @@ class DraftModelSpeculator(BaseSpeculator):
     def replay_or_run(
         self, graphs: dict[Any, torch.cuda.CUDAGraph], key: Any, counter: str, run: Callable[[], None]
     ) -> None:
-        """Replay ``graphs[key]``, counting it in the attribute ``counter``, or, when that
-        graph was not captured, call ``run``."""
+        """Replay ``graphs[key]``, counting it in the attribute ``counter``, else ``run()``."""
         graph = graphs.get(key)
         if graph is None:
             run()

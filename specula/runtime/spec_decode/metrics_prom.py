@@ -1,19 +1,11 @@
-"""Prometheus export of the speculative-decoding counters.
+"""Prometheus export of the speculative-decoding counters, as vLLM's ``SpecDecodingProm``
+(``vllm/v1/spec_decode/metrics.py``): the collector reads a snapshot of the engine's
+:class:`~specula.runtime.spec_decode.metrics.SpecDecodingStats` at scrape time.
 
-Counting and exporting are separate (as vLLM's ``SpecDecodingStats`` and
-``SpecDecodingProm``, ``vllm/v1/spec_decode/metrics.py``): the engine updates a
-:class:`~specula.runtime.spec_decode.metrics.SpecDecodingStats` every step and the
-collector reads a snapshot of it at scrape time, so the exported values equal the
-engine's, with no per-step export cost.
-
-Exported counters (``prometheus_client`` appends ``_total``, as in vLLM's
-``vllm:spec_decode_num_drafts_total``): ``specula:spec_decode_num_drafts`` (draft rounds,
-one per request per step that proposed tokens), ``..._num_draft_tokens`` (proposed),
-``..._num_accepted_tokens`` (accepted by the target) and
-``..._num_accepted_tokens_per_pos{position}`` (accepted, by position ``0 .. k_max - 1``).
-Ratios (acceptance rate ``accepted / draft_tokens``, mean acceptance length ``1 +
-accepted / drafts``) are left to the scraper: they cannot be aggregated across pods or
-time windows.
+Counters (``prometheus_client`` appends ``_total``): ``specula:spec_decode_num_drafts``,
+``..._num_draft_tokens``, ``..._num_accepted_tokens`` and
+``..._num_accepted_tokens_per_pos{position}``. Ratios are left to the scraper: they cannot
+be aggregated across pods or time windows.
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
-"""The ``ngram`` method: n-gram prompt lookup, no draft network.
-
-Saxena, "Prompt Lookup Decoding" (2023, github.com/apoorvumang/prompt-lookup-decoding);
-vLLM's ``ngram`` speculative method (``prompt_lookup_min`` / ``prompt_lookup_max``).
-The lookup runs on the device over the engine's token history, for every request at
-once.
-"""
+"""The ``ngram`` method: n-gram prompt lookup on the device over the engine's token
+history (Saxena, "Prompt Lookup Decoding", 2023, github.com/apoorvumang/
+prompt-lookup-decoding; vLLM's ``ngram`` method)."""
 
 from __future__ import annotations
 
@@ -24,13 +20,10 @@ def ngram_lookup(
     prompt_lookup_max: int,
     k: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draft tokens by prompt lookup, for a batch.
-
-    For ``n`` from ``prompt_lookup_max`` down to ``prompt_lookup_min`` (longest first),
-    find the most recent earlier occurrence of a sequence's last ``n`` tokens (one that
-    starts before the suffix itself; it may overlap it) and propose the up to ``k``
-    tokens that followed it, fewer when the sequence ends first. The first ``n`` with a
-    match wins.
+    """Draft tokens by prompt lookup, for a batch: for ``n`` from ``prompt_lookup_max``
+    down to ``prompt_lookup_min``, find the most recent earlier occurrence of a sequence's
+    last ``n`` tokens (starting before the suffix; it may overlap it) and propose the up
+    to ``k`` tokens that followed it. The first ``n`` with a match wins.
 
     Args:
         token_ids: [num_reqs, capacity] int64, each row's tokens then anything.
@@ -67,14 +60,10 @@ def ngram_lookup(
 
 class NgramSpeculator(BaseSpeculator):
     """Proposes, per request, the tokens that followed the last earlier occurrence of its
-    trailing n-gram (:func:`ngram_lookup`), from the engine's token history. Model-free.
-
-    A request with no match drafts 0 tokens that step; shorter drafts are padded and
-    their real lengths reported in :attr:`DraftOutput.num_draft_tokens`. Proposals are
-    deterministic, so the verifier treats them as one-hot draft distributions: it accepts
-    a draft token with probability ``p(x)`` and otherwise samples the recovered token from
-    ``norm(max(0, p - onehot(x)))``, which keeps the target's distribution (Leviathan et
-    al., arXiv 2211.17192).
+    trailing n-gram (:func:`ngram_lookup`); shorter drafts (0 without a match) are padded
+    and their lengths reported in :attr:`DraftOutput.num_draft_tokens`. The verifier
+    treats these deterministic proposals as one-hot distributions, which keeps the
+    target's distribution (Leviathan et al., arXiv 2211.17192).
 
     Raises (at construction):
         ValueError: ``prompt_lookup_min < 1`` or ``prompt_lookup_min > prompt_lookup_max``.

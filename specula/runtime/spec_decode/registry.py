@@ -1,8 +1,5 @@
-"""Maps ``speculator.method`` of the runtime config to a speculator factory.
-
-Each method registers one factory in :data:`SPECULATOR_FACTORIES`; the speculator
-classes are imported lazily so that loading one method never imports another's code.
-"""
+"""Maps ``speculator.method`` of the runtime config to a speculator factory
+(:data:`SPECULATOR_FACTORIES`, importing each class only when it is built)."""
 
 from __future__ import annotations
 
@@ -30,8 +27,7 @@ class SpeculatorContext:
     config: SpeculatorRuntimeConfig
     target_config: ModelConfig
     target_dir: Path
-    """The resolved target checkpoint, for a factory that reads files of the target's
-    (none of the built-in ones does: their drafts are checkpoints of their own)."""
+    """The resolved target checkpoint (for factories registered from outside)."""
     max_num_seqs: int
     dtype: torch.dtype
     device: torch.device
@@ -50,8 +46,7 @@ class SpeculatorContext:
 
 
 def draft_kwargs(ctx: SpeculatorContext) -> dict:
-    """Constructor arguments of a :class:`DraftModelSpeculator` subclass (also for one
-    registered in :data:`SPECULATOR_FACTORIES` from outside this module)."""
+    """Constructor arguments of a :class:`DraftModelSpeculator` subclass."""
     return {
         "draft_dir": ctx.draft_dir(),
         "target_config": ctx.target_config,

@@ -1,7 +1,5 @@
-"""DFlash block drafting (Chen, Liang, Liu, "DFlash: Block Diffusion for Flash Speculative
-Decoding", arXiv 2602.06036; vLLM's ``dflash`` method): one draft forward over the last
-verified token plus mask tokens, attending to the target's hidden states, proposes a
-whole block; checkpoints in the ``speculators`` ``dflash`` format."""
+"""DFlash block drafting (Chen, Liang, Liu, arXiv 2602.06036; vLLM's ``dflash`` method)
+from ``speculators`` ``dflash`` checkpoints."""
 
 from __future__ import annotations
 
@@ -20,19 +18,15 @@ from specula.runtime.worker.cudagraph import BatchExecutionDescriptor, CapturedA
 class DFlashSpeculator(DraftModelSpeculator):
     """Drafts ``k`` tokens per request with ONE forward of the DFlash draft.
 
-    Every step, the context keys and values of the target forward's rows are written to
-    the draft's cache at the target's slots (committed rows are then right; rows of
-    rejected drafts are overwritten before they are read). The block of a request whose
-    sampled token sits at position ``p`` is that token (the anchor) plus ``block_size -
-    1`` mask tokens at positions ``p .. p + block_size - 1``; each block row attends to the
-    context ``0 .. p - 1`` and to the whole block (non-causal, as trained), so block slot
-    ``j`` predicts the token at ``p + j`` (``p + j + 1`` with ``sample_from_anchor``).
-
-    The whole block always runs, whatever ``k``: a shorter block would change every
-    slot's prediction from what the draft was trained on. ``k`` is therefore bounded by
-    the block: ``max_num_speculative_tokens`` above what a block yields is refused at
-    load, not clamped. Draft probabilities cover the target vocabulary (0 outside a
-    reduced draft vocabulary), so rejection sampling stays exact.
+    Every step, the context KV of the target forward's rows is written to the draft's
+    cache at the target's slots (rows of rejected drafts are overwritten before they are
+    read). A request whose sampled token sits at position ``p`` runs the block of that
+    token (the anchor) plus ``block_size - 1`` mask tokens at ``p .. p + block_size - 1``,
+    attending to the context ``0 .. p - 1`` and the whole block, so slot ``j`` predicts
+    the token at ``p + j`` (``p + j + 1`` with ``sample_from_anchor``). The whole block
+    always runs (a shorter one would change every slot's prediction), so a
+    ``max_num_speculative_tokens`` above what it yields is refused at load. Draft
+    probabilities cover the target vocabulary, so rejection sampling stays exact.
 
     Raises (at construction):
         ValueError: not a ``speculators`` ``dflash`` checkpoint, or one that does not fit
@@ -44,7 +38,6 @@ class DFlashSpeculator(DraftModelSpeculator):
     config: DFlashConfig
     embed_weight: torch.Tensor | None = None
     lm_head_weight: torch.Tensor | None = None
-    """The target's token embedding and LM head (:meth:`bind_target`)."""
 
     def load_draft_model(self) -> DFlashDraftModel:
         config = self.config = DFlashConfig.from_pretrained(self.draft_dir)
@@ -58,8 +51,7 @@ class DFlashSpeculator(DraftModelSpeculator):
 
     def bind_target(self, target_runner) -> None:
         """Share the target's token embedding and LM head (``speculators`` DFlash
-        checkpoints store neither the embedding nor a full-vocabulary head); both are
-        used as plain matrices, as the draft was trained."""
+        checkpoints store neither), used as plain matrices as the draft was trained."""
         embed, self.lm_head_weight = target_runner.model.full_vocab_weights()
         self.embed_weight = embed.weight
 

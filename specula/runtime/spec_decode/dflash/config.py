@@ -1,19 +1,11 @@
-"""The ``speculators`` ``dflash`` checkpoint format: what ``config.json`` says and how it
-must fit the target.
+"""The ``speculators`` ``dflash`` checkpoint config and how it must fit the target.
 
-A ``speculators`` DFlash checkpoint (``speculators_model_type: "dflash"``) holds the
-draft body only (``layers.*``, ``fc``, ``hidden_norm``, ``norm``); the token embedding is
-always the target's, and so is the LM head unless the draft has a reduced vocabulary
-(``draft_vocab_size`` below the target's), in which case the checkpoint carries its own
-``lm_head`` and the ``d2t`` offsets (target id = draft id + ``d2t[draft id]``).
-
-Layer ids. ``aux_hidden_state_layer_ids`` are vLLM's aux-capture ids, which
-``speculators`` trains on, used unchanged (defined in
-:func:`~specula.runtime.models.config.check_aux_layer_ids`). vLLM's ``update_dflash``
-shifts them only for its DFlash model, whose z-lab ``dflash_config.target_layer_ids``
-name the decoder layer whose *output* is taken: ``target_layer_ids = [i - 1 for i in
-aux_hidden_state_layer_ids]`` (vLLM PR #40727); ``speculators``' converter from z-lab
-checkpoints applies the inverse ``t + 1``.
+The checkpoint holds the draft body only; the token embedding is the target's, and so is
+the LM head unless the draft has a reduced vocabulary (its own ``lm_head`` and ``d2t``).
+``aux_hidden_state_layer_ids`` are vLLM's aux-capture ids, which ``speculators`` trains
+on, used unchanged (:func:`~specula.runtime.models.config.check_aux_layer_ids`); vLLM
+shifts them only for z-lab checkpoints, whose ``target_layer_ids`` name the layer whose
+*output* is taken (``i - 1``, vLLM PR #40727).
 """
 
 from __future__ import annotations
@@ -32,20 +24,16 @@ class DFlashConfig:
     """A parsed ``speculators`` ``dflash`` ``config.json``."""
 
     layer_config: ModelConfig
-    """The draft decoder layers (``transformer_layer_config``; a ``Qwen3Config`` when it
-    names no ``model_type``, as ``speculators`` reads it). Its ``vocab_size`` is the
-    target vocabulary the draft was trained for."""
+    """The draft decoder layers (``transformer_layer_config``, Qwen3 when it names no
+    ``model_type``); ``vocab_size`` is the target vocabulary the draft was trained for."""
     block_size: int
     """Tokens in one drafted block: the anchor (the last verified token) plus
     ``block_size - 1`` mask tokens."""
     mask_token_id: int
     """Token id whose embedding fills the block after the anchor."""
     aux_hidden_state_layer_ids: tuple[int, ...]
-    """Target hidden states concatenated into the context features (HF
-    ``output_hidden_states`` indices, see the module docstring)."""
     draft_vocab_size: int
-    """Rows of the draft LM head; equal to ``layer_config.vocab_size`` when the draft
-    uses the target's head."""
+    """Rows of the draft LM head (``layer_config.vocab_size``: the target's head)."""
     target_hidden_size: int | None
     """The target hidden size the checkpoint declares, ``None`` when it declares none."""
     sample_from_anchor: bool
@@ -55,12 +43,10 @@ class DFlashConfig:
 
     @property
     def uses_draft_vocab(self) -> bool:
-        """True when the draft has its own, smaller vocabulary and LM head."""
         return self.draft_vocab_size != self.layer_config.vocab_size
 
     @property
     def first_draft_slot(self) -> int:
-        """Block slot that predicts the first draft token."""
         return 0 if self.sample_from_anchor else 1
 
     @property
@@ -114,7 +100,7 @@ class DFlashConfig:
 
     def check_target(self, target: ModelConfig, num_speculative_tokens: int) -> None:
         """Check that this draft fits ``target`` and can draft ``num_speculative_tokens``
-        (the speculator's maximum k) tokens per block.
+        (the maximum k) per block.
 
         Raises:
             ValueError: naming the field and both values: ``vocab_size``,

@@ -1,6 +1,4 @@
-"""The DFlash draft's forwards on the kernels, over its own paged KV cache with the
-target's block tables: the context keys and values of committed positions, and one block
-forward per request (Chen, Liang, Liu, arXiv 2602.06036)."""
+"""The DFlash draft's forwards on the kernels (Chen, Liang, Liu, arXiv 2602.06036)."""
 
 from __future__ import annotations
 
@@ -15,8 +13,8 @@ from specula.runtime.worker.paged_kv import PagedAttentionMetadata, PagedKVCache
 
 
 class DFlashRunner(DraftRunner):
-    """Runs a :class:`DFlashDraftModel` (Qwen3 decoder layers: per-head query/key norms)
-    with the sublayers of :class:`ModelRunner`.
+    """Runs a :class:`DFlashDraftModel` over its own paged KV cache on the target's block
+    tables.
 
     Raises:
         ValueError: a cache that does not match the draft's layers.
@@ -30,11 +28,9 @@ class DFlashRunner(DraftRunner):
     def store_context(
         self, aux_hidden_states: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor
     ) -> None:
-        """Write every layer's context keys and values of the target's rows
-        (``aux_hidden_states [num_tokens, num_aux * H]`` at ``positions``, to the cache
-        slots ``slot_mapping``, -1: skip): ``hidden_norm(fc(aux))``, then ``k_proj``,
-        ``k_norm`` and the rotary embedding for keys, ``v_proj`` for values (vLLM's
-        ``precompute_and_store_context_kv``)."""
+        """Write every layer's context KV of the target's rows (``aux_hidden_states
+        [num_tokens, num_aux * H]`` at ``positions``) to the cache slots ``slot_mapping``
+        (-1: skip), as vLLM's ``precompute_and_store_context_kv``."""
         features = self.model.context_features(aux_hidden_states.to(self.dtype))  # [n, H]
         n = features.shape[0]
         for i, layer in enumerate(self.model.layers):
@@ -55,10 +51,9 @@ class DFlashRunner(DraftRunner):
     def forward(  # type: ignore[override]
         self, inputs_embeds: torch.Tensor, positions: torch.Tensor, metadata: PagedAttentionMetadata
     ) -> torch.Tensor:
-        """The draft layers over block rows, ``inputs_embeds [num_tokens, H]`` (the
-        target's embeddings of the block tokens) -> [num_tokens, H] final normed states;
-        ``metadata`` makes each row its own one-query request seeing the whole context and
-        block (non-causal within the block)."""
+        """The draft layers over block rows, ``inputs_embeds [num_tokens, H]`` ->
+        [num_tokens, H] final normed states; ``metadata`` makes each row a one-query
+        request seeing the whole context and block."""
         ln = self.model.layers[0].input_layernorm
         hidden = rms_norm(inputs_embeds, ln.weight, ln.eps)
         return self.decoder(

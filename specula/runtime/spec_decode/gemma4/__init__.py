@@ -1,7 +1,6 @@
 """Gemma4 multi-token prediction (the ``gemma4_mtp`` method): a ``gemma4_assistant``
-checkpoint drafts for a Gemma4 target by reading the target's KV cache.
-
-With verified tokens ``t_0 .. t_{n-1}`` (``t_{n-1}`` just sampled, its KV not yet in the
+checkpoint drafts for a Gemma4 target by reading the target's KV cache. With verified
+tokens ``t_0 .. t_{n-1}`` (``t_{n-1}`` just sampled, its KV not yet in the
 target's cache), every draft step runs one row per request at the constant rotary
 position ``n - 1``, attending to the target's cached positions ``0 .. n - 2``. Step 1
 reads ``t_{n-1}`` with the target's final hidden state at ``n - 2``; step ``s`` reads
@@ -26,9 +25,7 @@ from specula.runtime.spec_decode.gemma4.runner import Gemma4AssistantRunner
 
 
 class Gemma4MTPSpeculator(AutoRegressiveSpeculator):
-    """Gemma4 MTP over the generic loop: Q-only draft layers on the target's KV,
-    constant draft positions, the target's token embedding, ``(draft_hidden,
-    backbone_hidden)`` output.
+    """Gemma4 MTP over the generic loop.
 
     Raises (at construction):
         ValueError: not a ``gemma4_assistant`` checkpoint, or one that does not fit the
@@ -41,10 +38,9 @@ class Gemma4MTPSpeculator(AutoRegressiveSpeculator):
     model: Gemma4AssistantForCausalLM
 
     def load_draft_model(self) -> Gemma4AssistantForCausalLM:
-        return load_gemma4_assistant(self.draft_dir, self.dtype, self.device, self.load_format)
-
-    def check_draft_model(self, model: Gemma4AssistantForCausalLM) -> None:
+        model = load_gemma4_assistant(self.draft_dir, self.dtype, self.device, self.load_format)
         check_gemma4_target(model.config, self.target_config)
+        return model
 
     def kv_cache_spec(self, block_size: int) -> None:
         return None

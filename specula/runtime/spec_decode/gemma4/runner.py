@@ -1,6 +1,5 @@
-"""The Gemma4 MTP draft (``gemma4_assistant``) on the kernels, reading the target's paged
-KV cache: each query-only layer of the assistant attends, through the target's block
-tables, to the cache entry of the target's last non-shared layer of its type."""
+"""The Gemma4 MTP draft (``gemma4_assistant``) on the kernels, over the target's paged
+KV cache."""
 
 from __future__ import annotations
 
@@ -14,11 +13,9 @@ from specula.runtime.worker.paged_kv import PagedAttentionMetadata
 
 
 class Gemma4AssistantRunner(Gemma4PagedLayers):
-    """Runs a :class:`Gemma4AssistantForCausalLM` (on the target's device, in its dtype)
-    on the kernels over the cache of the :class:`Gemma4Runner` ``target``, whose token
-    embedding, block-table width and rotary length it uses; the speculator checked
-    that the assistant fits the target
-    (:func:`~specula.runtime.models.gemma4_assistant.check_gemma4_target`).
+    """Runs a :class:`Gemma4AssistantForCausalLM` (on the target's device, in its dtype,
+    fitting it: :func:`~specula.runtime.models.gemma4_assistant.check_gemma4_target`) over
+    the cache, token embedding and rotary length of the :class:`Gemma4Runner` ``target``.
 
     Raises:
         ValueError: an assistant in another dtype.
@@ -49,11 +46,10 @@ class Gemma4AssistantRunner(Gemma4PagedLayers):
         metadata: PagedAttentionMetadata,
         backbone: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One draft step, :meth:`Gemma4AssistantForCausalLM.forward` on the kernels, of
-        ``input_ids`` and ``positions`` ([num_reqs] int64) with ``backbone [num_reqs,
-        backbone_hidden_size]`` (the target's final hidden state at the first step, then
-        the previous step's ``post_projection`` output); ``metadata`` has one query row per
-        request, the positions as ``seq_lens`` and a slot mapping that writes nothing.
+        """One draft step of ``input_ids`` and ``positions`` ([num_reqs] int64) with
+        ``backbone [num_reqs, backbone_hidden_size]`` (the target's final hidden state,
+        then the previous step's ``post_projection`` output); ``metadata``: one query row
+        per request, the positions as ``seq_lens``, a slot mapping that writes nothing.
 
         Returns:
             ``(hidden [num_reqs, hidden_size] after the final norm, next backbone
