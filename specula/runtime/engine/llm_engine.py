@@ -4,14 +4,12 @@ decoding, by the same code on a GPU (Triton kernels, CUDA graphs) or a CPU (torc
 One :meth:`LLMEngine.step` (Leviathan et al., arXiv 2211.17192; the step order of vLLM
 Model Runner V2):
 
-1. the :class:`~specula.runtime.engine.scheduler.PagedScheduler` picks the running
-   requests and admits new ones by KV capacity (preempting by recompute when the running
-   ones cannot grow), giving each the KV slots the whole step may write;
+1. the :class:`~specula.runtime.engine.scheduler.PagedScheduler` picks the step's
+   requests and gives each the KV slots the whole step may write;
 2. the inputs are built on the device from the persistent
    :class:`~specula.runtime.engine.input_batch.InputBatch`; ONE target forward runs every
    running request's ``[last token, d_1 .. d_k]`` (or one token without drafts) and every
-   admitted request's prompt; a batch without prefills replays the CUDA graph of its
-   :class:`~specula.runtime.worker.cudagraph.BatchExecutionDescriptor`;
+   admitted request's prompt; a batch without prefills replays a captured CUDA graph;
 3. sampling on the device: the rejection sampler keeps an accepted prefix of the drafts
    plus one recovered or bonus token (greedy requests: exact argmax matching), prefills
    sample their first token; the persistent state is updated in place;
@@ -146,26 +144,15 @@ class LLMEngine(SpeculativeSettings):
     """
 
     def __init__(
-        self,
-        target_dir: Path,
-        tokenizer: Any,
-        *,
-        served_model_name: str,
-        speculator_config: SpeculatorRuntimeConfig | None = None,
-        dtype: str = "auto",
-        max_model_len: int | None = None,
-        max_num_seqs: int = 32,
-        device: str | torch.device = "cpu",
-        block_size: int = 16,
-        num_gpu_blocks: int | None = None,
-        gpu_memory_utilization: float = 0.9,
-        max_num_batched_tokens: int | None = None,
-        enforce_eager: bool = False,
-        tensor_parallel_size: int = 1,
-        load_format: str = "auto",
+        self, target_dir: Path, tokenizer: Any, *, served_model_name: str,
+        speculator_config: SpeculatorRuntimeConfig | None = None, dtype: str = "auto",
+        max_model_len: int | None = None, max_num_seqs: int = 32,
+        device: str | torch.device = "cpu", block_size: int = 16,
+        num_gpu_blocks: int | None = None, gpu_memory_utilization: float = 0.9,
+        max_num_batched_tokens: int | None = None, enforce_eager: bool = False,
+        tensor_parallel_size: int = 1, load_format: str = "auto",
         synthetic_acceptance_rate: float | None = None,
-        cudagraph_capture_sizes: list[int] | None = None,
-        enable_prefix_caching: bool = True,
+        cudagraph_capture_sizes: list[int] | None = None, enable_prefix_caching: bool = True,
         async_scheduling: bool | None = None,
     ) -> None:
         if load_format not in LOAD_FORMATS:
@@ -278,10 +265,8 @@ class LLMEngine(SpeculativeSettings):
             states = self.graphs.capture()
             if spec is not None:
                 spec.capture(states)
-        self.cu_num_draft_tokens = {
-            j: torch.arange(1, max_num_seqs + 1, dtype=torch.int32, device=self.device) * j
-            for j in range(max_k + 1)
-        }
+        counts = torch.arange(1, max_num_seqs + 1, dtype=torch.int32, device=self.device)
+        self.cu_num_draft_tokens = {j: counts * j for j in range(max_k + 1)}
         """``k`` -> [max_num_seqs] int32 inclusive cumulative counts of ``k`` drafts each."""
         self._draft_k = 0
         """The k of the drafts the running requests hold (0: they decode one token)."""
@@ -289,12 +274,10 @@ class LLMEngine(SpeculativeSettings):
             self.device.type == "cuda" if async_scheduling is None else async_scheduling
         )
         self._in_flight: _Launched | None = None
-        """The step launched by the last :meth:`step` whose tokens the host has not read
-        yet (asynchronous scheduling only)."""
+        """The last launched step, its tokens not read yet (asynchronous scheduling only)."""
         self._batch_cache: tuple[Any, ...] = (None, None, None)
         self._zeros = torch.zeros(max_num_seqs, dtype=torch.int64, device=self.device)
-        """[max_num_seqs] int64 zeros (accepted and verified counts of rows without
-        drafts); never written."""
+        """[max_num_seqs] int64 zeros, never written (counts of rows without drafts)."""
 
     @classmethod
     def from_config(cls, config: RuntimeConfig, device: str | torch.device = "cpu") -> LLMEngine:
@@ -649,9 +632,8 @@ class LLMEngine(SpeculativeSettings):
                 prompt_logprobs=[None, *logprobs[i, True]] if (i, True) in logprobs else None,
             ))
         if not self.async_scheduling:
-            # The drafts (of ``step``, the last launched) were proposed before the host
-            # knew which requests finish; the next step verifies no more of them than its
-            # own batch size asks for.
+            # ``step``'s drafts were proposed before the host knew which requests finish;
+            # the next step verifies no more of them than its own batch size asks for.
             survivors = sum(not r.finished for r in step.batch)
             k = self.num_speculative_tokens_for(survivors) if survivors else 0
             self._draft_k = min(self._draft_k, k)

@@ -78,13 +78,10 @@ class Request:
     def append_tokens(
         self, new_token_ids: list[int], tokenizer: Any, max_model_len: int
     ) -> list[int]:
-        """Append tokens in order until a stop condition holds; tokens after it are
-        dropped. Returns the tokens actually appended.
-
-        Stop conditions, checked after each token: eos (unless ``ignore_eos``), a stop
-        token id, a stop string in the detokenized completion, ``max_tokens``,
-        ``max_model_len``.
-        """
+        """Append tokens in order until a stop condition holds (checked after each token:
+        eos unless ``ignore_eos``, a stop token id, a stop string in the detokenized
+        completion, ``max_tokens``, ``max_model_len``); returns the tokens appended, those
+        after the stop dropped."""
         appended = []
         params = self.params
         stop_ids = set(params.stop_token_ids or ())

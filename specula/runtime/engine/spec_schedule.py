@@ -120,10 +120,6 @@ class BatchSizeSchedule:
         i = bisect.bisect_left([end for _, end, _ in self.ranges], batch_size)
         return self.ranges[min(i, len(self.ranges) - 1)][2]
 
-    def as_lists(self) -> list[list[int]]:
-        """The JSON shape, ``[[start, end, k], ...]``."""
-        return [list(r) for r in self.ranges]
-
 
 class SpeculativeSettings:
     """The engine's speculation settings and their admin operations (a base of
@@ -149,14 +145,15 @@ class SpeculativeSettings:
         return {
             "method": spec.method if spec else None,
             "num_speculative_tokens": self.num_speculative_tokens,
-            "num_speculative_tokens_per_batch_size": schedule.as_lists() if schedule else None,
+            "num_speculative_tokens_per_batch_size": (
+                [list(r) for r in schedule.ranges] if schedule else None
+            ),
             "max_num_speculative_tokens": self.max_num_speculative_tokens,
             "model": spec.model if spec else None,
         }
 
     def set_speculative_config(
-        self,
-        num_speculative_tokens: int | None = None,
+        self, num_speculative_tokens: int | None = None,
         num_speculative_tokens_per_batch_size: list[tuple[int, int, int]] | None = None,
     ) -> None:
         """Set one k, or a per-batch-size schedule ``[[start, end, k], ...]`` (rules in
