@@ -85,16 +85,10 @@ def load_checkpoint(
     rename: Callable[[str], str | None] | None = None,
     optional: Collection[str] = (),
 ) -> tuple[nn.Module, set[str]]:
-    """Build ``factory()`` (:func:`~specula.runtime.models.layers.build_empty`) and load
-    it: :func:`load_safetensors`, or for ``load_format: dummy`` random weights
-    (:func:`~specula.runtime.models.layers.init_dummy_weights`, ``optional`` left alone).
-
-    Returns:
-        ``(model in eval mode, the names of optional it was not given)``.
-
-    Raises:
-        as :func:`load_safetensors`.
-    """
+    """``(model, the names of optional it was not given)``: ``factory()`` built by
+    :func:`~specula.runtime.models.layers.build_empty`, in eval mode, loaded by
+    :func:`load_safetensors` (whose errors it raises) or, for ``load_format: dummy``,
+    :func:`~specula.runtime.models.layers.init_dummy_weights` (``optional`` left alone)."""
     model = build_empty(factory, dtype, device).eval()
     if load_format == "dummy":
         init_dummy_weights(model, skip=tuple(optional))

@@ -56,10 +56,9 @@ def read_speculators_config(checkpoint_dir: Path, expected_type: str) -> dict[st
 def layer_model_config(
     config: dict[str, Any], target: ModelConfig | None = None, default_type: str | None = None
 ) -> ModelConfig:
-    """The :class:`ModelConfig` of ``transformer_layer_config`` (``model_type``:
-    ``default_type`` when it names none) through ``transformers.AutoConfig.for_model``, so
-    that architecture defaults apply as ``speculators`` reads them; with a ``target``,
-    layers of :data:`DECODER_LAYERS` over ``target``'s vocabulary.
+    """``transformer_layer_config`` (``model_type`` default: ``default_type``) through
+    ``transformers.AutoConfig.for_model``, as ``speculators`` reads it; with a ``target``,
+    layers of :data:`DECODER_LAYERS` over its vocabulary.
 
     Raises:
         ValueError: a setting our layers do not implement (sliding-window layers, an
@@ -148,8 +147,7 @@ def draft_vocab_ids(
     checkpoint_dir: Path, draft_vocab_size: int, vocab_size: int, load_format: str
 ) -> torch.Tensor:
     """The target id ``i + d2t[i]`` of each draft id ``i``, ``[draft_vocab_size]`` int64 on
-    the CPU (every id for a full vocabulary; distinct random ids for ``load_format:
-    dummy``).
+    the CPU (random distinct ids for ``load_format: dummy``).
 
     Raises:
         ValueError: a reduced vocabulary without a ``d2t`` of shape ``[draft_vocab_size]``,

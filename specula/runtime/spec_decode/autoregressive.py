@@ -34,7 +34,6 @@ from specula.runtime.kernels.gemv import argmax
 from specula.runtime.spec_decode.base import DraftOutput, ProposeInputs
 from specula.runtime.spec_decode.draft_model_base import DraftModelSpeculator
 from specula.runtime.worker.cudagraph import BatchExecutionDescriptor, CapturedAttentionState
-from specula.runtime.worker.paged_kv import PagedAttentionMetadata
 
 
 class AutoRegressiveSpeculator(DraftModelSpeculator):
@@ -173,14 +172,6 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
         if probs is not None:  # sampled drafts: draft_probs is allocated
             self.draft_probs[:r, col] = probs
 
-    def _step_metadata(self, positions: torch.Tensor, valid: torch.Tensor) -> PagedAttentionMetadata:
-        """Metadata of one decode step: ``positions [r, q]`` (q consecutive query rows per
-        request), ``valid [r]`` (False: a padding row)."""
-        # Drafts on the target's KV attend to its positions before the row, writing none.
-        slots, seq_lens = self.slots(positions, valid, writes_kv=not self.reads_target_kv)
-        r, q = positions.shape
-        return self.decode_metadata(slots, self.block_table[:r], seq_lens, q)
-
     def _decode(self, r: int, num_steps: int) -> None:
         """Stage 2: ``num_steps`` one-token steps for rows ``0..r-1``."""
         offset = 1 if self.conditions_on_hidden_states else 0
@@ -196,8 +187,10 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
                 positions = torch.stack([(pos - 1).clamp(min=0), pos], dim=1)
             else:
                 ids, positions = tokens[:, None], pos[:, None]
-            metadata = self._step_metadata(positions, valid)
-            q = positions.shape[1]
+            q = positions.shape[1]  # consecutive query rows per request
+            # Drafts on the target's KV attend to its positions before the row, writing none.
+            slots, seq_lens = self.slots(positions, valid, writes_kv=not self.reads_target_kv)
+            metadata = self.decode_metadata(slots, self.block_table[:r], seq_lens, q)
             h_logits, h_next = self._forward(
                 ids.reshape(-1), positions.reshape(-1), metadata, hidden
             )

@@ -58,14 +58,9 @@ class DraftModelSpeculator(BaseSpeculator):
     positions, metadata[, hidden_states])``), and buffers sized by ``max_num_seqs``.
 
     Args:
-        draft_dir: the draft checkpoint.
-        target_config: the target's config.
         num_speculative_tokens: the largest k.
-        max_num_seqs: most requests per step.
-        dtype, device: of the draft.
         draft_sample_method: one of :data:`DRAFT_SAMPLE_METHODS`.
-        load_format: ``auto`` (the checkpoint's weights) or ``dummy`` (random weights
-            from its config, for benchmarks).
+        load_format: ``auto`` (the checkpoint's weights) or ``dummy`` (random weights).
 
     Raises (at construction):
         ValueError: the draft does not fit the target (:meth:`load_draft_model`), or an
@@ -98,8 +93,8 @@ class DraftModelSpeculator(BaseSpeculator):
         self.load_format = load_format
         self.model = self.load_draft_model()
         self.runner: Any = None
-        """The draft's paged runner (set by :meth:`allocate_kv_cache` or, for drafts on the
-        target's cache, :meth:`bind_target`)."""
+        """Set by :meth:`allocate_kv_cache` or, for drafts on the target's cache,
+        :meth:`bind_target`."""
 
     @abstractmethod
     def load_draft_model(self) -> nn.Module:
@@ -148,7 +143,6 @@ class DraftModelSpeculator(BaseSpeculator):
         """Draft decode (DFlash: block) graphs, per padded request count (and steps)."""
         self.num_prefill_replays = 0
         self.num_decode_replays = 0
-        """Replays of the prefill and decode graphs (counters)."""
 
     @torch.no_grad()
     def capture(

@@ -30,7 +30,8 @@ class Eagle3Runner(DraftRunner):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft forward of ``input_ids`` ([num_tokens] int64, the token after each
         conditioning position) at ``positions`` with ``hidden_states [num_tokens, H]``
-        (fused target states or the draft's previous output), writing its KV.
+        (fused target states or the draft's previous output), writing its KV
+        (AssertionError: other shapes).
 
         Returns:
             ``(normed [num_tokens, H] for the logits, [num_tokens, H] the next step's
