@@ -1,15 +1,12 @@
 """``specula download``: fetch the ``hf://`` checkpoints of a runtime config into the
 local Hugging Face cache (``HF_HOME``), from which ``specula serve`` loads them offline.
 
-The operator runs it as the init container of ``engine: specula`` pods; the cache is
-an ``emptyDir`` or a PersistentVolumeClaim (``spec.modelCache``), so a restart or a
-second replica on a shared claim finds the files already there.  ``huggingface_hub``
-reads the Hub's address from ``HF_ENDPOINT`` and the token from ``HF_TOKEN`` (from
-``spec.hfTokenSecret``).
-
-A failure prints one line that says why (missing repository or revision, refused
-token, gated repository, full disk, unreachable Hub) to stderr and to the container's
-termination-message file, and exits 1.  No torch import.
+The init container of ``engine: specula`` pods; the cache is an ``emptyDir`` or a
+PersistentVolumeClaim (``spec.modelCache``), so a restart or a second replica on a
+shared claim finds the files already there.  ``huggingface_hub`` reads ``HF_ENDPOINT``
+and ``HF_TOKEN`` (from ``spec.hfTokenSecret``).  A failure prints one line that says
+why (missing repository or revision, refused token, gated repository, full disk,
+unreachable Hub) to stderr and to the termination-message file, and exits 1.  No torch.
 """
 
 from __future__ import annotations
@@ -58,8 +55,7 @@ def hf_checkpoints(config_path: Path) -> list[tuple[str, str | None]]:
 
 
 def download(repo_id: str, revision: str | None) -> Path:
-    """``snapshot_download`` of one model repository into the cache; returns the
-    snapshot directory.
+    """``snapshot_download`` of one model repository into the cache; the snapshot's path.
 
     Raises:
         DownloadError: with the reason (see module docstring).

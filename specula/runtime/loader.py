@@ -10,14 +10,13 @@ from specula.api.runtime_config import PVC_MOUNT_ROOT
 
 
 def resolve_model_uri(uri: str, revision: str | None = None) -> Path:
-    """Return the local checkpoint directory that ``uri`` names.
+    """The local checkpoint directory that ``uri`` names.
 
     - ``file:///abs/path`` (or ``file://rel/path``) -> that path;
-    - ``pvc://claim/sub/path`` -> ``{PVC_MOUNT_ROOT}/claim/sub/path`` (where the operator
-      mounts the claim);
-    - ``hf://org/name`` -> the snapshot of that Hub repository in the local Hugging Face
-      cache (``revision`` selects a branch, tag or commit). Nothing is downloaded: pods
-      get their weights from a pre-populated cache or volume.
+    - ``pvc://claim/sub/path`` -> ``{PVC_MOUNT_ROOT}/claim/sub/path``, where the operator
+      mounts the claim;
+    - ``hf://org/name`` -> that Hub repository's snapshot (``revision``: a branch, tag or
+      commit) in the local Hugging Face cache; nothing is downloaded here.
 
     Raises:
         ValueError: the URI has no supported scheme or an empty path.

@@ -69,8 +69,7 @@ class _ServerState:
         self._tokenizer: Any = None
         self._registry: CollectorRegistry | None = None
         self.exposition = CollectorRegistry(auto_describe=False)
-        """What ``/metrics`` exports (on the API port and the metrics port): the
-        engine's metrics once it is loaded, nothing before."""
+        """What ``/metrics`` exports (API and metrics port): nothing until the engine loaded."""
         self.exposition.register(self)  # type: ignore[arg-type] - a collector by `collect`
 
     def ready_engine(self) -> Any:
@@ -117,8 +116,8 @@ class _ServerState:
 
 
 async def parse_body(raw: Request, model: type[BodyT], limits: Limits = DEFAULT_LIMITS) -> BodyT:
-    """Parse a JSON body whatever its content type (``curl -d`` sends
-    ``application/x-www-form-urlencoded``) and validate it.
+    """Parse a JSON body whatever its content type (``curl -d`` sends a form's) and
+    validate it.
 
     Raises:
         APIError: 400 for malformed JSON (lone surrogates included) or a schema
@@ -190,7 +189,7 @@ def create_app(
     loop: EngineLoop, *, manage_loop: bool = True, api_key: str | None = None,
     limits: Limits = DEFAULT_LIMITS,
 ) -> FastAPI:
-    """Build the model app around ``loop``.
+    """The model app around ``loop``.
 
     Args:
         loop: the engine loop; not yet started when ``manage_loop``.
@@ -251,8 +250,7 @@ def create_app(
 
 def create_admin_app(app: FastAPI, token: Callable[[], str | None]) -> FastAPI:
     """The admin API of the model ``app`` (same engine loop), every route behind
-    :func:`require_bearer` with ``token`` (``None`` from it: no check, local runs only).
-    """
+    :func:`require_bearer` with ``token`` (``None`` from it: no check, local runs only)."""
     admin = FastAPI(title="Specula runtime admin",
                     dependencies=[require_bearer(token, "admin token")])
     install_error_handlers(admin)

@@ -37,8 +37,7 @@ class ConfigError(ValueError):
 
 def build_runtime_config(args: argparse.Namespace) -> RuntimeConfig:
     """Merge ``--config FILE`` with the flags (flags win) into a ``RuntimeConfig``;
-    ``--chat-template FILE`` puts the file's text in ``chat_template``.
-
+    ``--chat-template FILE`` puts the file's text in ``chat_template``, and
     ``--speculator-model`` without a method (in flags or file) means ``draft_model``.
 
     Raises:
@@ -63,7 +62,6 @@ def build_runtime_config(args: argparse.Namespace) -> RuntimeConfig:
             flags["chat_template"] = Path(flags["chat_template"]).read_text()
         except (OSError, UnicodeError) as exc:
             raise ConfigError(f"cannot read --chat-template {args.chat_template}: {exc}") from exc
-    # Flags named as the config's fields map one to one.
     data.update({key: flags[key] for key in RuntimeConfig.model_fields.keys() & flags.keys()})
 
     spec_flags = ("speculator_method", "speculator_model", "num_speculative_tokens",
@@ -128,12 +126,8 @@ def admin_token_source(
 
 
 def serve(args: argparse.Namespace) -> int:
-    """Run the server until interrupted.
-
-    Returns:
-        0 after a clean shutdown, 1 if the engine failed to load or died,
-        2 for an invalid config.
-    """
+    """Run the server until interrupted; return 0 after a clean shutdown, 1 if the
+    engine failed to load or died, 2 for an invalid config."""
     try:
         config = build_runtime_config(args)
         admin_token = (admin_token_source(config, args, os.environ)
@@ -156,8 +150,7 @@ def serve(args: argparse.Namespace) -> int:
     server: uvicorn.Server | None = None
 
     def on_fatal(exc: BaseException) -> None:
-        # Exit rather than linger unhealthy: a restart (by the user, or the pod's
-        # liveness probe) is the only way back from a failed load or step.
+        # Exit rather than linger unhealthy: only a restart recovers a failed load or step.
         if server is not None:
             server.should_exit = True
 
@@ -165,8 +158,7 @@ def serve(args: argparse.Namespace) -> int:
     app = create_app(loop, api_key=getattr(args, "api_key", None) or os.environ.get(API_KEY_ENV),
                      limits=Limits.of(config))
     if config.metrics_port is not None and config.metrics_port != config.port:
-        # prometheus-client's WSGI server, on a daemon thread; empty until the engine
-        # has loaded, as on the API port.
+        # prometheus-client's WSGI server on a daemon thread; empty until the engine loaded.
         start_http_server(config.metrics_port, addr=config.host,
                           registry=app.state.specula.exposition)
         logger.info("serving /metrics on %s:%d", config.host, config.metrics_port)
@@ -194,8 +186,7 @@ def serve(args: argparse.Namespace) -> int:
     server.run()
     if loop.state is EngineState.DEAD:
         logger.error("engine failed: %r", loop.error)
-        # The runtime's own reason (a checkpoint it refuses names the field and both
-        # values) reaches the pod's status, and from there the resource's Degraded.
+        # The runtime's own reason reaches the pod's status (and the resource's Degraded).
         message = f"engine failed: {type(loop.error).__name__}: {loop.error}"
         download.write_termination_message(message)
         return 1

@@ -3,16 +3,14 @@ submission, streamed and whole answers in either route's shape.
 
 Each choice of an HTTP request (``index`` = ``prompt_index * n + j``, as vLLM numbers
 them) is one engine request; all feed one asyncio queue, so streamed chunks interleave
-in the engine's order.  A whole answer is built like the one chunk a finished choice
-would stream.  A chat prompt is the chat template's text, tokenized without adding
-special tokens (the template writes them), as vLLM does.
+in the engine's order.  A chat prompt is the chat template's text, tokenized without
+adding special tokens (the template writes them), as vLLM does.
 
 Log-probabilities are the engine's; ``-inf`` (excluded by top-k or top-p) is answered
-as -9999.0, as vLLM does, since JSON has no infinity.  A token's string is
-``tokenizer.decode([token_id])``.  Completions answer OpenAI's legacy shape (``tokens``,
-``token_logprobs``, ``top_logprobs``, ``text_offset``: each token's character offset
-in the choice's text); chat answers ``content`` entries with each token's UTF-8
-``bytes``.
+as -9999.0, as vLLM does, since JSON has no infinity.  Completions answer OpenAI's
+legacy shape (``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``: each
+token's character offset in the choice's text); chat answers ``content`` entries with
+each token's UTF-8 ``bytes``; a token's string is ``tokenizer.decode([token_id])``.
 """
 
 from __future__ import annotations
@@ -188,8 +186,7 @@ class CompletionRun:
         """Add every choice's request to the engine; on failure abort those added.
 
         Raises:
-            APIError: 400 when the engine refuses a prompt, 503 when it is not running.
-        """
+            APIError: 400 when the engine refuses a prompt, 503 when it is not running."""
         try:
             for i, choice in enumerate(self.choices):
                 await self._loop.add_request(
@@ -315,11 +312,9 @@ class CompletionRun:
     async def stream(self) -> AsyncIterator[str]:
         """Server-sent events, once :meth:`submit` returned: one ``data: {chunk}`` per
         text delta, new log-probabilities or finish, then optionally a usage chunk, then
-        ``data: [DONE]``. Chat chunks (``chat.completion.chunk``) open each choice with
-        ``delta.role``; completions with ``echo`` open it with the prompt.
-
-        A client that disconnects cancels this generator; ``finally`` aborts its engine
-        requests so they stop using batch slots.
+        ``data: [DONE]``. Chat chunks open each choice with ``delta.role``; completions
+        with ``echo`` open it with the prompt.  ``finally`` aborts the engine requests
+        left when a client that disconnects cancels this generator.
         """
         options = self.request.stream_options
         with_usage = bool(options and options.include_usage)

@@ -146,9 +146,8 @@ class EngineLoop:
         await self._submit(_Command(add, is_add=True))
 
     async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
-        """Run ``fn(engine)`` on the loop thread between two steps; return its result.
-        Settings change this way (``set_speculative_config``) without racing a step: the
-        step after ``fn`` returns is the first to see the change.
+        """Run ``fn(engine)`` on the loop thread between two steps (settings change this
+        way without racing a step); return its result.
 
         Raises:
             Exception: whatever ``fn`` raises.
@@ -159,8 +158,7 @@ class EngineLoop:
             try:
                 return fn(engine)
             finally:
-                # Refreshed before answering: the caller reads ``speculative_config``
-                # as soon as its future resolves.
+                # Before answering: the caller reads it as soon as its future resolves.
                 self.speculative_config = dict(engine.get_speculative_config())
                 self._publish_snapshot()
 
@@ -194,8 +192,6 @@ class EngineLoop:
             raise EngineDeadError("the model is still loading")
         if self.state is not EngineState.READY:
             raise EngineDeadError(f"the engine is not running ({self.state.value}): {self.error!r}")
-
-    # ---- loop thread -------------------------------------------------------------
 
     def _run(self) -> None:
         failed = "loading the engine failed"

@@ -60,8 +60,7 @@ NonEmptyTokenIds = Annotated[list[TokenId], Field(min_length=1)]
 
 
 MAX_COMPLETION_LOGPROBS = 5
-"""The most top log-probabilities ``/v1/completions`` returns per token (OpenAI's bound);
-chat's ``top_logprobs`` goes to ``SamplingParams``' ``MAX_LOGPROBS`` (20)."""
+"""The most top log-probabilities ``/v1/completions`` returns per token (OpenAI's bound)."""
 
 
 class GenerationRequest(_Body):
