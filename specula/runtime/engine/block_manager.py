@@ -45,8 +45,7 @@ class BlockManager:
     Args:
         num_blocks: blocks in the pool (> 0).
         block_size: token slots per block (> 0).
-        watermark: fraction of ``num_blocks`` kept free at admission, in ``[0, 1)``;
-            vLLM's default is 0.01.
+        watermark: fraction of ``num_blocks`` kept free at admission, in ``[0, 1)``.
         enable_prefix_caching: name and reuse full blocks (module docstring).
 
     Raises:
@@ -100,8 +99,7 @@ class BlockManager:
         return list(self._tables[request_id])
 
     def num_tokens(self, request_id: Hashable) -> int:
-        """Token slots the request holds (its context length once the current step's
-        tokens are written)."""
+        """Token slots the request holds (its context length once the step's tokens are in)."""
         return self._num_tokens[request_id]
 
     def can_allocate(self, num_tokens: int, cached: Sequence[int] = ()) -> bool:

@@ -94,8 +94,7 @@ def start_ranks(
 ) -> LLMEngine:
     """Spawn ranks 1..N-1, each running ``build(its device).follow()``, join the group
     as rank 0 and return ``build(cuda:0 or cpu)``. ``build`` must be picklable (a
-    module-level function or a ``functools.partial`` of one) and build the same engine
-    on every rank.
+    module-level function or a ``functools.partial`` of one), the same on every rank.
 
     Raises:
         ValueError: fewer CUDA devices than ranks (names both numbers).

@@ -109,14 +109,11 @@ class LLMEngine(SpeculativeSettings):
             of the free memory after loading, less 1 GiB for activations and graphs; on
             a CPU, enough for ``max_num_seqs`` requests of ``max_model_len`` tokens.
         gpu_memory_utilization: fraction of the free memory the KV cache may take.
-        max_num_batched_tokens: prompt tokens prefilled per step; default
-            ``max(max_model_len, 2048)``.
+        max_num_batched_tokens: prefill tokens per step; default ``max(max_model_len, 2048)``.
         enforce_eager: no CUDA graphs (vLLM's flag of the same name).
         tensor_parallel_size: ranks the target is sharded over
-            (:mod:`~specula.runtime.worker.parallel`), joined first (:func:`create_engine`
-            starts them). Every rank runs this engine on the same inputs: rank 0 sends its
-            calls at each :meth:`step`, the others replay them in :meth:`follow`. A draft
-            runs unsharded on every rank.
+            (:mod:`~specula.runtime.worker.parallel`; :func:`create_engine` starts them),
+            each running this engine: the others replay rank 0's calls (:meth:`follow`).
         load_format: ``auto`` (checkpoint weights) or ``dummy`` (random weights from the
             configs, for benchmarks).
         synthetic_acceptance_rate: benchmarks only: accept each draft token with this
@@ -383,8 +380,8 @@ class LLMEngine(SpeculativeSettings):
             outputs += self._finish(finished)
         in_flight = self._in_flight
         if in_flight is not None and all(r.finished or r.row < 0 for r in in_flight.batch):
-            # Every request of the step in flight has finished since it was launched:
-            # drain it now (it emits nothing) so that nothing is left pending.
+            # Every request of the step in flight has finished: drain it (emitting nothing)
+            # so that nothing is left pending.
             self._finish(in_flight)
             self._in_flight = None
         for request in [r for r in self.scheduler.running if r.finished]:
@@ -609,7 +606,19 @@ class LLMEngine(SpeculativeSettings):
         if step.ready is not None:
             step.ready.synchronize()
         rows = step.host.tolist()
-        logprobs = self._read_logprobs(step)
+        # Log-probabilities by batch position and whether they are of the prompt.
+        logprobs: dict[tuple[int, bool], list[TokenLogprobs]] = {}
+        values = [] if step.logprobs is None else step.logprobs.tolist()
+        num_top = (len(values[0]) - 1) // 2 if values else 0
+        start = 0
+        for i, is_prompt, count in step.logprob_rows:
+            params = step.batch[i].params
+            top = params.prompt_logprobs if is_prompt else params.logprobs
+            logprobs[i, is_prompt] = [
+                TokenLogprobs(row[0], [(int(row[1 + num_top + t]), row[1 + t]) for t in range(top)])
+                for row in values[start : start + count]
+            ]
+            start += count
         outputs = []
         for i, request in enumerate(step.batch):
             if request.finished or request.row < 0:
@@ -638,24 +647,6 @@ class LLMEngine(SpeculativeSettings):
             k = self.num_speculative_tokens_for(survivors) if survivors else 0
             self._draft_k = min(self._draft_k, k)
         return outputs
-
-    @staticmethod
-    def _read_logprobs(step: _Launched) -> dict[tuple[int, bool], list[TokenLogprobs]]:
-        """``step``'s log-probabilities by batch position and whether they are of the
-        prompt (else of the output tokens)."""
-        out: dict[tuple[int, bool], list[TokenLogprobs]] = {}
-        values = [] if step.logprobs is None else step.logprobs.tolist()
-        num_top = (len(values[0]) - 1) // 2 if values else 0
-        start = 0
-        for i, is_prompt, count in step.logprob_rows:
-            params = step.batch[i].params
-            top = params.prompt_logprobs if is_prompt else params.logprobs
-            out[i, is_prompt] = [
-                TokenLogprobs(row[0], [(int(row[1 + num_top + t]), row[1 + t]) for t in range(top)])
-                for row in values[start : start + count]
-            ]
-            start += count
-        return out
 
 
 @dataclass

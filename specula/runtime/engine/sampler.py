@@ -84,8 +84,7 @@ class SamplingMetadata:
         )
 
     def select(self, rows: slice | torch.Tensor) -> SamplingMetadata:
-        """The metadata of a range (or an int64 index tensor) of requests (the flags
-        stay conservative)."""
+        """The metadata of a range or int64 index tensor of requests (flags stay conservative)."""
         return SamplingMetadata(
             self.temperature[rows], self.top_p[rows], self.top_k[rows], self.seeds[rows],
             self.all_greedy, self.needs_top_k, self.needs_top_p,

@@ -25,9 +25,8 @@ class SpeculativeConfigError(ValueError):
     Attributes:
         param: the request field at fault (``num_speculative_tokens`` or
             ``num_speculative_tokens_per_batch_size``).
-        code: a machine-readable reason: ``no_speculator``, ``above_max`` (a k above the
-            maximum the engine was started with), ``invalid_value`` (a negative k) or
-            ``invalid_schedule``.
+        code: ``no_speculator``, ``above_max`` (a k above the maximum the engine was
+            started with), ``invalid_value`` (a negative k) or ``invalid_schedule``.
     """
 
     def __init__(self, message: str, *, param: str, code: str) -> None:
@@ -59,8 +58,7 @@ def check_k(k: int, max_k: int, *, param: str = K_PARAM, where: str = "") -> Non
     if k > max_k:
         raise refused(
             f"{k} outside [0, {max_k}] (the maximum is the value the engine was started "
-            f"with, max_num_speculative_tokens={max_k})",
-            "above_max",
+            f"with, max_num_speculative_tokens={max_k})", "above_max"
         )
 
 
@@ -125,9 +123,6 @@ class SpeculativeSettings:
     """The engine's speculation settings and their admin operations (a base of
     :class:`~specula.runtime.engine.llm_engine.LLMEngine`)."""
 
-    speculator_config: SpeculatorRuntimeConfig | None
-    max_num_speculative_tokens: int
-
     def init_speculative_settings(self, speculator_config: SpeculatorRuntimeConfig | None) -> None:
         """Start from the config's k (0 without a speculator)."""
         self.speculator_config = spec = speculator_config
@@ -156,10 +151,9 @@ class SpeculativeSettings:
         self, num_speculative_tokens: int | None = None,
         num_speculative_tokens_per_batch_size: list[tuple[int, int, int]] | None = None,
     ) -> None:
-        """Set one k, or a per-batch-size schedule ``[[start, end, k], ...]`` (rules in
-        :mod:`specula.runtime.engine.spec_schedule`), from the next proposal on. Give
-        exactly one. k = 0 turns speculation off without unloading the draft. Nothing
-        changes when the setting is refused.
+        """Set one k, or a per-batch-size schedule ``[[start, end, k], ...]`` (module
+        docstring), from the next proposal on; give exactly one. k = 0 turns speculation
+        off without unloading the draft. Nothing changes when the setting is refused.
 
         Raises:
             SpeculativeConfigError (a ``ValueError``): no speculator, neither or both

@@ -43,10 +43,14 @@ def verify(
     """
     r = idx.shape[0]
     drafts = input_batch.draft_token_ids[idx, :k].reshape(-1)  # [r * k]
-    if synthetic_acceptance_rate is not None:
-        return _synthetic(
-            drafts.view(r, k), argmax.view(r, k + 1), sampling, keys, synthetic_acceptance_rate
-        )
+    if synthetic_acceptance_rate is not None:  # each accepted given the ones before it
+        u = random_uniform(sampling.seeds, keys, STREAM_ACCEPT, k)  # [r, k], one kernel
+        accepted = (u < synthetic_acceptance_rate).cumprod(dim=1).sum(dim=1)
+        keep = torch.arange(k + 1, device=drafts.device) < accepted[:, None]
+        target = argmax.view(r, k + 1)
+        out = torch.cat([drafts.view(r, k), target[:, k:]], dim=1)
+        out.masked_fill_(~keep, PLACEHOLDER_TOKEN_ID)
+        return out.scatter_(1, accepted[:, None], target.gather(1, accepted[:, None])), accepted
     cu = torch.arange(k, (r + 1) * k, k, dtype=torch.int32, device=logits.device)
     if sampling.all_greedy:
         return rejection_sample(drafts, cu, argmax, k)
@@ -61,17 +65,3 @@ def verify(
         exponential_noise=random_exponential(sampling.seeds, keys, STREAM_TARGET, vocab),
     )
 
-
-def _synthetic(
-    drafts: torch.Tensor, argmax: torch.Tensor, sampling: SamplingMetadata, keys: torch.Tensor,
-    rate: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``drafts [r, k]``, the target's ``argmax [r, k + 1]`` -> what :func:`verify`
-    returns, with acceptance drawn at ``rate`` per position (conditional)."""
-    k = drafts.shape[1]
-    u = random_uniform(sampling.seeds, keys, STREAM_ACCEPT, k)  # [r, k], one kernel
-    accepted = (u < rate).cumprod(dim=1).sum(dim=1)
-    cols = torch.arange(k + 1, device=drafts.device)
-    keep = cols < accepted[:, None]
-    out = torch.cat([drafts, argmax[:, k:]], dim=1).masked_fill_(~keep, PLACEHOLDER_TOKEN_ID)
-    return out.scatter_(1, accepted[:, None], argmax.gather(1, accepted[:, None])), accepted
