@@ -389,32 +389,6 @@ def test_gate_up_gemv_with_swiglu_epilogue(rows):
     assert ((fused.float() - ref).norm() / ref.norm()).item() < 1e-2
 
 
-@pytest.mark.parametrize("rows", [1, 5, 16])
-def test_gemv_rms_norm_prologue_matches_the_norm_kernel(rows):
-    from specula.runtime.kernels.gemv import CONFIGS, linear, linear_rms_norm, linear_silu_and_mul
-    from specula.runtime.kernels.layernorm import fused_add_rms_norm
-    from specula.runtime.models.layers import RMSNorm
-
-    gen = torch.Generator(DEVICE).manual_seed(rows)
-    for n, k in ((6144, 4096), (28672, 4096), (3072, 2048), (16384, 2048)):
-        assert 16 in CONFIGS[(n, k)]  # the fused path runs
-        w = torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16, generator=gen) * 0.02
-        x, residual = (torch.randn(rows, k, device=DEVICE, dtype=torch.bfloat16, generator=gen)
-                       for _ in range(2))
-        norm = RMSNorm(k, 1e-5).to(DEVICE, torch.bfloat16)
-        norm.weight.data.normal_(1.0, 0.1, generator=gen)
-        normed, summed = fused_add_rms_norm(x, residual, norm.weight, norm.eps)
-        silu_mul = n in (28672, 16384)
-        y, res = linear_rms_norm(x, residual, norm, w, silu_mul=silu_mul)
-        assert torch.equal(res, summed)
-        ref = linear_silu_and_mul(normed, w) if silu_mul else linear(normed, w)
-        # Only the mean square's summation order differs from the norm kernel's: an input
-        # rounded one bf16 step apart moves an output by at most ~|w| * 2**-8 * |x|.
-        torch.testing.assert_close(y, ref, atol=2e-3, rtol=2**-6)
-        y, res = linear_rms_norm(x, None, norm, w, silu_mul=silu_mul)
-        assert res is x
-
-
 @pytest.mark.parametrize("vocab", [VOCAB, 32000])
 def test_lm_head_gemv_with_argmax_epilogue(vocab):
     from specula.runtime.kernels.gemv import gemv, linear_argmax, use_gemv

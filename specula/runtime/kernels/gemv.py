@@ -6,13 +6,7 @@ arithmetic is small, so the kernel is built for memory bandwidth. Each program o
 of the reduction, so no second pass and a deterministic result. The launch configuration
 per weight shape and row tile comes from ``bench/gemv.py`` on an H100.
 
-A prologue and two epilogues each save a decode step a launch and a round trip through
-memory:
-
-- RMSNorm (:func:`linear_rms_norm`, a decoder layer's input or post-attention norm and the
-  projection after it): every program sums the squares of its rows (of ``x + residual``,
-  the residual add fused too), then normalises each ``x`` tile as it loads it, rounded as
-  :func:`~.layernorm.fused_add_rms_norm` rounds; program 0 also stores ``x + residual``.
+Two epilogues each save a decode step a launch and a round trip through memory:
 
 - SwiGLU (:func:`linear_silu_and_mul`): a program accumulates ``BLOCK_N`` gate columns and
   the matching up columns (weight rows ``n`` and ``n + N``) and stores ``silu(gate) *
@@ -28,11 +22,9 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from torch import nn
 
 from specula.runtime.kernels.activation import silu_and_mul
 from specula.runtime.kernels.dispatch import pdl, use_reference, wait_for_previous_kernel
-from specula.runtime.kernels.layernorm import fused_add_rms_norm
 
 DEFAULT_CONFIG = (32, 256, 4, 4)
 """``(BLOCK_N, BLOCK_K, num_warps, num_stages)`` when none is given or tuned."""
@@ -50,7 +42,7 @@ CONFIGS: dict[tuple[int, int], dict[int, tuple[int, int, int, int]]] = {
                     128: (128, 128, 8, 3)},  # EAGLE-3 draft-vocabulary lm_head
     (3072, 2048): {16: (32, 128, 4, 5)},  # Llama-3.2-1B qkv_proj
     (16384, 2048): {16: (64, 128, 4, 3), 32: (128, 128, 4, 3), 64: (64, 128, 4, 3)},  # gate_up
-    (2048, 2048): {32: (16, 512, 4, 5), 64: (16, 128, 4, 5)},  # o_proj
+    (2048, 2048): {16: (32, 128, 4, 5), 32: (16, 512, 4, 5), 64: (16, 128, 4, 5)},  # o_proj
     (2048, 8192): {32: (16, 512, 4, 5)},  # down_proj
     (128256, 2048): {16: (32, 256, 4, 5), 32: (128, 128, 4, 3), 64: (128, 128, 8, 3),
                      128: (128, 128, 8, 3)},  # lm_head
@@ -79,31 +71,12 @@ def _load_weight(ptrs, mask, EVEN: tl.constexpr):
 
 
 @triton.jit
-def _norm_input(x_ptrs, res_ptr, res_out_ptr, offs_m, offs_k, M, K, stride_res, stride_res_out,
-                store_rows, RESIDUAL: tl.constexpr):
-    """A [BLOCK_M, BLOCK_K] tile of the norm's input: ``x``, or ``x + residual`` rounded to
-    the activation dtype (its first ``store_rows`` rows stored to ``res_out``)."""
-    mask = (offs_m[:, None] < M) & (offs_k[None, :] < K)
-    x = tl.load(x_ptrs, mask=mask, other=0.0)
-    if RESIDUAL:
-        res = tl.load(res_ptr + offs_m[:, None] * stride_res + offs_k[None, :], mask=mask,
-                      other=0.0)
-        x = (x.to(tl.float32) + res.to(tl.float32)).to(x.dtype)
-        tl.store(res_out_ptr + offs_m[:, None] * stride_res_out + offs_k[None, :], x,
-                 mask=(offs_m[:, None] < store_rows) & (offs_k[None, :] < K))
-    return x
-
-
-@triton.jit
 def _gemv_kernel(
     y_ptr,  # [M, N]
     x_ptr,  # [M, K]
     w_ptr,  # [N, K]; SILU_MUL: [2N, K], gate rows then up rows
     part_max_ptr,  # ARGMAX: [M, num_programs] float32, each program's row maxima
     part_idx_ptr,  # ARGMAX: [M, num_programs] int32, their columns
-    res_ptr,  # RESIDUAL: [M, K], added to x before the norm
-    res_out_ptr,  # RESIDUAL: [M, K], x + residual (program 0 stores it)
-    norm_w_ptr,  # NORM: [K] RMSNorm weight
     M,
     N,
     K,
@@ -111,17 +84,12 @@ def _gemv_kernel(
     stride_xm,
     stride_wn,
     up_offset,  # SILU_MUL: N * stride_wn, the up rows' offset
-    stride_res,
-    stride_res_out,
-    eps,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN: tl.constexpr,
     SILU_MUL: tl.constexpr,
     ARGMAX: tl.constexpr,
-    NORM: tl.constexpr,
-    RESIDUAL: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
@@ -133,26 +101,10 @@ def _gemv_kernel(
     w_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    if NORM:  # the rows' mean squares, from L2: every program reads the same rows
-        for k0 in range(0, K, BLOCK_K):
-            s = _norm_input(x_ptrs + k0, res_ptr, res_out_ptr, offs_m, offs_k + k0, M, K,
-                            stride_res, stride_res_out, tl.where(pid == 0, M, 0),
-                            RESIDUAL).to(tl.float32)
-            rstd += tl.sum(s * s, axis=1)
-        rstd = tl.rsqrt(rstd / K + eps)
     for k0 in range(0, K, BLOCK_K):
         w_mask = (offs_n[None, :] < N) & (k0 + offs_k[:, None] < K)
         w = _load_weight(w_ptrs, w_mask, EVEN)
-        if NORM:  # rounded as fused_add_rms_norm: the normed row, then times the weight
-            x = _norm_input(x_ptrs, res_ptr, res_out_ptr, offs_m, offs_k + k0, M, K,
-                            stride_res, stride_res_out, 0, RESIDUAL)
-            g = tl.load(norm_w_ptr + k0 + offs_k, mask=k0 + offs_k < K, other=0.0)
-            normed = (x.to(tl.float32) * rstd[:, None]).to(x.dtype).to(tl.float32)
-            x = (g.to(tl.float32)[None, :] * normed).to(x.dtype)
-        else:
-            x = tl.load(x_ptrs, mask=(offs_m[:, None] < M) & (k0 + offs_k[None, :] < K),
-                        other=0.0)
+        x = tl.load(x_ptrs, mask=(offs_m[:, None] < M) & (k0 + offs_k[None, :] < K), other=0.0)
         acc = tl.dot(x, w, acc)  # [BLOCK_M, BLOCK_K] @ [BLOCK_K, BLOCK_N]
         if SILU_MUL:
             acc_up = tl.dot(x, _load_weight(w_ptrs + up_offset, w_mask, EVEN), acc_up)
@@ -258,10 +210,8 @@ def gemv(
     *,
     silu_mul: bool = False,
     with_argmax: bool = False,
-    norm: tuple[torch.Tensor, float] | None = None,
-    residual: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """``x @ weight.T`` with the kernel, optionally with the module's prologue or epilogues.
+    """``x @ weight.T`` with the kernel, optionally with one of the module's epilogues.
 
     Args:
         x: [M, K] bfloat16/float16, last dim contiguous.
@@ -273,34 +223,23 @@ def gemv(
         silu_mul: return ``silu(x @ gate.T) * (x @ up.T)`` [M, N] (SwiGLU, Shazeer,
             arXiv 2002.05202).
         with_argmax: also return the first index of each row's maximum, [M] int64.
-        norm: ``(norm_weight [K] of x.dtype, eps)``: multiply ``rms_norm(x)`` (Llama's
-            convention, :func:`~.layernorm.rms_norm`) instead of ``x``.
-        residual: with ``norm``, [M, K] like ``x``: multiply ``rms_norm(x + residual)``
-            and also return ``x + residual``.
 
     Returns:
-        [M, N] in ``x.dtype`` (float32 accumulation); with ``with_argmax`` also the
-        argmax, with ``residual`` also ``x + residual`` [M, K].
+        [M, N] in ``x.dtype`` (float32 accumulation), with ``with_argmax`` and the argmax.
 
     Raises:
-        AssertionError: shapes, dtypes or layouts do not match the above, both epilogues
-            asked for, or ``residual`` with an epilogue's output or without ``norm``.
+        AssertionError: shapes, dtypes or layouts do not match the above, or both
+            epilogues asked for.
     """
     assert x.ndim == 2 and weight.ndim == 2 and x.shape[1] == weight.shape[1]
     assert x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float16)
     assert x.stride(1) == 1 and weight.stride(1) == 1 and not (silu_mul and with_argmax)
-    assert residual is None or (norm is not None and not with_argmax)
     m, k = x.shape
     n = weight.shape[0] // 2 if silu_mul else weight.shape[0]
     assert not silu_mul or weight.shape[0] == 2 * n
-    if m == 0 or use_reference(x):  # the torch references: norm, then the library GEMM
-        res_out = residual
-        if norm is not None:
-            x, res_out = fused_add_rms_norm(x, residual, norm[0], norm[1])
+    if m == 0 or use_reference(x):  # the torch reference: the library GEMM
         y = silu_and_mul(F.linear(x, weight)) if silu_mul else F.linear(x, weight)
-        if with_argmax:
-            return y, y.argmax(dim=-1)
-        return y if residual is None else (y, res_out)
+        return (y, y.argmax(dim=-1)) if with_argmax else y
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     bm = block_m(m)
     block_n, block_k, warps, stages = config or CONFIGS.get(tuple(weight.shape), {}).get(
@@ -310,24 +249,14 @@ def gemv(
     grid = triton.cdiv(n, block_n)
     parts = (torch.empty(m, grid, dtype=torch.float32, device=x.device),
              torch.empty(m, grid, dtype=torch.int32, device=x.device)) if with_argmax else (y, y)
-    norm_weight, eps = (x, 0.0) if norm is None else norm
-    assert norm is None or (norm_weight.shape == (k,) and norm_weight.dtype == x.dtype)
-    res_out = x if residual is None else torch.empty_like(x)
-    if residual is not None:
-        assert residual.shape == x.shape and residual.dtype == x.dtype and residual.stride(1) == 1
     with_pdl = pdl(x)
     _gemv_kernel[(grid,)](
-        y, x, weight, *parts, x if residual is None else residual, res_out, norm_weight, m, n,
-        k, y.stride(0), x.stride(0), weight.stride(0), n * weight.stride(0),
-        res_out.stride(0) if residual is None else residual.stride(0), res_out.stride(0), eps,
-        BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k,
+        y, x, weight, *parts, m, n, k, y.stride(0), x.stride(0), weight.stride(0),
+        n * weight.stride(0), BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k,
         EVEN=(k % block_k == 0 and n % block_n == 0), SILU_MUL=silu_mul, ARGMAX=with_argmax,
-        NORM=norm is not None, RESIDUAL=residual is not None, PDL=with_pdl,
-        num_warps=warps, num_stages=stages, launch_pdl=with_pdl,
+        PDL=with_pdl, num_warps=warps, num_stages=stages, launch_pdl=with_pdl,
     )
-    if with_argmax:
-        return y, _merge_argmax(*parts)
-    return y if residual is None else (y, res_out)
+    return (y, _merge_argmax(*parts)) if with_argmax else y
 
 
 def gemv_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -353,40 +282,6 @@ def linear_silu_and_mul(
     if bias is None and use_gemv(x, weight):
         return gemv(x, weight, silu_mul=True)
     return silu_and_mul(linear(x, weight, bias))
-
-
-def linear_rms_norm(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    norm: nn.Module,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    *,
-    silu_mul: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """A pre-norm decoder sublayer's norm and first projection: ``h, r =
-    fused_add_rms_norm(x, residual, norm.weight, norm.eps)``, then ``F.linear(h, weight,
-    bias)`` (with ``silu_mul``, :func:`linear_silu_and_mul`'s). One :func:`gemv` with the
-    RMSNorm prologue where :func:`use_gemv` says so, else the norm kernel and the product.
-
-    Args:
-        x: [M, K] the sublayer's input (or the residual stream itself when ``residual`` is
-            None).
-        residual: [M, K] the residual stream before this sublayer, or None.
-        norm: an RMSNorm with ``weight [K]`` and ``eps`` (Llama's convention).
-        weight, bias: the projection's, ``weight [N, K]`` (``[2N, K]`` with ``silu_mul``).
-
-    Returns:
-        ``(y [M, N], residual stream [M, K])``: ``x + residual``, or ``x`` when
-        ``residual`` is None.
-    """
-    if bias is None and use_gemv(x, weight):
-        if residual is None:
-            return gemv(x, weight, silu_mul=silu_mul, norm=(norm.weight, norm.eps)), x
-        return gemv(x, weight, silu_mul=silu_mul, norm=(norm.weight, norm.eps), residual=residual)
-    h, res = fused_add_rms_norm(x, residual, norm.weight, norm.eps)
-    y = linear_silu_and_mul(h, weight, bias) if silu_mul else linear(h, weight, bias)
-    return y, x if residual is None else res
 
 
 def linear_argmax(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

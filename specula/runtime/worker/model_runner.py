@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specula.runtime.engine.block_manager import cdiv
-from specula.runtime.kernels.gemv import linear, linear_argmax, linear_rms_norm
+from specula.runtime.kernels.gemv import linear, linear_argmax, linear_silu_and_mul
 from specula.runtime.kernels.layernorm import fused_add_rms_norm, rms_norm
 from specula.runtime.kernels.paged_attention import paged_attention
 from specula.runtime.kernels.rotary import build_cos_sin_cache, rotary_embedding_and_cache
@@ -42,6 +42,15 @@ from specula.runtime.worker.paged_kv import PagedAttentionMetadata, PagedKVCache
 from specula.runtime.worker.parallel import all_reduce
 
 SUPPORTED_MODELS = (LlamaForCausalLM, Qwen3ForCausalLM)
+
+
+def _add_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(x + residual), x + residual)``; ``(rms_norm(x), x)`` without a residual."""
+    if residual is None:
+        return rms_norm(x, norm.weight, norm.eps), x
+    return fused_add_rms_norm(x, residual, norm.weight, norm.eps)
 
 
 def _causal_sdpa(
@@ -248,15 +257,12 @@ class ModelRunner:
         layer_idx: int,
         metadata: PagedAttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The input ``norm`` (None: ``hidden`` is normed already) and self-attention;
-        returns ``(output, residual stream)`` (:func:`linear_rms_norm`)."""
+        """The input ``norm`` (with the residual add; None: ``hidden`` is normed already)
+        and self-attention; returns ``(output, residual stream)``."""
+        if norm is not None:
+            hidden, residual = _add_norm(hidden, residual, norm)
         n, head_dim = hidden.shape[0], attn.head_dim
-        if norm is None:
-            qkv = linear(hidden, attn.qkv_proj.weight, attn.qkv_proj.bias)
-        else:
-            qkv, residual = linear_rms_norm(
-                hidden, residual, norm, attn.qkv_proj.weight, attn.qkv_proj.bias
-            )
+        qkv = linear(hidden, attn.qkv_proj.weight, attn.qkv_proj.bias)
         q, k, v = qkv.view(n, -1, head_dim).split([attn.num_heads, attn.num_kv_heads, attn.num_kv_heads], dim=1)
         if self.has_qk_norm:
             q = rms_norm(q.reshape(-1, head_dim), attn.q_norm.weight, attn.q_norm.eps).view_as(q)
@@ -273,10 +279,10 @@ class ModelRunner:
     def _mlp(
         self, mlp: LlamaMLP, hidden: torch.Tensor, residual: torch.Tensor, norm: nn.Module
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The post-attention ``norm`` and the MLP; returns ``(output, residual stream)``."""
-        act, residual = linear_rms_norm(
-            hidden, residual, norm, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, silu_mul=True
-        )
+        """The post-attention ``norm`` (with the residual add) and the MLP; returns
+        ``(output, residual stream)``."""
+        hidden, residual = _add_norm(hidden, residual, norm)
+        act = linear_silu_and_mul(hidden, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias)
         return self.reduce(linear(act, mlp.down_proj.weight, mlp.down_proj.bias)), residual
 
     def decoder(
@@ -290,8 +296,8 @@ class ModelRunner:
         aux_layer_ids: Sequence[int] = (),
         captured: dict[int, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The decoder ``layers``, then the final ``norm``. Each norm is fused with its
-        residual add and, where the GEMV takes the shape, with the projection after it.
+        """The decoder ``layers``, then the final ``norm``, each norm fused with its
+        residual add.
 
         Args:
             hidden: with ``residual=None``, [n, H] the residual stream entering layer 0

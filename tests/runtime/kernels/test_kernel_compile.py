@@ -52,24 +52,14 @@ CASES = {
         gemv._gemv_kernel,
         {"y_ptr": "*bf16", "x_ptr": "*bf16", "w_ptr": "*bf16", "part_max_ptr": "*bf16",
          "part_idx_ptr": "*bf16", "up_offset": "i64"},
-        dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, EVEN=True, SILU_MUL=True, ARGMAX=False,
-             NORM=False, RESIDUAL=False, PDL=True),
-    ),
-    # The RMSNorm prologue with the residual add, at gate_up_proj (SwiGLU epilogue too).
-    "gemv_rms_norm": (
-        gemv._gemv_kernel,
-        {"y_ptr": "*bf16", "x_ptr": "*bf16", "w_ptr": "*bf16", "part_max_ptr": "*bf16",
-         "part_idx_ptr": "*bf16", "res_ptr": "*bf16", "res_out_ptr": "*bf16",
-         "norm_w_ptr": "*bf16", "up_offset": "i64", "eps": "fp32"},
-        dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, EVEN=True, SILU_MUL=True, ARGMAX=False,
-             NORM=True, RESIDUAL=True, PDL=True),
+        dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, EVEN=True, SILU_MUL=True, ARGMAX=False, PDL=True),
     ),
     "gemv_argmax": (
         gemv._gemv_kernel,
         {"y_ptr": "*bf16", "x_ptr": "*bf16", "w_ptr": "*bf16", "part_max_ptr": "*fp32",
          "part_idx_ptr": "*i32"},
         dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=512, EVEN=False, SILU_MUL=False, ARGMAX=True,
-             NORM=False, RESIDUAL=False, PDL=True),
+             PDL=True),
     ),
     "argmax_first_pass": (
         gemv._argmax_kernel,

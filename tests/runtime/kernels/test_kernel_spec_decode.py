@@ -418,33 +418,6 @@ def test_gemv_epilogues(interpreted):
     interpreted(check_gemv_epilogues)
 
 
-def check_gemv_rms_norm_prologue() -> None:
-    from specula.runtime.kernels.gemv import gemv
-    from specula.runtime.kernels.layernorm import fused_add_rms_norm
-
-    gen = torch.Generator().manual_seed(4)
-    for m, n, k, cfg in ((1, 64, 256, (32, 128, 4, 3)), (5, 40, 200, (32, 128, 4, 3)),
-                         (16, 96, 384, (64, 128, 4, 3))):
-        x, residual = (torch.randn(m, k, generator=gen).half() for _ in range(2))
-        g = (1 + 0.1 * torch.randn(k, generator=gen)).half()
-        w = (torch.randn(2 * n, k, generator=gen) * 0.05).half()
-        normed, summed = fused_add_rms_norm(x, residual, g, 1e-5)
-        for silu_mul in (False, True):
-            y, res_out = gemv(x, w, cfg, silu_mul=silu_mul, norm=(g, 1e-5), residual=residual)
-            assert torch.equal(res_out, summed)  # program 0's store of x + residual
-            # The norm kernel's rounding; only the mean square's summation order differs.
-            torch.testing.assert_close(y, gemv(normed, w, cfg, silu_mul=silu_mul),
-                                       atol=2e-3, rtol=2e-3)
-        # Without a residual: rms_norm(x), and x left as it was.
-        y = gemv(x, w[:n], cfg, norm=(g, 1e-5))
-        ref = gemv(fused_add_rms_norm(x, None, g, 1e-5)[0], w[:n], cfg)
-        torch.testing.assert_close(y, ref, atol=2e-3, rtol=2e-3)
-
-
-def test_gemv_rms_norm_prologue(interpreted):
-    interpreted(check_gemv_rms_norm_prologue)
-
-
 def test_linear_takes_the_library_gemm_off_cuda_and_for_untuned_shapes():
     from specula.runtime.kernels.gemv import CONFIGS, linear, use_gemv
 
@@ -454,22 +427,6 @@ def test_linear_takes_the_library_gemm_off_cuda_and_for_untuned_shapes():
     small = torch.randn(3, 8).bfloat16(), torch.randn(4, 8).bfloat16()
     assert not use_gemv(*small)
     torch.testing.assert_close(linear(*small), torch.nn.functional.linear(*small))
-
-
-def test_linear_rms_norm_off_cuda_is_the_norm_then_the_product():
-    from specula.runtime.kernels.gemv import linear_rms_norm
-    from specula.runtime.kernels.layernorm import fused_add_rms_norm
-    from specula.runtime.models.layers import RMSNorm
-
-    gen = torch.Generator().manual_seed(5)
-    x, residual = torch.randn(3, 8, generator=gen), torch.randn(3, 8, generator=gen)
-    norm, w = RMSNorm(8, 1e-6), torch.randn(10, 8, generator=gen)
-    normed, summed = fused_add_rms_norm(x, residual, norm.weight.data, norm.eps)
-    y, res = linear_rms_norm(x, residual, norm, w)
-    torch.testing.assert_close(y, torch.nn.functional.linear(normed, w))
-    torch.testing.assert_close(res, summed)
-    y, res = linear_rms_norm(x, None, norm, w, silu_mul=True)
-    assert res is x and y.shape == (3, 5)
 
 
 def test_epilogue_launchers_take_the_references_off_cuda():
