@@ -102,12 +102,10 @@ def load_safetensors(
     rename: Callable[[str], str | None] | None = None,
     optional: Collection[str] = (),
 ) -> set[str]:
-    """Copy every tensor of ``checkpoint_dir/*.safetensors`` into ``model`` by HF name.
-
-    Checkpoint names of projections fused in the model (``packed_modules_mapping``) are
-    routed to their shard of the fused parameter; persistent buffers (DFlash's ``d2t``)
-    load as parameters do. ``rename`` (default: the model's ``checkpoint_name`` method, if
-    it has one) maps each stored name first (``None``: a tensor the model does not use).
+    """Copy every tensor of ``checkpoint_dir/*.safetensors`` into ``model`` by HF name,
+    projections fused in the model (``packed_modules_mapping``) into their shard of the
+    fused parameter. ``rename`` (default: the model's ``checkpoint_name``, if any) maps
+    each stored name first (``None``: a tensor the model does not use).
 
     Returns:
         the names of ``optional`` the checkpoint lacks (weights shared from the target).

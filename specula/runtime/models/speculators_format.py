@@ -113,17 +113,6 @@ def speculators_weight_name(name: str) -> str | None:
     return None if name in ("d2t", "t2d") or name.startswith("verifier_") else name
 
 
-def read_tensor(checkpoint_dir: Path, name: str) -> torch.Tensor | None:
-    """Tensor ``name`` of ``checkpoint_dir/*.safetensors`` on the CPU, ``None`` if absent."""
-    from safetensors import safe_open
-
-    for file in sorted(Path(checkpoint_dir).glob("*.safetensors")):
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            if name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                return f.get_tensor(name)
-    return None
-
-
 def share_target_weights(
     model: nn.Module,
     embed: nn.Embedding,
@@ -158,7 +147,13 @@ def draft_vocab_ids(
         return torch.arange(n)
     if load_format == "dummy":
         return torch.randperm(vocab_size)[:n].sort().values
-    d2t = read_tensor(checkpoint_dir, "d2t")
+    from safetensors import safe_open
+
+    d2t = None
+    for file in sorted(Path(checkpoint_dir).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            if d2t is None and "d2t" in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                d2t = f.get_tensor("d2t")
     if d2t is None:
         raise ValueError(
             f"draft_vocab_size {n} != target vocab_size {vocab_size} but the checkpoint has no d2t"
