@@ -199,7 +199,9 @@ def test_gemv_epilogues_match_the_unfused_kernels(tmp_path, monkeypatch, num_req
     model = load_model(tmp_path, torch.bfloat16, DEVICE, load_format="dummy")
     spec = KVCacheSpec.from_model_config(model.config, torch.bfloat16, BLOCK_SIZE)
     cache = PagedKVCache(spec, 4 * num_reqs, DEVICE)
-    runner, manager = ModelRunner(model, cache, MAX_MODEL_LEN), cache.block_manager(watermark=0.0)
+    # Norms unfolded: the patched functions below are the unfolded path's.
+    runner = ModelRunner(model, cache, MAX_MODEL_LEN, fold=False)
+    manager = cache.block_manager(watermark=0.0)
     ids = list(range(num_reqs))
     for r in ids:
         manager.allocate(r, 20)
@@ -229,6 +231,55 @@ def test_gemv_epilogues_match_the_unfused_kernels(tmp_path, monkeypatch, num_req
     # may pick another token, and then one within rounding of the maximum.
     best = logits_on.float().max(-1).values
     assert bool((logits_on.float().gather(1, idx_off[:, None])[:, 0] >= best - 0.1).all())
+
+
+@pytest.mark.parametrize("num_reqs", [1, 5, 32])
+def test_folded_norms_match_the_norm_kernels(tmp_path, num_reqs):
+    """Two Llama-3.1-8B-shaped layers (random weights) with their norms folded into
+    ``qkv_proj`` and ``gate_up_proj``, against a copy run with the norm kernels: a prefill
+    (library GEMM and unit-weight norms) and a decode step (the GEMV's residual and 1/rms
+    epilogues), hidden states and the captured residual streams."""
+    import copy
+    import json
+
+    config = dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256,
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=2,
+        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=MAX_MODEL_LEN,
+        rms_norm_eps=1e-5, tie_word_embeddings=False,
+    )
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    torch.manual_seed(0)
+    model = load_model(tmp_path, torch.bfloat16, DEVICE, load_format="dummy")
+    with torch.no_grad():  # norm weights other than 1, or folding them changes nothing
+        for layer in model.model.layers:
+            layer.input_layernorm.weight.normal_(1.0, 0.2)
+            layer.post_attention_layernorm.weight.normal_(1.0, 0.2)
+    unfolded = copy.deepcopy(model)
+    spec = KVCacheSpec.from_model_config(model.config, torch.bfloat16, BLOCK_SIZE)
+    outputs = []
+    for m, fold in ((model, True), (unfolded, False)):
+        cache = PagedKVCache(spec, 4 * num_reqs, DEVICE)
+        runner, manager = ModelRunner(m, cache, MAX_MODEL_LEN, fold=fold), cache.block_manager(watermark=0.0)
+        assert runner.norms_folded == fold and getattr(m, "norms_folded", False) == fold
+        ids = list(range(num_reqs))
+        for r in ids:
+            manager.allocate(r, 20)
+        prompts = torch.randint(0, 128256, (num_reqs, 20), generator=torch.Generator().manual_seed(1))
+        md, pos, inp = _forward(runner, manager, ids, [20] * num_reqs, prompts.tolist())
+        prefill, _ = runner.forward(inp, pos, md)
+        for r in ids:
+            manager.append_slots(r, 1)
+        md, pos, inp = _forward(runner, manager, ids, [1] * num_reqs, [[7]] * num_reqs)
+        decode, aux = runner.forward(inp, pos, md, aux_layer_ids=(0, 1, 2))
+        outputs.append((prefill, decode, aux))
+    for got, want in zip(*outputs, strict=True):
+        # Rounding moves with the norm weight: it multiplies the weights once (folded) or
+        # each normed activation (unfolded).
+        assert ((got.float() - want.float()).norm() / want.float().norm()).item() < 2e-2
+    # A runner built later on the folded model knows, whatever it is asked.
+    cache = PagedKVCache(spec, 4, DEVICE)
+    assert ModelRunner(model, cache, MAX_MODEL_LEN, fold=False).norms_folded
 
 
 def test_release_graphs_frees_every_live_captured_graph(monkeypatch):

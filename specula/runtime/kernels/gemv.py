@@ -6,7 +6,7 @@ arithmetic is small, so the kernel is built for memory bandwidth. Each program o
 of the reduction, so no second pass and a deterministic result. The launch configuration
 per weight shape and row tile comes from ``bench/gemv.py`` on an H100.
 
-Two epilogues each save a decode step a launch and a round trip through memory:
+Four epilogues each save a decode step a launch and a round trip through memory:
 
 - SwiGLU (:func:`linear_silu_and_mul`): a program accumulates ``BLOCK_N`` gate columns and
   the matching up columns (weight rows ``n`` and ``n + N``) and stores ``silu(gate) *
@@ -14,6 +14,13 @@ Two epilogues each save a decode step a launch and a round trip through memory:
 - argmax (:func:`linear_argmax`, a greedy LM head): each program also writes its rows'
   maxima and their first columns; one program per row merges them into ``torch.argmax``'s
   answer on the rounded logits. :func:`argmax` does the same after the library GEMM.
+- residual add (``residual``, a decoder's ``o_proj`` and ``down_proj``): the output is the
+  new residual stream, and each program also writes its columns' sums of squares;
+- RMSNorm scale (``rms``, the ``qkv_proj`` and ``gate_up_proj`` after them, with the norm
+  weight folded into theirs by :func:`fold_norm_weight`): the accumulators are scaled by
+  the rows' ``1 / rms`` from those sums, so the norm needs no kernel of its own. ``x``
+  goes to the dot untouched: any other use of the tile in the loop (even summing its
+  squares) kept the loads from being pipelined on an H100, 1.6-3x slower.
 """
 
 from __future__ import annotations
@@ -43,7 +50,7 @@ CONFIGS: dict[tuple[int, int], dict[int, tuple[int, int, int, int]]] = {
     (3072, 2048): {16: (32, 128, 4, 5)},  # Llama-3.2-1B qkv_proj
     (16384, 2048): {16: (64, 128, 4, 3), 32: (128, 128, 4, 3), 64: (64, 128, 4, 3)},  # gate_up
     (2048, 2048): {16: (32, 128, 4, 5), 32: (16, 512, 4, 5), 64: (16, 128, 4, 5)},  # o_proj
-    (2048, 8192): {32: (16, 512, 4, 5)},  # down_proj
+    (2048, 8192): {16: (16, 256, 4, 5), 32: (16, 512, 4, 5)},  # down_proj
     (128256, 2048): {16: (32, 256, 4, 5), 32: (128, 128, 4, 3), 64: (128, 128, 8, 3),
                      128: (128, 128, 8, 3)},  # lm_head
     (3072, 4096): {16: (32, 256, 4, 5), 32: (32, 128, 4, 5)},  # 8B at TP=2: qkv_proj
@@ -77,6 +84,8 @@ def _gemv_kernel(
     w_ptr,  # [N, K]; SILU_MUL: [2N, K], gate rows then up rows
     part_max_ptr,  # ARGMAX: [M, num_programs] float32, each program's row maxima
     part_idx_ptr,  # ARGMAX: [M, num_programs] int32, their columns
+    res_ptr,  # RESIDUAL: [M, N] added to the product
+    rms_ptr,  # RMS: [M, num_parts] float32, sums of squares of parts of each row of x
     M,
     N,
     K,
@@ -84,12 +93,18 @@ def _gemv_kernel(
     stride_xm,
     stride_wn,
     up_offset,  # SILU_MUL: N * stride_wn, the up rows' offset
+    stride_res,
+    num_parts,
+    eps,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN: tl.constexpr,
     SILU_MUL: tl.constexpr,
     ARGMAX: tl.constexpr,
+    RESIDUAL: tl.constexpr,
+    RMS: tl.constexpr,
+    BLOCK_P: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
@@ -110,14 +125,30 @@ def _gemv_kernel(
             acc_up = tl.dot(x, _load_weight(w_ptrs + up_offset, w_mask, EVEN), acc_up)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    if RMS:  # the rows' 1 / rms from their sums of squares (outside the loop: x goes to
+        # the dot untouched, which keeps the loads pipelined)
+        offs_p = tl.arange(0, BLOCK_P)
+        sum_sq = tl.load(rms_ptr + offs_m[:, None] * num_parts + offs_p[None, :],
+                         mask=(offs_m[:, None] < M) & (offs_p[None, :] < num_parts), other=0.0)
+        rstd = tl.rsqrt(tl.sum(sum_sq, axis=1) / K + eps)[:, None]
+        acc *= rstd
+        acc_up *= rstd
     dtype = y_ptr.dtype.element_ty
     y = acc.to(dtype)
     if SILU_MUL:  # the rounding of gate_up_proj, then of silu_and_mul
         g = y.to(tl.float32)
         silu = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
         y = (silu * acc_up.to(dtype).to(tl.float32)).to(dtype)
+    y_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    if RESIDUAL:  # rounded as fused_add_rms_norm's add; then this program's sums of squares
+        res = tl.load(res_ptr + offs_m[:, None] * stride_res + offs_n[None, :], mask=y_mask,
+                      other=0.0)
+        y = (y.to(tl.float32) + res.to(tl.float32)).to(dtype)
+        yf = tl.where(y_mask, y.to(tl.float32), 0.0)
+        parts = offs_m * tl.num_programs(0) + pid
+        tl.store(part_max_ptr + parts, tl.sum(yf * yf, axis=1), mask=offs_m < M)
     y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
-    tl.store(y_ptrs, y, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+    tl.store(y_ptrs, y, mask=y_mask)
     if ARGMAX:
         v = tl.where(offs_n[None, :] < N, y.to(tl.float32), float("-inf"))
         best = tl.argmax(v, axis=1, tie_break_left=True)  # [BLOCK_M]
@@ -210,8 +241,10 @@ def gemv(
     *,
     silu_mul: bool = False,
     with_argmax: bool = False,
+    residual: torch.Tensor | None = None,
+    rms: tuple[torch.Tensor, float] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """``x @ weight.T`` with the kernel, optionally with one of the module's epilogues.
+    """``x @ weight.T`` with the kernel, optionally with the module's epilogues.
 
     Args:
         x: [M, K] bfloat16/float16, last dim contiguous.
@@ -223,23 +256,43 @@ def gemv(
         silu_mul: return ``silu(x @ gate.T) * (x @ up.T)`` [M, N] (SwiGLU, Shazeer,
             arXiv 2002.05202).
         with_argmax: also return the first index of each row's maximum, [M] int64.
+        residual: [M, N] like the output: return ``x @ weight.T + residual`` (a residual
+            add, rounded as :func:`~.layernorm.fused_add_rms_norm` rounds it) and its sums
+            of squares, [M, P] float32 over P parts of each row (what ``rms`` takes).
+        rms: ``(sum_sq [M, P] float32, eps)``, sums of squares of parts of each row of
+            ``x``: return ``(x @ weight.T) / sqrt(mean(x^2) + eps)`` per row, the product
+            of ``rms_norm(x)`` when the norm weight is folded into ``weight``
+            (:func:`fold_norm_weight`; RMSNorm, arXiv 1910.07467).
 
     Returns:
-        [M, N] in ``x.dtype`` (float32 accumulation), with ``with_argmax`` and the argmax.
+        [M, N] in ``x.dtype`` (float32 accumulation); with ``with_argmax`` also the
+        argmax, with ``residual`` also the sums of squares.
 
     Raises:
-        AssertionError: shapes, dtypes or layouts do not match the above, or both
-            epilogues asked for.
+        AssertionError: shapes, dtypes or layouts do not match the above, or more than
+            one of ``with_argmax``, ``silu_mul`` and ``residual`` asked for.
     """
     assert x.ndim == 2 and weight.ndim == 2 and x.shape[1] == weight.shape[1]
     assert x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float16)
-    assert x.stride(1) == 1 and weight.stride(1) == 1 and not (silu_mul and with_argmax)
+    assert x.stride(1) == 1 and weight.stride(1) == 1
+    assert silu_mul + with_argmax + (residual is not None) <= 1, "one epilogue at a time"
     m, k = x.shape
     n = weight.shape[0] // 2 if silu_mul else weight.shape[0]
     assert not silu_mul or weight.shape[0] == 2 * n
+    assert residual is None or (residual.shape == (m, n) and residual.dtype == x.dtype
+                                and residual.stride(1) == 1)
     if m == 0 or use_reference(x):  # the torch reference: the library GEMM
-        y = silu_and_mul(F.linear(x, weight)) if silu_mul else F.linear(x, weight)
-        return (y, y.argmax(dim=-1)) if with_argmax else y
+        y = F.linear(x, weight)
+        if rms is not None:
+            rstd = torch.rsqrt(rms[0].sum(-1, keepdim=True) / k + rms[1])
+            y = (F.linear(x.float(), weight.float()) * rstd).to(x.dtype)
+        y = silu_and_mul(y) if silu_mul else y
+        if with_argmax:
+            return y, y.argmax(dim=-1)
+        if residual is not None:
+            y = y + residual
+            return y, y.float().pow(2).sum(-1, keepdim=True)
+        return y
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     bm = block_m(m)
     block_n, block_k, warps, stages = config or CONFIGS.get(tuple(weight.shape), {}).get(
@@ -249,14 +302,33 @@ def gemv(
     grid = triton.cdiv(n, block_n)
     parts = (torch.empty(m, grid, dtype=torch.float32, device=x.device),
              torch.empty(m, grid, dtype=torch.int32, device=x.device)) if with_argmax else (y, y)
+    if residual is not None:
+        parts = (torch.empty(m, grid, dtype=torch.float32, device=x.device), y)
+    sum_sq, eps = (y, 0.0) if rms is None else rms
+    assert rms is None or (sum_sq.shape[0] == m and sum_sq.dtype == torch.float32
+                           and sum_sq.is_contiguous())
     with_pdl = pdl(x)
     _gemv_kernel[(grid,)](
-        y, x, weight, *parts, m, n, k, y.stride(0), x.stride(0), weight.stride(0),
-        n * weight.stride(0), BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k,
+        y, x, weight, *parts, y if residual is None else residual, sum_sq, m, n, k,
+        y.stride(0), x.stride(0), weight.stride(0), n * weight.stride(0),
+        y.stride(0) if residual is None else residual.stride(0), sum_sq.shape[1], eps,
+        BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k,
         EVEN=(k % block_k == 0 and n % block_n == 0), SILU_MUL=silu_mul, ARGMAX=with_argmax,
-        PDL=with_pdl, num_warps=warps, num_stages=stages, launch_pdl=with_pdl,
+        RESIDUAL=residual is not None, RMS=rms is not None,
+        BLOCK_P=1 if rms is None else triton.next_power_of_2(sum_sq.shape[1]), PDL=with_pdl,
+        num_warps=warps, num_stages=stages, launch_pdl=with_pdl,
     )
-    return (y, _merge_argmax(*parts)) if with_argmax else y
+    if with_argmax:
+        return y, _merge_argmax(*parts)
+    return (y, parts[0]) if residual is not None else y
+
+
+def fold_norm_weight(weight: torch.Tensor, norm_weight: torch.Tensor) -> None:
+    """``weight [N, K] *= norm_weight [K]`` in place (float32 product, rounded once): a
+    Llama RMSNorm's weight moved into the projection after it, so that
+    ``rms_norm(x, norm_weight) @ weight.T == (x / rms(x)) @ folded.T`` up to rounding
+    (``gemv``'s ``rms``)."""
+    weight.copy_(weight.float() * norm_weight.float())
 
 
 def gemv_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

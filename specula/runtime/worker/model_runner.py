@@ -31,7 +31,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from specula.runtime.engine.block_manager import cdiv
-from specula.runtime.kernels.gemv import linear, linear_argmax, linear_silu_and_mul
+from specula.runtime.kernels.gemv import (
+    fold_norm_weight,
+    gemv,
+    linear,
+    linear_argmax,
+    linear_silu_and_mul,
+    use_gemv,
+)
 from specula.runtime.kernels.layernorm import fused_add_rms_norm, rms_norm
 from specula.runtime.kernels.paged_attention import paged_attention
 from specula.runtime.kernels.rotary import build_cos_sin_cache, rotary_embedding_and_cache
@@ -51,6 +58,37 @@ def _add_norm(
     if residual is None:
         return rms_norm(x, norm.weight, norm.eps), x
     return fused_add_rms_norm(x, residual, norm.weight, norm.eps)
+
+
+def _add_linear(
+    x: torch.Tensor, proj: nn.Linear, residual: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(proj(x) + residual, its sums of squares [n, P] float32 or None)``: the GEMV's
+    residual epilogue where it takes the shape, else the library GEMM and an add."""
+    if proj.bias is None and use_gemv(x, proj.weight):
+        return gemv(x, proj.weight, residual=residual)
+    return linear(x, proj.weight, proj.bias) + residual, None
+
+
+def fold_norms(model: nn.Module) -> bool:
+    """Fold each decoder layer's input and post-attention RMSNorm weights into
+    ``qkv_proj`` and ``gate_up_proj`` (:func:`~specula.runtime.kernels.gemv.
+    fold_norm_weight`), once per model, where the GEMV's epilogues will run them: a CUDA
+    model in bfloat16/float16 on one rank. Returns whether the model's norms are folded
+    (``model.norms_folded``); the model's weights then serve only a runner that knows."""
+    if getattr(model, "norms_folded", False):
+        return True
+    weight = model.model.embed_tokens.weight
+    if weight.device.type != "cuda" or weight.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    if model.config.tensor_parallel_size > 1:  # the all-reduce sits between GEMV and add
+        return False
+    with torch.no_grad():
+        for layer in model.model.layers:
+            fold_norm_weight(layer.self_attn.qkv_proj.weight, layer.input_layernorm.weight)
+            fold_norm_weight(layer.mlp.gate_up_proj.weight, layer.post_attention_layernorm.weight)
+    model.norms_folded = True
+    return True
 
 
 def _causal_sdpa(
@@ -170,10 +208,15 @@ class ModelRunner:
             block-table width ``max_blocks_per_req`` and the rotary table length.
         attn_num_splits: programs per (request, KV head) along the context in paged
             attention; ``None`` uses the kernel's default for each launch shape.
+        fold: fold the layers' norms into the projections after them where the GEMV
+            then runs them (:func:`fold_norms`; two launches fewer a layer at decode).
 
     Raises:
         ValueError: an unsupported model class, or a cache that does not match the model.
     """
+
+    norms_folded = False
+    """The decoder layers' norm weights live in ``qkv_proj`` and ``gate_up_proj``."""
 
     def __init__(
         self,
@@ -181,6 +224,7 @@ class ModelRunner:
         kv_cache: PagedKVCache,
         max_model_len: int,
         attn_num_splits: int | None = None,
+        fold: bool = True,
     ) -> None:
         if type(model) not in SUPPORTED_MODELS:
             raise ValueError(
@@ -189,6 +233,8 @@ class ModelRunner:
             )
         weight = model.model.embed_tokens.weight
         self.setup_paged(model, kv_cache, max_model_len, attn_num_splits, weight)
+        self.norms_folded = fold_norms(model) if fold else getattr(model, "norms_folded", False)
+        self.unit_norm = torch.ones(model.config.hidden_size, dtype=self.dtype, device=self.device)
 
     def setup_paged(
         self,
@@ -247,6 +293,29 @@ class ModelRunner:
         self.max_blocks_per_req = cdiv(max_model_len, self.block_size)
         self.attn_num_splits = attn_num_splits
 
+    def _attend(
+        self,
+        attn: LlamaAttention,
+        qkv: torch.Tensor,
+        positions: torch.Tensor,
+        layer_idx: int,
+        metadata: PagedAttentionMetadata,
+    ) -> torch.Tensor:
+        """``qkv [n, (heads + 2 * kv_heads) * head_dim]`` -> the attention output [n,
+        heads * head_dim]: q/k norms (Qwen3), rotary with the cache write, attention."""
+        n, head_dim = qkv.shape[0], attn.head_dim
+        q, k, v = qkv.view(n, -1, head_dim).split([attn.num_heads, attn.num_kv_heads, attn.num_kv_heads], dim=1)
+        if self.has_qk_norm:
+            q = rms_norm(q.reshape(-1, head_dim), attn.q_norm.weight, attn.q_norm.eps).view_as(q)
+            k = rms_norm(k.reshape(-1, head_dim), attn.k_norm.weight, attn.k_norm.eps).view_as(k)
+        key_cache, value_cache = self.kv_cache.layer(layer_idx)
+        rotary_embedding_and_cache(
+            positions, q, k, v, key_cache, value_cache, metadata.slot_mapping, self.cos_sin_cache
+        )
+        out = attend(q, k, v, key_cache, value_cache, metadata, self.scale, self.attn_num_splits)
+        # reshape: a one-request prefill's attention output may be a transposed view.
+        return out.reshape(n, -1)
+
     def _attention(
         self,
         attn: LlamaAttention,
@@ -261,20 +330,9 @@ class ModelRunner:
         and self-attention; returns ``(output, residual stream)``."""
         if norm is not None:
             hidden, residual = _add_norm(hidden, residual, norm)
-        n, head_dim = hidden.shape[0], attn.head_dim
         qkv = linear(hidden, attn.qkv_proj.weight, attn.qkv_proj.bias)
-        q, k, v = qkv.view(n, -1, head_dim).split([attn.num_heads, attn.num_kv_heads, attn.num_kv_heads], dim=1)
-        if self.has_qk_norm:
-            q = rms_norm(q.reshape(-1, head_dim), attn.q_norm.weight, attn.q_norm.eps).view_as(q)
-            k = rms_norm(k.reshape(-1, head_dim), attn.k_norm.weight, attn.k_norm.eps).view_as(k)
-        key_cache, value_cache = self.kv_cache.layer(layer_idx)
-        rotary_embedding_and_cache(
-            positions, q, k, v, key_cache, value_cache, metadata.slot_mapping, self.cos_sin_cache
-        )
-        out = attend(q, k, v, key_cache, value_cache, metadata, self.scale, self.attn_num_splits)
-        # reshape: a one-request prefill's attention output may be a transposed view.
-        out = linear(out.reshape(n, -1), attn.o_proj.weight, attn.o_proj.bias)
-        return self.reduce(out), residual
+        out = self._attend(attn, qkv, positions, layer_idx, metadata)
+        return self.reduce(linear(out, attn.o_proj.weight, attn.o_proj.bias)), residual
 
     def _mlp(
         self, mlp: LlamaMLP, hidden: torch.Tensor, residual: torch.Tensor, norm: nn.Module
@@ -284,6 +342,48 @@ class ModelRunner:
         hidden, residual = _add_norm(hidden, residual, norm)
         act = linear_silu_and_mul(hidden, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias)
         return self.reduce(linear(act, mlp.down_proj.weight, mlp.down_proj.bias)), residual
+
+    def _folded_layer(
+        self,
+        layer: nn.Module,
+        stream: torch.Tensor,
+        sum_sq: torch.Tensor | None,
+        positions: torch.Tensor,
+        layer_idx: int,
+        metadata: PagedAttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One decoder layer with its norms folded (:func:`fold_norms`): the residual adds
+        run in the GEMV epilogues of ``o_proj`` and ``down_proj``, which also give the new
+        stream's sums of squares, and each norm is the ``1 / rms`` scale of the GEMV
+        after it (:func:`~specula.runtime.kernels.gemv.gemv`). Where the GEMV does not
+        take a shape, the library GEMM and a norm kernel with a unit weight stand in.
+
+        Returns:
+            ``(residual stream [n, H] after the layer, its sums of squares or None)``.
+        """
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv = self._scaled_linear(stream, sum_sq, layer.input_layernorm.eps, attn.qkv_proj)
+        out = self._attend(attn, qkv, positions, layer_idx, metadata)
+        stream, sum_sq = _add_linear(out, attn.o_proj, stream)
+        eps = layer.post_attention_layernorm.eps
+        act = self._scaled_linear(stream, sum_sq, eps, mlp.gate_up_proj, silu_mul=True)
+        return _add_linear(act, mlp.down_proj, stream)
+
+    def _scaled_linear(
+        self,
+        stream: torch.Tensor,
+        sum_sq: torch.Tensor | None,
+        eps: float,
+        proj: nn.Linear,
+        silu_mul: bool = False,
+    ) -> torch.Tensor:
+        """``proj`` (its norm weight folded in) of ``rms_norm(stream)`` with a unit weight."""
+        if sum_sq is not None and proj.bias is None and use_gemv(stream, proj.weight):
+            return gemv(stream, proj.weight, silu_mul=silu_mul, rms=(sum_sq, eps))
+        normed = rms_norm(stream, self.unit_norm, eps)
+        if silu_mul:
+            return linear_silu_and_mul(normed, proj.weight, proj.bias)
+        return linear(normed, proj.weight, proj.bias)
 
     def decoder(
         self,
@@ -309,6 +409,13 @@ class ModelRunner:
         Returns:
             ``(normed [n, H], residual stream [n, H])``.
         """
+        if self.norms_folded and residual is None and len(layers):
+            stream, sum_sq = hidden, None
+            for i, layer in enumerate(layers):
+                if i in aux_layer_ids:
+                    captured[i] = stream
+                stream, sum_sq = self._folded_layer(layer, stream, sum_sq, positions, i, metadata)
+            return rms_norm(stream, norm.weight, norm.eps), stream
         for i, layer in enumerate(layers):
             ln = layer.input_layernorm if i > 0 or residual is None else None
             hidden, residual = self._attention(

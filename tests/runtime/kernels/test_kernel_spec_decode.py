@@ -418,6 +418,41 @@ def test_gemv_epilogues(interpreted):
     interpreted(check_gemv_epilogues)
 
 
+def check_gemv_folded_norm_epilogues() -> None:
+    from specula.runtime.kernels.gemv import fold_norm_weight, gemv
+    from specula.runtime.kernels.layernorm import fused_add_rms_norm, rms_norm
+
+    gen = torch.Generator().manual_seed(4)
+    for m, n, k, cfg in ((1, 64, 256, (32, 128, 4, 3)), (5, 40, 200, (32, 128, 4, 3)),
+                         (16, 96, 384, (64, 128, 4, 3))):
+        x = torch.randn(m, k, generator=gen).half()
+        w = (torch.randn(n, k, generator=gen) * 0.05).half()
+        residual = torch.randn(m, n, generator=gen).half()
+        # Residual epilogue: the add rounded as fused_add_rms_norm's, and the sums of
+        # squares of the output's parts.
+        stream, sum_sq = gemv(x, w, cfg, residual=residual)
+        assert torch.equal(stream, fused_add_rms_norm(gemv(x, w, cfg), residual, w[0, :n], 1e-5)[1])
+        assert sum_sq.shape == (m, triton_cdiv(n, cfg[0])) and sum_sq.dtype == torch.float32
+        torch.testing.assert_close(sum_sq.sum(-1), stream.float().pow(2).sum(-1))
+        # 1/rms epilogue with the norm weight folded in: rms_norm(stream) then the product.
+        g = (1 + 0.2 * torch.randn(n, generator=gen)).half()
+        w2 = (torch.randn(2 * 48, n, generator=gen) * 0.05).half()
+        folded = w2.clone()
+        fold_norm_weight(folded, g)
+        for silu_mul in (False, True):
+            got = gemv(stream, folded, (32, 128, 4, 3), silu_mul=silu_mul, rms=(sum_sq, 1e-5))
+            ref = gemv(rms_norm(stream, g, 1e-5), w2, (32, 128, 4, 3), silu_mul=silu_mul)
+            assert ((got.float() - ref.float()).norm() / ref.float().norm()).item() < 5e-3
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def test_gemv_folded_norm_epilogues(interpreted):
+    interpreted(check_gemv_folded_norm_epilogues)
+
+
 def test_linear_takes_the_library_gemm_off_cuda_and_for_untuned_shapes():
     from specula.runtime.kernels.gemv import CONFIGS, linear, use_gemv
 
