@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specula.runtime.engine.block_manager import cdiv
+from specula.runtime.kernels.dispatch import use_reference
 from specula.runtime.kernels.gemv import (
     fold_norm_weight,
     gemv,
@@ -52,34 +53,36 @@ SUPPORTED_MODELS = (LlamaForCausalLM, Qwen3ForCausalLM)
 
 
 def _add_norm(
-    x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rms_norm(x + residual), x + residual)``; ``(rms_norm(x), x)`` without a residual."""
     if residual is None:
-        return rms_norm(x, norm.weight, norm.eps), x
-    return fused_add_rms_norm(x, residual, norm.weight, norm.eps)
+        return rms_norm(x, weight, eps), x
+    return fused_add_rms_norm(x, residual, weight, eps)
 
 
 def _add_linear(
     x: torch.Tensor, proj: nn.Linear, residual: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(proj(x) + residual, its sums of squares [n, P] float32 or None)``: the GEMV's
-    residual epilogue where it takes the shape, else the library GEMM and an add."""
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """``proj(x)`` for the residual stream ``residual``: ``(stream, None, its sums of
+    squares [n, P] float32)`` from the GEMV's residual epilogue where it takes the shape,
+    else ``(proj(x), residual, None)``, the add left to the next norm kernel."""
     if proj.bias is None and use_gemv(x, proj.weight):
-        return gemv(x, proj.weight, residual=residual)
-    return linear(x, proj.weight, proj.bias) + residual, None
+        stream, sum_sq = gemv(x, proj.weight, residual=residual)
+        return stream, None, sum_sq
+    return linear(x, proj.weight, proj.bias), residual, None
 
 
 def fold_norms(model: nn.Module) -> bool:
     """Fold each decoder layer's input and post-attention RMSNorm weights into
     ``qkv_proj`` and ``gate_up_proj`` (:func:`~specula.runtime.kernels.gemv.
-    fold_norm_weight`), once per model, where the GEMV's epilogues will run them: a CUDA
-    model in bfloat16/float16 on one rank. Returns whether the model's norms are folded
+    fold_norm_weight`), once per model, where the GEMV's epilogues will run them: a model
+    in bfloat16/float16 on one rank, on CUDA (or in Triton's interpreter). Returns whether the model's norms are folded
     (``model.norms_folded``); the model's weights then serve only a runner that knows."""
     if getattr(model, "norms_folded", False):
         return True
     weight = model.model.embed_tokens.weight
-    if weight.device.type != "cuda" or weight.dtype not in (torch.bfloat16, torch.float16):
+    if use_reference(weight) or weight.dtype not in (torch.bfloat16, torch.float16):
         return False
     if model.config.tensor_parallel_size > 1:  # the all-reduce sits between GEMV and add
         return False
@@ -329,7 +332,7 @@ class ModelRunner:
         """The input ``norm`` (with the residual add; None: ``hidden`` is normed already)
         and self-attention; returns ``(output, residual stream)``."""
         if norm is not None:
-            hidden, residual = _add_norm(hidden, residual, norm)
+            hidden, residual = _add_norm(hidden, residual, norm.weight, norm.eps)
         qkv = linear(hidden, attn.qkv_proj.weight, attn.qkv_proj.bias)
         out = self._attend(attn, qkv, positions, layer_idx, metadata)
         return self.reduce(linear(out, attn.o_proj.weight, attn.o_proj.bias)), residual
@@ -339,51 +342,30 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The post-attention ``norm`` (with the residual add) and the MLP; returns
         ``(output, residual stream)``."""
-        hidden, residual = _add_norm(hidden, residual, norm)
+        hidden, residual = _add_norm(hidden, residual, norm.weight, norm.eps)
         act = linear_silu_and_mul(hidden, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias)
         return self.reduce(linear(act, mlp.down_proj.weight, mlp.down_proj.bias)), residual
 
-    def _folded_layer(
-        self,
-        layer: nn.Module,
-        stream: torch.Tensor,
-        sum_sq: torch.Tensor | None,
-        positions: torch.Tensor,
-        layer_idx: int,
-        metadata: PagedAttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One decoder layer with its norms folded (:func:`fold_norms`): the residual adds
-        run in the GEMV epilogues of ``o_proj`` and ``down_proj``, which also give the new
-        stream's sums of squares, and each norm is the ``1 / rms`` scale of the GEMV
-        after it (:func:`~specula.runtime.kernels.gemv.gemv`). Where the GEMV does not
-        take a shape, the library GEMM and a norm kernel with a unit weight stand in.
-
-        Returns:
-            ``(residual stream [n, H] after the layer, its sums of squares or None)``.
-        """
-        attn, mlp = layer.self_attn, layer.mlp
-        qkv = self._scaled_linear(stream, sum_sq, layer.input_layernorm.eps, attn.qkv_proj)
-        out = self._attend(attn, qkv, positions, layer_idx, metadata)
-        stream, sum_sq = _add_linear(out, attn.o_proj, stream)
-        eps = layer.post_attention_layernorm.eps
-        act = self._scaled_linear(stream, sum_sq, eps, mlp.gate_up_proj, silu_mul=True)
-        return _add_linear(act, mlp.down_proj, stream)
-
     def _scaled_linear(
         self,
-        stream: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
         sum_sq: torch.Tensor | None,
         eps: float,
         proj: nn.Linear,
         silu_mul: bool = False,
-    ) -> torch.Tensor:
-        """``proj`` (its norm weight folded in) of ``rms_norm(stream)`` with a unit weight."""
-        if sum_sq is not None and proj.bias is None and use_gemv(stream, proj.weight):
-            return gemv(stream, proj.weight, silu_mul=silu_mul, rms=(sum_sq, eps))
-        normed = rms_norm(stream, self.unit_norm, eps)
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A folded norm and ``proj`` (the norm weight in it, :func:`fold_norms`) ->
+        ``(output, residual stream)``. ``hidden`` is the stream when ``residual`` is None
+        (with its sums of squares ``sum_sq`` when a GEMV's residual epilogue made it), else
+        ``hidden + residual`` is. The GEMV's 1/rms epilogue where it takes the shape, else
+        the norm kernel with a unit weight (and the residual add) and the product."""
+        if sum_sq is not None and proj.bias is None and use_gemv(hidden, proj.weight):
+            return gemv(hidden, proj.weight, silu_mul=silu_mul, rms=(sum_sq, eps)), hidden
+        normed, stream = _add_norm(hidden, residual, self.unit_norm, eps)
         if silu_mul:
-            return linear_silu_and_mul(normed, proj.weight, proj.bias)
-        return linear(normed, proj.weight, proj.bias)
+            return linear_silu_and_mul(normed, proj.weight, proj.bias), stream
+        return linear(normed, proj.weight, proj.bias), stream
 
     def decoder(
         self,
@@ -409,13 +391,26 @@ class ModelRunner:
         Returns:
             ``(normed [n, H], residual stream [n, H])``.
         """
-        if self.norms_folded and residual is None and len(layers):
-            stream, sum_sq = hidden, None
+        if self.norms_folded and residual is None:
+            # Norms folded (fold_norms): the residual adds run in the GEMV epilogues of
+            # o_proj and down_proj, which also give the stream's sums of squares, and each
+            # norm is the 1/rms scale of the GEMV after it; where the GEMV does not take a
+            # shape, the add waits for the next norm kernel as below.
+            sum_sq = None
             for i, layer in enumerate(layers):
+                attn, mlp = layer.self_attn, layer.mlp
+                eps = layer.input_layernorm.eps
+                qkv, stream = self._scaled_linear(hidden, residual, sum_sq, eps, attn.qkv_proj)
                 if i in aux_layer_ids:
                     captured[i] = stream
-                stream, sum_sq = self._folded_layer(layer, stream, sum_sq, positions, i, metadata)
-            return rms_norm(stream, norm.weight, norm.eps), stream
+                out = self._attend(attn, qkv, positions, i, metadata)
+                hidden, residual, sum_sq = _add_linear(out, attn.o_proj, stream)
+                eps = layer.post_attention_layernorm.eps
+                act, stream = self._scaled_linear(
+                    hidden, residual, sum_sq, eps, mlp.gate_up_proj, silu_mul=True
+                )
+                hidden, residual, sum_sq = _add_linear(act, mlp.down_proj, stream)
+            return _add_norm(hidden, residual, norm.weight, norm.eps)
         for i, layer in enumerate(layers):
             ln = layer.input_layernorm if i > 0 or residual is None else None
             hidden, residual = self._attention(

@@ -453,6 +453,67 @@ def test_gemv_folded_norm_epilogues(interpreted):
     interpreted(check_gemv_folded_norm_epilogues)
 
 
+def check_folded_norm_decoder(gemv_shapes: bool) -> None:
+    import copy
+    import json
+    import tempfile
+    from pathlib import Path
+
+    from paged_schedule import metadata_from_block_manager
+
+    from specula.runtime.engine.block_manager import BlockManager
+    from specula.runtime.kernels import gemv
+    from specula.runtime.models.registry import load_model
+    from specula.runtime.worker.model_runner import ModelRunner
+    from specula.runtime.worker.paged_kv import KVCacheSpec, PagedKVCache
+
+    cpu = torch.device("cpu")
+    path = Path(tempfile.mkdtemp())
+    (path / "config.json").write_text(json.dumps(dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=256, hidden_size=64,
+        intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+    )))
+    if gemv_shapes:  # qkv, o, gate_up, down: every projection through the GEMV epilogues
+        for shape in ((128, 64), (64, 64), (256, 64), (64, 128)):
+            gemv.CONFIGS[shape] = {16: (32, 64, 4, 2)}
+    torch.manual_seed(0)
+    model = load_model(path, torch.float16, cpu, load_format="dummy")
+    with torch.no_grad():  # norm weights other than 1, or folding them changes nothing
+        for layer in model.model.layers:
+            layer.input_layernorm.weight.normal_(1.0, 0.2)
+            layer.post_attention_layernorm.weight.normal_(1.0, 0.2)
+    unfolded = copy.deepcopy(model)
+    outputs = []
+    for m, fold in ((model, True), (unfolded, False)):
+        spec = KVCacheSpec.from_model_config(m.config, torch.float16, 16)
+        runner = ModelRunner(m, PagedKVCache(spec, 16, cpu), 64, fold=fold)
+        assert runner.norms_folded == fold
+        manager = BlockManager(16, 16, 0.0)
+        for r in (0, 1):
+            manager.allocate(r, 6)
+        md, pos = metadata_from_block_manager(manager, [0, 1], [6, 6], runner.max_blocks_per_req, cpu)
+        prompt = torch.randint(0, 256, (12,), generator=torch.Generator().manual_seed(1))
+        prefill, _ = runner.forward(prompt, pos, md)
+        for r in (0, 1):
+            manager.append_slots(r, 1)
+        md, pos = metadata_from_block_manager(manager, [0, 1], [1, 1], runner.max_blocks_per_req, cpu)
+        decode, aux = runner.forward(torch.tensor([3, 9]), pos, md, aux_layer_ids=(0, 1, 2))
+        outputs.append((prefill, decode, aux))
+    for got, want in zip(*outputs, strict=True):
+        assert ((got.float() - want.float()).norm() / want.float().norm()).item() < 2e-2
+
+
+@pytest.mark.parametrize("gemv_shapes", [True, False])
+def test_folded_norm_decoder_matches_the_norm_kernels(interpreted, gemv_shapes):
+    """A runner with its norms folded (:func:`fold_norms`) against one on a copy with the
+    norm kernels, a prefill then a decode step of two requests: every projection through
+    the GEMV's residual and 1/rms epilogues, or none (the library GEMM and unit-weight
+    norms, the adds left to the norm kernels)."""
+    interpreted(check_folded_norm_decoder, gemv_shapes)
+
+
 def test_linear_takes_the_library_gemm_off_cuda_and_for_untuned_shapes():
     from specula.runtime.kernels.gemv import CONFIGS, linear, use_gemv
 
