@@ -9,6 +9,7 @@ are :class:`~specula.runtime.spec_decode.dflash.runner.DFlashRunner`'s.
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -92,10 +93,9 @@ def load_dflash_draft(
     device: torch.device,
     load_format: str = "auto",
 ) -> DFlashDraftModel:
-    """Build a :class:`DFlashDraftModel` and load a ``speculators`` checkpoint into it
-    (``config.vocab_size``: the target's). ``embed_tokens.weight`` is skipped (the draft
-    embeds with the target's; ``speculators`` replaces any stored copy with the
-    verifier's), and so is ``lm_head.weight`` when the draft uses the target's head.
+    """Build a :class:`DFlashDraftModel` and load a ``speculators`` checkpoint into it,
+    skipping any ``embed_tokens.weight`` (the draft embeds with the target's, as
+    ``speculators`` replaces a stored copy with the verifier's).
 
     Raises:
         FileNotFoundError: no ``*.safetensors`` file.
@@ -104,11 +104,8 @@ def load_dflash_draft(
             (:func:`~specula.runtime.models.speculators_format.draft_vocab_ids`).
     """
     model, _ = load_checkpoint(
-        lambda: DFlashDraftModel(config, num_aux_layers, draft_vocab_size, device),
-        checkpoint_dir,
-        dtype,
-        device,
-        load_format,
+        partial(DFlashDraftModel, config, num_aux_layers, draft_vocab_size, device),
+        checkpoint_dir, dtype, device, load_format,
         lambda name: None if name == "embed_tokens.weight" else speculators_weight_name(name),
     )
     if draft_vocab_size is not None:  # not a weight: rebuild what to_empty left uninitialised

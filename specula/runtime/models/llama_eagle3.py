@@ -12,6 +12,7 @@ the draft vocabulary follow; draft id ``i`` is target id ``i + d2t[i]``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -85,7 +86,6 @@ class Eagle3LlamaForCausalLM(nn.Module):
         )
         """[draft_vocab_size] target id of each draft id (``i + d2t[i]``)."""
         self.rotary = RotaryEmbedding.from_config(config, device)
-        self.missing_target_weights: set[str] = set()
 
     def combine_hidden_states(self, aux_hidden_states: torch.Tensor) -> torch.Tensor:
         """Fuse the target's auxiliary states ``[n, num_aux * H_target]`` to ``[n, H]``."""
@@ -149,13 +149,9 @@ def load_eagle3_draft(
         target_hidden_size=target_hidden,
         **{flag: bool(raw.get(flag, False)) for flag in flags},
     )
+    factory = partial(Eagle3LlamaForCausalLM, eagle, device)
     model = load_draft_head(
-        lambda: Eagle3LlamaForCausalLM(eagle, device),
-        checkpoint_dir,
-        dtype,
-        device,
-        load_format,
-        speculators_weight_name,
+        factory, checkpoint_dir, dtype, device, load_format, speculators_weight_name
     )
     # Not a weight: rebuild what to_empty left uninitialised.
     model.draft_to_target = draft_vocab_ids(

@@ -11,6 +11,7 @@ step. Checkpoints are the ``speculators`` ``mtp`` format, whose ``token_layernor
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -63,7 +64,6 @@ class MTPForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.mtp_layers = nn.ModuleList([MTPLayer(config)])
         self.rotary = RotaryEmbedding.from_config(config, device)
-        self.missing_target_weights: set[str] = set()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_positions, H] -> [num_positions, vocab_size] float32."""
@@ -108,11 +108,5 @@ def load_mtp_draft(
     if num_layers != 1:
         # The format itself defines one layer (speculators' MTPSpeculatorConfig).
         raise ValueError(f"num_nextn_predict_layers {num_layers} is not supported (only 1)")
-    return load_draft_head(
-        lambda: MTPForCausalLM(layer, device),
-        checkpoint_dir,
-        dtype,
-        device,
-        load_format,
-        _model_name,
-    )
+    factory = partial(MTPForCausalLM, layer, device)
+    return load_draft_head(factory, checkpoint_dir, dtype, device, load_format, _model_name)

@@ -106,19 +106,17 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
             needs_top_k=self.keeps_draft_probs,
             needs_top_p=self.keeps_draft_probs,
         )
-        self.hidden = torch.zeros(r, self.runner_hidden_size(), dtype=self.dtype, device=dev)
+        # Drafts on the target's KV carry the target's state (Gemma4's backbone width).
+        h = (self.target_config if self.reads_target_kv else self.model.config).hidden_size
+        self.hidden = torch.zeros(r, h, dtype=self.dtype, device=dev)
         """[max_num_seqs, H] the state the next draft step reads."""
         self.draft_probs = (
             torch.zeros(r, k, self.vocab_size, device=dev) if self.keeps_draft_probs else None
         )
 
-    def runner_hidden_size(self) -> int:
-        return self.model.config.hidden_size
-
     def capture_graphs(
         self, captured_attention_states: dict[BatchExecutionDescriptor, CapturedAttentionState]
     ) -> None:
-        """Prefill graphs on the target's captured states, then the decode graphs."""
         if not self.reads_target_kv:
             for d, state in captured_attention_states.items():
                 if not self.conditions_on_hidden_states and d.uniform_query_len > 1:
@@ -188,7 +186,6 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
             else:
                 ids, positions = tokens[:, None], pos[:, None]
             q = positions.shape[1]  # consecutive query rows per request
-            # Drafts on the target's KV attend to its positions before the row, writing none.
             slots, seq_lens = self.slots(positions, valid, writes_kv=not self.reads_target_kv)
             metadata = self.decode_metadata(slots, self.block_table[:r], seq_lens, q)
             h_logits, h_next = self._forward(
@@ -206,7 +203,6 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
             pos = self.advance_draft_positions(pos)
 
     def _load(self, inputs: ProposeInputs) -> int:
-        """:meth:`load_inputs` plus this loop's per-request buffers."""
         r = inputs.num_reqs
         padded = self.load_inputs(inputs)
         self.num_accepted[:r] = inputs.num_accepted

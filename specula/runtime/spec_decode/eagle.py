@@ -14,11 +14,8 @@ from specula.runtime.worker.paged_kv import PagedAttentionMetadata
 
 
 class Eagle3Runner(DraftRunner):
-    """Runs an :class:`Eagle3LlamaForCausalLM` over a paged KV cache of its layers.
-
-    Raises:
-        ValueError: unbound target weights, or a cache that does not match the head.
-    """
+    """Runs an :class:`Eagle3LlamaForCausalLM` over a paged KV cache of its layers
+    (raises as :class:`DraftRunner`)."""
 
     @torch.no_grad()
     def forward(  # type: ignore[override]
@@ -86,5 +83,4 @@ class EagleSpeculator(AutoRegressiveSpeculator):
         return self.model.combine_hidden_states(aux)
 
     def draft_argmax(self, hidden: torch.Tensor) -> torch.Tensor:
-        # The LM head with its argmax fused in, mapped to target ids.
         return self.model.draft_to_target[linear_argmax(hidden, self.model.lm_head.weight)[1]]

@@ -15,11 +15,8 @@ from specula.runtime.worker.paged_kv import PagedAttentionMetadata
 
 
 class MTPRunner(DraftRunner):
-    """Runs an :class:`MTPForCausalLM` with the sublayers of :class:`ModelRunner`.
-
-    Raises:
-        ValueError: unbound target weights, or a cache that does not match the layer.
-    """
+    """Runs an :class:`MTPForCausalLM` over a paged KV cache of its layer (raises as
+    :class:`DraftRunner`)."""
 
     weight_name = "mtp_layers.0.eh_proj.weight"
 

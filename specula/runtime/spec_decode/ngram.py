@@ -9,8 +9,7 @@ import torch
 from specula.runtime.spec_decode.base import BaseSpeculator, DraftOutput, ProposeInputs
 
 PAD_TOKEN_ID = 0
-"""Fills draft positions past a request's real draft. The verifier accepts no further
-than the real ones; padding is a valid token id so its shapes and gathers stay uniform."""
+"""Fills draft positions past a request's real draft: a valid id, so shapes stay uniform."""
 
 
 def ngram_lookup(
@@ -59,11 +58,8 @@ def ngram_lookup(
 
 
 class NgramSpeculator(BaseSpeculator):
-    """Proposes, per request, the tokens that followed the last earlier occurrence of its
-    trailing n-gram (:func:`ngram_lookup`); shorter drafts (0 without a match) are padded
-    and their lengths reported in :attr:`DraftOutput.num_draft_tokens`. The verifier
-    treats these deterministic proposals as one-hot distributions, which keeps the
-    target's distribution (Leviathan et al., arXiv 2211.17192).
+    """Proposes :func:`ngram_lookup`'s drafts, their lengths in
+    :attr:`DraftOutput.num_draft_tokens`; the verifier treats them as one-hot.
 
     Raises (at construction):
         ValueError: ``prompt_lookup_min < 1`` or ``prompt_lookup_min > prompt_lookup_max``.

@@ -20,13 +20,9 @@ class DFlashSpeculator(DraftModelSpeculator):
 
     Every step, the context KV of the target forward's rows is written to the draft's
     cache at the target's slots (rows of rejected drafts are overwritten before they are
-    read). A request whose sampled token sits at position ``p`` runs the block of that
-    token (the anchor) plus ``block_size - 1`` mask tokens at ``p .. p + block_size - 1``,
-    attending to the context ``0 .. p - 1`` and the whole block, so slot ``j`` predicts
-    the token at ``p + j`` (``p + j + 1`` with ``sample_from_anchor``). The whole block
-    always runs (a shorter one would change every slot's prediction), so a
-    ``max_num_speculative_tokens`` above what it yields is refused at load. Draft
-    probabilities cover the target vocabulary, so rejection sampling stays exact.
+    read). A request whose sampled token sits at position ``p`` runs the whole block of
+    that token (the anchor) and the mask tokens at ``p .. p + block_size - 1``: a shorter
+    block would change every slot's prediction (:attr:`DFlashConfig.sample_from_anchor`).
 
     Raises (at construction):
         ValueError: not a ``speculators`` ``dflash`` checkpoint, or one that does not fit
@@ -43,7 +39,9 @@ class DFlashSpeculator(DraftModelSpeculator):
         config = self.config = DFlashConfig.from_pretrained(self.draft_dir)
         config.check_target(self.target_config, self.max_num_speculative_tokens)
         self.aux_hidden_state_layers = config.aux_hidden_state_layer_ids
-        draft_vocab_size = config.draft_vocab_size if config.uses_draft_vocab else None
+        draft_vocab_size = config.draft_vocab_size
+        if draft_vocab_size == config.layer_config.vocab_size:
+            draft_vocab_size = None  # the target's LM head
         return load_dflash_draft(
             self.draft_dir, config.layer_config, len(self.aux_hidden_state_layers),
             draft_vocab_size, self.dtype, self.device, self.load_format,

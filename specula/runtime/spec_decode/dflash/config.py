@@ -16,8 +16,6 @@ from pathlib import Path
 from specula.runtime.models.config import ModelConfig, check_aux_layer_ids
 from specula.runtime.models.speculators_format import layer_model_config, read_speculators_config
 
-SPECULATORS_MODEL_TYPE = "dflash"
-
 
 @dataclass(frozen=True)
 class DFlashConfig:
@@ -42,10 +40,6 @@ class DFlashConfig:
     ``j`` predicts the token ``j + 1`` positions after the anchor."""
 
     @property
-    def uses_draft_vocab(self) -> bool:
-        return self.draft_vocab_size != self.layer_config.vocab_size
-
-    @property
     def first_draft_slot(self) -> int:
         return 0 if self.sample_from_anchor else 1
 
@@ -65,7 +59,7 @@ class DFlashConfig:
                 ``speculators_model_type`` and its value), a missing or invalid field,
                 or draft layers our runtime does not implement (sliding-window layers).
         """
-        raw = read_speculators_config(checkpoint_dir, SPECULATORS_MODEL_TYPE)
+        raw = read_speculators_config(checkpoint_dir, "dflash")
         layer_config = layer_model_config(raw, default_type="qwen3")
         block_size = raw.get("block_size", 8)
         if not isinstance(block_size, int) or block_size < 2:

@@ -48,9 +48,6 @@ class Gemma4MTPSpeculator(AutoRegressiveSpeculator):
     def bind_target(self, target_runner) -> None:
         self.runner = Gemma4AssistantRunner(self.model, target_runner)
 
-    def runner_hidden_size(self) -> int:
-        return self.model.config.backbone_hidden_size
-
     def advance_draft_positions(self, positions: torch.Tensor) -> torch.Tensor:
         """Constant: every draft step sits at the last sampled token's position."""
         return positions
