@@ -44,7 +44,7 @@ from specula.runtime.kernels.layernorm import fused_add_rms_norm, rms_norm
 from specula.runtime.kernels.paged_attention import paged_attention
 from specula.runtime.kernels.rotary import build_cos_sin_cache, rotary_embedding_and_cache
 from specula.runtime.models.config import ModelConfig
-from specula.runtime.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
+from specula.runtime.models.llama import LlamaAttention, LlamaForCausalLM
 from specula.runtime.models.qwen3 import Qwen3ForCausalLM
 from specula.runtime.worker.paged_kv import PagedAttentionMetadata, PagedKVCache
 from specula.runtime.worker.parallel import all_reduce
@@ -61,24 +61,12 @@ def _add_norm(
     return fused_add_rms_norm(x, residual, weight, eps)
 
 
-def _add_linear(
-    x: torch.Tensor, proj: nn.Linear, residual: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """``proj(x)`` for the residual stream ``residual``: ``(stream, None, its sums of
-    squares [n, P] float32)`` from the GEMV's residual epilogue where it takes the shape,
-    else ``(proj(x), residual, None)``, the add left to the next norm kernel."""
-    if proj.bias is None and use_gemv(x, proj.weight):
-        stream, sum_sq = gemv(x, proj.weight, residual=residual)
-        return stream, None, sum_sq
-    return linear(x, proj.weight, proj.bias), residual, None
-
-
 def fold_norms(model: nn.Module) -> bool:
     """Fold each decoder layer's input and post-attention RMSNorm weights into
     ``qkv_proj`` and ``gate_up_proj`` (:func:`~specula.runtime.kernels.gemv.
     fold_norm_weight`), once per model, where the GEMV's epilogues will run them: a model
-    in bfloat16/float16 on one rank, on CUDA (or in Triton's interpreter). Returns whether the model's norms are folded
-    (``model.norms_folded``); the model's weights then serve only a runner that knows."""
+    in bfloat16/float16 on one rank, on CUDA (or in Triton's interpreter). Returns whether
+    they are (``model.norms_folded``); its weights then serve only a runner that knows."""
     if getattr(model, "norms_folded", False):
         return True
     weight = model.model.embed_tokens.weight
@@ -319,53 +307,43 @@ class ModelRunner:
         # reshape: a one-request prefill's attention output may be a transposed view.
         return out.reshape(n, -1)
 
-    def _attention(
-        self,
-        attn: LlamaAttention,
-        hidden: torch.Tensor,
-        residual: torch.Tensor | None,
-        norm: nn.Module | None,
-        positions: torch.Tensor,
-        layer_idx: int,
-        metadata: PagedAttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The input ``norm`` (with the residual add; None: ``hidden`` is normed already)
-        and self-attention; returns ``(output, residual stream)``."""
-        if norm is not None:
-            hidden, residual = _add_norm(hidden, residual, norm.weight, norm.eps)
-        qkv = linear(hidden, attn.qkv_proj.weight, attn.qkv_proj.bias)
-        out = self._attend(attn, qkv, positions, layer_idx, metadata)
-        return self.reduce(linear(out, attn.o_proj.weight, attn.o_proj.bias)), residual
-
-    def _mlp(
-        self, mlp: LlamaMLP, hidden: torch.Tensor, residual: torch.Tensor, norm: nn.Module
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The post-attention ``norm`` (with the residual add) and the MLP; returns
-        ``(output, residual stream)``."""
-        hidden, residual = _add_norm(hidden, residual, norm.weight, norm.eps)
-        act = linear_silu_and_mul(hidden, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias)
-        return self.reduce(linear(act, mlp.down_proj.weight, mlp.down_proj.bias)), residual
-
-    def _scaled_linear(
+    def _norm_linear(
         self,
         hidden: torch.Tensor,
         residual: torch.Tensor | None,
         sum_sq: torch.Tensor | None,
-        eps: float,
+        norm: nn.Module | None,
         proj: nn.Linear,
         silu_mul: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """A folded norm and ``proj`` (the norm weight in it, :func:`fold_norms`) ->
-        ``(output, residual stream)``. ``hidden`` is the stream when ``residual`` is None
-        (with its sums of squares ``sum_sq`` when a GEMV's residual epilogue made it), else
-        ``hidden + residual`` is. The GEMV's 1/rms epilogue where it takes the shape, else
-        the norm kernel with a unit weight (and the residual add) and the product."""
-        if sum_sq is not None and proj.bias is None and use_gemv(hidden, proj.weight):
-            return gemv(hidden, proj.weight, silu_mul=silu_mul, rms=(sum_sq, eps)), hidden
-        normed, stream = _add_norm(hidden, residual, self.unit_norm, eps)
+        """A sublayer's input ``norm`` and first projection -> ``(output, residual
+        stream)``. The stream is ``hidden + residual`` (``hidden`` when ``residual`` is
+        None); ``norm=None``: ``hidden`` is the normed input already. With folded norms
+        (:func:`fold_norms`) the norm is the GEMV's 1/rms epilogue when ``sum_sq`` (the
+        stream's sums of squares) is given and the GEMV takes the shape, else the norm
+        kernel with a unit weight."""
+        if norm is None:
+            normed, stream = hidden, residual
+        elif sum_sq is not None and proj.bias is None and use_gemv(hidden, proj.weight):
+            return gemv(hidden, proj.weight, silu_mul=silu_mul, rms=(sum_sq, norm.eps)), hidden
+        else:
+            weight = self.unit_norm if self.norms_folded else norm.weight
+            normed, stream = _add_norm(hidden, residual, weight, norm.eps)
         if silu_mul:
             return linear_silu_and_mul(normed, proj.weight, proj.bias), stream
         return linear(normed, proj.weight, proj.bias), stream
+
+    def _out_linear(
+        self, x: torch.Tensor, proj: nn.Linear, stream: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """A sublayer's last projection -> ``(hidden, residual, sum_sq)`` for the next
+        norm: with folded norms the GEMV's residual epilogue where it takes the shape
+        (``(new stream, None, its sums of squares [n, P] float32)``), else ``(proj(x)``
+        summed over the ranks, ``stream, None)``, the add left to the next norm kernel."""
+        if self.norms_folded and proj.bias is None and use_gemv(x, proj.weight):
+            out, sum_sq = gemv(x, proj.weight, residual=stream)
+            return out, None, sum_sq
+        return self.reduce(linear(x, proj.weight, proj.bias)), stream, None
 
     def decoder(
         self,
@@ -379,7 +357,7 @@ class ModelRunner:
         captured: dict[int, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The decoder ``layers``, then the final ``norm``, each norm fused with its
-        residual add.
+        residual add (with folded norms, :func:`fold_norms`, with the GEMVs around it).
 
         Args:
             hidden: with ``residual=None``, [n, H] the residual stream entering layer 0
@@ -391,38 +369,21 @@ class ModelRunner:
         Returns:
             ``(normed [n, H], residual stream [n, H])``.
         """
-        if self.norms_folded and residual is None:
-            # Norms folded (fold_norms): the residual adds run in the GEMV epilogues of
-            # o_proj and down_proj, which also give the stream's sums of squares, and each
-            # norm is the 1/rms scale of the GEMV after it; where the GEMV does not take a
-            # shape, the add waits for the next norm kernel as below.
-            sum_sq = None
-            for i, layer in enumerate(layers):
-                attn, mlp = layer.self_attn, layer.mlp
-                eps = layer.input_layernorm.eps
-                qkv, stream = self._scaled_linear(hidden, residual, sum_sq, eps, attn.qkv_proj)
-                if i in aux_layer_ids:
-                    captured[i] = stream
-                out = self._attend(attn, qkv, positions, i, metadata)
-                hidden, residual, sum_sq = _add_linear(out, attn.o_proj, stream)
-                eps = layer.post_attention_layernorm.eps
-                act, stream = self._scaled_linear(
-                    hidden, residual, sum_sq, eps, mlp.gate_up_proj, silu_mul=True
-                )
-                hidden, residual, sum_sq = _add_linear(act, mlp.down_proj, stream)
-            return _add_norm(hidden, residual, norm.weight, norm.eps)
+        sum_sq = None
         for i, layer in enumerate(layers):
+            attn, mlp = layer.self_attn, layer.mlp
             ln = layer.input_layernorm if i > 0 or residual is None else None
-            hidden, residual = self._attention(
-                layer.self_attn, hidden, residual, ln, positions, i, metadata
-            )
+            qkv, stream = self._norm_linear(hidden, residual, sum_sq, ln, attn.qkv_proj)
             if i in aux_layer_ids:
-                captured[i] = residual
-            hidden, residual = self._mlp(layer.mlp, hidden, residual, layer.post_attention_layernorm)
-        if residual is None:  # no layers
-            hidden = rms_norm(hidden, norm.weight, norm.eps)
-            return hidden, hidden
-        return fused_add_rms_norm(hidden, residual, norm.weight, norm.eps)
+                captured[i] = stream
+            out = self._attend(attn, qkv, positions, i, metadata)
+            hidden, residual, sum_sq = self._out_linear(out, attn.o_proj, stream)
+            ln = layer.post_attention_layernorm
+            act, stream = self._norm_linear(
+                hidden, residual, sum_sq, ln, mlp.gate_up_proj, silu_mul=True
+            )
+            hidden, residual, sum_sq = self._out_linear(act, mlp.down_proj, stream)
+        return _add_norm(hidden, residual, norm.weight, norm.eps)
 
     @torch.no_grad()
     def forward(
