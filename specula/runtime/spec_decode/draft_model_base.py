@@ -25,9 +25,8 @@ from specula.runtime.worker.model_runner import ModelRunner
 from specula.runtime.worker.paged_kv import KVCacheSpec, PagedAttentionMetadata, PagedKVCache
 
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
-"""``greedy``: drafts are the draft's argmax (one-hot proposals for the verifier);
-``probabilistic``: drafts are sampled under each request's sampling settings and their
-distributions go to the verifier (vLLM's ``draft_sample_method``)."""
+"""vLLM's ``draft_sample_method``: the draft's argmax (one-hot for the verifier), or a
+sample under each request's settings whose distribution goes to the verifier."""
 
 
 class DraftRunner(ModelRunner):

@@ -31,8 +31,7 @@ class Eagle3Runner(DraftRunner):
         (AssertionError: other shapes).
 
         Returns:
-            ``(normed [num_tokens, H] for the logits, [num_tokens, H] the next step's
-            state)``.
+            ``(normed [num_tokens, H] for the logits, [num_tokens, H] the next state)``.
         """
         assert input_ids.ndim == 1 and input_ids.shape == positions.shape
         assert input_ids.shape[0] == metadata.num_tokens

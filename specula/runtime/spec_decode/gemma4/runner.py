@@ -46,10 +46,9 @@ class Gemma4AssistantRunner(Gemma4PagedLayers):
         metadata: PagedAttentionMetadata,
         backbone: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One draft step of ``input_ids`` and ``positions`` ([num_reqs] int64) with
-        ``backbone [num_reqs, backbone_hidden_size]`` (the target's final hidden state,
-        then the previous step's ``post_projection`` output); ``metadata``: one query row
-        per request, the positions as ``seq_lens``, a slot mapping that writes nothing.
+        """One draft step (:mod:`~specula.runtime.spec_decode.gemma4`) of ``input_ids``
+        and ``positions`` ([num_reqs] int64) with ``backbone [num_reqs,
+        backbone_hidden_size]``; ``metadata``: one query row per request.
 
         Returns:
             ``(hidden [num_reqs, hidden_size] after the final norm, next backbone
