@@ -91,9 +91,6 @@ class BlockManager:
         """Blocks that hold a named prefix, in use or free."""
         return len(self._block_of)
 
-    def num_blocks_needed(self, num_tokens: int) -> int:
-        return cdiv(num_tokens, self.block_size)
-
     def block_table(self, request_id: Hashable) -> list[int]:
         """The request's block ids, in token order (a copy)."""
         return list(self._tables[request_id])
@@ -105,7 +102,7 @@ class BlockManager:
     def can_allocate(self, num_tokens: int, cached: Sequence[int] = ()) -> bool:
         """Whether a new request of ``num_tokens`` tokens, reusing the ``cached`` blocks
         of :meth:`match_prefix`, fits above the watermark."""
-        needed = self.num_blocks_needed(num_tokens) - len(cached)
+        needed = cdiv(num_tokens, self.block_size) - len(cached)
         needed += sum(self._refs[b] == 0 for b in cached)  # free now, in use then
         return self.num_free_blocks - needed >= self.watermark_blocks
 
@@ -173,7 +170,7 @@ class BlockManager:
         for block in cached:
             self._evictable.pop(block, None)
             self._refs[block] += 1
-        fresh = self._take(max(0, self.num_blocks_needed(num_tokens) - len(cached)))
+        fresh = self._take(max(0, cdiv(num_tokens, self.block_size) - len(cached)))
         self._tables[request_id] = list(cached) + fresh
         self._num_tokens[request_id] = num_tokens
         self._names[request_id] = [self._name_of[b] for b in cached]
@@ -232,7 +229,7 @@ class BlockManager:
         if num_tokens < 0:
             raise ValueError(f"num_tokens={num_tokens} must be >= 0")
         table = self._tables[request_id]
-        have, need = len(table), self.num_blocks_needed(num_tokens)
+        have, need = len(table), cdiv(num_tokens, self.block_size)
         if need > have:
             table.extend(self._take(need - have))
         elif need < have:

@@ -37,11 +37,6 @@ stopping = threading.Event()
 atexit.register(stopping.set)
 
 
-def rank_device(device_type: str, rank: int) -> torch.device:
-    """``cuda:<rank>`` on CUDA (one GPU per rank), else the CPU."""
-    return torch.device(f"cuda:{rank}" if device_type == "cuda" else "cpu")
-
-
 def launch(config: RuntimeConfig, device_type: str) -> LLMEngine:
     """Start ranks 1..N-1 of ``config.tensor_parallel_size`` N, join as rank 0, and
     return rank 0's engine (whose :meth:`~LLMEngine.shutdown` ends the others).
@@ -109,8 +104,10 @@ def start_ranks(
         init_method = f"tcp://127.0.0.1:{sock.getsockname()[1]}"
     stopping.clear()
     ctx = multiprocessing.get_context("spawn")
+    # One GPU per rank on CUDA.
+    devices = [torch.device(f"cuda:{r}" if device_type == "cuda" else "cpu") for r in range(n)]
     ranks = [
-        ctx.Process(target=_follower_main, args=(build, rank, n, init_method, device_type),
+        ctx.Process(target=_follower_main, args=(build, rank, n, init_method, devices[rank]),
                     name=f"specula-tp-rank-{rank}", daemon=True)
         for rank in range(1, n)
     ]
@@ -118,9 +115,8 @@ def start_ranks(
         process.start()
     _ranks[:] = ranks
     threading.Thread(target=_watch, args=(ranks,), daemon=True, name="tp-watch").start()
-    device = rank_device(device_type, 0)
-    init_parallel(0, n, init_method, device)
-    return build(device)
+    init_parallel(0, n, init_method, devices[0])
+    return build(devices[0])
 
 
 def _watch(ranks: list) -> None:
@@ -140,13 +136,12 @@ def _watch(ranks: list) -> None:
 
 def _follower_main(
     build: Callable[[torch.device], LLMEngine], rank: int, world_size: int,
-    init_method: str, device_type: str,
+    init_method: str, device: torch.device,
 ) -> None:
     """A spawned rank: join, load this rank's shards, replay rank 0 until it stops."""
     logging.basicConfig(
         level=logging.INFO, format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s"
     )
-    device = rank_device(device_type, rank)
     init_parallel(rank, world_size, init_method, device)
     build(device).follow()
     destroy_parallel()  # with rank 0's, which waits for every rank's

@@ -18,10 +18,9 @@ Model Runner V2):
 5. the host reads the step's tokens and accepted counts (one copy, queued before the
    proposal so that its stop checks overlap the drafting) and applies stop conditions.
 
-Log-probabilities (``SamplingParams.logprobs``) are computed on the device for the rows
-that asked only: each emitted token (accepted draft, bonus or recovered) under the
-target's processed distribution at its position, prompt tokens from the prefill's logits
-at every prompt position; a second non-blocking copy brings them beside the tokens.
+Log-probabilities are computed on the device for the rows that asked only (emitted
+tokens under the target's processed distribution at their positions, prompt tokens from
+the prefill's logits) and reach the host by a second non-blocking copy.
 
 With asynchronous scheduling (the default on CUDA; vLLM's ``async_scheduling``), step 5
 of one step runs after steps 1-4 of the next are queued, from the state the device
@@ -29,12 +28,10 @@ updated itself: the host's scheduling, input preparation and stop checks overlap
 device's work, which never waits for the host. A request that finished is then part of
 one more step, whose tokens are dropped.
 
-``k`` is one configured value or, with a per-batch-size schedule
-(:mod:`specula.runtime.engine.spec_schedule`), looked up by batch size: drafts are
-proposed for the k of the step's batch, and the next step verifies the first
-``k(surviving requests)`` of them (a batch that shrinks to a size with a larger k
-verifies the smaller k once). k changes between steps without recapture (graphs exist
-for every k up to the maximum).
+``k`` may depend on the batch size (:mod:`specula.runtime.engine.spec_schedule`): drafts
+are proposed for the k of the step's batch, and the next step verifies the first
+``k(surviving requests)`` of them (at most the k proposed). k changes between steps
+without recapture (graphs exist for every k up to the maximum).
 
 The engine is single-threaded and not thread-safe: call it from one thread.
 """
@@ -414,16 +411,16 @@ class LLMEngine(SpeculativeSettings):
     ) -> list[list[int]]:
         """Run ``prompts`` to completion (batched) and return each one's output tokens."""
         params_list = params if isinstance(params, list) else [params] * len(prompts)
-        ids = []
+        results: dict[str, list[int]] = {}
         for prompt, p in zip(prompts, params_list, strict=True):
-            ids.append(f"generate-{next(self._generate_ids)}")
-            self.add_request(ids[-1], prompt, p)
-        results: dict[str, list[int]] = {i: [] for i in ids}
-        while any(i in self.scheduler for i in ids):
+            request_id = f"generate-{next(self._generate_ids)}"
+            self.add_request(request_id, prompt, p)
+            results[request_id] = []
+        while any(i in self.scheduler for i in results):
             for out in self.step():
                 if out.request_id in results:
                     results[out.request_id].extend(out.new_token_ids)
-        return [results[i] for i in ids]
+        return list(results.values())
 
     def _launch(self) -> _Launched | None:
         """Schedule a step and queue all its device work (steps 1-4 of the module
@@ -529,9 +526,7 @@ class LLMEngine(SpeculativeSettings):
         host = torch.cat([num_accepted[:, None], num_verified[:, None], out], dim=1)
         host = host.to("cpu", non_blocking=True)
         lp_host = torch.cat(lp_parts).to("cpu", non_blocking=True) if lp_parts else None
-        ready = torch.cuda.Event() if dev.type == "cuda" else None
-        if ready is not None:
-            ready.record()
+        ready = torch.cuda.current_stream().record_event() if dev.type == "cuda" else None
 
         # -- drafting ---------------------------------------------------------------------
         k_next = 0

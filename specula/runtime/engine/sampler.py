@@ -137,12 +137,8 @@ def process_logits(logits: torch.Tensor, sampling: SamplingMetadata) -> torch.Te
 
 
 def compute_probs(logits: torch.Tensor, sampling: SamplingMetadata) -> torch.Tensor:
-    """Each request's sampling distribution: the softmax of :func:`process_logits`
-    (callers take greedy rows' argmax from the raw logits instead).
-
-    Returns:
-        [num_reqs, num_positions, vocab_size] float32 probabilities.
-    """
+    """The softmax of :func:`process_logits`: [num_reqs, num_positions, vocab_size] float32
+    (callers take greedy rows' argmax from the raw logits instead)."""
     return process_logits(logits, sampling).softmax(dim=-1)
 
 
@@ -172,10 +168,7 @@ def token_logprobs(
 
 
 def sample(
-    logits: torch.Tensor,
-    sampling: SamplingMetadata,
-    keys: torch.Tensor,
-    stream: int,
+    logits: torch.Tensor, sampling: SamplingMetadata, keys: torch.Tensor, stream: int,
     argmax: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Sample one token per request.

@@ -32,7 +32,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from specula.runtime.engine.block_manager import BlockManager
+from specula.runtime.engine.block_manager import BlockManager, cdiv
 from specula.runtime.engine.request import Request
 
 
@@ -107,7 +107,7 @@ class PagedScheduler:
         step = num_decode_tokens + num_lookahead_tokens
 
         growth = {
-            r: bm.num_blocks_needed(r.num_computed_tokens + step) - bm.num_blocks_held(r.request_id)
+            r: cdiv(r.num_computed_tokens + step, bm.block_size) - bm.num_blocks_held(r.request_id)
             for r in self.running
         }
         needed = sum(growth.values())

@@ -124,7 +124,6 @@ class SpeculativeSettings:
     :class:`~specula.runtime.engine.llm_engine.LLMEngine`)."""
 
     def init_speculative_settings(self, speculator_config: SpeculatorRuntimeConfig | None) -> None:
-        """Start from the config's k (0 without a speculator)."""
         self.speculator_config = spec = speculator_config
         self.max_num_speculative_tokens = spec.max_k if spec else 0
         self.num_speculative_tokens: int | None = spec.num_speculative_tokens if spec else 0
@@ -181,9 +180,7 @@ class SpeculativeSettings:
         self.num_speculative_tokens = num_speculative_tokens
 
     def set_num_speculative_tokens(self, k: int) -> None:
-        """:meth:`set_speculative_config` with ``num_speculative_tokens=k`` (which raises
-        SpeculativeConfigError for a k outside ``[0, max_num_speculative_tokens]`` or no
-        speculator)."""
+        """:meth:`set_speculative_config` with ``num_speculative_tokens=k`` (same errors)."""
         self.set_speculative_config(num_speculative_tokens=k)
 
     def num_speculative_tokens_for(self, num_reqs: int) -> int:
