@@ -121,7 +121,6 @@ def run_download(args) -> int:
             print("no hf:// checkpoint to download", flush=True)
         return 0
     except DownloadError as exc:
-        message = str(exc)
-        print(f"specula download: {message}", file=sys.stderr, flush=True)
-        write_termination_message(message)
+        print(f"specula download: {exc}", file=sys.stderr, flush=True)
+        write_termination_message(str(exc))
         return 1

@@ -31,20 +31,17 @@ def resolve_model_uri(uri: str, revision: str | None = None) -> Path:
     elif scheme == "pvc":
         path = Path(PVC_MOUNT_ROOT) / rest.lstrip("/")
     else:
-        path = _hf_snapshot(rest.strip("/"), revision)
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import LocalEntryNotFoundError
+
+        repo_id = rest.strip("/")
+        try:
+            path = Path(snapshot_download(repo_id, revision=revision, local_files_only=True))
+        except LocalEntryNotFoundError as exc:
+            raise FileNotFoundError(
+                f"hf://{repo_id} (revision {revision or 'main'}) is not in the local Hugging "
+                "Face cache; populate the cache (HF_HOME) or use a file:// or pvc:// URI"
+            ) from exc
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint directory {str(path)!r} for {uri!r} does not exist")
     return path
-
-
-def _hf_snapshot(repo_id: str, revision: str | None) -> Path:
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
-
-    try:
-        return Path(snapshot_download(repo_id, revision=revision, local_files_only=True))
-    except LocalEntryNotFoundError as exc:
-        raise FileNotFoundError(
-            f"hf://{repo_id} (revision {revision or 'main'}) is not in the local Hugging Face "
-            "cache; populate the cache (HF_HOME) or use a file:// or pvc:// URI"
-        ) from exc

@@ -1,18 +1,8 @@
 """The FastAPI apps around one engine loop (the README's HTTP API section lists their
 routes and limits); the engine runs on the thread of an
 :class:`~specula.runtime.server.engine_loop.EngineLoop`, handlers on the event loop.
-
-Model app: ``POST /v1/completions`` and ``POST /v1/chat/completions``
-(:mod:`~specula.runtime.server.completions`), ``GET /v1/models``, ``GET /health`` (503
-while loading, after the loop died and while draining) and ``GET /metrics``; with an
-API key, ``/v1/*`` needs ``Authorization: Bearer <key>``.  The refusals of
-:mod:`~specula.runtime.server.limits` apply.
-
-Admin app, on a port of its own, behind the admin token: ``GET /v1/speculative_config``
-and ``PUT`` with a :class:`~specula.runtime.server.protocol.SpeculativeConfigUpdate`,
-answered with the new configuration once the engine thread applied it between two
-steps; a refusal is 400 with the ``param`` and ``code`` of the engine's
-``SpeculativeConfigError`` (the configuration is then unchanged).
+The admin app, on a port of its own, reads and sets the speculative configuration; a
+``PUT`` is answered once the engine thread applied it between two steps.
 """
 
 from __future__ import annotations
@@ -59,8 +49,6 @@ BodyT = TypeVar("BodyT", bound=BaseModel)
 
 
 class _ServerState:
-    """Per-app state: the engine loop, limits, draining flag, tokenizer copy and metrics."""
-
     def __init__(self, loop: EngineLoop, limits: Limits) -> None:
         self.loop = loop
         self.limits = limits

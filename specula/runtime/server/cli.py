@@ -28,8 +28,6 @@ from specula.runtime import download
 
 logger = logging.getLogger(__name__)
 
-EXIT_CONFIG_ERROR = 2
-
 
 class ConfigError(ValueError):
     """The flags and file do not make a valid runtime config."""
@@ -84,10 +82,8 @@ def build_runtime_config(args: argparse.Namespace) -> RuntimeConfig:
     try:
         return RuntimeConfig.model_validate(data)
     except ValidationError as exc:
-        lines = []
-        for err in exc.errors():
-            where = ".".join(str(p) for p in err["loc"]) or "config"
-            lines.append(f"  {where}: {err['msg']} (got {err.get('input')!r})")
+        lines = [f"  {'.'.join(str(p) for p in err['loc']) or 'config'}: {err['msg']} "
+                 f"(got {err.get('input')!r})" for err in exc.errors()]
         raise ConfigError("invalid runtime config:\n" + "\n".join(lines)) from exc
 
 
@@ -134,7 +130,7 @@ def serve(args: argparse.Namespace) -> int:
                        if config.admin_port is not None else None)
     except ConfigError as exc:
         print(f"specula serve: {exc}", file=sys.stderr)
-        return EXIT_CONFIG_ERROR
+        return 2
 
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

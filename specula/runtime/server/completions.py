@@ -1,16 +1,12 @@
 """``POST /v1/completions`` and ``POST /v1/chat/completions``: prompt validation,
 submission, streamed and whole answers in either route's shape.
 
-Each choice of an HTTP request (``index`` = ``prompt_index * n + j``, as vLLM numbers
-them) is one engine request; all feed one asyncio queue, so streamed chunks interleave
-in the engine's order.  A chat prompt is the chat template's text, tokenized without
-adding special tokens (the template writes them), as vLLM does.
-
-Log-probabilities are the engine's; ``-inf`` (excluded by top-k or top-p) is answered
-as -9999.0, as vLLM does, since JSON has no infinity.  Completions answer OpenAI's
-legacy shape (``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``: each
-token's character offset in the choice's text); chat answers ``content`` entries with
-each token's UTF-8 ``bytes``; a token's string is ``tokenizer.decode([token_id])``.
+Each choice (``index`` = ``prompt_index * n + j``, as vLLM numbers them) is one engine
+request; all feed one asyncio queue, so streamed chunks interleave in the engine's order.
+A chat prompt is the chat template's text, tokenized without adding special tokens (the
+template writes them), as vLLM does.  Log-probabilities are the engine's; ``-inf``
+(excluded by top-k or top-p) is answered as -9999.0, as vLLM does, since JSON has no
+infinity; a token's string is ``tokenizer.decode([token_id])``.
 """
 
 from __future__ import annotations
@@ -108,8 +104,7 @@ def engine_unavailable(exc: BaseException) -> APIError:
 
 class CompletionRun:
     """The engine requests of one HTTP request (choice ``i`` samples prompt ``i // n``)
-    and their accumulated text, built once the model name is checked and the prompts
-    tokenized (chat: rendered first).
+    and their accumulated text.
 
     Raises:
         APIError: 404 for an unknown model; 400 for an empty prompt, a token id outside
@@ -145,8 +140,6 @@ class CompletionRun:
         max_len = engine.max_model_len
         stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
         self.choices: list[_Choice] = []
-        """``len(prompts) * n`` (sample ``j`` of a prompt seeded ``seed + j``, wrapped
-        into int64, when ``seed`` is given)."""
         for i, ids in enumerate(prompts):
             if len(ids) >= max_len:
                 raise APIError(
@@ -267,8 +260,8 @@ class CompletionRun:
                 "finish_reason": c.finish_reason if c.finished else None}
 
     def _completion_logprobs(self, c: _Choice) -> dict[str, list[Any]]:
-        """``c``'s unsent tokens (the prompt's first while its echo is unsent), offsets
-        continuing from ``c.text_offset``."""
+        """OpenAI's legacy shape for ``c``'s unsent tokens (the prompt's first while its
+        echo is unsent); ``text_offset`` continues from ``c.text_offset``."""
         ids, lps = c.text.token_ids[c.num_streamed:], list(c.logprobs[c.num_streamed:])
         if c.echo is not None:
             prompt = self.prompts[c.prompt_index]
@@ -311,11 +304,9 @@ class CompletionRun:
 
     async def stream(self) -> AsyncIterator[str]:
         """Server-sent events, once :meth:`submit` returned: one ``data: {chunk}`` per
-        text delta, new log-probabilities or finish, then optionally a usage chunk, then
-        ``data: [DONE]``. Chat chunks open each choice with ``delta.role``; completions
-        with ``echo`` open it with the prompt.  ``finally`` aborts the engine requests
-        left when a client that disconnects cancels this generator.
-        """
+        text delta, new log-probabilities or finish, the usage chunk if asked, then
+        ``data: [DONE]``.  ``finally`` aborts the engine requests left when a client that
+        disconnects cancels this generator."""
         options = self.request.stream_options
         with_usage = bool(options and options.include_usage)
 

@@ -219,7 +219,6 @@ class EngineLoop:
             self._fail_all(EngineDeadError("the server is shutting down"))
 
     def _drain_commands(self, block: bool) -> None:
-        """Apply every queued command; wait up to ``_IDLE_WAIT_S`` for one if ``block``."""
         with contextlib.suppress(queue.Empty):
             cmd = self._commands.get(timeout=_IDLE_WAIT_S) if block else self._commands.get_nowait()
             while cmd is not None:

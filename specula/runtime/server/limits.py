@@ -1,11 +1,6 @@
-"""What the HTTP side refuses, and how it stops (the limits are
-:class:`~specula.api.runtime_config.RuntimeConfig` fields): a body beyond
-``max_request_body_bytes`` (413) or slower than ``http_read_timeout_s`` (408), headers
-slower than that (connection closed), a completion that would queue beyond
-``max_num_seqs + max_queued_requests`` engine requests (429), a client that hangs up
-(its engine requests aborted), and the drain on SIGTERM (new completions and ``/health``
-503 while in-flight ones finish, for up to ``drain_timeout_s``).
-"""
+"""What the HTTP side refuses (bodies too large or too slow, headers too slow, clients
+that hang up), with limits from :class:`~specula.api.runtime_config.RuntimeConfig`
+fields, and the drain on SIGTERM."""
 
 from __future__ import annotations
 

@@ -52,7 +52,6 @@ class StepTimeStats:
     series: dict[tuple[str, int], StepTimeSeries] = field(default_factory=dict)
 
     def observe(self, batch_size: int, num_speculative_tokens: int, seconds: float) -> None:
-        """Record one step of ``batch_size`` requests drafting ``num_speculative_tokens``."""
         key = (batch_bucket(batch_size), num_speculative_tokens)
         s = self.series.setdefault(key, StepTimeSeries())
         s.bucket_counts[bisect.bisect_left(STEP_DURATION_BUCKETS_S, seconds)] += 1

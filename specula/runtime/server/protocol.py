@@ -5,13 +5,11 @@ Field names and defaults follow the OpenAI Completions and Chat Completions APIs
 ``vllm/entrypoints/openai/protocol.py``.  Unknown fields are refused (a typo such as
 ``max_token`` gets 400, not silence); fields this runtime does not implement
 (``best_of`` other than ``n``, penalties, ``logit_bias``, ``suffix``) are accepted only
-at their no-op values.  ``n``'s bound, the server's ``max_n``, is checked when the
-completion run is built.
+at their no-op values.
 
-Every error, FastAPI's own included (unknown routes and methods), is answered as
-``{"error": {"message", "type", "param", "code"}}``; malformed JSON and schema
-violations are 400, not FastAPI's 422, as OpenAI and vLLM (its
-``validation_exception_handler``) answer them.
+Every error, FastAPI's own included, is answered as ``{"error": {"message", "type",
+"param", "code"}}``; malformed JSON and schema violations are 400, not FastAPI's 422, as
+OpenAI and vLLM (its ``validation_exception_handler``) answer them.
 """
 
 from __future__ import annotations
@@ -37,19 +35,15 @@ ERROR_TYPE_SERVER = "server_error"
 
 
 class _Body(BaseModel):
-    """A request body (or part of one): unknown fields are refused."""
-
     model_config = ConfigDict(extra="forbid")
 
 
 def _unsupported(param: str, message: str) -> PydanticCustomError:
-    """A validation error whose body names ``param`` (:func:`validation_error`)."""
     return PydanticCustomError("unsupported_field", message, {"param": param})
 
 
 class StreamOptions(_Body):
     include_usage: bool = False
-    """Send one more chunk before ``[DONE]`` with ``usage`` and no choices."""
 
 
 INT64_MAX = 2**63 - 1
@@ -57,10 +51,6 @@ INT64_MAX = 2**63 - 1
 they are refused here (vLLM bounds ``seed`` the same way)."""
 TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
 NonEmptyTokenIds = Annotated[list[TokenId], Field(min_length=1)]
-
-
-MAX_COMPLETION_LOGPROBS = 5
-"""The most top log-probabilities ``/v1/completions`` returns per token (OpenAI's bound)."""
 
 
 class GenerationRequest(_Body):
@@ -75,12 +65,11 @@ class GenerationRequest(_Body):
     """0 or -1 disables top-k (vLLM uses -1, OpenAI has no top-k)."""
     seed: int | None = Field(default=None, ge=-INT64_MAX - 1, le=INT64_MAX)
     stop: str | list[str] | None = None
-    """Stop strings; the returned text ends before the first one (it is not included)."""
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
     n: int = Field(default=1, ge=1)
-    """Independent samples per prompt (choices ``prompt_index * n + j``); with ``seed``,
-    sample ``j`` is seeded ``seed + j``."""
+    """Samples per prompt (choices ``prompt_index * n + j``), at most the server's
+    ``max_n``; with ``seed``, sample ``j`` is seeded ``seed + j``."""
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float = 0.0
@@ -117,12 +106,10 @@ class CompletionRequest(GenerationRequest):
     max_tokens: int | None = Field(default=16, ge=1)
     """Most tokens to generate per prompt; ``None`` means up to the context length."""
     best_of: int | None = None
-    """Accepted only as ``n`` (or 1 with ``n`` 1): every sample is returned."""
     echo: bool = False
     """Return the prompt before the completion (with ``logprobs``, its tokens' too, the
     first ``None``)."""
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
-    """Each token's log-probability and the ``logprobs`` most likely tokens'."""
+    logprobs: int | None = Field(default=None, ge=0, le=5)  # OpenAI's bound
     suffix: str | None = None
 
     @model_validator(mode="after")
@@ -165,7 +152,6 @@ class ChatCompletionRequest(GenerationRequest):
     """Wins over ``max_tokens`` when both are given."""
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    """Most likely tokens per position (needs ``logprobs``)."""
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
@@ -260,8 +246,6 @@ def validation_error(errors: list[ErrorDetails]) -> APIError:
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    """Register the handlers that give every error the OpenAI shape."""
-
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         if not isinstance(exc, APIError):  # FastAPI's own: unknown routes, methods
