@@ -146,9 +146,8 @@ _bearer = HTTPBearer(auto_error=False)
 
 
 def require_bearer(token: Callable[[], str | None], what: str) -> Any:
-    """A route dependency answering 401 (OpenAI error body, code ``invalid_api_key``)
-    unless the request carries ``Authorization: Bearer <token()>``, compared in
-    constant time; ``token()`` returning ``None`` lets every request through.
+    """A route dependency requiring ``Authorization: Bearer <token()>`` (compared in
+    constant time); ``token()`` returning ``None`` lets every request through.
 
     Raises:
         APIError: 401 for a missing or wrong token; 503 when ``token()`` cannot read it.
