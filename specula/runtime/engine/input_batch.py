@@ -38,7 +38,6 @@ class InputBatch:
         max_blocks_per_req: block-table width.
         max_num_speculative_tokens: draft columns (at least 1).
         vocab_size: columns of :attr:`draft_probs` when ``keep_draft_probs``.
-        device: where the tensors live.
         token_capacity: columns of :attr:`token_ids` (every token of a request, for
             speculators that read the history); ``None`` keeps no history.
         keep_draft_probs: keep the distributions probabilistic drafts were sampled from.
@@ -161,16 +160,10 @@ class InputBatch:
         self, idx: torch.Tensor, num_computed_tokens: torch.Tensor, next_token_ids: torch.Tensor,
         output_token_ids: torch.Tensor, num_output_tokens: torch.Tensor,
     ) -> None:
-        """After sampling: rows ``idx`` now have ``num_computed_tokens`` committed tokens
-        and ``next_token_ids`` as their last token; with a token history, append each
-        row's first ``num_output_tokens[i]`` of ``output_token_ids[i]`` to it.
-
-        Args:
-            idx: [num_reqs] int64 rows.
-            num_computed_tokens, next_token_ids: [num_reqs] int64.
-            output_token_ids: [num_reqs, n] int64.
-            num_output_tokens: [num_reqs] int64 in ``[1, n]``.
-        """
+        """After sampling (all int64): rows ``idx [num_reqs]`` now have
+        ``num_computed_tokens [num_reqs]`` committed tokens and ``next_token_ids [num_reqs]``
+        as their last token; with a token history, append each row's first
+        ``num_output_tokens[i]`` (in ``[1, n]``) of ``output_token_ids [num_reqs, n]`` to it."""
         self.num_computed_tokens[idx] = num_computed_tokens
         self.last_token_ids[idx] = next_token_ids
         if self.token_ids is None:

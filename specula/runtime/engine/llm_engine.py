@@ -60,7 +60,7 @@ from specula.runtime.engine.scheduler import PagedScheduler
 from specula.runtime.engine.spec_schedule import SpeculativeSettings
 from specula.runtime.engine.verification import verify
 from specula.runtime.loader import resolve_model_uri
-from specula.runtime.models.config import ModelConfig, resolve_dtype
+from specula.runtime.models.config import ModelConfig, eos_token_ids, resolve_dtype
 from specula.runtime.models.layers import LOAD_FORMATS
 from specula.runtime.models.registry import load_model
 from specula.runtime.spec_decode.base import BaseSpeculator, ProposeInputs
@@ -377,8 +377,7 @@ class LLMEngine(SpeculativeSettings):
             outputs += self._finish(finished)
         in_flight = self._in_flight
         if in_flight is not None and all(r.finished or r.row < 0 for r in in_flight.batch):
-            # Every request of the step in flight has finished: drain it (emitting nothing)
-            # so that nothing is left pending.
+            # Drain it (emitting nothing) so that nothing is left pending.
             self._finish(in_flight)
             self._in_flight = None
         for request in [r for r in self.scheduler.running if r.finished]:
@@ -395,9 +394,8 @@ class LLMEngine(SpeculativeSettings):
             self.step()
 
     def shutdown(self) -> None:
-        """Rank 0 of several: end the other ranks' :meth:`follow` loops, then leave the
-        group with them (a group left undestroyed hangs NCCL at interpreter exit). A
-        no-op on one rank and on the others."""
+        """Rank 0 of several: end the other ranks' :meth:`follow` loops and leave the group
+        with them (an undestroyed group hangs NCCL at exit); a no-op on any other rank."""
         if self._commands is not None:
             from specula.runtime.engine.distributed import stopping
 
@@ -423,10 +421,9 @@ class LLMEngine(SpeculativeSettings):
         return list(results.values())
 
     def _launch(self) -> _Launched | None:
-        """Schedule a step and queue all its device work (steps 1-4 of the module
-        docstring and the copy to the host); ``None`` when there is nothing to run. With a
-        step in flight, the running requests' committed lengths are known one step late:
-        their KV slots are reserved for that step's query tokens too."""
+        """Schedule a step and queue its device work (module docstring, steps 1-4) and host
+        copy; ``None`` when there is nothing to run. With a step in flight, running requests
+        also reserve KV slots for its query tokens (their lengths are known a step late)."""
         k = self._draft_k
         q = k + 1
         in_flight = self._in_flight.k + 1 if self._in_flight is not None else 0
@@ -595,13 +592,11 @@ class LLMEngine(SpeculativeSettings):
             start += n
 
     def _finish(self, step: _Launched) -> list[RequestOutput]:
-        """Wait for ``step``'s tokens and accepted counts, then count, commit and emit
-        them, applying stop conditions. The tokens of requests that finished, were
-        aborted or were preempted since the step was launched are dropped."""
+        """Wait for ``step``'s tokens and accepted counts, then commit and emit them (stop
+        conditions applied); requests finished, aborted or preempted since the launch get none."""
         if step.ready is not None:
             step.ready.synchronize()
         rows = step.host.tolist()
-        # Log-probabilities by batch position and whether they are of the prompt.
         logprobs: dict[tuple[int, bool], list[TokenLogprobs]] = {}
         values = [] if step.logprobs is None else step.logprobs.tolist()
         num_top = (len(values[0]) - 1) // 2 if values else 0
@@ -687,11 +682,9 @@ def create_engine(config: RuntimeConfig) -> LLMEngine:
 def _eos_token_ids(config: ModelConfig, checkpoint_dir: Path, tokenizer: Any) -> frozenset[int]:
     """Union of the eos ids of ``config.json``, ``generation_config.json`` (which
     ``transformers.generate`` uses) and the tokenizer."""
-    ids = set(config.eos_token_ids)
+    ids = set(config.eos_token_ids) | set(eos_token_ids(tokenizer))
     gen_path = checkpoint_dir / "generation_config.json"
     if gen_path.is_file():
         eos = json.loads(gen_path.read_text()).get("eos_token_id")
         ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
-    if getattr(tokenizer, "eos_token_id", None) is not None:
-        ids.add(tokenizer.eos_token_id)
     return frozenset(ids)

@@ -82,12 +82,10 @@ class Request:
         eos unless ``ignore_eos``, a stop token id, a stop string in the detokenized
         completion, ``max_tokens``, ``max_model_len``); returns the tokens appended, those
         after the stop dropped."""
-        appended = []
-        params = self.params
+        start, params = len(self.token_ids), self.params
         stop_ids = set(params.stop_token_ids or ())
         for token in new_token_ids:
             self.token_ids.append(token)
-            appended.append(token)
             if token in self.eos_token_ids and not params.ignore_eos:
                 self.finish_reason = "stop"
             elif token in stop_ids:
@@ -100,7 +98,7 @@ class Request:
                 self.finish_reason = "length"
             if self.finished:
                 break
-        return appended
+        return self.token_ids[start:]
 
     def _match_stop_string(self, tokenizer: Any) -> str | None:
         stops = self.params.stop or []

@@ -136,12 +136,11 @@ class SpeculativeSettings:
         as ``[[start, end, k], ...]``), the other ``None``. The k a step actually used is
         :attr:`last_step_num_speculative_tokens`."""
         spec, schedule = self.speculator_config, self.speculative_schedule
+        ranges = [list(r) for r in schedule.ranges] if schedule else None
         return {
             "method": spec.method if spec else None,
             "num_speculative_tokens": self.num_speculative_tokens,
-            "num_speculative_tokens_per_batch_size": (
-                [list(r) for r in schedule.ranges] if schedule else None
-            ),
+            "num_speculative_tokens_per_batch_size": ranges,
             "max_num_speculative_tokens": self.max_num_speculative_tokens,
             "model": spec.model if spec else None,
         }
