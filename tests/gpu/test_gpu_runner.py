@@ -178,15 +178,9 @@ def test_cudagraph_replay_matches_eager(checkpoint, num_reqs, q_len):
         torch.testing.assert_close(replayed, eager, atol=3e-2, rtol=3e-2, msg=f"step {step}")
 
 
-@pytest.mark.parametrize("num_reqs", [1, 32])
-def test_gemv_epilogues_match_the_unfused_kernels(tmp_path, monkeypatch, num_reqs):
-    """Two Llama-3.1-8B-shaped layers and its LM head (random weights), the shapes the
-    GEMV's SwiGLU and argmax epilogues serve: a decode step with them on and off."""
+def _two_llama8b_layers(path):
+    """Two Llama-3.1-8B-shaped layers and its LM head in bfloat16, random weights."""
     import json
-
-    from specula.runtime.kernels.activation import silu_and_mul
-    from specula.runtime.kernels.gemv import linear
-    from specula.runtime.worker import model_runner
 
     config = dict(
         architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256,
@@ -194,9 +188,21 @@ def test_gemv_epilogues_match_the_unfused_kernels(tmp_path, monkeypatch, num_req
         num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=MAX_MODEL_LEN,
         rms_norm_eps=1e-5, tie_word_embeddings=False,
     )
-    (tmp_path / "config.json").write_text(json.dumps(config))
+    (path / "config.json").write_text(json.dumps(config))
     torch.manual_seed(0)
-    model = load_model(tmp_path, torch.bfloat16, DEVICE, load_format="dummy")
+    return load_model(path, torch.bfloat16, DEVICE, load_format="dummy")
+
+
+@pytest.mark.parametrize("num_reqs", [1, 32])
+def test_gemv_epilogues_match_the_unfused_kernels(tmp_path, monkeypatch, num_reqs):
+    """Two Llama-3.1-8B-shaped layers and its LM head (random weights), the shapes the
+    GEMV's SwiGLU and argmax epilogues serve: a decode step with them on and off."""
+
+    from specula.runtime.kernels.activation import silu_and_mul
+    from specula.runtime.kernels.gemv import linear
+    from specula.runtime.worker import model_runner
+
+    model = _two_llama8b_layers(tmp_path)
     spec = KVCacheSpec.from_model_config(model.config, torch.bfloat16, BLOCK_SIZE)
     cache = PagedKVCache(spec, 4 * num_reqs, DEVICE)
     # Norms unfolded: the patched functions below are the unfolded path's.
@@ -240,17 +246,8 @@ def test_folded_norms_match_the_norm_kernels(tmp_path, num_reqs):
     (library GEMM and unit-weight norms) and a decode step (the GEMV's residual and 1/rms
     epilogues), hidden states and the captured residual streams."""
     import copy
-    import json
 
-    config = dict(
-        architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256,
-        hidden_size=4096, intermediate_size=14336, num_hidden_layers=2,
-        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=MAX_MODEL_LEN,
-        rms_norm_eps=1e-5, tie_word_embeddings=False,
-    )
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    torch.manual_seed(0)
-    model = load_model(tmp_path, torch.bfloat16, DEVICE, load_format="dummy")
+    model = _two_llama8b_layers(tmp_path)
     with torch.no_grad():  # norm weights other than 1, or folding them changes nothing
         for layer in model.model.layers:
             layer.input_layernorm.weight.normal_(1.0, 0.2)

@@ -282,8 +282,9 @@ def gemv(
     assert residual is None or (residual.shape == (m, n) and residual.dtype == x.dtype
                                 and residual.stride(1) == 1)
     if m == 0 or use_reference(x):  # the torch reference: the library GEMM
-        y = F.linear(x, weight)
-        if rms is not None:
+        if rms is None:
+            y = F.linear(x, weight)
+        else:
             rstd = torch.rsqrt(rms[0].sum(-1, keepdim=True) / k + rms[1])
             y = (F.linear(x.float(), weight.float()) * rstd).to(x.dtype)
         y = silu_and_mul(y) if silu_mul else y

@@ -432,7 +432,7 @@ def check_gemv_folded_norm_epilogues() -> None:
         # squares of the output's parts.
         stream, sum_sq = gemv(x, w, cfg, residual=residual)
         assert torch.equal(stream, fused_add_rms_norm(gemv(x, w, cfg), residual, w[0, :n], 1e-5)[1])
-        assert sum_sq.shape == (m, triton_cdiv(n, cfg[0])) and sum_sq.dtype == torch.float32
+        assert sum_sq.shape == (m, -(-n // cfg[0])) and sum_sq.dtype == torch.float32
         torch.testing.assert_close(sum_sq.sum(-1), stream.float().pow(2).sum(-1))
         # 1/rms epilogue with the norm weight folded in: rms_norm(stream) then the product.
         g = (1 + 0.2 * torch.randn(n, generator=gen)).half()
@@ -445,15 +445,11 @@ def check_gemv_folded_norm_epilogues() -> None:
             assert ((got.float() - ref.float()).norm() / ref.float().norm()).item() < 5e-3
 
 
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def test_gemv_folded_norm_epilogues(interpreted):
     interpreted(check_gemv_folded_norm_epilogues)
 
 
-def check_folded_norm_decoder(gemv_shapes: bool) -> None:
+def _folded_norm_decoder(gemv_shapes: bool) -> None:
     import copy
     import json
     import tempfile
@@ -464,9 +460,17 @@ def check_folded_norm_decoder(gemv_shapes: bool) -> None:
     from specula.runtime.engine.block_manager import BlockManager
     from specula.runtime.kernels import gemv
     from specula.runtime.models.registry import load_model
+    from specula.runtime.worker import model_runner
     from specula.runtime.worker.model_runner import ModelRunner
     from specula.runtime.worker.paged_kv import KVCacheSpec, PagedKVCache
 
+    epilogues: list[str] = []  # the runner's GEMV calls with a residual or 1/rms epilogue
+
+    def spy(*args, **kwargs):
+        epilogues.extend(k for k in ("residual", "rms") if kwargs.get(k) is not None)
+        return gemv.gemv(*args, **kwargs)
+
+    model_runner.gemv = spy
     cpu = torch.device("cpu")
     path = Path(tempfile.mkdtemp())
     (path / "config.json").write_text(json.dumps(dict(
@@ -503,6 +507,25 @@ def check_folded_norm_decoder(gemv_shapes: bool) -> None:
         outputs.append((prefill, decode, aux))
     for got, want in zip(*outputs, strict=True):
         assert ((got.float() - want.float()).norm() / want.float().norm()).item() < 2e-2
+    # Two forwards x two layers: o_proj and down_proj add the residual; qkv_proj after the
+    # first layer and gate_up_proj scale by 1/rms. None without GEMV shapes.
+    expected = {"residual": 8, "rms": 6} if gemv_shapes else {}
+    assert {k: epilogues.count(k) for k in set(epilogues)} == expected
+
+
+def check_folded_norm_decoder(gemv_shapes: bool) -> None:
+    # The interpreter's worker process serves the whole session: put back what this
+    # check patches (the runner's gemv, tiny GEMV configurations) for the next one.
+    from specula.runtime.kernels import gemv
+    from specula.runtime.worker import model_runner
+
+    configs = dict(gemv.CONFIGS)
+    try:
+        _folded_norm_decoder(gemv_shapes)
+    finally:
+        model_runner.gemv = gemv.gemv
+        gemv.CONFIGS.clear()
+        gemv.CONFIGS.update(configs)
 
 
 @pytest.mark.parametrize("gemv_shapes", [True, False])
