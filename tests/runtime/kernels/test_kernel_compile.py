@@ -23,6 +23,18 @@ pytestmark = pytest.mark.runtime
 
 HOPPER = GPUTarget("cuda", 90, 32)
 
+
+def _gemv(**constexprs):
+    """A GEMV case: its pointer and float types, and the constexprs of a 16-row tile with
+    no epilogue unless ``constexprs`` asks for one."""
+    types = {"y_ptr": "*bf16", "x_ptr": "*bf16", "w_ptr": "*bf16", "part_max_ptr": "*fp32",
+             "part_idx_ptr": "*i32", "res_ptr": "*bf16", "rms_ptr": "*fp32",
+             "up_offset": "i64", "eps": "fp32"}
+    flags = dict(BLOCK_M=16, EVEN=True, SILU_MUL=False, ARGMAX=False, RESIDUAL=False,
+                 RMS=False, BLOCK_P=1, PDL=True)
+    return gemv._gemv_kernel, types, flags | constexprs
+
+
 # kernel, pointer/float argument types (other runtime arguments are i32), constexprs
 CASES = {
     "paged_attention_split": (
@@ -48,31 +60,11 @@ CASES = {
         dict(HEAD_DIM=128, BLOCK_D=128, NUM_SPLITS=5, BLOCK_S=8, PDL=True),
     ),
     # The GEMV's epilogues at Llama-3.1-8B's gate_up_proj (with the 1/rms scale of a folded
-    # norm) and LM head (bench/gemv.py configs).
-    "gemv_silu_mul": (
-        gemv._gemv_kernel,
-        {"y_ptr": "*bf16", "x_ptr": "*bf16", "w_ptr": "*bf16", "part_max_ptr": "*bf16",
-         "part_idx_ptr": "*bf16", "res_ptr": "*bf16", "rms_ptr": "*fp32", "up_offset": "i64",
-         "eps": "fp32"},
-        dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, EVEN=True, SILU_MUL=True, ARGMAX=False,
-             RESIDUAL=False, RMS=True, BLOCK_P=64, PDL=True),
-    ),
-    # The residual-add epilogue (o_proj, down_proj with norms folded into the next weights).
-    "gemv_residual": (
-        gemv._gemv_kernel,
-        {"y_ptr": "*bf16", "x_ptr": "*bf16", "w_ptr": "*bf16", "part_max_ptr": "*fp32",
-         "part_idx_ptr": "*bf16", "res_ptr": "*bf16", "rms_ptr": "*bf16", "up_offset": "i64",
-         "eps": "fp32"},
-        dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, EVEN=True, SILU_MUL=False, ARGMAX=False,
-             RESIDUAL=True, RMS=False, BLOCK_P=1, PDL=True),
-    ),
-    "gemv_argmax": (
-        gemv._gemv_kernel,
-        {"y_ptr": "*bf16", "x_ptr": "*bf16", "w_ptr": "*bf16", "part_max_ptr": "*fp32",
-         "part_idx_ptr": "*i32"},
-        dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=512, EVEN=False, SILU_MUL=False, ARGMAX=True,
-             RESIDUAL=False, RMS=False, BLOCK_P=1, PDL=True),
-    ),
+    # norm), o_proj/down_proj (the residual add before a folded norm) and LM head
+    # (bench/gemv.py configs).
+    "gemv_silu_mul": _gemv(BLOCK_N=64, BLOCK_K=256, SILU_MUL=True, RMS=True, BLOCK_P=64),
+    "gemv_residual": _gemv(BLOCK_N=32, BLOCK_K=256, RESIDUAL=True),
+    "gemv_argmax": _gemv(BLOCK_N=64, BLOCK_K=512, EVEN=False, ARGMAX=True),
     "argmax_first_pass": (
         gemv._argmax_kernel,
         {"max_ptr": "*fp32", "idx_ptr": "*i32", "x_ptr": "*bf16", "x_idx_ptr": "*bf16"},
