@@ -47,7 +47,7 @@ from specula.runtime.models.config import ModelConfig
 from specula.runtime.models.llama import LlamaAttention, LlamaForCausalLM
 from specula.runtime.models.qwen3 import Qwen3ForCausalLM
 from specula.runtime.worker.paged_kv import PagedAttentionMetadata, PagedKVCache
-from specula.runtime.worker.parallel import all_reduce
+from specula.runtime.worker.parallel import FUSED_MAX_ROWS, all_reduce, fused_all_reduce_add_norm
 
 SUPPORTED_MODELS = (LlamaForCausalLM, Qwen3ForCausalLM)
 
@@ -208,6 +208,8 @@ class ModelRunner:
 
     norms_folded = False
     """The decoder layers' norm weights live in ``qkv_proj`` and ``gate_up_proj``."""
+    fused_reduce = None
+    """Tensor parallelism's sum, residual add and norm in one kernel, or None (NCCL)."""
 
     def __init__(
         self,
@@ -254,6 +256,10 @@ class ModelRunner:
         self.has_qk_norm = config.model_type == "qwen3"
         # Row-parallel outputs are partial sums over the ranks (Megatron-LM).
         self.reduce = all_reduce if tp > 1 else (lambda x: x)
+        # Up to FUSED_MAX_ROWS rows the sum is deferred to the next norm, fused with it.
+        self.fused_reduce = (
+            fused_all_reduce_add_norm(config.hidden_size, weight.dtype, weight.device) if tp > 1 else None
+        )
         self.scale = config.head_dim**-0.5
         inv_freq = model.rotary.inv_freq.to(self.device)
         self.cos_sin_cache = build_cos_sin_cache(inv_freq, max_model_len)
@@ -328,7 +334,7 @@ class ModelRunner:
             return gemv(hidden, proj.weight, silu_mul=silu_mul, rms=(sum_sq, norm.eps)), hidden
         else:
             weight = self.unit_norm if self.norms_folded else norm.weight
-            normed, stream = _add_norm(hidden, residual, weight, norm.eps)
+            normed, stream = self._add_norm(hidden, residual, weight, norm.eps)
         if silu_mul:
             return linear_silu_and_mul(normed, proj.weight, proj.bias), stream
         return linear(normed, proj.weight, proj.bias), stream
@@ -343,7 +349,21 @@ class ModelRunner:
         if self.norms_folded and proj.bias is None and use_gemv(x, proj.weight):
             out, sum_sq = gemv(x, proj.weight, residual=stream)
             return out, None, sum_sq
+        if self._fuses_reduce(x):  # partial sums: the next _add_norm reduces them
+            return linear(x, proj.weight, proj.bias), stream, None
         return self.reduce(linear(x, proj.weight, proj.bias)), stream, None
+
+    def _fuses_reduce(self, x: torch.Tensor) -> bool:
+        return self.fused_reduce is not None and x.shape[0] <= FUSED_MAX_ROWS
+
+    def _add_norm(
+        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:func:`_add_norm`; with a residual and a fused reduce, ``x`` is the ranks'
+        partial sums (:meth:`_out_linear`), summed in the same kernel."""
+        if residual is not None and self._fuses_reduce(x):
+            return self.fused_reduce(x, residual, weight, eps)
+        return _add_norm(x, residual, weight, eps)
 
     def decoder(
         self,
@@ -383,7 +403,7 @@ class ModelRunner:
                 hidden, residual, sum_sq, ln, mlp.gate_up_proj, silu_mul=True
             )
             hidden, residual, sum_sq = self._out_linear(act, mlp.down_proj, stream)
-        return _add_norm(hidden, residual, norm.weight, norm.eps)
+        return self._add_norm(hidden, residual, norm.weight, norm.eps)
 
     @torch.no_grad()
     def forward(

@@ -20,7 +20,10 @@ serves HTTP broadcasts each step's requests to the others
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -28,6 +31,8 @@ import torch.distributed as dist
 from torch import nn
 
 from specula.runtime.engine.block_manager import cdiv
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -80,6 +85,8 @@ def destroy_parallel() -> None:
         from specula.runtime.worker.cudagraph import release_graphs
 
         release_graphs()
+        _FUSED.clear()
+        _FUSED_KEEP.clear()
         dist.destroy_process_group()
     _STATE = ParallelState(0, 1)
 
@@ -90,6 +97,56 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     if _STATE.world_size > 1:
         dist.all_reduce(x, group=_STATE.group)
     return x
+
+
+FUSED_MAX_ROWS = 1024
+"""Rows a fused all-reduce takes (a decode or verification step); more go to NCCL."""
+
+_FUSED: dict[tuple[int, torch.dtype], Callable | None] = {}
+
+
+def fused_all_reduce_add_norm(hidden_size: int, dtype: torch.dtype, device: torch.device):
+    """The all-reduce, residual add and RMSNorm after a row-parallel layer as one kernel
+    over CUDA symmetric memory (:func:`~specula.runtime.kernels.all_reduce.
+    all_reduce_add_rms_norm`), for rows of ``hidden_size`` in ``dtype``: a function
+    ``(partial [n, hidden_size], residual, weight, eps) -> (normed, stream)`` for ``n <=``
+    :data:`FUSED_MAX_ROWS`, or ``None`` (one rank, not CUDA, or no peer-mapped memory
+    between the GPUs: NCCL then, with a warning). One workspace per process and shape;
+    the first call is collective (every rank allocates and maps its buffer)."""
+    if _STATE.world_size == 1 or device.type != "cuda":
+        return None
+    key = (hidden_size, dtype)
+    if key not in _FUSED:
+        _FUSED[key] = _symmetric_workspace(hidden_size, dtype, device)
+    return _FUSED[key]
+
+
+def _symmetric_workspace(hidden_size: int, dtype: torch.dtype, device: torch.device):
+    import torch.distributed._symmetric_memory as symm_mem
+
+    from specula.runtime.kernels.all_reduce import MAX_PROGRAMS, all_reduce_add_rms_norm
+
+    world = _STATE.world_size
+    try:
+        buffer = symm_mem.empty(FUSED_MAX_ROWS * hidden_size, dtype=dtype, device=device)
+        flags = symm_mem.empty(2 * MAX_PROGRAMS * world, dtype=torch.int32, device=device)
+        flags[: MAX_PROGRAMS * world].zero_()
+        flags[MAX_PROGRAMS * world :].fill_(1)  # "done": the peers may write at once
+        torch.cuda.synchronize(device)
+        # Collective: every rank's flags are set before any rank returns.
+        handles = [symm_mem.rendezvous(t, _STATE.group) for t in (buffer, flags)]
+    except (RuntimeError, ValueError) as exc:
+        logger.warning("tensor parallelism: no symmetric memory between the GPUs (%s); "
+                       "row-parallel sums go through NCCL", exc)
+        return None
+    buffers, flag_ptrs = (torch.tensor(h.buffer_ptrs, dtype=torch.int64, device=device)
+                          for h in handles)
+    _FUSED_KEEP.append((buffer, flags, handles))
+    return partial(all_reduce_add_rms_norm, buffers=buffers, flags=flag_ptrs, rank=_STATE.rank)
+
+
+_FUSED_KEEP: list = []
+"""The symmetric allocations behind :data:`_FUSED`, alive as long as the process."""
 
 
 def gather_vocab(x: torch.Tensor, vocab_size: int, dim: int = -1) -> torch.Tensor:

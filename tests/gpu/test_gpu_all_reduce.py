@@ -1,0 +1,89 @@
+"""The fused all-reduce, residual add and RMSNorm over CUDA symmetric memory on two GPUs
+(``make test-gpu`` on a 2-GPU machine): equal on both ranks to the sum of their
+partials added and normed by the norm kernel, eagerly and replayed in a CUDA graph many
+times in a row (the flags' handshake reused launch after launch)."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices"),
+]
+
+HIDDEN = 4096
+ROWS = (1, 5, 32, 100, 1024)
+
+
+def _rank(rank: int, port: int, dtype: torch.dtype, errors) -> None:
+    from specula.runtime.kernels.layernorm import fused_add_rms_norm
+    from specula.runtime.worker.parallel import (
+        destroy_parallel,
+        fused_all_reduce_add_norm,
+        gather_vocab,
+        init_parallel,
+    )
+
+    try:
+        device = torch.device("cuda", rank)
+        init_parallel(rank, 2, f"tcp://127.0.0.1:{port}", device)
+        fused = fused_all_reduce_add_norm(HIDDEN, dtype, device)
+        assert fused is not None, "no symmetric memory between the two GPUs"
+        gen = torch.Generator(device).manual_seed(1234)  # residual and weight: every rank alike
+        weight = torch.rand(HIDDEN, generator=gen, device=device).to(dtype) + 0.5
+        for rows in ROWS:
+            residual = torch.randn(rows, HIDDEN, generator=gen, device=device).to(dtype)
+            # Two inputs taken in turn: a stale read of the last launch's rows would show.
+            inputs = [torch.randn(rows, HIDDEN, device=device).mul(rank + 1).to(dtype)
+                      for _ in range(2)]
+            wants = []
+            for mine in inputs:
+                both = gather_vocab(mine.contiguous(), 2 * HIDDEN)  # [rows, 2 * HIDDEN]
+                summed = (both[:, :HIDDEN].float() + both[:, HIDDEN:].float()).to(dtype)
+                wants.append(fused_add_rms_norm(summed, residual, weight, 1e-5))
+            for i in range(4):
+                out, stream = fused(inputs[i % 2], residual, weight, 1e-5)
+                assert torch.equal(stream, wants[i % 2][1]), rows
+                torch.testing.assert_close(out, wants[i % 2][0], rtol=1e-2, atol=1e-2)
+            # 50 launches in one graph, replayed 20 times: 1000 handshakes in a row.
+            graph = torch.cuda.CUDAGraph()
+            outs = []
+            with torch.cuda.graph(graph):
+                for i in range(50):
+                    outs.append(fused(inputs[i % 2], residual, weight, 1e-5))
+            for _ in range(20):
+                graph.replay()
+            torch.cuda.synchronize(device)
+            for i, (out, stream) in enumerate(outs):
+                assert torch.equal(stream, wants[i % 2][1]), rows
+                torch.testing.assert_close(out, wants[i % 2][0], rtol=1e-2, atol=1e-2)
+        destroy_parallel()
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent
+        errors.put(f"rank {rank}: {exc!r}")
+        raise
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_fused_all_reduce_matches_the_sum_then_the_norm(dtype):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    errors = ctx.Queue()
+    procs = [ctx.Process(target=_rank, args=(r, port, dtype, errors)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=300)
+    codes = [p.exitcode for p in procs]
+    reported = [errors.get() for _ in range(errors.qsize())] if not errors.empty() else []
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    assert codes == [0, 0], (codes, reported, os.environ.get("CUDA_VISIBLE_DEVICES"))
