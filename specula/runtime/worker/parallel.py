@@ -128,7 +128,7 @@ def _symmetric_workspace(hidden_size: int, dtype: torch.dtype, device: torch.dev
 
     world = _STATE.world_size
     try:
-        buffer = symm_mem.empty(FUSED_MAX_ROWS * hidden_size, dtype=dtype, device=device)
+        buffer = symm_mem.empty(world * FUSED_MAX_ROWS * hidden_size, dtype=dtype, device=device)
         flags = symm_mem.empty(2 * MAX_PROGRAMS * world, dtype=torch.int32, device=device)
         flags[: MAX_PROGRAMS * world].zero_()
         flags[MAX_PROGRAMS * world :].fill_(1)  # "done": the peers may write at once
@@ -142,7 +142,8 @@ def _symmetric_workspace(hidden_size: int, dtype: torch.dtype, device: torch.dev
     buffers, flag_ptrs = (torch.tensor(h.buffer_ptrs, dtype=torch.int64, device=device)
                           for h in handles)
     _FUSED_KEEP.append((buffer, flags, handles))
-    return partial(all_reduce_add_rms_norm, buffers=buffers, flags=flag_ptrs, rank=_STATE.rank)
+    return partial(all_reduce_add_rms_norm, buffers=buffers, flags=flag_ptrs, rank=_STATE.rank,
+                   max_rows=FUSED_MAX_ROWS)
 
 
 _FUSED_KEEP: list = []
