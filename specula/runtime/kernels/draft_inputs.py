@@ -62,15 +62,9 @@ def _prepare_draft_inputs_kernel(
 
 
 def prepare_draft_inputs(
-    input_ids: torch.Tensor,
-    positions: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    cu_num_draft_tokens: torch.Tensor,
-    num_accepted: torch.Tensor,
-    next_token_ids: torch.Tensor,
-    *,
-    out_input_ids: torch.Tensor | None = None,
-    out_positions: torch.Tensor | None = None,
+    input_ids: torch.Tensor, positions: torch.Tensor, query_start_loc: torch.Tensor,
+    cu_num_draft_tokens: torch.Tensor, num_accepted: torch.Tensor, next_token_ids: torch.Tensor,
+    *, out_input_ids: torch.Tensor | None = None, out_positions: torch.Tensor | None = None,
     out_last_token_indices: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Shift each request's target input ids left by one and append the sampled token.
@@ -130,12 +124,8 @@ def prepare_draft_inputs(
 
 
 def prepare_draft_inputs_reference(
-    input_ids: torch.Tensor,
-    positions: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    cu_num_draft_tokens: torch.Tensor,
-    num_accepted: torch.Tensor,
-    next_token_ids: torch.Tensor,
+    input_ids: torch.Tensor, positions: torch.Tensor, query_start_loc: torch.Tensor,
+    cu_num_draft_tokens: torch.Tensor, num_accepted: torch.Tensor, next_token_ids: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Torch reference of :func:`prepare_draft_inputs` (same arguments and results), one
     request at a time on the host."""

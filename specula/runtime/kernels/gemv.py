@@ -235,13 +235,8 @@ def use_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def gemv(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    config: tuple[int, int, int, int] | None = None,
-    *,
-    silu_mul: bool = False,
-    with_argmax: bool = False,
-    residual: torch.Tensor | None = None,
+    x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int, int] | None = None,
+    *, silu_mul: bool = False, with_argmax: bool = False, residual: torch.Tensor | None = None,
     rms: tuple[torch.Tensor, float] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``x @ weight.T`` with the kernel, optionally with the module's epilogues.

@@ -79,13 +79,8 @@ def rms_norm(
 
 
 def fused_add_rms_norm(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    weight: torch.Tensor,
-    eps: float,
-    *,
-    gemma: bool = False,
-    out: torch.Tensor | None = None,
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+    *, gemma: bool = False, out: torch.Tensor | None = None,
     residual_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``residual_out = x + residual``; ``out = rms_norm(residual_out)``, in one pass.
@@ -137,11 +132,7 @@ def fused_add_rms_norm(
 
 
 def rms_norm_reference(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float,
-    *,
-    gemma: bool = False,
+    x: torch.Tensor, weight: torch.Tensor, eps: float, *, gemma: bool = False,
     residual: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Torch reference of :func:`rms_norm` (``residual=None``) and

@@ -225,16 +225,9 @@ def default_num_splits(
 
 
 def paged_attention(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    q_len: int = 1,
-    *,
-    num_splits: int | None = None,
-    sliding_window: int | None = None,
+    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+    block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float, q_len: int = 1,
+    *, num_splits: int | None = None, sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Attention of ``q_len`` new query tokens per request over the paged KV cache.
 
@@ -327,13 +320,8 @@ def paged_attention(
 
 
 def paged_attention_reference(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    q_len: int = 1,
+    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+    block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float, q_len: int = 1,
     sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Torch reference of :func:`paged_attention` (same arguments and result): gathers

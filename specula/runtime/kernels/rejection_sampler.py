@@ -142,16 +142,10 @@ def _rejection_sample_kernel(
 
 
 def rejection_sample(
-    draft_token_ids: torch.Tensor,
-    cu_num_draft_tokens: torch.Tensor,
-    target_argmax: torch.Tensor,
-    max_spec_len: int,
-    *,
-    is_greedy: torch.Tensor | None = None,
-    draft_probs: torch.Tensor | None = None,
-    target_probs: torch.Tensor | None = None,
-    uniform_samples: torch.Tensor | None = None,
-    exponential_noise: torch.Tensor | None = None,
+    draft_token_ids: torch.Tensor, cu_num_draft_tokens: torch.Tensor, target_argmax: torch.Tensor,
+    max_spec_len: int, *, is_greedy: torch.Tensor | None = None,
+    draft_probs: torch.Tensor | None = None, target_probs: torch.Tensor | None = None,
+    uniform_samples: torch.Tensor | None = None, exponential_noise: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Verify each request's draft tokens; no host synchronisation.
 
@@ -237,16 +231,10 @@ def rejection_sample(
 
 
 def rejection_sample_reference(
-    draft_token_ids: torch.Tensor,
-    cu_num_draft_tokens: torch.Tensor,
-    target_argmax: torch.Tensor,
-    max_spec_len: int,
-    *,
-    is_greedy: torch.Tensor | None = None,
-    draft_probs: torch.Tensor | None = None,
-    target_probs: torch.Tensor | None = None,
-    uniform_samples: torch.Tensor | None = None,
-    exponential_noise: torch.Tensor | None = None,
+    draft_token_ids: torch.Tensor, cu_num_draft_tokens: torch.Tensor, target_argmax: torch.Tensor,
+    max_spec_len: int, *, is_greedy: torch.Tensor | None = None,
+    draft_probs: torch.Tensor | None = None, target_probs: torch.Tensor | None = None,
+    uniform_samples: torch.Tensor | None = None, exponential_noise: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Torch reference of :func:`rejection_sample` (same arguments and results), one
     request at a time."""

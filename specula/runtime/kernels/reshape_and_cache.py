@@ -50,10 +50,7 @@ def _reshape_and_cache_kernel(
 
 
 def check_cache_write(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
+    key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
     """The argument checks (AssertionError) of the kernels that write the paged KV cache;
@@ -69,10 +66,7 @@ def check_cache_write(
 
 
 def reshape_and_cache(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
+    key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
     """Write ``key`` and ``value`` of each token into its cache slot, in place.
@@ -103,10 +97,7 @@ def reshape_and_cache(
 
 
 def reshape_and_cache_reference(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
+    key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
     """Torch reference of :func:`reshape_and_cache` (same arguments, in place)."""

@@ -123,9 +123,7 @@ def _rotary_kernel(
 
 
 def rotary_embedding(
-    positions: torch.Tensor,
-    query: torch.Tensor,
-    key: torch.Tensor | None,
+    positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None,
     cos_sin_cache: torch.Tensor,
     cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
@@ -182,13 +180,8 @@ def rotary_embedding(
 
 
 def rotary_embedding_and_cache(
-    positions: torch.Tensor,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
+    positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor,
     cos_sin_cache: torch.Tensor,
 ) -> None:
     """Rotate ``query`` and ``key`` in place (the attention that follows reads the query,
@@ -215,9 +208,7 @@ def rotary_embedding_and_cache(
 
 
 def rotary_embedding_reference(
-    positions: torch.Tensor,
-    query: torch.Tensor,
-    key: torch.Tensor | None,
+    positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None,
     cos_sin_cache: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Torch reference of :func:`rotary_embedding`: returns rotated copies
@@ -236,13 +227,8 @@ def rotary_embedding_reference(
 
 
 def rotary_embedding_and_cache_reference(
-    positions: torch.Tensor,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
+    positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor,
     cos_sin_cache: torch.Tensor,
 ) -> None:
     """Torch reference of :func:`rotary_embedding_and_cache` (same arguments, in place):
@@ -252,9 +238,7 @@ def rotary_embedding_and_cache_reference(
 
 
 def _reference_in_place(
-    positions: torch.Tensor,
-    query: torch.Tensor,
-    key: torch.Tensor | None,
+    positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None,
     cos_sin_cache: torch.Tensor,
     cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None,
 ) -> None:
