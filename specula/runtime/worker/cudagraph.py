@@ -126,12 +126,8 @@ class CUDAGraphManager:
     """
 
     def __init__(
-        self,
-        runner: ModelRunner,
-        max_num_reqs: int,
-        uniform_query_lens: Sequence[int] = (1,),
-        capture_sizes: Sequence[int] | None = None,
-        aux_layer_ids: Sequence[int] = (),
+        self, runner: ModelRunner, max_num_reqs: int, uniform_query_lens: Sequence[int] = (1,),
+        capture_sizes: Sequence[int] | None = None, aux_layer_ids: Sequence[int] = (),
     ) -> None:
         sizes = sorted(set(capture_sizes or cudagraph_capture_sizes(max_num_reqs)))
         if sizes[0] < 1 or sizes[-1] > max_num_reqs:
@@ -163,11 +159,8 @@ class CUDAGraphManager:
 
     def descriptors(self) -> list[BatchExecutionDescriptor]:
         """Every descriptor to capture, largest first."""
-        out = [
-            BatchExecutionDescriptor(r * q, r, q)
-            for q in self.uniform_query_lens
-            for r in self.capture_sizes
-        ]
+        out = [BatchExecutionDescriptor(r * q, r, q)
+               for q in self.uniform_query_lens for r in self.capture_sizes]
         return sorted(out, key=lambda d: (d.num_tokens, d.num_reqs), reverse=True)
 
     @torch.no_grad()
@@ -189,11 +182,8 @@ class CUDAGraphManager:
         for d in self.descriptors():
             n, r, q = d.num_tokens, d.num_reqs, d.uniform_query_len
             metadata = PagedAttentionMetadata.from_query_lens(
-                self.slot_mapping[:n],
-                self.block_table[:r],
-                self.seq_lens[:r],
-                self.query_start_loc[q][: r + 1],
-                (q,) * r,
+                self.slot_mapping[:n], self.block_table[:r], self.seq_lens[:r],
+                self.query_start_loc[q][: r + 1], (q,) * r,
             )
             state = CapturedAttentionState(d, metadata, self.input_ids[:n], self.positions[:n])
             outputs: list = []
@@ -223,10 +213,7 @@ class CUDAGraphManager:
 
     @torch.no_grad()
     def run(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        metadata: PagedAttentionMetadata,
+        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: PagedAttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor | None, BatchExecutionDescriptor | None]:
         """The forward of a batch: graph replay when a captured size fits, else eager.
 

@@ -78,15 +78,9 @@ class Gemma4PagedLayers(ModelRunner):
     """
 
     def __init__(
-        self,
-        config: Gemma4ModelConfig,
-        kv_cache: PagedKVCache,
-        kv_sources: Sequence[int],
-        windows: Sequence[int | None],
-        rotary: dict[str, RotaryEmbedding],
-        max_model_len: int,
-        attn_num_splits: int | None,
-        weight: torch.Tensor,
+        self, config: Gemma4ModelConfig, kv_cache: PagedKVCache, kv_sources: Sequence[int],
+        windows: Sequence[int | None], rotary: dict[str, RotaryEmbedding], max_model_len: int,
+        attn_num_splits: int | None, weight: torch.Tensor,
     ) -> None:
         self.setup_cache(config, kv_cache, max_model_len, attn_num_splits, weight)
         device, dtype = weight.device, weight.dtype
@@ -110,13 +104,8 @@ class Gemma4PagedLayers(ModelRunner):
         return rms_norm(x.reshape(-1, head_dim), weight, norm.eps).view(-1, num_heads, head_dim)
 
     def _attention(
-        self,
-        attn: Gemma4Attention,
-        hidden: torch.Tensor,
-        positions: torch.Tensor,
-        layer_idx: int,
-        metadata: PagedAttentionMetadata,
-        produced: dict[int, tuple[torch.Tensor, torch.Tensor]],
+        self, attn: Gemma4Attention, hidden: torch.Tensor, positions: torch.Tensor, layer_idx: int,
+        metadata: PagedAttentionMetadata, produced: dict[int, tuple[torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor:
         # hidden: [num_tokens, hidden_size]
         cos_sin = self.cos_sin_caches[self.config.layer_types[layer_idx]]
@@ -139,10 +128,8 @@ class Gemma4PagedLayers(ModelRunner):
             )
             produced[layer_idx] = (k, v)
         # q, k and v are normed: the softmax scale is 1.
-        out = attend(
-            q, k, v, key_cache, value_cache, metadata, 1.0, self.attn_num_splits,
-            self.windows[layer_idx],
-        )
+        out = attend(q, k, v, key_cache, value_cache, metadata, 1.0, self.attn_num_splits,
+                     self.windows[layer_idx])
         # flatten (a reshape, not a view): a one-request prefill's SDPA output may keep a
         # [heads, tokens] layout (backends without a fused kernel for this head size).
         return attn.o_proj(out.flatten(1))
@@ -153,13 +140,8 @@ class Gemma4PagedLayers(ModelRunner):
         return mlp(hidden)
 
     def _layer(
-        self,
-        layer: Gemma4DecoderLayer,
-        hidden: torch.Tensor,
-        per_layer_input: torch.Tensor | None,
-        positions: torch.Tensor,
-        layer_idx: int,
-        metadata: PagedAttentionMetadata,
+        self, layer: Gemma4DecoderLayer, hidden: torch.Tensor, per_layer_input: torch.Tensor | None,
+        positions: torch.Tensor, layer_idx: int, metadata: PagedAttentionMetadata,
         produced: dict[int, tuple[torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor:
         """One decoder layer, as :meth:`Gemma4DecoderLayer.forward`.
@@ -210,10 +192,7 @@ class Gemma4Runner(Gemma4PagedLayers):
     """
 
     def __init__(
-        self,
-        model: Gemma4ForCausalLM,
-        kv_cache: PagedKVCache,
-        max_model_len: int,
+        self, model: Gemma4ForCausalLM, kv_cache: PagedKVCache, max_model_len: int,
         attn_num_splits: int | None = None,
     ) -> None:
         if not isinstance(model, Gemma4ForCausalLM):
@@ -222,10 +201,8 @@ class Gemma4Runner(Gemma4PagedLayers):
         check_servable(config)
         spec = kv_cache.spec
         if spec.layer_shapes != tuple(config.kv_cache_shapes()):
-            raise ValueError(
-                f"KV cache {spec} does not match the model's per-layer KV shapes "
-                f"{config.kv_cache_shapes()}"
-            )
+            raise ValueError(f"KV cache {spec} does not match the model's per-layer KV shapes "
+                             f"{config.kv_cache_shapes()}")
         super().__init__(
             config, kv_cache, config.kv_source_layers(),
             [config.sliding_window if t == SLIDING else None for t in config.layer_types],
@@ -234,12 +211,8 @@ class Gemma4Runner(Gemma4PagedLayers):
         self.model = model
 
     def _run_layers(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        metadata: PagedAttentionMetadata,
-        aux_layer_ids: Sequence[int],
-        captured: dict[int, torch.Tensor],
+        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: PagedAttentionMetadata,
+        aux_layer_ids: Sequence[int], captured: dict[int, torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor]:
         model = self.model.model
         hidden = model.embed(input_ids)  # [num_tokens, hidden_size]

@@ -50,9 +50,7 @@ class KVCacheSpec:
 
 
 def num_blocks_from_free_memory(
-    bytes_per_block: int,
-    device: torch.device,
-    memory_fraction: float = 0.9,
+    bytes_per_block: int, device: torch.device, memory_fraction: float = 0.9,
     reserve_bytes: int = 1 << 30,
 ) -> int:
     """Blocks of ``bytes_per_block`` (summed over every cache indexed by one block id:
@@ -147,13 +145,8 @@ class PagedAttentionMetadata:
 
     @classmethod
     def from_query_lens(
-        cls,
-        slot_mapping: torch.Tensor,
-        block_table: torch.Tensor,
-        seq_lens: torch.Tensor,
-        query_start_loc: torch.Tensor,
-        query_lens: Sequence[int],
-        prefill: bool = False,
+        cls, slot_mapping: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+        query_start_loc: torch.Tensor, query_lens: Sequence[int], prefill: bool = False,
     ) -> PagedAttentionMetadata:
         """The metadata of requests with ``query_lens`` query tokens each (host ints), which
         give ``num_reqs``, ``num_tokens``, ``uniform_query_len`` and ``query_lens_cpu``; the
@@ -167,10 +160,7 @@ class PagedAttentionMetadata:
 
 
 def device_metadata(
-    block_table: torch.Tensor,
-    starts: torch.Tensor,
-    query_lens: Sequence[int],
-    block_size: int,
+    block_table: torch.Tensor, starts: torch.Tensor, query_lens: Sequence[int], block_size: int,
 ) -> tuple[PagedAttentionMetadata, torch.Tensor]:
     """The metadata of a batch whose block tables and context lengths are on the device
     (the engine's persistent state): slot mapping, positions and sequence lengths are
@@ -256,12 +246,8 @@ def _context_groups(metadata: PagedAttentionMetadata) -> tuple:
 
 
 def build_attention_metadata(
-    block_tables: Sequence[Sequence[int]],
-    seq_lens: Sequence[int],
-    query_lens: Sequence[int],
-    block_size: int,
-    max_blocks_per_req: int,
-    device: torch.device,
+    block_tables: Sequence[Sequence[int]], seq_lens: Sequence[int], query_lens: Sequence[int],
+    block_size: int, max_blocks_per_req: int, device: torch.device,
 ) -> tuple[PagedAttentionMetadata, torch.Tensor]:
     """Device metadata and rotary positions for a batch described on the host.
 
@@ -288,17 +274,13 @@ def build_attention_metadata(
         if not 0 < q_len <= seq_len:
             raise ValueError(f"query_len {q_len} must be in (0, seq_len={seq_len}]")
         if len(table) < cdiv(seq_len, block_size) or len(table) > max_blocks_per_req:
-            raise ValueError(
-                f"block table of {len(table)} blocks for {seq_len} tokens "
-                f"(block_size {block_size}, at most {max_blocks_per_req} blocks)"
-            )
+            raise ValueError(f"block table of {len(table)} blocks for {seq_len} tokens "
+                             f"(block_size {block_size}, at most {max_blocks_per_req} blocks)")
     rows = [[*table, *[0] * (max_blocks_per_req - len(table))] for table in block_tables]
     starts = [s - q for s, q in zip(seq_lens, query_lens, strict=True)]
     metadata, positions = device_metadata(
         _to_device(rows, torch.int32, device).view(num_reqs, max_blocks_per_req),
-        _to_device(starts, torch.int64, device),
-        query_lens,
-        block_size,
+        _to_device(starts, torch.int64, device), query_lens, block_size,
     )
     # Decode requests first, then prefills: any other order is left unsplit (refused), and
     # so is a mixed batch of one query length (attention reads it from the cache).
