@@ -101,10 +101,8 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
         self.prefill_positions = torch.zeros(r * (k + 1), **i64)
         self.sampling = SamplingMetadata(
             torch.zeros(r, device=dev), torch.ones(r, device=dev), torch.zeros(r, **i64),
-            torch.zeros(r, **i64),
-            all_greedy=not self.keeps_draft_probs,
-            needs_top_k=self.keeps_draft_probs,
-            needs_top_p=self.keeps_draft_probs,
+            torch.zeros(r, **i64), all_greedy=not self.keeps_draft_probs,
+            needs_top_k=self.keeps_draft_probs, needs_top_p=self.keeps_draft_probs,
         )
         # Drafts on the target's KV carry the target's state (Gemma4's backbone width).
         h = (self.target_config if self.reads_target_kv else self.model.config).hidden_size

@@ -67,15 +67,9 @@ class DraftModelSpeculator(BaseSpeculator):
     """
 
     def __init__(
-        self,
-        draft_dir: Path,
-        target_config: ModelConfig,
-        num_speculative_tokens: int,
-        max_num_seqs: int,
-        dtype: torch.dtype,
-        device: torch.device,
-        draft_sample_method: str = "greedy",
-        load_format: str = "auto",
+        self, draft_dir: Path, target_config: ModelConfig, num_speculative_tokens: int,
+        max_num_seqs: int, dtype: torch.dtype, device: torch.device,
+        draft_sample_method: str = "greedy", load_format: str = "auto",
     ) -> None:
         if draft_sample_method not in DRAFT_SAMPLE_METHODS:
             raise ValueError(

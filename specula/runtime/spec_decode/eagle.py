@@ -19,10 +19,7 @@ class Eagle3Runner(DraftRunner):
 
     @torch.no_grad()
     def forward(  # type: ignore[override]
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        metadata: PagedAttentionMetadata,
+        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: PagedAttentionMetadata,
         hidden_states: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft forward of ``input_ids`` ([num_tokens] int64, the token after each

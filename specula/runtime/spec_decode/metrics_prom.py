@@ -30,9 +30,7 @@ class SpecDecodingProm(Collector):
         model_name: value of the ``model_name`` label (the served model name).
     """
 
-    def __init__(
-        self, get_stats: Callable[[], SpecDecodingStats | None], model_name: str
-    ) -> None:
+    def __init__(self, get_stats: Callable[[], SpecDecodingStats | None], model_name: str) -> None:
         self._get_stats = get_stats
         self._model_name = model_name
 
@@ -61,8 +59,7 @@ class SpecDecodingProm(Collector):
             yield family
         per_pos = CounterMetricFamily(
             METRIC_PREFIX + "spec_decode_num_accepted_tokens_per_pos",
-            "Accepted tokens per draft position.",
-            labels=[*labels, "position"],
+            "Accepted tokens per draft position.", labels=[*labels, "position"],
         )
         if stats is not None:
             for position, count in enumerate(stats.num_accepted_tokens_per_pos):

@@ -22,10 +22,7 @@ class MTPRunner(DraftRunner):
 
     @torch.no_grad()
     def forward(  # type: ignore[override]
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        metadata: PagedAttentionMetadata,
+        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: PagedAttentionMetadata,
         hidden_states: torch.Tensor,
     ) -> torch.Tensor:
         """``input_ids`` [num_tokens] int64 (the token after each conditioning position)
@@ -39,10 +36,8 @@ class MTPRunner(DraftRunner):
             torch.cat([rms_norm(embeds, layer.enorm.weight, layer.enorm.eps), hidden], dim=-1)
         )
         ln = layer.block.input_layernorm
-        return self.decoder(
-            [layer.block], rms_norm(x, ln.weight, ln.eps), x, positions, metadata,
-            layer.final_layernorm,
-        )[0]
+        return self.decoder([layer.block], rms_norm(x, ln.weight, ln.eps), x, positions, metadata,
+                            layer.final_layernorm)[0]
 
 
 class MTPSpeculator(AutoRegressiveSpeculator):

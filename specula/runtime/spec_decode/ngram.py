@@ -13,11 +13,8 @@ PAD_TOKEN_ID = 0
 
 
 def ngram_lookup(
-    token_ids: torch.Tensor,
-    num_tokens: torch.Tensor,
-    prompt_lookup_min: int,
-    prompt_lookup_max: int,
-    k: int,
+    token_ids: torch.Tensor, num_tokens: torch.Tensor, prompt_lookup_min: int,
+    prompt_lookup_max: int, k: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Draft tokens by prompt lookup, for a batch: for ``n`` from ``prompt_lookup_max``
     down to ``prompt_lookup_min``, find the most recent earlier occurrence of a sequence's
@@ -71,10 +68,8 @@ class NgramSpeculator(BaseSpeculator):
         self, num_speculative_tokens: int, prompt_lookup_min: int, prompt_lookup_max: int
     ) -> None:
         if not 1 <= prompt_lookup_min <= prompt_lookup_max:
-            raise ValueError(
-                f"need 1 <= prompt_lookup_min ({prompt_lookup_min}) <= "
-                f"prompt_lookup_max ({prompt_lookup_max})"
-            )
+            raise ValueError(f"need 1 <= prompt_lookup_min ({prompt_lookup_min}) <= "
+                             f"prompt_lookup_max ({prompt_lookup_max})")
         self.max_num_speculative_tokens = num_speculative_tokens
         self.prompt_lookup_min = prompt_lookup_min
         self.prompt_lookup_max = prompt_lookup_max

@@ -48,14 +48,10 @@ class SpeculatorContext:
 def draft_kwargs(ctx: SpeculatorContext) -> dict:
     """Constructor arguments of a :class:`DraftModelSpeculator` subclass."""
     return {
-        "draft_dir": ctx.draft_dir(),
-        "target_config": ctx.target_config,
-        "num_speculative_tokens": ctx.config.max_k,
-        "max_num_seqs": ctx.max_num_seqs,
-        "dtype": ctx.dtype,
-        "device": ctx.device,
-        "draft_sample_method": ctx.config.draft_sample_method,
-        "load_format": ctx.load_format,
+        "draft_dir": ctx.draft_dir(), "target_config": ctx.target_config,
+        "num_speculative_tokens": ctx.config.max_k, "max_num_seqs": ctx.max_num_seqs,
+        "dtype": ctx.dtype, "device": ctx.device,
+        "draft_sample_method": ctx.config.draft_sample_method, "load_format": ctx.load_format,
     }
 
 
@@ -65,11 +61,8 @@ def _draft_model_kwargs(ctx: SpeculatorContext) -> dict:
 
 def _ngram_kwargs(ctx: SpeculatorContext) -> dict:
     lookup_min, lookup_max = ctx.config.prompt_lookup_range
-    return {
-        "num_speculative_tokens": ctx.config.max_k,
-        "prompt_lookup_min": lookup_min,
-        "prompt_lookup_max": lookup_max,
-    }
+    return {"num_speculative_tokens": ctx.config.max_k, "prompt_lookup_min": lookup_min,
+            "prompt_lookup_max": lookup_max}
 
 
 def _lazy(module: str, name: str, kwargs=draft_kwargs) -> Callable[[SpeculatorContext], BaseSpeculator]:
@@ -100,14 +93,8 @@ def supported_methods() -> tuple[str, ...]:
 
 
 def create_speculator(
-    config: SpeculatorRuntimeConfig,
-    target_config: ModelConfig,
-    *,
-    target_dir: Path,
-    max_num_seqs: int,
-    dtype: torch.dtype,
-    device: torch.device,
-    load_format: str = "auto",
+    config: SpeculatorRuntimeConfig, target_config: ModelConfig, *, target_dir: Path,
+    max_num_seqs: int, dtype: torch.dtype, device: torch.device, load_format: str = "auto",
 ) -> BaseSpeculator:
     """Build the speculator ``config`` describes.
 

@@ -87,10 +87,8 @@ class DFlashSpeculator(DraftModelSpeculator):
         ids = torch.full((r, bs), self.config.mask_token_id, dtype=torch.int64, device=dev)
         ids[:, 0] = self.next_token_ids[:r]
         slots, seq_lens = self.slots(positions, valid)  # seq_lens: start + bs, 0 on padding
-        metadata = self.decode_metadata(
-            slots, self.block_table[:r].repeat_interleave(bs, dim=0),
-            seq_lens.repeat_interleave(bs), 1,
-        )
+        metadata = self.decode_metadata(slots, self.block_table[:r].repeat_interleave(bs, dim=0),
+                                        seq_lens.repeat_interleave(bs), 1)
         assert self.embed_weight is not None, "bind_target first"
         embeds = F.embedding(ids.reshape(-1), self.embed_weight)
         hidden = self.runner.forward(embeds, positions.reshape(-1), metadata).view(r, bs, -1)

@@ -66,10 +66,8 @@ class DFlashConfig:
             raise ValueError(f"block_size {block_size!r} must be an integer >= 2")
         mask_token_id = raw.get("mask_token_id")
         if not isinstance(mask_token_id, int) or not 0 <= mask_token_id < layer_config.vocab_size:
-            raise ValueError(
-                f"mask_token_id {mask_token_id!r} must be a token id in "
-                f"[0, {layer_config.vocab_size})"
-            )
+            raise ValueError(f"mask_token_id {mask_token_id!r} must be a token id in "
+                             f"[0, {layer_config.vocab_size})")
         layer_ids = raw.get("aux_hidden_state_layer_ids")
         if not layer_ids or len(set(layer_ids)) != len(layer_ids):
             raise ValueError(
@@ -78,14 +76,10 @@ class DFlashConfig:
             )
         draft_vocab_size = raw.get("draft_vocab_size") or layer_config.vocab_size
         if draft_vocab_size > layer_config.vocab_size:
-            raise ValueError(
-                f"draft_vocab_size {draft_vocab_size} exceeds the target vocab_size "
-                f"{layer_config.vocab_size} of transformer_layer_config"
-            )
+            raise ValueError(f"draft_vocab_size {draft_vocab_size} exceeds the target vocab_size "
+                             f"{layer_config.vocab_size} of transformer_layer_config")
         return cls(
-            layer_config=layer_config,
-            block_size=block_size,
-            mask_token_id=mask_token_id,
+            layer_config=layer_config, block_size=block_size, mask_token_id=mask_token_id,
             aux_hidden_state_layer_ids=tuple(int(i) for i in layer_ids),
             draft_vocab_size=int(draft_vocab_size),
             target_hidden_size=raw.get("target_hidden_size"),

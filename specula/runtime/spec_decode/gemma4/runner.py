@@ -25,13 +25,11 @@ class Gemma4AssistantRunner(Gemma4PagedLayers):
         text = model.config.text
         producers = target.config.kv_producer_layers()
         super().__init__(
-            text,
-            target.kv_cache,
+            text, target.kv_cache,
             # Non-shared target layers are a prefix: cache entry == layer index.
             [producers[t] for t in text.layer_types],
             [model.sliding_window if t == SLIDING else None for t in text.layer_types],
-            model.rotary.by_type,
-            target.max_model_len,
+            model.rotary.by_type, target.max_model_len,
             None,  # attn_num_splits: the kernel's choice
             model.pre_projection.weight,
         )
@@ -40,10 +38,7 @@ class Gemma4AssistantRunner(Gemma4PagedLayers):
 
     @torch.no_grad()
     def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        metadata: PagedAttentionMetadata,
+        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: PagedAttentionMetadata,
         backbone: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft step (:mod:`~specula.runtime.spec_decode.gemma4`) of ``input_ids``
