@@ -7,7 +7,8 @@ holds:
 - ``colwise`` weights (``qkv_proj``, ``gate_up_proj``): its ``1/N`` of the output rows,
   so of the query and key/value heads and of the MLP's intermediate columns;
 - ``rowwise`` weights (``o_proj``, ``down_proj``): its ``1/N`` of the input columns; the
-  partial outputs are summed by one all-reduce per layer and sublayer;
+  partial outputs are summed by one all-reduce per layer and sublayer, on CUDA fused
+  with the residual add and norm after it (:func:`fused_all_reduce_add_norm`);
 - ``vocab`` weights (``embed_tokens``, ``lm_head``): its ``ceil(V / N)`` rows of the
   vocabulary (the last rank's padded with zeros); an embedding lookup masks the ids of
   other ranks and all-reduces, the LM head all-gathers its logits.
