@@ -42,10 +42,7 @@ class DFlashDraftModel(nn.Module):
     packed_modules_mapping = LlamaForCausalLM.packed_modules_mapping
 
     def __init__(
-        self,
-        config: ModelConfig,
-        num_aux_layers: int,
-        draft_vocab_size: int | None,
+        self, config: ModelConfig, num_aux_layers: int, draft_vocab_size: int | None,
         device: torch.device,
     ) -> None:
         super().__init__()
@@ -85,13 +82,8 @@ class DFlashDraftModel(nn.Module):
 
 
 def load_dflash_draft(
-    checkpoint_dir: Path,
-    config: ModelConfig,
-    num_aux_layers: int,
-    draft_vocab_size: int | None,
-    dtype: torch.dtype,
-    device: torch.device,
-    load_format: str = "auto",
+    checkpoint_dir: Path, config: ModelConfig, num_aux_layers: int, draft_vocab_size: int | None,
+    dtype: torch.dtype, device: torch.device, load_format: str = "auto",
 ) -> DFlashDraftModel:
     """Build a :class:`DFlashDraftModel` and load a ``speculators`` checkpoint into it,
     skipping any ``embed_tokens.weight`` (the draft embeds with the target's, as

@@ -80,10 +80,8 @@ def check_gemma4_target(config: Gemma4AssistantConfig, target: Any) -> None:
             depends on differs; the message names the field and both values.
     """
     if not isinstance(target, Gemma4ModelConfig):
-        raise ValueError(
-            f"a gemma4_mtp draft needs a Gemma4 target: target model_type "
-            f"{target.model_type!r} ({target.architecture}) != 'gemma4_text'"
-        )
+        raise ValueError(f"a gemma4_mtp draft needs a Gemma4 target: target model_type "
+                         f"{target.model_type!r} ({target.architecture}) != 'gemma4_text'")
     text = config.text
     for field, ours, theirs in (
         ("backbone_hidden_size", config.backbone_hidden_size, "hidden_size"),
@@ -154,10 +152,8 @@ class Gemma4AssistantForCausalLM(nn.Module):
         # Its embedding serves only the logits (tied lm_head); inputs come from the
         # target's embedding.
         self.model = Gemma4TextModel(text, all_kv_shared=True)
-        self.lm_head = (
-            None if text.tie_word_embeddings
-            else nn.Linear(text.hidden_size, text.vocab_size, bias=False)
-        )
+        self.lm_head = (None if text.tie_word_embeddings
+                        else nn.Linear(text.hidden_size, text.vocab_size, bias=False))
         backbone = config.backbone_hidden_size
         self.pre_projection = nn.Linear(2 * backbone, text.hidden_size, bias=False)
         self.post_projection = nn.Linear(text.hidden_size, backbone, bias=False)

@@ -21,9 +21,7 @@ SLIDING = "sliding_attention"
 FULL = "full_attention"
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh"),
-    "gelu": F.gelu,
-    "silu": F.silu,
+    "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh"), "gelu": F.gelu, "silu": F.silu,
 }
 """The MLP activations Gemma4 may use, as Hugging Face's ``ACT2FN[name]``."""
 
@@ -96,24 +94,18 @@ class Gemma4ModelConfig(ModelConfig):
         per_layer = [text.per_layer_config[i] for i in range(text.num_hidden_layers)]
         rope = {t: dict(p) for t, p in (text.rope_parameters or {}).items() if p is not None}
         return cls(
-            architecture=architecture,
-            **{f: getattr(text, f) for f in HF_FIELDS},
+            architecture=architecture, **{f: getattr(text, f) for f in HF_FIELDS},
             num_key_value_heads=int(per_layer[0].num_key_value_heads),
             head_dim=int(per_layer[0].head_dim),
-            rope_theta=float(rope.get(SLIDING, {}).get("rope_theta", 10000.0)),
-            rope_scaling=None,
+            rope_theta=float(rope.get(SLIDING, {}).get("rope_theta", 10000.0)), rope_scaling=None,
             tie_word_embeddings=bool(getattr(outer, "tie_word_embeddings", True)),
-            attention_bias=bool(text.attention_bias),
-            mlp_bias=False,
+            attention_bias=bool(text.attention_bias), mlp_bias=False,
             torch_dtype=checkpoint_dtype(outer) or checkpoint_dtype(text),
-            eos_token_ids=eos_token_ids(outer) or eos_token_ids(text),
-            hidden_act=act,
-            layer_types=tuple(text.layer_types),
-            sliding_window=int(text.sliding_window),
+            eos_token_ids=eos_token_ids(outer) or eos_token_ids(text), hidden_act=act,
+            layer_types=tuple(text.layer_types), sliding_window=int(text.sliding_window),
             layer_head_dims=tuple(int(c.head_dim) for c in per_layer),
             layer_num_kv_heads=tuple(int(c.num_key_value_heads) for c in per_layer),
-            rope_parameters=rope,
-            final_logit_softcapping=text.final_logit_softcapping,
+            rope_parameters=rope, final_logit_softcapping=text.final_logit_softcapping,
             **{f: int(getattr(text, f) or 0) for f in _INT_FIELDS},
             **{f: bool(getattr(text, f)) for f in _BOOL_FIELDS},
         )
@@ -148,7 +140,5 @@ class Gemma4ModelConfig(ModelConfig):
     def kv_cache_shapes(self) -> tuple[tuple[int, int], ...]:
         """``(num_kv_heads, head_dim)`` of each non-shared layer, in layer order: shared
         layers allocate nothing."""
-        return tuple(
-            (self.layer_num_kv_heads[i], self.layer_head_dims[i])
-            for i in range(self.first_kv_shared_layer)
-        )
+        return tuple((self.layer_num_kv_heads[i], self.layer_head_dims[i])
+                     for i in range(self.first_kv_shared_layer))

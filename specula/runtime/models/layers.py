@@ -91,11 +91,7 @@ class RotaryEmbedding:
     """
 
     def __init__(
-        self,
-        head_dim: int,
-        theta: float,
-        scaling: dict[str, Any] | None,
-        device: torch.device,
+        self, head_dim: int, theta: float, scaling: dict[str, Any] | None, device: torch.device,
     ) -> None:
         exponents = (
             torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim

@@ -80,10 +80,8 @@ class LlamaForCausalLM(nn.Module):
     (:meth:`compute_logits`)."""
 
     model_cls: type[LlamaModel] = LlamaModel
-    packed_modules_mapping: dict[str, list[str]] = {
-        "qkv_proj": ["q_proj", "k_proj", "v_proj"],
-        "gate_up_proj": ["gate_proj", "up_proj"],
-    }
+    packed_modules_mapping: dict[str, list[str]] = {"qkv_proj": ["q_proj", "k_proj", "v_proj"],
+                                                    "gate_up_proj": ["gate_proj", "up_proj"]}
     """Fused parameter -> the checkpoint projections stacked in it, in row order."""
 
     def __init__(self, config: ModelConfig, device: torch.device) -> None:

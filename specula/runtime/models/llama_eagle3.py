@@ -110,10 +110,7 @@ class Eagle3LlamaForCausalLM(nn.Module):
 
 
 def load_eagle3_draft(
-    checkpoint_dir: Path,
-    target: ModelConfig,
-    dtype: torch.dtype,
-    device: torch.device,
+    checkpoint_dir: Path, target: ModelConfig, dtype: torch.dtype, device: torch.device,
     load_format: str = "auto",
 ) -> Eagle3LlamaForCausalLM:
     """Build the EAGLE-3 head of a ``speculators`` ``eagle3`` checkpoint for ``target``;
@@ -143,10 +140,8 @@ def load_eagle3_draft(
     )
     flags = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
     eagle = Eagle3Config(
-        layer=layer,
-        draft_vocab_size=int(raw.get("draft_vocab_size") or layer.vocab_size),
-        aux_hidden_state_layer_ids=aux_ids,
-        target_hidden_size=target_hidden,
+        layer=layer, draft_vocab_size=int(raw.get("draft_vocab_size") or layer.vocab_size),
+        aux_hidden_state_layer_ids=aux_ids, target_hidden_size=target_hidden,
         **{flag: bool(raw.get(flag, False)) for flag in flags},
     )
     factory = partial(Eagle3LlamaForCausalLM, eagle, device)

@@ -30,9 +30,7 @@ from specula.runtime.models.speculators_format import (
 )
 
 _CHECKPOINT_NAMES = {
-    "token_layernorm": "enorm",
-    "hidden_layernorm": "hnorm",
-    "input_proj": "eh_proj",
+    "token_layernorm": "enorm", "hidden_layernorm": "hnorm", "input_proj": "eh_proj",
 }
 """``speculators`` MTP module name -> DeepSeek name used here."""
 
@@ -80,10 +78,7 @@ def _model_name(checkpoint_name: str) -> str | None:
 
 
 def load_mtp_draft(
-    checkpoint_dir: Path,
-    target: ModelConfig,
-    dtype: torch.dtype,
-    device: torch.device,
+    checkpoint_dir: Path, target: ModelConfig, dtype: torch.dtype, device: torch.device,
     load_format: str = "auto",
 ) -> MTPForCausalLM:
     """Build the MTP head of a ``speculators`` ``mtp`` checkpoint for ``target``; it

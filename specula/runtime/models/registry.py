@@ -18,10 +18,8 @@ from specula.runtime.models.qwen3 import Qwen3ForCausalLM
 from specula.runtime.worker.parallel import check_divisible, shard_tensor
 
 MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "Qwen3ForCausalLM": Qwen3ForCausalLM,
-    "Gemma4ForCausalLM": Gemma4ForCausalLM,
-    "Gemma4ForConditionalGeneration": Gemma4ForCausalLM,
+    "LlamaForCausalLM": LlamaForCausalLM, "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Gemma4ForCausalLM": Gemma4ForCausalLM, "Gemma4ForConditionalGeneration": Gemma4ForCausalLM,
 }
 """``architectures[0]`` of ``config.json`` -> model class."""
 
@@ -35,10 +33,8 @@ def check_servable(config: ModelConfig) -> None:
             that do not split evenly (the message names the field and both values).
     """
     if getattr(config, "enable_moe_block", False):
-        raise ValueError(
-            "enable_moe_block is true: the mixture-of-experts Gemma4 is not served "
-            "(its expert dispatch reads expert ids on the host); serve a dense Gemma4"
-        )
+        raise ValueError("enable_moe_block is true: the mixture-of-experts Gemma4 is not served "
+                         "(its expert dispatch reads expert ids on the host); serve a dense Gemma4")
     tp = config.tensor_parallel_size
     if tp > 1:
         if config.architecture not in ("LlamaForCausalLM", "Qwen3ForCausalLM"):
@@ -50,11 +46,8 @@ def check_servable(config: ModelConfig) -> None:
 
 
 def load_model(
-    checkpoint_dir: str | Path,
-    dtype: torch.dtype,
-    device: torch.device,
-    config: ModelConfig | None = None,
-    load_format: str = "auto",
+    checkpoint_dir: str | Path, dtype: torch.dtype, device: torch.device,
+    config: ModelConfig | None = None, load_format: str = "auto",
 ) -> LlamaForCausalLM:
     """Build the model named by the checkpoint's config and load it (:func:`load_checkpoint`).
 
@@ -68,22 +61,16 @@ def load_model(
     check_servable(config)
     model_cls = MODEL_REGISTRY.get(config.architecture)
     if model_cls is None:
-        raise ValueError(
-            f"architecture {config.architecture!r} is not supported; "
-            f"supported: {', '.join(sorted(MODEL_REGISTRY))}"
-        )
+        raise ValueError(f"architecture {config.architecture!r} is not supported; "
+                         f"supported: {', '.join(sorted(MODEL_REGISTRY))}")
     factory = partial(model_cls, config, device=device)
     return load_checkpoint(factory, path, dtype, device, load_format)[0]
 
 
 def load_checkpoint(
-    factory: Callable[[], nn.Module],
-    checkpoint_dir: Path,
-    dtype: torch.dtype,
-    device: torch.device,
-    load_format: str = "auto",
-    rename: Callable[[str], str | None] | None = None,
-    optional: Collection[str] = (),
+    factory: Callable[[], nn.Module], checkpoint_dir: Path, dtype: torch.dtype,
+    device: torch.device, load_format: str = "auto",
+    rename: Callable[[str], str | None] | None = None, optional: Collection[str] = (),
 ) -> tuple[nn.Module, set[str]]:
     """``(model, the names of optional it was not given)``: ``factory()`` built by
     :func:`~specula.runtime.models.layers.build_empty`, in eval mode, loaded by
@@ -97,9 +84,7 @@ def load_checkpoint(
 
 
 def load_safetensors(
-    model: nn.Module,
-    checkpoint_dir: Path,
-    rename: Callable[[str], str | None] | None = None,
+    model: nn.Module, checkpoint_dir: Path, rename: Callable[[str], str | None] | None = None,
     optional: Collection[str] = (),
 ) -> set[str]:
     """Copy every tensor of ``checkpoint_dir/*.safetensors`` into ``model`` by HF name,
@@ -163,10 +148,8 @@ def load_safetensors(
                 if style is not None:
                     tensor = shard_tensor(tensor, style, param.shape)
                 if param.shape != tensor.shape:
-                    raise ValueError(
-                        f"{name}: checkpoint shape {tuple(tensor.shape)} "
-                        f"!= model shape {tuple(param.shape)}"
-                    )
+                    raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} "
+                                     f"!= model shape {tuple(param.shape)}")
                 param.copy_(tensor)
                 unloaded.discard(name)
     missing = unloaded & set(optional)

@@ -20,10 +20,8 @@ from specula.runtime.models.llama import LlamaDecoderLayer
 from specula.runtime.models.qwen3 import Qwen3DecoderLayer
 from specula.runtime.models.registry import load_checkpoint
 
-DECODER_LAYERS: dict[str, type[LlamaDecoderLayer]] = {
-    "llama": LlamaDecoderLayer,
-    "qwen3": Qwen3DecoderLayer,
-}
+DECODER_LAYERS: dict[str, type[LlamaDecoderLayer]] = {"llama": LlamaDecoderLayer,
+                                                      "qwen3": Qwen3DecoderLayer}
 """``transformer_layer_config.model_type`` -> decoder layer class."""
 
 SHARED_WITH_TARGET = ("embed_tokens.weight", "lm_head.weight")
@@ -44,10 +42,8 @@ def read_speculators_config(checkpoint_dir: Path, expected_type: str) -> dict[st
     config = json.loads(path.read_text())
     found = config.get("speculators_model_type")
     if found != expected_type:
-        raise ValueError(
-            f"speculators_model_type is {found!r}, expected {expected_type!r} "
-            f"(checkpoint {str(checkpoint_dir)!r})"
-        )
+        raise ValueError(f"speculators_model_type is {found!r}, expected {expected_type!r} "
+                         f"(checkpoint {str(checkpoint_dir)!r})")
     if not isinstance(config.get("transformer_layer_config"), dict):
         raise ValueError(f"{expected_type} checkpoint has no transformer_layer_config")
     return config
@@ -92,12 +88,8 @@ def layer_model_config(
 
 
 def load_draft_head(
-    factory: Callable[[], nn.Module],
-    checkpoint_dir: Path,
-    dtype: torch.dtype,
-    device: torch.device,
-    load_format: str,
-    rename: Callable[[str], str | None],
+    factory: Callable[[], nn.Module], checkpoint_dir: Path, dtype: torch.dtype,
+    device: torch.device, load_format: str, rename: Callable[[str], str | None],
 ) -> nn.Module:
     """:func:`load_checkpoint` through ``rename``, recording the :data:`SHARED_WITH_TARGET`
     tensors it lacks in ``missing_target_weights`` for :func:`share_target_weights`."""
@@ -114,9 +106,7 @@ def speculators_weight_name(name: str) -> str | None:
 
 
 def share_target_weights(
-    model: nn.Module,
-    embed: nn.Embedding,
-    lm_head_weight: torch.Tensor,
+    model: nn.Module, embed: nn.Embedding, lm_head_weight: torch.Tensor,
     rows: torch.Tensor | None = None,
 ) -> None:
     """Give a draft head the target's embeddings and LM head where its checkpoint had
@@ -162,10 +152,8 @@ def draft_vocab_ids(
         raise ValueError(f"d2t has shape {tuple(d2t.shape)}, draft_vocab_size is {n}")
     target_ids = torch.arange(n) + d2t.long()
     if target_ids.min() < 0 or target_ids.max() >= vocab_size:
-        raise ValueError(
-            f"d2t maps draft ids to target ids in [{int(target_ids.min())}, "
-            f"{int(target_ids.max())}], outside the target vocab_size {vocab_size}"
-        )
+        raise ValueError(f"d2t maps draft ids to target ids in [{int(target_ids.min())}, "
+                         f"{int(target_ids.max())}], outside the target vocab_size {vocab_size}")
     if target_ids.unique().numel() != n:
         raise ValueError("d2t maps two draft ids onto one target id")
     return target_ids
