@@ -49,12 +49,7 @@ import torch
 from specula.runtime.engine.block_manager import BlockManager, cdiv
 from specula.runtime.engine.input_batch import InputBatch, to_device
 from specula.runtime.engine.request import Request, RequestOutput, TokenLogprobs
-from specula.runtime.engine.sampler import (
-    STREAM_TARGET,
-    SamplingMetadata,
-    sample,
-    token_logprobs,
-)
+from specula.runtime.engine.sampler import STREAM_TARGET, SamplingMetadata, sample, token_logprobs
 from specula.runtime.engine.sampling_params import SamplingParams
 from specula.runtime.engine.scheduler import PagedScheduler
 from specula.runtime.engine.spec_schedule import SpeculativeSettings
@@ -315,10 +310,8 @@ class LLMEngine(SpeculativeSettings):
         if any(not 0 <= t < self.vocab_size for t in prompt_token_ids):
             raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
         if n + params.max_tokens > self.max_model_len:
-            raise ValueError(
-                f"prompt ({n} tokens) plus max_tokens ({params.max_tokens}) exceeds "
-                f"max_model_len ({self.max_model_len})"
-            )
+            raise ValueError(f"prompt ({n} tokens) plus max_tokens ({params.max_tokens}) exceeds "
+                             f"max_model_len ({self.max_model_len})")
         seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
         self._add(request_id, list(prompt_token_ids), params, seed)
 

@@ -66,10 +66,8 @@ class PagedScheduler:
         self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int
     ) -> None:
         if min(max_num_seqs, max_num_batched_tokens) < 1:
-            raise ValueError(
-                f"max_num_seqs={max_num_seqs} and max_num_batched_tokens="
-                f"{max_num_batched_tokens} must be >= 1"
-            )
+            raise ValueError(f"max_num_seqs={max_num_seqs} and max_num_batched_tokens="
+                             f"{max_num_batched_tokens} must be >= 1")
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens

@@ -56,10 +56,8 @@ def check_k(k: int, max_k: int, *, param: str = K_PARAM, where: str = "") -> Non
     if k < 0:
         raise refused(f"{k} outside [0, {max_k}]")
     if k > max_k:
-        raise refused(
-            f"{k} outside [0, {max_k}] (the maximum is the value the engine was started "
-            f"with, max_num_speculative_tokens={max_k})", "above_max"
-        )
+        raise refused(f"{k} outside [0, {max_k}] (the maximum is the value the engine was started "
+                      f"with, max_num_speculative_tokens={max_k})", "above_max")
 
 
 def _invalid_schedule(message: str) -> SpeculativeConfigError:
