@@ -149,11 +149,9 @@ def _draft_step_slots_kernel(
     positions_ptr,  # [num_reqs, q] int64, contiguous
     valid_ptr,  # [num_reqs] uint8 (a bool tensor's bytes)
     block_table_ptr,  # [>= num_reqs, max_blocks] int32
-    stride_bt,
-    q,
+    stride_bt, q,
     BLOCK_SIZE: tl.constexpr,  # tokens per KV block
-    BLOCK_Q: tl.constexpr,
-    WRITES_KV: tl.constexpr,
+    BLOCK_Q: tl.constexpr, WRITES_KV: tl.constexpr,
 ):
     req = tl.program_id(0)
     offs = tl.arange(0, BLOCK_Q)

@@ -86,26 +86,12 @@ def _gemv_kernel(
     part_idx_ptr,  # ARGMAX: [M, num_programs] int32, their columns
     res_ptr,  # RESIDUAL: [M, N] added to the product
     rms_ptr,  # RMS: [M, num_parts] float32, sums of squares of parts of each row of x
-    M,
-    N,
-    K,
-    stride_ym,
-    stride_xm,
-    stride_wn,
+    M, N, K, stride_ym, stride_xm, stride_wn,
     up_offset,  # SILU_MUL: N * stride_wn, the up rows' offset
-    stride_res,
-    num_parts,
-    eps,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    EVEN: tl.constexpr,
-    SILU_MUL: tl.constexpr,
-    ARGMAX: tl.constexpr,
-    RESIDUAL: tl.constexpr,
-    RMS: tl.constexpr,
-    BLOCK_P: tl.constexpr,
-    PDL: tl.constexpr,
+    stride_res, num_parts, eps,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
+    SILU_MUL: tl.constexpr, ARGMAX: tl.constexpr, RESIDUAL: tl.constexpr, RMS: tl.constexpr,
+    BLOCK_P: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
     pid = tl.program_id(0)
@@ -163,10 +149,8 @@ def _argmax_kernel(
     idx_ptr,  # [M, num_chunks] int32/int64: its first column
     x_ptr,  # [M, N] values (logits, or the partial maxima of a first pass)
     x_idx_ptr,  # HAS_IDX: [M, N] int32 columns of x's values, increasing along a row
-    N,
-    stride_x,
-    BLOCK: tl.constexpr,
-    HAS_IDX: tl.constexpr,
+    N, stride_x,
+    BLOCK: tl.constexpr, HAS_IDX: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)

@@ -34,10 +34,7 @@ def _rms_norm_kernel(
     weight_ptr,  # [hidden_size]
     eps,
     stride_out, stride_res_out, stride_x, stride_res,
-    HIDDEN: tl.constexpr,
-    BLOCK: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr,
-    GEMMA: tl.constexpr,
+    HIDDEN: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GEMMA: tl.constexpr,
     PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)

@@ -61,21 +61,13 @@ def _paged_attention_kernel(
     scale_log2,  # softmax scale * log2(e)
     q_len,
     sliding_window,  # keys per query when SLIDING (its own position included)
-    num_heads,
-    num_m_blocks,
+    num_heads, num_m_blocks,
     stride_qt, stride_qh, stride_ot, stride_oh,  # query, out: token, head
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,  # caches: block, slot, head
     stride_bt,
-    GROUP_SIZE: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr,
-    SLIDING: tl.constexpr,
-    PDL: tl.constexpr,
+    GROUP_SIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, SLIDING: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
     req = tl.program_id(0)
@@ -156,12 +148,8 @@ def _merge_splits_kernel(
     out_ptr,  # [num_tokens, num_heads, head_dim]
     partial_out_ptr,  # [num_tokens, num_heads, NUM_SPLITS, head_dim] float32
     partial_lse_ptr,  # [num_tokens, num_heads, NUM_SPLITS] float32, base-2
-    num_heads,
-    stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    BLOCK_S: tl.constexpr,
+    num_heads, stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)

@@ -68,12 +68,8 @@ def _rejection_sample_kernel(
     noise_ptr,  # [num_reqs, vocab_size] float32
     vocab_size,
     stride_out, stride_draft_probs, stride_target_probs, stride_noise,
-    MAX_SPEC_LEN: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-    ALL_GREEDY: tl.constexpr,
-    NO_DRAFT_PROBS: tl.constexpr,
-    PLACEHOLDER: tl.constexpr,
+    MAX_SPEC_LEN: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+    ALL_GREEDY: tl.constexpr, NO_DRAFT_PROBS: tl.constexpr, PLACEHOLDER: tl.constexpr,
 ):
     req = tl.program_id(0)
     start = tl.load(cu_num_draft_tokens_ptr + req - 1, mask=req > 0, other=0)

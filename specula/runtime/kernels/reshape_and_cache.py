@@ -23,11 +23,8 @@ def _reshape_and_cache_kernel(
     slot_mapping_ptr,  # [num_tokens] int64
     stride_kt, stride_kh, stride_vt, stride_vh,  # key, value: token, head
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,  # block, slot, head
-    NUM_KV_HEADS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token)

@@ -71,16 +71,9 @@ def _rotary_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,  # token, head
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,  # block, slot, head
     stride_cs,
-    NUM_HEADS: tl.constexpr,
-    NUM_KV_HEADS: tl.constexpr,
-    HALF: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    BLOCK_HALF: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_KH: tl.constexpr,
-    HAS_KEY: tl.constexpr,
-    WRITE_CACHE: tl.constexpr,
-    PDL: tl.constexpr,
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_KH: tl.constexpr, HAS_KEY: tl.constexpr, WRITE_CACHE: tl.constexpr, PDL: tl.constexpr,
 ):
     # One program per token; WRITE_CACHE (full rotary only) also writes the rotated key
     # and the value to the token's cache slot (:func:`rotary_embedding_and_cache`).
