@@ -104,13 +104,9 @@ def start_ranks(
         init_method = f"tcp://127.0.0.1:{sock.getsockname()[1]}"
     stopping.clear()
     ctx = multiprocessing.get_context("spawn")
-    # One GPU per rank on CUDA.
     devices = [torch.device(f"cuda:{r}" if device_type == "cuda" else "cpu") for r in range(n)]
-    ranks = [
-        ctx.Process(target=_follower_main, args=(build, rank, n, init_method, devices[rank]),
-                    name=f"specula-tp-rank-{rank}", daemon=True)
-        for rank in range(1, n)
-    ]
+    ranks = [ctx.Process(target=_follower_main, args=(build, rank, n, init_method, devices[rank]),
+                         name=f"specula-tp-rank-{rank}", daemon=True) for rank in range(1, n)]
     for process in ranks:
         process.start()
     _ranks[:] = ranks
@@ -128,9 +124,8 @@ def _watch(ranks: list) -> None:
             logger.error("%s exited with %s; stopping", process.name, process.exitcode)
             from specula.runtime import download
 
-            download.write_termination_message(
-                f"engine failed: tensor-parallel {process.name} exited with {process.exitcode}"
-            )
+            download.write_termination_message(f"engine failed: tensor-parallel {process.name} "
+                                               f"exited with {process.exitcode}")
             os._exit(1)
 
 
@@ -139,9 +134,8 @@ def _follower_main(
     init_method: str, device: torch.device,
 ) -> None:
     """A spawned rank: join, load this rank's shards, replay rank 0 until it stops."""
-    logging.basicConfig(
-        level=logging.INFO, format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s"
-    )
+    logging.basicConfig(level=logging.INFO,
+                        format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s")
     init_parallel(rank, world_size, init_method, device)
     build(device).follow()
     destroy_parallel()  # with rank 0's, which waits for every rank's

@@ -84,9 +84,8 @@ class BatchSizeSchedule:
                 message names the offending range by index and value.
         """
         if not ranges:
-            raise _invalid_schedule(
-                "the schedule is empty; give at least one [start, end, k] range"
-            )
+            raise _invalid_schedule("the schedule is empty; "
+                                    "give at least one [start, end, k] range")
         parsed: list[tuple[int, int, int]] = []
         for i, entry in enumerate(ranges):
             where = f"range {i} {list(entry)!r}: "
