@@ -118,8 +118,22 @@ def fused_all_reduce_add_norm(hidden_size: int, dtype: torch.dtype, device: torc
         return None
     key = (hidden_size, dtype)
     if key not in _FUSED:
-        _FUSED[key] = _symmetric_workspace(hidden_size, dtype, device)
+        global _MAPPED_GROUP
+        # Symmetric memory is mapped for one process group a process: in a group created
+        # after destroy_parallel (tests do) its rendezvous does not return. The ranks
+        # agree before any allocates (a rank spawned for this group has no earlier one).
+        if min_over_ranks(int(_MAPPED_GROUP in (None, _STATE.group))) == 0:
+            logger.warning("tensor parallelism: symmetric memory was mapped for an earlier "
+                           "process group of this process; row-parallel sums go through NCCL")
+            _FUSED[key] = None
+        else:
+            _MAPPED_GROUP = _STATE.group
+            _FUSED[key] = _symmetric_workspace(hidden_size, dtype, device)
     return _FUSED[key]
+
+
+_MAPPED_GROUP: Any = None
+"""The process group this process mapped symmetric memory for, if any."""
 
 
 def _symmetric_workspace(hidden_size: int, dtype: torch.dtype, device: torch.device):
