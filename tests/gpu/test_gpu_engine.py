@@ -95,8 +95,11 @@ def test_greedy_equals_transformers(demo, tokenizer, prompts, reference, eagle3)
 def test_continuous_batching_with_preemption(demo, tokenizer, prompts, reference):
     from specula.runtime.engine.sampling_params import SamplingParams
 
-    # 24 blocks of 16 tokens: fewer than 8 requests of up to ~75 tokens each need.
-    engine = _engine(demo, tokenizer, max_num_seqs=8, num_gpu_blocks=24)
+    # 12 blocks of 16 tokens: 8 requests of up to ~70 tokens (prompt, 48 tokens, k ahead)
+    # need up to 40. (24 blocks with max_model_len 256 preempted nothing with the demo
+    # models of one training run: whether a pool that large runs short depends on how many
+    # tokens the head's drafts add each step.)
+    engine = _engine(demo, tokenizer, max_num_seqs=8, num_gpu_blocks=12, max_model_len=96)
     steps = []
     schedule = engine.scheduler.schedule
 
