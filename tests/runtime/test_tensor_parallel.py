@@ -31,6 +31,8 @@ def _tp2(config) -> list[list[int]]:
     engine = create_engine(config.model_copy(update={"tensor_parallel_size": 2, "device": "cpu"}))
     try:
         assert get_parallel().world_size == 2 and engine.tensor_parallel_size == 2
+        # Row-parallel sums deferred to the next norm (the CUDA kernel's torch reference).
+        assert engine.runner.fused_reduce is not None
         first = _greedy(engine)
         # Requests added and aborted between steps reach rank 1 as well.
         engine.add_request("aborted", PROMPTS[0], SamplingParams(max_tokens=30))
@@ -84,6 +86,9 @@ def test_two_ranks_with_eagle3(tmp_path_factory, tiny_tokenizer, hf_greedy):
     )
     engine = create_engine(config.model_copy(update={"tensor_parallel_size": 2}))
     try:
+        # The unsharded head's outputs are whole on every rank: nothing to sum.
+        assert engine.runner.fused_reduce is not None
+        assert engine.speculator.runner.fused_reduce is None
         sharded = _greedy(engine)
         stats = engine.spec_decoding_stats
         assert 0 < stats.num_accepted_tokens <= stats.num_draft_tokens

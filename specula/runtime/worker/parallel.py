@@ -111,11 +111,14 @@ def fused_all_reduce_add_norm(hidden_size: int, dtype: torch.dtype, device: torc
     over CUDA symmetric memory (:func:`~specula.runtime.kernels.all_reduce.
     all_reduce_add_rms_norm`), for rows of ``hidden_size`` in ``dtype``: a function
     ``(partial [n, hidden_size], residual, weight, eps) -> (normed, stream)`` for ``n <=``
-    :data:`FUSED_MAX_ROWS`, or ``None`` (one rank, not CUDA, or no peer-mapped memory
-    between the GPUs: NCCL then, with a warning). One workspace per process and shape;
-    the first call is collective (every rank allocates and maps its buffer)."""
-    if _STATE.world_size == 1 or device.type != "cuda":
+    :data:`FUSED_MAX_ROWS`; off CUDA its torch reference (:func:`all_reduce`, then the
+    norm); ``None`` on one rank, or without peer-mapped memory between the GPUs (NCCL
+    then, with a warning). One workspace per process and shape; the first call is
+    collective (every rank allocates and maps its buffer)."""
+    if _STATE.world_size == 1:
         return None
+    if device.type != "cuda":
+        return _all_reduce_add_norm_reference
     key = (hidden_size, dtype)
     if key not in _FUSED:
         global _MAPPED_GROUP
@@ -130,6 +133,14 @@ def fused_all_reduce_add_norm(hidden_size: int, dtype: torch.dtype, device: torc
             _MAPPED_GROUP = _STATE.group
             _FUSED[key] = _symmetric_workspace(hidden_size, dtype, device)
     return _FUSED[key]
+
+
+def _all_reduce_add_norm_reference(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    from specula.runtime.kernels.layernorm import fused_add_rms_norm
+
+    return fused_add_rms_norm(all_reduce(x), residual, weight, eps)
 
 
 _MAPPED_GROUP: Any = None
