@@ -34,11 +34,16 @@ from specula.runtime.kernels.dispatch import pdl, wait_for_previous_kernel
 MAX_PROGRAMS = 64
 """Programs of one launch (each holds flags of its own); rows beyond loop."""
 
+TIMEOUT_S = 300
+"""A program waiting longer for a peer's flag traps (NCCL's watchdog would abort the
+collective after 600 s): a dead or diverged rank fails the launch instead of hanging."""
+
 
 @triton.jit
 def _rank_ptr(table_ptr, rank, dtype: tl.constexpr):
-    """Rank ``rank``'s buffer, from the table of every rank's addresses."""
-    return tl.load(table_ptr + rank).to(tl.pointer_type(dtype))
+    """Rank ``rank``'s buffer, from the table of every rank's addresses (16-byte aligned:
+    the hint lets row accesses be vectorised)."""
+    return tl.multiple_of(tl.load(table_ptr + rank).to(tl.pointer_type(dtype)), 16)
 
 
 @triton.jit
@@ -49,20 +54,43 @@ def _load_acquire(ptr):
 
 
 @triton.jit
-def _store_release(ptr, value):
-    """``*ptr = value`` (int32) with release semantics at system scope, not waited for."""
-    tl.inline_asm_elementwise("st.release.sys.global.b32 [$1], $2;\n\tmov.u32 $0, 0;",
-                              "=r,l,r", [ptr, value], dtype=tl.int32, is_pure=False, pack=1)
+def _nanoseconds(ptr):
+    """The GPU's global timer (ns); ``ptr`` only gives the call a shape."""
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,l", [ptr],
+                                     dtype=tl.int64, is_pure=False, pack=1)
 
 
 @triton.jit
-def _wait_peers(flags, rank, WORLD: tl.constexpr):
+def _trap(ptr):
+    """Abort the kernel (the launch fails with an error on the host)."""
+    tl.inline_asm_elementwise("trap;\n\tmov.u32 $0, 0;", "=r,l", [ptr], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
+def _store_release(ptr, value):
+    """``*ptr = value`` (int32) with release semantics at system scope, by thread 0 of the
+    program only (after a barrier its release covers the program's stores), not waited
+    for."""
+    tl.inline_asm_elementwise(
+        "{\n\t.reg .pred first;\n\t.reg .u32 tid;\n\tmov.u32 tid, %tid.x;\n\t"
+        "setp.eq.u32 first, tid, 0;\n\t@first st.release.sys.global.b32 [$1], $2;\n\t}"
+        "\n\tmov.u32 $0, 0;",
+        "=r,l,r", [ptr, value], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _wait_peers(flags, rank, WORLD: tl.constexpr, TIMEOUT_NS: tl.constexpr):
     """Spin until every peer's flag ``flags[peer]`` is 1, then set them back to 0 (after
-    a barrier: no thread may see the reset before it has seen the 1)."""
+    a barrier: no thread may see the reset before it has seen the 1). A peer silent for
+    ``TIMEOUT_NS`` (dead, or on another code path) traps: the launch fails instead of
+    spinning for ever."""
     for peer in tl.static_range(WORLD):
         if peer != rank:
+            start = _nanoseconds(flags)
             while _load_acquire(flags + peer) != 1:
-                pass
+                if _nanoseconds(flags) - start > TIMEOUT_NS:
+                    _trap(flags)
     tl.debug_barrier()
     for peer in tl.static_range(WORLD):
         if peer != rank:
@@ -97,6 +125,7 @@ def _all_reduce_add_rms_norm_kernel(
     BLOCK: tl.constexpr,
     WORLD: tl.constexpr,
     NUM_FLAGS: tl.constexpr,  # MAX_PROGRAMS * WORLD
+    TIMEOUT_NS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -107,7 +136,7 @@ def _all_reduce_add_rms_norm_kernel(
     wait_for_previous_kernel(PDL)
     my_buffer = _rank_ptr(buffers_ptr, rank, dtype)
     my_flags = _rank_ptr(flags_ptr, rank, tl.int32) + pid * WORLD
-    _wait_peers(my_flags + NUM_FLAGS, rank, WORLD)  # the peers are done with my rows
+    _wait_peers(my_flags + NUM_FLAGS, rank, WORLD, TIMEOUT_NS)  # the peers are done with my rows
     for row in range(pid, num_rows, step):  # my rows into my slot of each peer's buffer
         x = tl.load(x_ptr + row * stride_x + cols, mask=mask)
         for peer in tl.static_range(WORLD):
@@ -115,7 +144,7 @@ def _all_reduce_add_rms_norm_kernel(
                 slot = _rank_ptr(buffers_ptr, peer, dtype) + (rank * max_rows + row) * HIDDEN
                 tl.store(slot + cols, x, mask=mask)
     _signal_peers(flags_ptr, pid * WORLD, rank, WORLD)  # my rows are in
-    _wait_peers(my_flags, rank, WORLD)  # and theirs
+    _wait_peers(my_flags, rank, WORLD, TIMEOUT_NS)  # and theirs
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     for row in range(pid, num_rows, step):
         acc = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -127,7 +156,8 @@ def _all_reduce_add_rms_norm_kernel(
                                other=0.0)
             acc += part.to(tl.float32)
         res = tl.load(residual_ptr + row * stride_res + cols, mask=mask, other=0.0)
-        # Rounded as NCCL's sum, then as fused_add_rms_norm's add.
+        # The sum rounded once (as NCCL's for two ranks), then the add as
+        # fused_add_rms_norm rounds it.
         x = (acc.to(dtype).to(tl.float32) + res.to(tl.float32)).to(dtype)
         tl.store(residual_out_ptr + row * stride_out + cols, x, mask=mask)
         xf = x.to(tl.float32)
@@ -170,6 +200,7 @@ def all_reduce_add_rms_norm(
         AssertionError: shapes, dtypes or layouts unlike the above.
     """
     n, hidden = x.shape
+    assert hidden * x.element_size() % 16 == 0, "rows must be 16-byte multiples"
     assert n <= max_rows and x.stride(1) == 1 and residual.shape == x.shape and residual.stride(1) == 1
     assert weight.shape == (hidden,) and weight.dtype == x.dtype == residual.dtype
     out, stream = torch.empty_like(x), torch.empty_like(x)
@@ -182,6 +213,6 @@ def all_reduce_add_rms_norm(
         out, stream, x, residual, weight, buffers, flags, rank, max_rows, n, eps,
         x.stride(0), residual.stride(0), out.stride(0),
         HIDDEN=hidden, BLOCK=block, WORLD=world, NUM_FLAGS=MAX_PROGRAMS * world,
-        PDL=with_pdl, num_warps=min(16, max(4, block // 512)), launch_pdl=with_pdl,
+        TIMEOUT_NS=TIMEOUT_S * 10**9, PDL=with_pdl, num_warps=min(16, max(4, block // 512)), launch_pdl=with_pdl,
     )
     return out, stream

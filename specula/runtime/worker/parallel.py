@@ -24,7 +24,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import torch
@@ -152,28 +151,41 @@ def _symmetric_workspace(hidden_size: int, dtype: torch.dtype, device: torch.dev
 
     from specula.runtime.kernels.all_reduce import MAX_PROGRAMS, all_reduce_add_rms_norm
 
-    world = _STATE.world_size
-    try:
+    world, group = _STATE.world_size, _STATE.group
+    reason = None if hidden_size * dtype.itemsize % 16 == 0 else "rows not 16-byte multiples"
+    try:  # every rank allocates, then all agree, before the collective rendezvous
         buffer = symm_mem.empty(world * FUSED_MAX_ROWS * hidden_size, dtype=dtype, device=device)
         flags = symm_mem.empty(2 * MAX_PROGRAMS * world, dtype=torch.int32, device=device)
         flags[: MAX_PROGRAMS * world].zero_()
         flags[MAX_PROGRAMS * world :].fill_(1)  # "done": the peers may write at once
         torch.cuda.synchronize(device)
-        # Collective: every rank's flags are set before any rank returns.
-        handles = [symm_mem.rendezvous(t, _STATE.group) for t in (buffer, flags)]
     except (RuntimeError, ValueError) as exc:
+        reason = reason or str(exc)
+    if min_over_ranks(int(reason is None)) == 0:
         logger.warning("tensor parallelism: no symmetric memory between the GPUs (%s); "
-                       "row-parallel sums go through NCCL", exc)
+                       "row-parallel sums go through NCCL", reason or "on another rank")
         return None
+    # Collective: every rank's flags are set before any rank returns.
+    handles = [symm_mem.rendezvous(t, group) for t in (buffer, flags)]
+    assert all(getattr(h, "offset", 0) == 0 for h in handles), "buffers at their allocation's start"
     buffers, flag_ptrs = (torch.tensor(h.buffer_ptrs, dtype=torch.int64, device=device)
                           for h in handles)
     _FUSED_KEEP.append((buffer, flags, handles))
-    return partial(all_reduce_add_rms_norm, buffers=buffers, flags=flag_ptrs, rank=_STATE.rank,
-                   max_rows=FUSED_MAX_ROWS)
+
+    def fused(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+        if _STATE.group is not group:
+            raise RuntimeError("the process group of this tensor-parallel runner was left")
+        if x.shape[1] != hidden_size or x.dtype != dtype:
+            raise ValueError(f"rows of {x.shape[1]} {x.dtype} in a workspace for rows of "
+                             f"{hidden_size} {dtype}")
+        return all_reduce_add_rms_norm(x, residual, weight, eps, buffers, flag_ptrs,
+                                       _STATE.rank, FUSED_MAX_ROWS)
+
+    return fused
 
 
 _FUSED_KEEP: list = []
-"""The symmetric allocations behind :data:`_FUSED`, alive as long as the process."""
+"""The symmetric allocations behind :data:`_FUSED`, freed when the group is left."""
 
 
 def gather_vocab(x: torch.Tensor, vocab_size: int, dim: int = -1) -> torch.Tensor:

@@ -15,7 +15,14 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from specula.runtime.kernels import draft_inputs, gemv, layernorm, paged_attention, rotary
+from specula.runtime.kernels import (
+    all_reduce,
+    draft_inputs,
+    gemv,
+    layernorm,
+    paged_attention,
+    rotary,
+)
 from specula.runtime.kernels import rejection_sampler as rs
 from specula.runtime.kernels import reshape_and_cache as rc
 
@@ -123,10 +130,19 @@ CASES = {
          "valid_ptr": "*u8", "block_table_ptr": "*i32"},
         dict(BLOCK_SIZE=16, BLOCK_Q=1, WRITES_KV=False),
     ),
+    # Tensor parallelism's fused sum at Llama-3.1-8B's hidden size over two ranks.
+    "all_reduce_add_rms_norm": (
+        all_reduce._all_reduce_add_rms_norm_kernel,
+        {"out_ptr": "*bf16", "residual_out_ptr": "*bf16", "x_ptr": "*bf16",
+         "residual_ptr": "*bf16", "weight_ptr": "*bf16", "buffers_ptr": "*i64",
+         "flags_ptr": "*i64", "eps": "fp32"},
+        dict(HIDDEN=4096, BLOCK=4096, WORLD=2, NUM_FLAGS=128, TIMEOUT_NS=300 * 10**9, PDL=True),
+    ),
 }
 
 
-NUM_WARPS = {"rejection_sample_random": 8, "fused_add_rms_norm_gemma": 8}
+NUM_WARPS = {"rejection_sample_random": 8, "fused_add_rms_norm_gemma": 8,
+             "all_reduce_add_rms_norm": 8}
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -145,3 +161,24 @@ def test_compiles_for_sm90(name):
     # The variant launched with programmatic dependent launch waits for its predecessor.
     assert ("griddepcontrol.wait" in compiled.asm["ptx"]) == constexprs.get("PDL", False)
     assert compiled.asm["cubin"], "ptxas produced no binary"
+
+
+def test_the_fused_all_reduce_orders_and_vectorises_its_peer_accesses():
+    """The flags are raised with a system-scope release by one thread and awaited with a
+    system-scope acquire; the rows to and from the peers' buffers move in 16-byte vectors
+    (the pointers built from integer addresses carry the alignment hint), not 2-byte
+    scalars; a peer silent past the timeout traps. Pointers and strides are marked
+    16-divisible, as a launch specialises them."""
+    kernel, types, constexprs = CASES["all_reduce_add_rms_norm"]
+    if not isinstance(kernel, triton.runtime.JITFunction):
+        pytest.skip("TRITON_INTERPRET is set in this process: nothing to compile")
+    signature = {arg: "constexpr" if arg in constexprs else types.get(arg, "i32")
+                 for arg in kernel.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, arg in enumerate(kernel.arg_names)
+             if signature[arg].startswith("*") or arg.startswith("stride")}
+    ptx = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=HOPPER,
+                         options={"num_warps": 8}).asm["ptx"]
+    assert "st.release.sys.global.b32" in ptx and "ld.acquire.sys.global.b32" in ptx
+    assert "@first st.release" in ptx and "%globaltimer" in ptx and "trap;" in ptx
+    assert "st.global.b16" not in ptx and "ld.global.b16" not in ptx
+    assert "st.global.v4.b32" in ptx and "ld.global.v4.b32" in ptx
