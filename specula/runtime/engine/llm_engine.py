@@ -73,6 +73,7 @@ from specula.runtime.worker.paged_kv import (
 from specula.runtime.worker.parallel import (
     broadcast_object,
     destroy_parallel,
+    fused_workspace_bytes,
     get_parallel,
     min_over_ranks,
 )
@@ -221,7 +222,8 @@ class LLMEngine(SpeculativeSettings):
                 num_gpu_blocks = num_blocks_from_free_memory(
                     target_spec.bytes_per_block + (draft_spec.bytes_per_block if draft_spec else 0),
                     self.device, gpu_memory_utilization,
-                    reserve_bytes=(1 << 30) + (probs if spec and spec.keeps_draft_probs else 0),
+                    reserve_bytes=(1 << 30) + (probs if spec and spec.keeps_draft_probs else 0)
+                    + fused_workspace_bytes(model.config.hidden_size, self.dtype),
                 )
             else:
                 num_gpu_blocks = cdiv(max_num_seqs * runner_len, block_size)

@@ -105,6 +105,12 @@ FUSED_MAX_ROWS = 1024
 _FUSED: dict[tuple[int, torch.dtype], Callable | None] = {}
 
 
+def fused_workspace_bytes(hidden_size: int, dtype: torch.dtype) -> int:
+    """Device bytes the fused sum's buffer takes on each rank (0 on one rank)."""
+    world = _STATE.world_size
+    return 0 if world == 1 else world * FUSED_MAX_ROWS * hidden_size * dtype.itemsize
+
+
 def fused_all_reduce_add_norm(hidden_size: int, dtype: torch.dtype, device: torch.device):
     """The all-reduce, residual add and RMSNorm after a row-parallel layer as one kernel
     over CUDA symmetric memory (:func:`~specula.runtime.kernels.all_reduce.
