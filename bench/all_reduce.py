@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from bench.engine import replay_ms
+
 LAUNCHES = 64
 
 
@@ -32,14 +34,7 @@ def _time_graph(fn, reps: int = 50) -> float:
             fn()
     graph.replay()
     dist.barrier()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000 / (reps * LAUNCHES)
+    return replay_ms(graph, reps) * 1000 / LAUNCHES
 
 
 def _rank(rank: int, port: int, rows: list[int], hidden: int, queue) -> None:

@@ -235,13 +235,21 @@ def gemm_only_step_ms(model, device, reps: int = 50) -> float:
             gemms()
         for _ in range(3):
             graph.replay()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
+        return replay_ms(graph, reps)
+
+
+def replay_ms(graph, reps: int) -> float:
+    """Milliseconds per replay of a captured CUDA graph: CUDA events around ``reps``
+    replays, after the device has drained."""
+    import torch
+
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
     return start.elapsed_time(end) / reps
 
 

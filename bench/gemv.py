@@ -21,6 +21,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.engine import replay_ms  # noqa: E402
+
 SHAPES = {
     "8B qkv_proj": (6144, 4096),
     "8B o_proj": (4096, 4096),
@@ -56,14 +58,7 @@ def time_products(fn, weights, x, reps: int = 5) -> float:
         for w in weights:
             fn(x, w)
     graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (reps * len(weights))
+    return replay_ms(graph, reps) * 1e3 / len(weights)
 
 
 def main(argv: list[str] | None = None) -> int:

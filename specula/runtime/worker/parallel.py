@@ -160,7 +160,8 @@ def _symmetric_workspace(hidden_size: int, dtype: torch.dtype, device: torch.dev
     world, group = _STATE.world_size, _STATE.group
     reason = None if hidden_size * dtype.itemsize % 16 == 0 else "rows not 16-byte multiples"
     try:  # every rank allocates, then all agree, before the collective rendezvous
-        buffer = symm_mem.empty(world * FUSED_MAX_ROWS * hidden_size, dtype=dtype, device=device)
+        numel = fused_workspace_bytes(hidden_size, dtype) // dtype.itemsize
+        buffer = symm_mem.empty(numel, dtype=dtype, device=device)
         flags = symm_mem.empty(2 * MAX_PROGRAMS * world, dtype=torch.int32, device=device)
         flags[: MAX_PROGRAMS * world].zero_()
         flags[MAX_PROGRAMS * world :].fill_(1)  # "done": the peers may write at once
