@@ -44,6 +44,7 @@ from specula.runtime.kernels.reshape_and_cache import (
 from specula.runtime.kernels.rotary import (
     build_cos_sin_cache,
     rotary_embedding,
+    rotary_embedding_and_cache,
     rotary_embedding_reference,
 )
 from specula.runtime.models.layers import RotaryEmbedding
@@ -114,6 +115,39 @@ def test_paged_attention_llama8b(num_reqs, q_len):
         query, key_cache, value_cache, block_table, lens, scale, q_len, num_splits=1
     )
     torch.testing.assert_close(out.float(), unsplit.float(), atol=2e-2, rtol=0)
+
+
+@pytest.mark.parametrize("num_reqs, q_len", [(1, 1), (16, 1), (1, 5), (8, 5)])
+def test_paged_attention_with_new_kv(num_reqs, q_len):
+    """Rotary and the cache write inside attention (``new_kv``) against the rotary kernel
+    and the attention after it: the same cache bit for bit, the same output within the
+    tolerance."""
+    gen = torch.Generator().manual_seed(num_reqs * 7 + q_len)
+    seq_lens = torch.randint(q_len + 1, 3000, (num_reqs,), generator=gen).tolist()
+    if num_reqs > 1:
+        seq_lens[-1] = 0  # a CUDA-graph padding request
+    query, key_cache, value_cache, block_table, lens = _paged_case(seq_lens, q_len, seed=3)
+    n = num_reqs * q_len
+    new = torch.randn(n, 2, NUM_KV_HEADS, HEAD_DIM, device=DEVICE).to(torch.bfloat16)
+    key, value = new[:, 0], new[:, 1]
+    positions = torch.tensor([max(s - q_len + j, 0) for s in seq_lens for j in range(q_len)],
+                             device=DEVICE)
+    slots = [int(block_table[r, p // BLOCK_SIZE]) * BLOCK_SIZE + p % BLOCK_SIZE if s else -1
+             for r, s in enumerate(seq_lens) for p in range(max(s - q_len, 0), max(s - q_len, 0) + q_len)]
+    slot_mapping = torch.tensor(slots, device=DEVICE)
+    rope = RotaryEmbedding(HEAD_DIM, 500000.0, None, torch.device(DEVICE))
+    cos_sin = build_cos_sin_cache(rope.inv_freq, 4096)
+    scale = HEAD_DIM**-0.5
+    q2, k2, kc2, vc2 = query.clone(), key.clone(), key_cache.clone(), value_cache.clone()
+    rotary_embedding_and_cache(positions, q2, k2, value, kc2, vc2, slot_mapping, cos_sin)
+    ref = paged_attention(q2, kc2, vc2, block_table, lens, scale, q_len)
+    out = paged_attention(query, key_cache, value_cache, block_table, lens, scale, q_len,
+                          new_kv=(key, value, positions, slot_mapping, cos_sin))
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=0)
+    # Rotated keys within a bfloat16 unit (the two kernels may contract the float32
+    # products into fused multiply-adds differently); values copied exactly.
+    torch.testing.assert_close(key_cache.float(), kc2.float(), **BF16_TOL)
+    assert torch.equal(value_cache, vc2)
 
 
 @pytest.mark.parametrize("dtype, atol", [(torch.float16, 3e-3), (torch.float32, 1e-5)])

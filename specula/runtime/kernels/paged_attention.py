@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from specula.runtime.kernels.dispatch import FLOATS, pdl, use_reference, wait_for_previous_kernel
+from specula.runtime.kernels.reshape_and_cache import check_cache_write
 
 _MIN_TOKENS_PER_SPLIT = 128
 """A split reads at least this many keys: fewer would cost more in the merge than the
@@ -49,6 +50,41 @@ _MAX_BLOCK_M = 64
 
 
 @triton.jit
+def _rotated(ptrs, mask, pos, cos_sin_ptr, stride_cs, offs_d, HALF: tl.constexpr):
+    """The ``[rows, BLOCK_D]`` head vectors at ``ptrs`` rotated by their rows' positions
+    ``pos`` ("rotate half", as :mod:`~.rotary` computes it: float32, rounded once)."""
+    first = offs_d < HALF
+    x = tl.load(ptrs, mask=mask, other=0.0)
+    xp = tl.load(ptrs + tl.where(first, HALF, -HALF)[None, :], mask=mask, other=0.0)
+    cs = cos_sin_ptr + pos[:, None] * stride_cs + (offs_d % HALF)[None, :]
+    cos = tl.load(cs, mask=mask, other=0.0).to(tl.float32)
+    sin = tl.load(cs + HALF, mask=mask, other=0.0).to(tl.float32)
+    xf, xpf = x.to(tl.float32), xp.to(tl.float32)
+    return tl.where(first[None, :], xf * cos - xpf * sin, xf * cos + xpf * sin).to(x.dtype)
+
+
+@triton.jit
+def _attend_tile(acc, m_i, l_i, q, k, v, offs_n, n_valid, key_limit, key_start, scale_log2,
+                 INPUT_PRECISION: tl.constexpr, SLIDING: tl.constexpr):
+    """One key tile of the online softmax: keys ``k`` and values ``v`` [BLOCK_N, BLOCK_D]
+    at positions ``offs_n``; returns the updated ``(acc, m_i, l_i)``."""
+    s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * scale_log2
+    visible = n_valid[None, :] & (offs_n[None, :] < key_limit[:, None])
+    if SLIDING:
+        visible = visible & (offs_n[None, :] >= key_start[:, None])
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    # A row with nothing visible yet keeps -inf; subtracting 0 then keeps exp2 at 0
+    # instead of producing NaN from -inf - -inf.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
 def _paged_attention_kernel(
     out_ptr,  # [num_tokens, num_heads, head_dim], written when NUM_SPLITS == 1
     partial_out_ptr,  # [num_tokens, num_heads, NUM_SPLITS, head_dim] float32
@@ -58,16 +94,21 @@ def _paged_attention_kernel(
     value_cache_ptr,
     block_table_ptr,  # [num_reqs, max_blocks_per_req] int32
     seq_lens_ptr,  # [num_reqs] int32
+    key_ptr,  # NEW_KV: [num_tokens, num_kv_heads, head_dim], the new keys, unrotated
+    value_ptr,  # NEW_KV: [num_tokens, num_kv_heads, head_dim]
+    positions_ptr,  # NEW_KV: [num_tokens] int64
+    slot_mapping_ptr,  # NEW_KV: [num_tokens] int64, negative: no cache write
+    cos_sin_ptr,  # NEW_KV: [max_position, head_dim] float32
     scale_log2,  # softmax scale * log2(e)
     q_len,
     sliding_window,  # keys per query when SLIDING (its own position included)
     num_heads, num_m_blocks,
     stride_qt, stride_qh, stride_ot, stride_oh,  # query, out: token, head
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,  # caches: block, slot, head
-    stride_bt,
+    stride_bt, stride_nkt, stride_nkh, stride_nvt, stride_nvh, stride_cs,
     GROUP_SIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, SLIDING: tl.constexpr, PDL: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, SLIDING: tl.constexpr, NEW_KV: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
     req = tl.program_id(0)
@@ -85,18 +126,26 @@ def _paged_attention_kernel(
     d_valid = offs_d < HEAD_DIM
 
     q_ptrs = query_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
-    q = tl.load(q_ptrs, mask=row_valid[:, None] & d_valid[None, :], other=0.0)
+    q_mask = row_valid[:, None] & d_valid[None, :]
+    if NEW_KV:
+        pos = tl.load(positions_ptr + token, mask=row_valid, other=0)
+        q = _rotated(q_ptrs, q_mask, pos, cos_sin_ptr, stride_cs, offs_d, HEAD_DIM // 2)
+    else:
+        q = tl.load(q_ptrs, mask=q_mask, other=0.0)
 
     seq_len = tl.load(seq_lens_ptr + req)
     # Keys [0, key_limit) are visible to each row; padded rows see none.
     key_limit = tl.where(row_valid, seq_len - q_len + q_idx + 1, 0)
     ctx_end = tl.maximum(tl.max(key_limit, axis=0), 0)
+    key_start = key_limit
     if SLIDING:
         # Keys [key_start, key_limit): the window ends at the row's own position.
         key_start = tl.maximum(key_limit - sliding_window, 0)
         ctx_start = tl.min(tl.where(row_valid, key_start, ctx_end), axis=0)
     else:
         ctx_start = 0
+    if NEW_KV:  # the cache holds keys before this step's; the last split takes the new ones
+        ctx_end = tl.maximum(tl.minimum(ctx_end, seq_len - q_len), ctx_start)
     tokens_per_split = tl.cdiv(tl.cdiv(ctx_end - ctx_start, NUM_SPLITS), BLOCK_N) * BLOCK_N
     split_start = ctx_start + split * tokens_per_split
     split_end = tl.minimum(split_start + tokens_per_split, ctx_end)
@@ -113,32 +162,41 @@ def _paged_attention_kernel(
         kv_mask = n_valid[:, None] & d_valid[None, :]
         k_off = block * stride_kb + in_block * stride_ks + kv_head * stride_kh
         k = tl.load(key_cache_ptr + k_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * scale_log2
-        visible = n_valid[None, :] & (offs_n[None, :] < key_limit[:, None])
-        if SLIDING:
-            visible = visible & (offs_n[None, :] >= key_start[:, None])
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        # A row with nothing visible yet keeps -inf; subtracting 0 then keeps exp2 at 0
-        # instead of producing NaN from -inf - -inf.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
         v_off = block * stride_vb + in_block * stride_vs + kv_head * stride_vh
         v = tl.load(value_cache_ptr + v_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
-        m_i = m_new
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k, v, offs_n, n_valid, key_limit,
+                                     key_start, scale_log2, INPUT_PRECISION, SLIDING)
+    if NEW_KV:
+        if split == NUM_SPLITS - 1:  # this step's q_len keys, rotated here; one tile
+            offs_j = tl.arange(0, BLOCK_N)
+            j_valid = offs_j < tl.where(seq_len > 0, q_len, 0)  # none for padding
+            new = req * q_len + offs_j
+            kv_mask = j_valid[:, None] & d_valid[None, :]
+            k_ptrs = key_ptr + new[:, None] * stride_nkt + kv_head * stride_nkh + offs_d[None, :]
+            new_pos = tl.load(positions_ptr + new, mask=j_valid, other=0)
+            k = _rotated(k_ptrs, kv_mask, new_pos, cos_sin_ptr, stride_cs, offs_d, HEAD_DIM // 2)
+            v_ptrs = value_ptr + new[:, None] * stride_nvt + kv_head * stride_nvh + offs_d[None, :]
+            v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+            acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k, v, seq_len - q_len + offs_j, j_valid,
+                                         key_limit, key_start, scale_log2, INPUT_PRECISION, SLIDING)
+            if m_block == 0:  # the cache write, once per KV head (no one reads it this launch)
+                slot = tl.load(slot_mapping_ptr + new, mask=j_valid, other=-1)
+                w_mask = (slot >= 0)[:, None] & d_valid[None, :]
+                c_off = (slot // BLOCK_SIZE) * stride_kb + (slot % BLOCK_SIZE) * stride_ks
+                tl.store(key_cache_ptr + (c_off + kv_head * stride_kh)[:, None] + offs_d[None, :],
+                         k, mask=w_mask)
+                c_off = (slot // BLOCK_SIZE) * stride_vb + (slot % BLOCK_SIZE) * stride_vs
+                tl.store(value_cache_ptr + (c_off + kv_head * stride_vh)[:, None] + offs_d[None, :],
+                         v, mask=w_mask)
 
     has_keys = l_i > 0.0
     acc = acc / tl.where(has_keys, l_i, 1.0)[:, None]
-    out_mask = row_valid[:, None] & d_valid[None, :]
     if NUM_SPLITS == 1:
         o_ptrs = out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
-        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=q_mask)
     else:
         row = (token.to(tl.int64) * num_heads + head) * NUM_SPLITS + split
-        tl.store(partial_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=out_mask)
+        tl.store(partial_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=q_mask)
         lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
         tl.store(partial_lse_ptr + row, lse, mask=row_valid)
 
@@ -195,6 +253,11 @@ def _block_n(block_m: int, block_d: int, itemsize: int, device: torch.device) ->
     return _BLOCK_N // 4
 
 
+def _num_sms(device: torch.device) -> int:
+    """The device's SM count (4 off CUDA, for the interpreter's tests)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
 def default_num_splits(
     num_reqs: int, num_kv_heads: int, num_m_blocks: int, max_context: int, device: torch.device
 ) -> int:
@@ -204,10 +267,7 @@ def default_num_splits(
     A pure function of host-side sizes, so a CUDA graph captured with one value stays
     valid for every ``seq_lens`` up to ``max_context``.
     """
-    sms = 4
-    if device.type == "cuda":
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-    wanted = triton.cdiv(2 * sms, num_reqs * num_kv_heads * num_m_blocks)
+    wanted = triton.cdiv(2 * _num_sms(device), num_reqs * num_kv_heads * num_m_blocks)
     by_length = triton.cdiv(max_context, _MIN_TOKENS_PER_SPLIT)
     return max(1, min(wanted, by_length, _MAX_SPLITS))
 
@@ -216,6 +276,7 @@ def paged_attention(
     query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
     block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float, q_len: int = 1,
     *, num_splits: int | None = None, sliding_window: int | None = None,
+    new_kv: tuple[torch.Tensor, ...] | None = None,
 ) -> torch.Tensor:
     """Attention of ``q_len`` new query tokens per request over the paged KV cache.
 
@@ -239,6 +300,16 @@ def paged_attention(
         sliding_window: ``W`` >= 1: a query at position ``p`` sees keys at positions
             ``(p - W, p]`` only (see the module docstring); ``None`` (default): all
             keys up to its own.
+        new_kv: ``(key, value, positions, slot_mapping, cos_sin_cache)``: the step's
+            keys and values are not in the cache yet and ``query`` and ``key`` are not
+            rotated. The kernel rotates them (full rotary, as
+            :func:`~.rotary.rotary_embedding_and_cache`), attends to the new keys from
+            ``key``/``value`` and writes them to their slots, sparing that kernel's
+            launch. ``key``, ``value``: [num_tokens, num_kv_heads, head_dim];
+            ``positions``, ``slot_mapping``: [num_tokens] int64; ``cos_sin_cache``:
+            [max_position, head_dim] float32. Off CUDA (and past one key tile of query
+            tokens), the two kernels' path runs, which rotates ``query`` and ``key`` in
+            place.
 
     Returns:
         [num_reqs * q_len, num_heads, head_dim] in ``query.dtype``.
@@ -258,6 +329,24 @@ def paged_attention(
     assert cache_head_dim == head_dim and num_heads % num_kv_heads == 0
     assert q_len >= 1 and num_tokens == num_reqs * q_len and seq_lens.shape[0] == num_reqs
     assert sliding_window is None or sliding_window >= 1
+    group_size = num_heads // num_kv_heads
+    rows = q_len * group_size
+    block_m = max(16, min(_MAX_BLOCK_M, triton.next_power_of_2(rows)))
+    num_m_blocks = triton.cdiv(rows, block_m)
+    block_d = triton.next_power_of_2(max(head_dim, 16))
+    block_n = _block_n(block_m, block_d, query.element_size(), query.device)
+    # The new keys ride in the last split, the short one while splits fill the GPU; with
+    # more (request, KV head) programs than SMs the rotary kernel before is cheaper
+    # (measured on an H100 at batch 32: 2 us a layer the other way).
+    programs = num_reqs * num_kv_heads * num_m_blocks
+    if new_kv is not None and (use_reference(query) or q_len > block_n or block_d != head_dim
+                               or programs > _num_sms(query.device)):
+        from specula.runtime.kernels.rotary import rotary_embedding_and_cache
+
+        key, value, positions, slot_mapping, cos_sin = new_kv
+        rotary_embedding_and_cache(positions, query, key, value, key_cache, value_cache,
+                                   slot_mapping, cos_sin)
+        new_kv = None
     if use_reference(query):
         return paged_attention_reference(
             query, key_cache, value_cache, block_table, seq_lens, scale, q_len, sliding_window
@@ -265,10 +354,6 @@ def paged_attention(
     out = torch.empty_like(query)
     if num_reqs == 0:
         return out
-    group_size = num_heads // num_kv_heads
-    rows = q_len * group_size
-    block_m = max(16, min(_MAX_BLOCK_M, triton.next_power_of_2(rows)))
-    num_m_blocks = triton.cdiv(rows, block_m)
     if num_splits is None:
         max_context = block_table.shape[1] * block_size
         if sliding_window is not None:
@@ -282,20 +367,26 @@ def paged_attention(
         partial_shape = (num_tokens, num_heads, num_splits)
         partial_out = query.new_empty(*partial_shape, head_dim, dtype=torch.float32)
         partial_lse = query.new_empty(*partial_shape, dtype=torch.float32)
-    block_d = triton.next_power_of_2(max(head_dim, 16))
-    block_n = _block_n(block_m, block_d, query.element_size(), query.device)
+    key, value, positions, slot_mapping, cos_sin = new_kv or (query, query, seq_lens, seq_lens, query)
+    if new_kv is not None:
+        check_cache_write(key, value, key_cache, value_cache, slot_mapping)
+        assert positions.shape == (num_tokens,) and positions.dtype == torch.int64
+        assert positions.is_contiguous()
+        assert cos_sin.shape[-1] == head_dim and cos_sin.stride(-1) == 1, "full rotary only"
     # float32 caches are for tests and references: keep their dot products exact.
     precision = "ieee" if query.dtype == torch.float32 else "tf32"
     with_pdl = pdl(query)
     _paged_attention_kernel[(num_reqs, num_kv_heads * num_m_blocks, num_splits)](
-        out, partial_out, partial_lse, query, key_cache, value_cache, block_table, seq_lens,
+        out, partial_out, partial_lse, query, key_cache, value_cache, block_table,
+        seq_lens, key, value, positions, slot_mapping, cos_sin,
         scale * math.log2(math.e), q_len, sliding_window or 0, num_heads, num_m_blocks,
         *query.stride()[:2], *out.stride()[:2], *key_cache.stride()[:3],
-        *value_cache.stride()[:3], block_table.stride(0),
+        *value_cache.stride()[:3], block_table.stride(0), *key.stride()[:2],
+        *value.stride()[:2], cos_sin.stride(0),
         GROUP_SIZE=group_size, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=num_splits, INPUT_PRECISION=precision,
-        SLIDING=sliding_window is not None, PDL=with_pdl, num_warps=4,
-        enable_fp_fusion=True, launch_pdl=with_pdl,
+        SLIDING=sliding_window is not None, NEW_KV=new_kv is not None, PDL=with_pdl,
+        num_warps=4, enable_fp_fusion=True, launch_pdl=with_pdl,
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
@@ -305,6 +396,7 @@ def paged_attention(
             enable_fp_fusion=True, launch_pdl=with_pdl,
         )
     return out
+
 
 
 def paged_attention_reference(

@@ -306,6 +306,15 @@ class ModelRunner:
             q = rms_norm(q.reshape(-1, head_dim), attn.q_norm.weight, attn.q_norm.eps).view_as(q)
             k = rms_norm(k.reshape(-1, head_dim), attn.k_norm.weight, attn.k_norm.eps).view_as(k)
         key_cache, value_cache = self.kv_cache.layer(layer_idx)
+        if not metadata.prefill and metadata.split is None and metadata.uniform_query_len:
+            # Decode or verification: rotary and the cache write inside attention.
+            m = metadata.num_tokens
+            out = paged_attention(
+                q[:m], key_cache, value_cache, metadata.block_table, metadata.seq_lens, self.scale,
+                metadata.uniform_query_len, num_splits=self.attn_num_splits,
+                new_kv=(k[:m], v[:m], positions[:m], metadata.slot_mapping[:m], self.cos_sin_cache),
+            )
+            return out.reshape(m, -1)
         rotary_embedding_and_cache(
             positions, q, k, v, key_cache, value_cache, metadata.slot_mapping, self.cos_sin_cache
         )

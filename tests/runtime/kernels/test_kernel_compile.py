@@ -42,25 +42,30 @@ def _gemv(**constexprs):
     return gemv._gemv_kernel, types, flags | constexprs
 
 
+def _paged(**constexprs):
+    """A paged-attention case: bfloat16 tensors, 16-slot blocks, a 16-row tile."""
+    types = {"out_ptr": "*bf16", "partial_out_ptr": "*fp32", "partial_lse_ptr": "*fp32",
+             "query_ptr": "*bf16", "key_cache_ptr": "*bf16",
+             "value_cache_ptr": "*bf16", "block_table_ptr": "*i32", "seq_lens_ptr": "*i32",
+             "key_ptr": "*bf16", "value_ptr": "*bf16", "positions_ptr": "*i64",
+             "slot_mapping_ptr": "*i64", "cos_sin_ptr": "*fp32", "scale_log2": "fp32"}
+    flags = dict(BLOCK_SIZE=16, BLOCK_M=16, INPUT_PRECISION="tf32", SLIDING=False,
+                 NEW_KV=False, PDL=True)
+    return paged_attention._paged_attention_kernel, types, flags | constexprs
+
+
 # kernel, pointer/float argument types (other runtime arguments are i32), constexprs
 CASES = {
-    "paged_attention_split": (
-        paged_attention._paged_attention_kernel,
-        {"out_ptr": "*bf16", "partial_out_ptr": "*fp32", "partial_lse_ptr": "*fp32",
-         "query_ptr": "*bf16", "key_cache_ptr": "*bf16", "value_cache_ptr": "*bf16",
-         "block_table_ptr": "*i32", "seq_lens_ptr": "*i32", "scale_log2": "fp32"},
-        dict(GROUP_SIZE=4, BLOCK_SIZE=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=16, BLOCK_N=64,
-             NUM_SPLITS=4, INPUT_PRECISION="tf32", SLIDING=False, PDL=True),
-    ),
+    "paged_attention_split": _paged(GROUP_SIZE=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_N=64,
+                                    NUM_SPLITS=4),
+    # Decode with rotary and the cache write in the kernel, split or not.
+    "paged_attention_new_kv_split": _paged(GROUP_SIZE=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_N=64,
+                                           NUM_SPLITS=3, NEW_KV=True),
+    "paged_attention_new_kv": _paged(GROUP_SIZE=4, HEAD_DIM=64, BLOCK_D=64, BLOCK_N=64,
+                                     NUM_SPLITS=1, NEW_KV=True),
     # Gemma4's sliding layers: 256-wide heads, a window, 32-key tiles.
-    "paged_attention_sliding": (
-        paged_attention._paged_attention_kernel,
-        {"out_ptr": "*bf16", "partial_out_ptr": "*fp32", "partial_lse_ptr": "*fp32",
-         "query_ptr": "*bf16", "key_cache_ptr": "*bf16", "value_cache_ptr": "*bf16",
-         "block_table_ptr": "*i32", "seq_lens_ptr": "*i32", "scale_log2": "fp32"},
-        dict(GROUP_SIZE=8, BLOCK_SIZE=16, HEAD_DIM=256, BLOCK_D=256, BLOCK_M=16, BLOCK_N=32,
-             NUM_SPLITS=2, INPUT_PRECISION="tf32", SLIDING=True, PDL=True),
-    ),
+    "paged_attention_sliding": _paged(GROUP_SIZE=8, HEAD_DIM=256, BLOCK_D=256, BLOCK_N=32,
+                                      NUM_SPLITS=2, SLIDING=True),
     "merge_splits": (
         paged_attention._merge_splits_kernel,
         {"out_ptr": "*bf16", "partial_out_ptr": "*fp32", "partial_lse_ptr": "*fp32"},

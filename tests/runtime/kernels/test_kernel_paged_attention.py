@@ -168,6 +168,99 @@ def test_write_then_attend(interpreted, dtype):
     interpreted(check_write_then_attend, dtype)
 
 
+def check_new_kv(seq_lens, q_len, num_heads, num_kv_heads, head_dim, dtype, num_splits,
+                 window=None) -> None:
+    """A step's attention with rotary and the cache write in the kernel (``new_kv``)
+    against the references run one after the other: the rotated keys and the values land
+    in their slots (none for padding) and the output matches."""
+    from specula.runtime.kernels.rotary import (
+        build_cos_sin_cache,
+        rotary_embedding_and_cache_reference,
+    )
+
+    block_size = 4
+    n = len(seq_lens) * q_len
+    query, key_cache, value_cache, block_table, lens = _paged_case(
+        seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, n, seed=5
+    )
+    gen = torch.Generator().manual_seed(6)
+    # q, k, v as views into one fused qkv output, as the layers produce them.
+    qkv = torch.randn(n, num_heads + 2 * num_kv_heads, head_dim, generator=gen).to(dtype)
+    query, key, value = qkv.split([num_heads, num_kv_heads, num_kv_heads], dim=1)
+    positions, slots = [], []
+    for req, length in enumerate(seq_lens):
+        for pos in range(length - q_len, length):
+            positions.append(max(pos, 0))
+            block = int(block_table[req, max(pos, 0) // block_size])
+            slots.append(block * block_size + pos % block_size if length else -1)
+    positions = torch.tensor(positions, dtype=torch.int64)
+    slot_mapping = torch.tensor(slots, dtype=torch.int64)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    cos_sin = build_cos_sin_cache(inv_freq, 128)
+    ref_q, ref_k, ref_kc, ref_vc = query.clone(), key.clone(), key_cache.clone(), value_cache.clone()
+    rotary_embedding_and_cache_reference(positions, ref_q, ref_k, value, ref_kc, ref_vc,
+                                         slot_mapping, cos_sin)
+    scale = head_dim**-0.5
+    ref = paged_attention_reference(ref_q, ref_kc, ref_vc, block_table, lens, scale, q_len, window)
+    unrotated = query.clone()
+    out = paged_attention(query, key_cache, value_cache, block_table, lens, scale, q_len,
+                          num_splits=num_splits, sliding_window=window,
+                          new_kv=(key, value, positions, slot_mapping, cos_sin))
+    torch.testing.assert_close(out.float(), ref.float(), atol=ATOL[dtype], rtol=0)
+    assert torch.equal(key_cache, ref_kc) and torch.equal(value_cache, ref_vc)
+    # The kernel rotates in registers; the two kernels' path, in place.
+    assert torch.equal(query, unrotated) == (len(seq_lens) * num_kv_heads <= 4)
+
+
+@pytest.mark.parametrize(
+    "seq_lens, q_len, num_heads, num_kv_heads, head_dim, dtype, num_splits, window",
+    [
+        # decode: a 1-token context (only the new key), a padding request, no split
+        ([1, 7, 16, 0], 1, 4, 1, 16, torch.float32, 1, None),
+        # decode split three ways (the new key in the last split); float16
+        ([1, 7, 70, 0], 1, 4, 1, 16, torch.float16, 3, None),
+        # verification, q_len 3, causal among the new keys, split in two
+        ([3, 9, 20], 3, 4, 1, 32, torch.float32, 2, None),
+        # 9 query tokens x 8 heads per KV head: two row tiles, one writes the cache
+        ([12, 30], 9, 8, 1, 16, torch.float32, 2, None),
+        # a window over the new keys and the cached ones
+        ([6, 40], 4, 4, 2, 16, torch.float32, 2, 5),
+        # more (request, KV head) programs than SMs (4 in the interpreter): the rotary
+        # kernel, then attention
+        ([5, 9, 12], 2, 4, 2, 16, torch.float32, 2, None),
+    ],
+    ids=["decode", "decode-split-fp16", "verify-split", "verify-m-tiles", "verify-window",
+         "many-programs"],
+)
+def test_new_kv_matches_rotary_cache_write_then_attention(
+    interpreted, seq_lens, q_len, num_heads, num_kv_heads, head_dim, dtype, num_splits, window
+):
+    interpreted(check_new_kv, seq_lens, q_len, num_heads, num_kv_heads, head_dim, dtype,
+                num_splits, window)
+
+
+def test_new_kv_off_cuda_rotates_in_place_then_attends():
+    """Off CUDA (the engine's torch references) ``new_kv`` runs the two references: the
+    same output and cache as calling them in turn."""
+    seq_lens, q_len, num_heads, num_kv_heads, head_dim = [5, 9], 2, 4, 2, 16
+    from specula.runtime.kernels.rotary import build_cos_sin_cache, rotary_embedding_and_cache
+
+    query, key_cache, value_cache, block_table, lens = _paged_case(
+        seq_lens, num_heads, num_kv_heads, head_dim, 4, torch.float32, 4, seed=7
+    )
+    key, value = torch.randn(2, 4, num_kv_heads, head_dim).unbind(0)
+    positions = torch.tensor([3, 4, 7, 8])
+    slot_mapping = torch.tensor([int(block_table[r, p // 4]) * 4 + p % 4
+                                 for r, p in ((0, 3), (0, 4), (1, 7), (1, 8))])
+    cos_sin = build_cos_sin_cache(torch.rand(head_dim // 2), 16)
+    q2, k2, kc2, vc2 = query.clone(), key.clone(), key_cache.clone(), value_cache.clone()
+    rotary_embedding_and_cache(positions, q2, k2, value, kc2, vc2, slot_mapping, cos_sin)
+    ref = paged_attention_reference(q2, kc2, vc2, block_table, lens, 0.25, q_len)
+    out = paged_attention(query, key_cache, value_cache, block_table, lens, 0.25, q_len,
+                          new_kv=(key, value, positions, slot_mapping, cos_sin))
+    assert torch.equal(out, ref) and torch.equal(key_cache, kc2) and torch.equal(value_cache, vc2)
+
+
 def check_reshape_and_cache_copies_exactly(dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(3)
     num_blocks, block_size, num_kv_heads, head_dim = 5, 4, 3, 8
