@@ -261,13 +261,15 @@ def _num_sms(device: torch.device) -> int:
 def default_num_splits(
     num_reqs: int, num_kv_heads: int, num_m_blocks: int, max_context: int, device: torch.device
 ) -> int:
-    """How many programs share one request's context: enough to give every SM two
-    programs, but no split shorter than ``_MIN_TOKENS_PER_SPLIT`` keys of ``max_context``.
+    """How many programs share one request's context: as many as keep the launch within
+    two programs per SM (rounded down: at 256 (request, KV head) programs on an H100 one
+    split beats two by 4 us a layer, ``bench/attention.py``), but no split shorter than
+    ``_MIN_TOKENS_PER_SPLIT`` keys of ``max_context``.
 
     A pure function of host-side sizes, so a CUDA graph captured with one value stays
     valid for every ``seq_lens`` up to ``max_context``.
     """
-    wanted = triton.cdiv(2 * _num_sms(device), num_reqs * num_kv_heads * num_m_blocks)
+    wanted = max(1, 2 * _num_sms(device) // (num_reqs * num_kv_heads * num_m_blocks))
     by_length = triton.cdiv(max_context, _MIN_TOKENS_PER_SPLIT)
     return max(1, min(wanted, by_length, _MAX_SPLITS))
 
@@ -335,12 +337,7 @@ def paged_attention(
     num_m_blocks = triton.cdiv(rows, block_m)
     block_d = triton.next_power_of_2(max(head_dim, 16))
     block_n = _block_n(block_m, block_d, query.element_size(), query.device)
-    # The new keys ride in the last split, the short one while splits fill the GPU; with
-    # more (request, KV head) programs than SMs the rotary kernel before is cheaper
-    # (measured on an H100 at batch 32: 2 us a layer the other way).
-    programs = num_reqs * num_kv_heads * num_m_blocks
-    if new_kv is not None and (use_reference(query) or q_len > block_n or block_d != head_dim
-                               or programs > _num_sms(query.device)):
+    if new_kv is not None and (use_reference(query) or q_len > block_n or block_d != head_dim):
         from specula.runtime.kernels.rotary import rotary_embedding_and_cache
 
         key, value, positions, slot_mapping, cos_sin = new_kv

@@ -208,8 +208,7 @@ def check_new_kv(seq_lens, q_len, num_heads, num_kv_heads, head_dim, dtype, num_
                           new_kv=(key, value, positions, slot_mapping, cos_sin))
     torch.testing.assert_close(out.float(), ref.float(), atol=ATOL[dtype], rtol=0)
     assert torch.equal(key_cache, ref_kc) and torch.equal(value_cache, ref_vc)
-    # The kernel rotates in registers; the two kernels' path, in place.
-    assert torch.equal(query, unrotated) == (len(seq_lens) * num_kv_heads <= 4)
+    assert torch.equal(query, unrotated)  # the kernel rotates in registers
 
 
 @pytest.mark.parametrize(
@@ -225,8 +224,7 @@ def check_new_kv(seq_lens, q_len, num_heads, num_kv_heads, head_dim, dtype, num_
         ([12, 30], 9, 8, 1, 16, torch.float32, 2, None),
         # a window over the new keys and the cached ones
         ([6, 40], 4, 4, 2, 16, torch.float32, 2, 5),
-        # more (request, KV head) programs than SMs (4 in the interpreter): the rotary
-        # kernel, then attention
+        # more (request, KV head) programs than SMs (4 in the interpreter), split in two
         ([5, 9, 12], 2, 4, 2, 16, torch.float32, 2, None),
     ],
     ids=["decode", "decode-split-fp16", "verify-split", "verify-m-tiles", "verify-window",
@@ -323,6 +321,9 @@ def test_default_num_splits():
     # Enough programs already: no split.
     assert default_num_splits(8, 8, 1, 4096, cpu) == 1
     assert default_num_splits(1, 1, 1, 1 << 20, cpu) == 8
+    # Rounded down: 5 programs on 4 SMs take no split (two would make 10 for 8 places).
+    assert default_num_splits(5, 1, 1, 4096, cpu) == 1
+    assert default_num_splits(3, 1, 1, 4096, cpu) == 2
 
 
 def test_reference_window_convention():
