@@ -22,6 +22,11 @@ head, so each key/value tile is read once for the whole GQA group and every quer
 each split writes a partial output and its log-sum-exp, and a second kernel merges them,
 so a batch-1 decode still fills the GPU. Online softmax as in FlashAttention (arXiv
 2205.14135), in base 2.
+
+With ``new_kv`` the step's keys and values are not in the cache yet: the kernel rotates
+the query tile (RoFormer, arXiv 2104.09864, as :mod:`~.rotary`), the last split of each
+KV head attends to the rotated new keys straight from the qkv output and writes them to
+the cache, in place of a rotary kernel before it.
 """
 
 from __future__ import annotations
