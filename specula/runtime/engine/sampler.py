@@ -79,8 +79,7 @@ class SamplingMetadata:
             temperature=torch.tensor([p.temperature for p in params], device=device),
             top_p=torch.tensor([p.top_p for p in params], device=device),
             top_k=torch.tensor([max(p.top_k, 0) for p in params], device=device),
-            seeds=torch.tensor(list(seeds), dtype=torch.int64, device=device),
-            **flags_of(params),
+            seeds=torch.tensor(list(seeds), dtype=torch.int64, device=device), **flags_of(params),
         )
 
     def select(self, rows: slice | torch.Tensor) -> SamplingMetadata:
@@ -95,8 +94,7 @@ def flags_of(params: Sequence[SamplingParams]) -> dict[str, bool]:
     """``all_greedy``, ``needs_top_k``, ``needs_top_p`` of a batch."""
     random_rows = [p for p in params if p.temperature > 0.0]
     return {
-        "all_greedy": not random_rows,
-        "needs_top_k": any(p.top_k > 0 for p in random_rows),
+        "all_greedy": not random_rows, "needs_top_k": any(p.top_k > 0 for p in random_rows),
         "needs_top_p": any(p.top_p < 1.0 for p in random_rows),
     }
 

@@ -168,14 +168,8 @@ def _all_reduce_add_rms_norm_kernel(
 
 
 def all_reduce_add_rms_norm(
-    x: torch.Tensor,
-    residual: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float,
-    buffers: torch.Tensor,
-    flags: torch.Tensor,
-    rank: int,
-    max_rows: int,
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+    buffers: torch.Tensor, flags: torch.Tensor, rank: int, max_rows: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``stream = sum over ranks(x) + residual``; ``(rms_norm(stream) * weight, stream)``
     in one kernel (Llama's RMSNorm convention, as

@@ -289,12 +289,11 @@ def gemv(
                            and sum_sq.is_contiguous())
     with_pdl = pdl(x)
     _gemv_kernel[(grid,)](
-        y, x, weight, *parts, y if residual is None else residual, sum_sq, m, n, k,
-        y.stride(0), x.stride(0), weight.stride(0), n * weight.stride(0),
-        y.stride(0) if residual is None else residual.stride(0), sum_sq.shape[1], eps,
-        BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k,
-        EVEN=(k % block_k == 0 and n % block_n == 0), SILU_MUL=silu_mul, ARGMAX=with_argmax,
-        RESIDUAL=residual is not None, RMS=rms is not None,
+        y, x, weight, *parts, y if residual is None else residual, sum_sq, m, n, k, y.stride(0),
+        x.stride(0), weight.stride(0), n * weight.stride(0),
+        y.stride(0) if residual is None else residual.stride(0), sum_sq.shape[1], eps, BLOCK_M=bm,
+        BLOCK_N=block_n, BLOCK_K=block_k, EVEN=(k % block_k == 0 and n % block_n == 0),
+        SILU_MUL=silu_mul, ARGMAX=with_argmax, RESIDUAL=residual is not None, RMS=rms is not None,
         BLOCK_P=1 if rms is None else triton.next_power_of_2(sum_sq.shape[1]), PDL=with_pdl,
         num_warps=warps, num_stages=stages, launch_pdl=with_pdl,
     )

@@ -76,9 +76,8 @@ def rms_norm(
 
 
 def fused_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-    *, gemma: bool = False, out: torch.Tensor | None = None,
-    residual_out: torch.Tensor | None = None,
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, *,
+    gemma: bool = False, out: torch.Tensor | None = None, residual_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``residual_out = x + residual``; ``out = rms_norm(residual_out)``, in one pass.
 
@@ -119,10 +118,9 @@ def fused_add_rms_norm(
     res_in, res_out = (x, out) if residual is None else (residual, residual_out)
     with_pdl = pdl(x)
     _rms_norm_kernel[(num_tokens,)](
-        out, res_out, x, res_in, weight, eps,
-        out.stride(0), res_out.stride(0), x.stride(0), res_in.stride(0),
-        HIDDEN=hidden, BLOCK=block, HAS_RESIDUAL=residual is not None, GEMMA=gemma,
-        PDL=with_pdl, num_warps=min(16, max(1, block // 512)), enable_fp_fusion=True,
+        out, res_out, x, res_in, weight, eps, out.stride(0), res_out.stride(0), x.stride(0),
+        res_in.stride(0), HIDDEN=hidden, BLOCK=block, HAS_RESIDUAL=residual is not None,
+        GEMMA=gemma, PDL=with_pdl, num_warps=min(16, max(1, block // 512)), enable_fp_fusion=True,
         launch_pdl=with_pdl,
     )
     return out, residual_out

@@ -229,8 +229,7 @@ def _merge_splits_kernel(
     weight = tl.exp2(lse - lse_max)  # 0 for empty splits
     parts = tl.load(
         partial_out_ptr + (row * NUM_SPLITS + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
-        mask=s_valid[:, None] & d_valid[None, :],
-        other=0.0,
+        mask=s_valid[:, None] & d_valid[None, :], other=0.0,
     )
     total = tl.sum(weight, axis=0)
     merged = tl.sum(parts * weight[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)
@@ -379,23 +378,21 @@ def paged_attention(
     precision = "ieee" if query.dtype == torch.float32 else "tf32"
     with_pdl = pdl(query)
     _paged_attention_kernel[(num_reqs, num_kv_heads * num_m_blocks, num_splits)](
-        out, partial_out, partial_lse, query, key_cache, value_cache, block_table,
-        seq_lens, key, value, positions, slot_mapping, cos_sin,
-        scale * math.log2(math.e), q_len, sliding_window or 0, num_heads, num_m_blocks,
-        *query.stride()[:2], *out.stride()[:2], *key_cache.stride()[:3],
-        *value_cache.stride()[:3], block_table.stride(0), *key.stride()[:2],
-        *value.stride()[:2], cos_sin.stride(0),
-        GROUP_SIZE=group_size, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=num_splits, INPUT_PRECISION=precision,
-        SLIDING=sliding_window is not None, NEW_KV=new_kv is not None, PDL=with_pdl,
-        num_warps=4, enable_fp_fusion=True, launch_pdl=with_pdl,
+        out, partial_out, partial_lse, query, key_cache, value_cache, block_table, seq_lens, key,
+        value, positions, slot_mapping, cos_sin, scale * math.log2(math.e), q_len,
+        sliding_window or 0, num_heads, num_m_blocks, *query.stride()[:2], *out.stride()[:2],
+        *key_cache.stride()[:3], *value_cache.stride()[:3], block_table.stride(0),
+        *key.stride()[:2], *value.stride()[:2], cos_sin.stride(0), GROUP_SIZE=group_size,
+        BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
+        NUM_SPLITS=num_splits, INPUT_PRECISION=precision, SLIDING=sliding_window is not None,
+        NEW_KV=new_kv is not None, PDL=with_pdl, num_warps=4, enable_fp_fusion=True,
+        launch_pdl=with_pdl,
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
-            out, partial_out, partial_lse, num_heads, *out.stride()[:2],
-            HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_splits,
-            BLOCK_S=triton.next_power_of_2(num_splits), PDL=with_pdl,
-            enable_fp_fusion=True, launch_pdl=with_pdl,
+            out, partial_out, partial_lse, num_heads, *out.stride()[:2], HEAD_DIM=head_dim,
+            BLOCK_D=block_d, NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits),
+            PDL=with_pdl, enable_fp_fusion=True, launch_pdl=with_pdl,
         )
     return out
 

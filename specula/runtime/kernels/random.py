@@ -106,8 +106,7 @@ def random_draws(
         return out
     block = min(1024, max(16, triton.next_power_of_2(num_cols)))
     _random_kernel[(num_reqs, triton.cdiv(num_cols, block))](
-        out, seeds, keys, mix32(stream & _M32), num_cols, out.stride(0),
-        MODE=mode, BLOCK=block,
+        out, seeds, keys, mix32(stream & _M32), num_cols, out.stride(0), MODE=mode, BLOCK=block,
     )
     return out
 

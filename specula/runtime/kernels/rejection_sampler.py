@@ -122,8 +122,7 @@ def _rejection_sample_kernel(
                 else:
                     q_v = tl.load(
                         draft_probs_ptr + draft_row * stride_draft_probs + offs_v,
-                        mask=offs_v < tl.where(has_draft, vocab_size, 0),
-                        other=0.0,
+                        mask=offs_v < tl.where(has_draft, vocab_size, 0), other=0.0,
                     )
                 e_v = tl.load(noise_ptr + req * stride_noise + offs_v, mask=v_valid, other=1.0)
                 residual = tl.maximum(p_v - q_v, 0.0)

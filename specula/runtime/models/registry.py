@@ -110,9 +110,8 @@ def load_safetensors(
     unloaded = set(params)
     loaded_shards: dict[str, set[int]] = defaultdict(set)
     shard_map = {
-        sub: (fused, i)
-        for fused, subs in model.packed_modules_mapping.items()
-        for i, sub in enumerate(subs)
+        sub: (fused, i) for fused, subs in model.packed_modules_mapping.items() for i,
+        sub in enumerate(subs)
     }
     rename = rename or getattr(model, "checkpoint_name", None) or (lambda name: name)
     for file in files:

@@ -208,7 +208,6 @@ class DraftModelSpeculator(BaseSpeculator):
             query_start_loc = torch.arange(0, n * q + 1, q, device=slots.device, dtype=torch.int32)
         return PagedAttentionMetadata(
             slot_mapping=slots.reshape(-1), block_table=block_table,
-            seq_lens=seq_lens.to(torch.int32), query_start_loc=query_start_loc,
-            num_reqs=n, num_tokens=n * q, uniform_query_len=q, prefill=False,
-            query_lens_cpu=(q,) * n,
+            seq_lens=seq_lens.to(torch.int32), query_start_loc=query_start_loc, num_reqs=n,
+            num_tokens=n * q, uniform_query_len=q, prefill=False, query_lens_cpu=(q,) * n,
         )

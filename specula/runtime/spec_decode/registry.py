@@ -80,8 +80,7 @@ SPECULATOR_FACTORIES: dict[str, Callable[[SpeculatorContext], BaseSpeculator]] =
     "dflash": _lazy("dflash", "DFlashSpeculator"),
     "draft_model": _lazy("draft_model", "PlainDraftModelSpeculator", _draft_model_kwargs),
     "eagle3": _lazy("eagle", "EagleSpeculator"),
-    "gemma4_mtp": _lazy("gemma4", "Gemma4MTPSpeculator"),
-    "mtp": _lazy("mtp", "MTPSpeculator"),
+    "gemma4_mtp": _lazy("gemma4", "Gemma4MTPSpeculator"), "mtp": _lazy("mtp", "MTPSpeculator"),
     "ngram": _lazy("ngram", "NgramSpeculator", _ngram_kwargs),
 }
 """Method name (vLLM ``speculative_config.method``) -> factory."""

@@ -83,11 +83,7 @@ def fold_norms(model: nn.Module) -> bool:
 
 
 def _causal_sdpa(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    num_reqs: int,
-    scale: float,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_reqs: int, scale: float,
     window: int | None,
 ) -> torch.Tensor:
     # q: [num_tokens, heads, head_dim]; k, v: [num_tokens, kv_heads, head_dim] of
@@ -106,14 +102,8 @@ def _causal_sdpa(
 
 
 def _prefill_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    metadata: PagedAttentionMetadata,
-    scale: float,
-    window: int | None,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor,
+    value_cache: torch.Tensor, metadata: PagedAttentionMetadata, scale: float, window: int | None,
 ) -> torch.Tensor:
     # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
     if metadata.uniform_query_len is not None and not metadata.context_lens_cpu:
@@ -123,8 +113,7 @@ def _prefill_attention(
         # After a reused prefix: the paged kernel reads the prefix (and this forward's
         # keys and values, written already) from the cache, as for a verification.
         out[rows] = paged_attention(
-            q[rows], key_cache, value_cache, tables, seq_lens, scale, length,
-            sliding_window=window,
+            q[rows], key_cache, value_cache, tables, seq_lens, scale, length, sliding_window=window,
         )
     starts = list(accumulate(metadata.query_lens_cpu, initial=0))
     context = metadata.context_lens_cpu or (0,) * metadata.num_reqs
@@ -135,15 +124,9 @@ def _prefill_attention(
 
 
 def attend(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    metadata: PagedAttentionMetadata,
-    scale: float,
-    num_splits: int | None = None,
-    sliding_window: int | None = None,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor,
+    value_cache: torch.Tensor, metadata: PagedAttentionMetadata, scale: float,
+    num_splits: int | None = None, sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Attention of one layer after this forward's keys and values were written to
     ``key_cache``/``value_cache``: prefill requests attend over their own tokens
@@ -212,12 +195,8 @@ class ModelRunner:
     """Tensor parallelism's sum, residual add and norm in one kernel, or None (NCCL)."""
 
     def __init__(
-        self,
-        model: LlamaForCausalLM,
-        kv_cache: PagedKVCache,
-        max_model_len: int,
-        attn_num_splits: int | None = None,
-        fold: bool = True,
+        self, model: LlamaForCausalLM, kv_cache: PagedKVCache, max_model_len: int,
+        attn_num_splits: int | None = None, fold: bool = True,
     ) -> None:
         if type(model) not in SUPPORTED_MODELS:
             raise ValueError(
@@ -230,12 +209,8 @@ class ModelRunner:
         self.unit_norm = torch.ones(model.config.hidden_size, dtype=self.dtype, device=self.device)
 
     def setup_paged(
-        self,
-        model: nn.Module,
-        kv_cache: PagedKVCache,
-        max_model_len: int,
-        attn_num_splits: int | None,
-        weight: torch.Tensor,
+        self, model: nn.Module, kv_cache: PagedKVCache, max_model_len: int,
+        attn_num_splits: int | None, weight: torch.Tensor,
     ) -> None:
         """Set what the sublayers read: ``model`` and its ``config`` (heads, head size,
         ``model_type``), the cache (checked against the config's ``num_hidden_layers``
@@ -265,12 +240,8 @@ class ModelRunner:
         self.cos_sin_cache = build_cos_sin_cache(inv_freq, max_model_len)
 
     def setup_cache(
-        self,
-        config: ModelConfig,
-        kv_cache: PagedKVCache,
-        max_model_len: int,
-        attn_num_splits: int | None,
-        weight: torch.Tensor,
+        self, config: ModelConfig, kv_cache: PagedKVCache, max_model_len: int,
+        attn_num_splits: int | None, weight: torch.Tensor,
     ) -> None:
         """Set what every paged runner reads: ``config``, the cache, the device and dtype
         of ``weight`` (one of the layers' parameters), the block size and the block-table
@@ -291,11 +262,7 @@ class ModelRunner:
         self.attn_num_splits = attn_num_splits
 
     def _attend(
-        self,
-        attn: LlamaAttention,
-        qkv: torch.Tensor,
-        positions: torch.Tensor,
-        layer_idx: int,
+        self, attn: LlamaAttention, qkv: torch.Tensor, positions: torch.Tensor, layer_idx: int,
         metadata: PagedAttentionMetadata,
     ) -> torch.Tensor:
         """``qkv [n, (heads + 2 * kv_heads) * head_dim]`` -> the attention output [n,
@@ -323,13 +290,8 @@ class ModelRunner:
         return out.reshape(n, -1)
 
     def _norm_linear(
-        self,
-        hidden: torch.Tensor,
-        residual: torch.Tensor | None,
-        sum_sq: torch.Tensor | None,
-        norm: nn.Module | None,
-        proj: nn.Linear,
-        silu_mul: bool = False,
+        self, hidden: torch.Tensor, residual: torch.Tensor | None, sum_sq: torch.Tensor | None,
+        norm: nn.Module | None, proj: nn.Linear, silu_mul: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """A sublayer's input ``norm`` and first projection -> ``(output, residual
         stream)``. The stream is ``hidden + residual`` (``hidden`` when ``residual`` is
@@ -375,15 +337,9 @@ class ModelRunner:
         return _add_norm(x, residual, weight, eps)
 
     def decoder(
-        self,
-        layers: Sequence[nn.Module],
-        hidden: torch.Tensor,
-        residual: torch.Tensor | None,
-        positions: torch.Tensor,
-        metadata: PagedAttentionMetadata,
-        norm: nn.Module,
-        aux_layer_ids: Sequence[int] = (),
-        captured: dict[int, torch.Tensor] | None = None,
+        self, layers: Sequence[nn.Module], hidden: torch.Tensor, residual: torch.Tensor | None,
+        positions: torch.Tensor, metadata: PagedAttentionMetadata, norm: nn.Module,
+        aux_layer_ids: Sequence[int] = (), captured: dict[int, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The decoder ``layers``, then the final ``norm``, each norm fused with its
         residual add (with folded norms, :func:`fold_norms`, with the GEMVs around it).
@@ -416,10 +372,7 @@ class ModelRunner:
 
     @torch.no_grad()
     def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        metadata: PagedAttentionMetadata,
+        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: PagedAttentionMetadata,
         aux_layer_ids: Sequence[int] = (),
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One forward of a flattened batch, writing its keys and values to the cache
@@ -458,12 +411,8 @@ class ModelRunner:
         return hidden, aux
 
     def _run_layers(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        metadata: PagedAttentionMetadata,
-        aux_layer_ids: Sequence[int],
-        captured: dict[int, torch.Tensor],
+        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: PagedAttentionMetadata,
+        aux_layer_ids: Sequence[int], captured: dict[int, torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The embedding and :meth:`decoder`; returns ``(normed [num_tokens, hidden_size],
         the last layer's output)``."""
