@@ -187,7 +187,6 @@ class LLMEngine(SpeculativeSettings):
         """Tokens emitted to requests since start (a counter)."""
         self._pending: list[RequestOutput] = []
         self._generate_ids = itertools.count(1)
-
         self.dtype = resolve_dtype(dtype, self.model_config, self.device)
         self.synthetic_acceptance_rate = synthetic_acceptance_rate
         target_config = replace(self.model_config, tensor_parallel_size=tensor_parallel_size)
@@ -545,7 +544,6 @@ class LLMEngine(SpeculativeSettings):
                     ib.num_draft_tokens[idx] = draft.num_draft_tokens
                 if draft.draft_probs is not None and ib.draft_probs is not None:
                     ib.draft_probs[idx, :k_next] = draft.draft_probs
-
         self._draft_k = k_next
         return _Launched(batch, nd, k, host, ready, lp_host, lp_rows)
 

@@ -23,8 +23,7 @@ _BLOCK = 1024
 def _silu_and_mul_kernel(
     out_ptr,  # [num_tokens, d]
     gate_up_ptr,  # [num_tokens, 2 * d]
-    d, stride_out, stride_in,
-    BLOCK: tl.constexpr,
+    d, stride_out, stride_in, BLOCK: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)

@@ -116,17 +116,10 @@ def _all_reduce_add_rms_norm_kernel(
     weight_ptr,  # [HIDDEN]
     buffers_ptr,  # [WORLD] int64: every rank's buffer, [WORLD, max_rows, HIDDEN] x's dtype
     flags_ptr,  # [WORLD] int64: every rank's flags, [2, MAX_PROGRAMS, WORLD] int32
-    rank,
-    max_rows,
-    num_rows,
-    eps,
-    stride_x, stride_res, stride_out,
-    HIDDEN: tl.constexpr,
-    BLOCK: tl.constexpr,
-    WORLD: tl.constexpr,
+    rank, max_rows, num_rows, eps, stride_x, stride_res, stride_out,
+    HIDDEN: tl.constexpr, BLOCK: tl.constexpr, WORLD: tl.constexpr,
     NUM_FLAGS: tl.constexpr,  # MAX_PROGRAMS * WORLD
-    TIMEOUT_NS: tl.constexpr,
-    PDL: tl.constexpr,
+    TIMEOUT_NS: tl.constexpr, PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     step = tl.num_programs(0)

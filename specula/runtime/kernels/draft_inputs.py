@@ -161,8 +161,7 @@ def _draft_step_slots_kernel(
     if WRITES_KV:
         pos = tl.load(positions_ptr + req * q + offs, mask=in_req, other=0)
         pos = tl.where(valid, pos, 0)  # a padding row's positions may lie past its table
-        block = tl.load(block_table_ptr + req * stride_bt + pos // BLOCK_SIZE, mask=in_req,
-                        other=0)
+        block = tl.load(block_table_ptr + req * stride_bt + pos // BLOCK_SIZE, mask=in_req, other=0)
         slot = tl.where(valid, block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE, -1)
         seq_len = tl.where(valid, last + 1, 0)
     else:

@@ -32,10 +32,8 @@ def _rms_norm_kernel(
     x_ptr,  # [num_tokens, hidden_size]
     residual_ptr,  # [num_tokens, hidden_size], read when HAS_RESIDUAL
     weight_ptr,  # [hidden_size]
-    eps,
-    stride_out, stride_res_out, stride_x, stride_res,
-    HIDDEN: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GEMMA: tl.constexpr,
-    PDL: tl.constexpr,
+    eps, stride_out, stride_res_out, stride_x, stride_res, HIDDEN: tl.constexpr,
+    BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GEMMA: tl.constexpr, PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)

@@ -56,8 +56,7 @@ def _random_kernel(
     seeds_ptr,  # [num_reqs] int64
     keys_ptr,  # [num_reqs] int64
     stream_hash,  # mix32(stream), a host constant in [0, 2**32)
-    num_cols, stride_out,
-    MODE: tl.constexpr, BLOCK: tl.constexpr,
+    num_cols, stride_out, MODE: tl.constexpr, BLOCK: tl.constexpr,
 ):
     req = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)

@@ -66,8 +66,7 @@ def _rejection_sample_kernel(
     target_probs_ptr,  # [num_draft_tokens + num_reqs, vocab_size] float32
     uniform_ptr,  # [num_draft_tokens] float32
     noise_ptr,  # [num_reqs, vocab_size] float32
-    vocab_size,
-    stride_out, stride_draft_probs, stride_target_probs, stride_noise,
+    vocab_size, stride_out, stride_draft_probs, stride_target_probs, stride_noise,
     MAX_SPEC_LEN: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
     ALL_GREEDY: tl.constexpr, NO_DRAFT_PROBS: tl.constexpr, PLACEHOLDER: tl.constexpr,
 ):
@@ -75,7 +74,6 @@ def _rejection_sample_kernel(
     start = tl.load(cu_num_draft_tokens_ptr + req - 1, mask=req > 0, other=0)
     num_draft = tl.load(cu_num_draft_tokens_ptr + req) - start
     target_row0 = start + req  # request req's first target row
-
     offs_k = tl.arange(0, BLOCK_K)
     valid = offs_k < num_draft
     tokens = tl.load(draft_token_ids_ptr + start + offs_k, mask=valid, other=0)
@@ -97,7 +95,6 @@ def _rejection_sample_kernel(
         u = tl.load(uniform_ptr + start + offs_k, mask=sampled, other=1.0)
         accepted = tl.where(greedy != 0, accepted, u * q < p)
     num_acc = tl.min(tl.where(valid & (accepted == 0), offs_k, num_draft), axis=0)
-
     final = tl.load(target_argmax_ptr + target_row0 + num_acc)
     if not ALL_GREEDY:
         if greedy == 0:
@@ -130,7 +127,6 @@ def _rejection_sample_kernel(
                 best_res, best_res_idx = _race(residual, e_v, v_valid, v0, best_res, best_res_idx)
                 best_p, best_p_idx = _race(p_v, e_v, v_valid, v0, best_p, best_p_idx)
             final = tl.where(res_any, best_res_idx, best_p_idx).to(tl.int64)
-
     out = tl.where(offs_k < num_acc, tokens, tl.where(offs_k == num_acc, final, PLACEHOLDER))
     tl.store(output_ptr + req * stride_out + offs_k, out, mask=offs_k < MAX_SPEC_LEN + 1)
     tl.store(num_accepted_ptr + req, num_acc.to(tl.int64))
@@ -212,9 +208,8 @@ def rejection_sample(
     ]
     _rejection_sample_kernel[(num_reqs,)](
         output, num_accepted, draft_token_ids, cu_num_draft_tokens, target_argmax, *pointers,
-        0 if all_greedy else vocab_size, output.stride(0),
-        draft_probs_stride, target_probs_stride, noise_stride,
-        MAX_SPEC_LEN=max_spec_len, BLOCK_K=triton.next_power_of_2(max_spec_len + 1),
+        0 if all_greedy else vocab_size, output.stride(0), draft_probs_stride, target_probs_stride,
+        noise_stride, MAX_SPEC_LEN=max_spec_len, BLOCK_K=triton.next_power_of_2(max_spec_len + 1),
         BLOCK_V=_BLOCK_V, ALL_GREEDY=all_greedy, NO_DRAFT_PROBS=draft_probs is None,
         PLACEHOLDER=PLACEHOLDER_TOKEN_ID,
         # The vocabulary scan of random requests is the heavy part: give it 8 warps.

@@ -70,8 +70,7 @@ def _rotary_kernel(
     cos_sin_ptr,  # [max_position, rotary_dim]
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,  # token, head
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,  # block, slot, head
-    stride_cs,
-    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
+    stride_cs, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_KH: tl.constexpr, HAS_KEY: tl.constexpr, WRITE_CACHE: tl.constexpr, PDL: tl.constexpr,
 ):
@@ -214,7 +213,6 @@ def rotary_embedding_reference(
         x2 = x[..., half : 2 * half].float()
         rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
         return torch.cat((rotated, x[..., 2 * half :]), dim=-1)
-
     return rotate(query), None if key is None else rotate(key)
 
 

@@ -134,8 +134,7 @@ def load_eagle3_draft(
     n = target.num_hidden_layers
     aux_ids = check_aux_layer_ids(
         # EAGLE-3's default auxiliary layers, as vLLM and ``speculators`` choose them.
-        raw.get("eagle_aux_hidden_state_layer_ids") or (2, n // 2, n - 3),
-        n,
+        raw.get("eagle_aux_hidden_state_layer_ids") or (2, n // 2, n - 3), n,
         "eagle_aux_hidden_state_layer_ids",
     )
     flags = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")

@@ -168,7 +168,6 @@ def require_bearer(token: Callable[[], str | None], what: str) -> Any:
         ):
             raise APIError(401, f"missing or wrong {what}: send `Authorization: Bearer <{what}>`",
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-
     return Depends(check)
 
 
@@ -231,7 +230,6 @@ def create_app(
 
     generation_route("/v1/completions", CompletionRequest)
     generation_route("/v1/chat/completions", ChatCompletionRequest)
-
     return app
 
 
@@ -260,5 +258,4 @@ def create_admin_app(app: FastAPI, token: Callable[[], str | None]) -> FastAPI:
         except EngineDeadError as exc:
             raise completions.engine_unavailable(exc) from exc
         return JSONResponse(loop.speculative_config)
-
     return admin

@@ -142,7 +142,6 @@ class EngineLoop:
         def add(engine: LLMEngine) -> None:
             engine.add_request(request_id, ids, params)
             self._sinks[request_id] = sink
-
         await self._submit(_Command(add, is_add=True))
 
     async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
@@ -161,7 +160,6 @@ class EngineLoop:
                 # Before answering: the caller reads it as soon as its future resolves.
                 self.speculative_config = dict(engine.get_speculative_config())
                 self._publish_snapshot()
-
         return await self._submit(_Command(apply))
 
     async def _submit(self, cmd: _Command) -> Any:
@@ -181,7 +179,6 @@ class EngineLoop:
         def abort(engine: LLMEngine) -> None:
             if self._sinks.pop(request_id, None) is not None:
                 engine.abort_request(request_id)
-
         self._commands.put(_Command(abort))
 
     def check_alive(self) -> None:
@@ -270,10 +267,8 @@ class EngineLoop:
         self._snapshot = copy.deepcopy(RuntimeSnapshot(
             num_requests_running=sched["num_requests_running"],
             num_requests_waiting=sched["num_requests_waiting"] + self._pending_adds,
-            generation_tokens=engine.generation_tokens_total,
-            step_times=self._step_times,
-            spec_decoding=engine.spec_decoding_stats,
-            num_speculative_tokens=k,
+            generation_tokens=engine.generation_tokens_total, step_times=self._step_times,
+            spec_decoding=engine.spec_decoding_stats, num_speculative_tokens=k,
             max_num_speculative_tokens=engine.max_num_speculative_tokens,
             num_preemptions=sched["num_preemptions"],
             prefix_cache_queries=sched["prefix_cache_queries"],

@@ -115,7 +115,6 @@ def h11_with_header_timeout(seconds: float) -> type[H11Protocol]:
         def connection_lost(self, exc: Exception | None) -> None:
             self._track(armed=False)
             super().connection_lost(exc)
-
     return Protocol
 
 

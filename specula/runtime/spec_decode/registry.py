@@ -72,7 +72,6 @@ def _lazy(module: str, name: str, kwargs=draft_kwargs) -> Callable[[SpeculatorCo
     def factory(ctx: SpeculatorContext) -> BaseSpeculator:
         args = kwargs(ctx)
         return getattr(importlib.import_module(f"specula.runtime.spec_decode.{module}"), name)(**args)
-
     return factory
 
 

@@ -187,7 +187,6 @@ def _symmetric_workspace(hidden_size: int, dtype: torch.dtype, device: torch.dev
                              f"{hidden_size} {dtype}")
         return all_reduce_add_rms_norm(x, residual, weight, eps, buffers, flag_ptrs,
                                        _STATE.rank, FUSED_MAX_ROWS)
-
     return fused
 
 
