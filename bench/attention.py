@@ -3,9 +3,10 @@ then paged attention and its split merge, against paged attention that rotates a
 the new keys itself (``new_kv``), at each split count.
 
 Llama-3.1-8B heads (32 query, 8 KV, 128 wide) and their TP=2 shard (16 and 4), every
-request at the same context length. Each timing replays a CUDA graph of 32 launches, one
-per layer, each over a cache of its own (as a model's layers are: none is served from L2
-by the launch before), and reports microseconds per launch.
+request at the same context length. Each timing replays a CUDA graph of at least 32
+launches, one per layer, each over a cache of its own, and enough of them (>= 256 MiB of
+caches in all) that a replay finds none in the 50 MiB L2, as a model's weights between
+two layers evict it; it reports microseconds per launch.
 
     PYTHONPATH=. python3 bench/attention.py [--batches 1,32] [--context 256]
         [--splits 1,2,3,4,8,16] [--q-len 1]
@@ -23,12 +24,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.engine import replay_ms  # noqa: E402
 
 LAYERS = 32
+CACHE_BYTES = 256 << 20
+"""Caches in one graph, in all: several times the L2 cache."""
 HEADS = {"8B": (32, 8), "8B/TP2": (16, 4)}
 HEAD_DIM, BLOCK_SIZE = 128, 16
 
 
-def time_layers(step, reps: int = 20) -> float:
-    """Microseconds per layer of ``step(layer)`` over :data:`LAYERS` layers in one graph."""
+def time_layers(step, layers: int, reps: int = 20) -> float:
+    """Microseconds per layer of ``step(layer)`` over ``layers`` layers in one graph."""
     import torch
 
     for layer in range(2):
@@ -36,17 +39,16 @@ def time_layers(step, reps: int = 20) -> float:
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for layer in range(LAYERS):
+        for layer in range(layers):
             step(layer)
     graph.replay()
-    return replay_ms(graph, reps) * 1e3 / LAYERS
+    return replay_ms(graph, reps) * 1e3 / layers
 
 
 def case(name: str, batch: int, context: int, q_len: int, splits: list[int]) -> dict:
     """One shape's timings: ``{"rotary_then_attention": {splits: us}, "new_kv": ...}``."""
     import torch
 
-    from specula.runtime.kernels import paged_attention as pa
     from specula.runtime.kernels.paged_attention import default_num_splits, paged_attention
     from specula.runtime.kernels.rotary import build_cos_sin_cache, rotary_embedding_and_cache
 
@@ -54,8 +56,10 @@ def case(name: str, batch: int, context: int, q_len: int, splits: list[int]) -> 
     dev = torch.device("cuda")
     blocks_per_req = -(-(context + q_len) // BLOCK_SIZE)
     num_blocks = batch * blocks_per_req
+    layer_bytes = 2 * num_blocks * BLOCK_SIZE * kv_heads * HEAD_DIM * 2
+    layers = max(LAYERS, -(-CACHE_BYTES // layer_bytes))
     caches = [torch.randn(2, num_blocks, BLOCK_SIZE, kv_heads, HEAD_DIM, device=dev,
-                          dtype=torch.bfloat16) for _ in range(LAYERS)]
+                          dtype=torch.bfloat16) for _ in range(layers)]
     block_table = torch.randperm(num_blocks, device=dev, dtype=torch.int32).view(batch, -1)
     seq_lens = torch.full((batch,), context + q_len, dtype=torch.int32, device=dev)
     n = batch * q_len
@@ -86,16 +90,10 @@ def case(name: str, batch: int, context: int, q_len: int, splits: list[int]) -> 
     max_context = block_table.shape[1] * BLOCK_SIZE
     row_tiles = -(-(q_len * heads // kv_heads) // 64)
     default = default_num_splits(batch, kv_heads, row_tiles, max_context, dev)
-    out: dict = {"default_splits": default, "programs": batch * kv_heads * row_tiles}
-    sms = pa._num_sms
+    out: dict = {"default_splits": default, "programs": batch * kv_heads * row_tiles,
+                 "layers": layers}
     for label, make in (("rotary_then_attention", unfused), ("new_kv", fused)):
-        # new_kv at any program count (the launcher sends many programs to the rotary
-        # kernel first; this times what that rule weighs)
-        pa._num_sms = sms if make is unfused else (lambda device: 1 << 20)
-        try:
-            out[label] = {s: round(time_layers(make(s)), 2) for s in splits}
-        finally:
-            pa._num_sms = sms
+        out[label] = {s: round(time_layers(make(s), layers), 2) for s in splits}
     caches.clear()
     torch.cuda.empty_cache()
     return out

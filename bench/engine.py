@@ -238,6 +238,13 @@ def gemm_only_step_ms(model, device, reps: int = 50) -> float:
         return replay_ms(graph, reps)
 
 
+def recorded_command(script: str, argv: list[str]) -> str:
+    """The command line to record with results: ``script`` and its arguments, an absolute
+    path (a scratch output on the GPU machine) kept to its file name."""
+    args = [Path(a).name if os.path.isabs(a) else a for a in argv]
+    return " ".join(["PYTHONPATH=. python3", script, *args])
+
+
 def replay_ms(graph, reps: int) -> float:
     """Milliseconds per replay of a captured CUDA graph: CUDA events around ``reps``
     replays, after the device has drained."""

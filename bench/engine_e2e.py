@@ -488,10 +488,12 @@ def main(argv: list[str] | None = None) -> int:
     args.methods = [m for m in args.methods.split(",") if m]
     import torch
 
+    from bench.engine import recorded_command
+
     results = run(args)
     peer = json.loads(args.peer.read_text()) if args.peer and args.peer.is_file() else None
     record = {
-        "command": "PYTHONPATH=. python3 bench/engine_e2e.py " + " ".join(argv or sys.argv[1:]),
+        "command": recorded_command("bench/engine_e2e.py", argv or sys.argv[1:]),
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.node(),
         "versions": {"torch": torch.__version__, "python": platform.python_version()},
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),

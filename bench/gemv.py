@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.engine import replay_ms  # noqa: E402
+from bench.engine import recorded_command, replay_ms  # noqa: E402
 
 SHAPES = {
     "8B qkv_proj": (6144, 4096),
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     print("}")
     if args.output:
         args.output.write_text(json.dumps({
-            "command": "PYTHONPATH=. python3 bench/gemv.py " + " ".join(argv or sys.argv[1:]),
+            "command": recorded_command("bench/gemv.py", argv or sys.argv[1:]),
             "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
             "results": results,
             "configs": {f"{n}x{k}": {str(bm): list(c) for bm, c in v.items()}

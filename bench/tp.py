@@ -38,6 +38,8 @@ sys.path.insert(0, str(HERE))
 
 import engine_e2e  # noqa: E402
 
+from bench.engine import recorded_command  # noqa: E402
+
 DEFAULT_OUTPUT = HERE / "results" / "serving.json"
 DEMO_TOKENS = 48
 
@@ -149,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     ratio = {b: round(speed[2][b]["decode_tokens_per_s"] / speed[1][b]["decode_tokens_per_s"], 3)
              for b in speed.get(1, {})}
     record: dict = {
-        "command": "PYTHONPATH=. python3 bench/tp.py " + " ".join(argv or sys.argv[1:]),
+        "command": recorded_command("bench/tp.py", argv or sys.argv[1:]),
         "gpu": f"{torch.cuda.device_count()} x {torch.cuda.get_device_name()}"
         if torch.cuda.is_available() else platform.node(),
         "versions": {"torch": torch.__version__, "python": platform.python_version()},
