@@ -480,7 +480,9 @@ class LLMEngine(SpeculativeSettings):
         lp_rows: list[tuple[int, bool, int]] = []
         if nd:
             s_d = sampling.select(slice(0, nd)) if prefill else sampling
-            logits, argmax = self.runner.logits_and_argmax(hidden[: nd * q])  # [nd * q, V]
+            # [nd * q, V]; None at tensor_parallel_size > 1 when only the argmax is read
+            logits, argmax = self.runner.logits_and_argmax(
+                hidden[: nd * q], not s_d.all_greedy or num_top is not None)
             if k > 0:
                 out_d, acc_d = verify(
                     ib, logits, idx_d, k, s_d, keys[:nd], self.synthetic_acceptance_rate, argmax
@@ -494,14 +496,15 @@ class LLMEngine(SpeculativeSettings):
             else:
                 out_d = sample(logits, s_d, keys[:nd], STREAM_TARGET, argmax)[0][:, None]
             outs.append(out_d)  # [nd, q]
-            self._output_logprobs(decode, 0, logits.view(nd, q, -1), s_d, out_d, num_top, lp_parts, lp_rows)
+            self._output_logprobs(decode, 0, logits, s_d, out_d, num_top, lp_parts, lp_rows)
         if prefill:
             last_rows = metadata.query_start_loc[nd + 1 :].long() - 1
-            logits, argmax = self.runner.logits_and_argmax(hidden[last_rows])
             s_p = sampling.select(slice(nd, num_reqs)) if nd else sampling
+            logits, argmax = self.runner.logits_and_argmax(
+                hidden[last_rows], not s_p.all_greedy or num_top is not None)
             first = sample(logits, s_p, keys[nd:], STREAM_TARGET, argmax)[0][:, None]  # [num_prefill, 1]
             outs.append(first.expand(-1, q))  # one width for the batch; the padding is not read
-            self._output_logprobs(prefill, nd, logits[:, None], s_p, first, num_top, lp_parts, lp_rows)
+            self._output_logprobs(prefill, nd, logits, s_p, first, num_top, lp_parts, lp_rows)
             self._prompt_logprobs(prefill, nd, s_p, hidden[nd * q :], query_lens[nd:], num_top,
                                   lp_parts, lp_rows)
         out = outs[0] if len(outs) == 1 else torch.cat(outs)
@@ -552,12 +555,12 @@ class LLMEngine(SpeculativeSettings):
         sampling: SamplingMetadata, tokens: torch.Tensor, num_top: int | None,
         parts: list[torch.Tensor], rows: list[tuple[int, bool, int]],
     ) -> None:
-        """Queue the log-probabilities of ``tokens [n, P]``, sampled from ``logits [n, P,
+        """Queue the log-probabilities of ``tokens [n, P]``, sampled from ``logits [n * P,
         vocab_size]``, of the ``requests`` (batch positions ``first_row ..``) that asked."""
         asked = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
         if asked:
             sel = to_device(asked, torch.int64, self.device)
-            lp = token_logprobs(logits[sel], sampling.select(sel), tokens[sel], num_top)
+            lp = token_logprobs(logits.view(*tokens.shape, -1)[sel], sampling.select(sel), tokens[sel], num_top)
             parts.append(lp.flatten(0, 1))  # [len(asked) * P, 1 + 2 * num_top]
             rows += [(first_row + i, False, tokens.shape[1]) for i in asked]
 

@@ -28,7 +28,8 @@ def verify(
 
     Args:
         logits: [num_reqs * (k + 1), vocab_size] float32 or the model's dtype, the
-            target's at each request's last token and drafts.
+            target's at each request's last token and drafts; may be ``None`` when
+            every request is greedy or ``synthetic_acceptance_rate`` is given.
         idx: [num_reqs] int64 rows.
         sampling: the requests' settings (greedy ones match the argmax exactly).
         keys: [num_reqs] int64 draw keys of the step.
@@ -51,7 +52,7 @@ def verify(
         out = torch.cat([drafts.view(r, k), target[:, k:]], dim=1)
         out.masked_fill_(~keep, PLACEHOLDER_TOKEN_ID)
         return out.scatter_(1, accepted[:, None], target.gather(1, accepted[:, None])), accepted
-    cu = torch.arange(k, (r + 1) * k, k, dtype=torch.int32, device=logits.device)
+    cu = torch.arange(k, (r + 1) * k, k, dtype=torch.int32, device=argmax.device)
     if sampling.all_greedy:
         return rejection_sample(drafts, cu, argmax, k)
     vocab = logits.shape[-1]

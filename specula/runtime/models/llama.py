@@ -11,10 +11,15 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from specula.runtime.kernels.gemv import linear
+from specula.runtime.kernels.gemv import linear, linear_argmax
 from specula.runtime.models.config import ModelConfig, check_aux_layer_ids
 from specula.runtime.models.layers import MergedLinear, RMSNorm, RotaryEmbedding, sharded
-from specula.runtime.worker.parallel import VocabParallelEmbedding, gather_vocab
+from specula.runtime.worker.parallel import (
+    VocabParallelEmbedding,
+    gather_argmax,
+    gather_vocab,
+    get_parallel,
+)
 
 
 class LlamaAttention(nn.Module):
@@ -123,6 +128,18 @@ class LlamaForCausalLM(nn.Module):
         """[num_positions, hidden_size] -> [num_positions, vocab_size] logits in the
         model's dtype (the ranks' vocabulary shards gathered)."""
         return gather_vocab(linear(hidden, self.lm_head_weight), self.config.vocab_size)
+
+    def vocab_argmax(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[num_positions, hidden_size] -> [num_positions] int64 greedy tokens, the first
+        index of each row's maximum over the whole vocabulary, without gathering the
+        logits: this rank's shard through the LM head with the argmax epilogue, then the
+        best of the ranks' ``(logit, token)`` pairs (:func:`~specula.runtime.worker.
+        parallel.gather_argmax`). Collective at tensor_parallel_size > 1."""
+        weight, rank = self.lm_head_weight, get_parallel().rank
+        rows = weight.shape[0]
+        valid = min(rows, self.config.vocab_size - rank * rows)  # the last shard's padding
+        logits, index = linear_argmax(hidden, weight if valid == rows else weight[:valid])
+        return gather_argmax(logits.gather(1, index[:, None])[:, 0], index + rank * rows)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_positions, hidden_size] -> [num_positions, vocab_size] float32 logits."""

@@ -37,4 +37,4 @@ class PlainDraftModelSpeculator(AutoRegressiveSpeculator):
         return create_model_runner(self.model, kv_cache, max_model_len)
 
     def draft_argmax(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.runner.logits_and_argmax(hidden)[1]  # the LM head's argmax epilogue
+        return self.runner.logits_and_argmax(hidden, need_logits=False)[1]  # argmax epilogue

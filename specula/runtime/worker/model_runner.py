@@ -428,14 +428,19 @@ class ModelRunner:
         return self.model.compute_logits(hidden)
 
     @torch.no_grad()
-    def logits_and_argmax(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def logits_and_argmax(
+        self, hidden: torch.Tensor, need_logits: bool = True
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """[num_positions, hidden_size] -> ``(logits [num_positions, vocab_size] in the
         model's dtype, greedy tokens [num_positions] int64)``: the LM head with the argmax
         fused in (:func:`~specula.runtime.kernels.gemv.linear_argmax`), so a greedy step
-        neither copies the logits to float32 nor scans them again (sharded: the ranks'
-        logits gathered, then ``argmax``)."""
+        neither copies the logits to float32 nor scans them again. Sharded, the ranks'
+        logits are gathered, then ``argmax``; without ``need_logits`` (an all-greedy
+        step) only each rank's best ``(logit, token)`` is, and the logits are ``None``."""
         if self.config.tensor_parallel_size == 1:
             return linear_argmax(hidden, self.model.lm_head_weight)
+        if not need_logits:
+            return None, self.model.vocab_argmax(hidden)
         logits = self.model.vocab_logits(hidden)
         return logits, logits.argmax(dim=-1)
 

@@ -108,7 +108,7 @@ _FUSED: dict[tuple[int, torch.dtype], Callable | None] = {}
 def fused_workspace_bytes(hidden_size: int, dtype: torch.dtype) -> int:
     """Device bytes the fused sum's buffer takes on each rank (0 on one rank)."""
     world = _STATE.world_size
-    return 0 if world == 1 else world * FUSED_MAX_ROWS * hidden_size * dtype.itemsize
+    return 0 if world == 1 else 2 * world * FUSED_MAX_ROWS * hidden_size * dtype.itemsize
 
 
 def fused_all_reduce_add_norm(hidden_size: int, dtype: torch.dtype, device: torch.device):
@@ -155,16 +155,14 @@ _MAPPED_GROUP: Any = None
 def _symmetric_workspace(hidden_size: int, dtype: torch.dtype, device: torch.device):
     import torch.distributed._symmetric_memory as symm_mem
 
-    from specula.runtime.kernels.all_reduce import MAX_PROGRAMS, all_reduce_add_rms_norm
+    from specula.runtime.kernels.all_reduce import all_reduce_add_rms_norm
 
-    world, group = _STATE.world_size, _STATE.group
+    group = _STATE.group
     reason = None if hidden_size * dtype.itemsize % 16 == 0 else "rows not 16-byte multiples"
     try:  # every rank allocates, then all agree, before the collective rendezvous
         numel = fused_workspace_bytes(hidden_size, dtype) // dtype.itemsize
-        buffer = symm_mem.empty(numel, dtype=dtype, device=device)
-        flags = symm_mem.empty(2 * MAX_PROGRAMS * world, dtype=torch.int32, device=device)
-        flags[: MAX_PROGRAMS * world].zero_()
-        flags[MAX_PROGRAMS * world :].fill_(1)  # "done": the peers may write at once
+        buffer = symm_mem.empty(numel, dtype=dtype, device=device).fill_(-0.0)  # every slot free
+        launches = torch.zeros(FUSED_MAX_ROWS, dtype=torch.int32, device=device)
         torch.cuda.synchronize(device)
     except (RuntimeError, ValueError) as exc:
         reason = reason or str(exc)
@@ -172,12 +170,11 @@ def _symmetric_workspace(hidden_size: int, dtype: torch.dtype, device: torch.dev
         logger.warning("tensor parallelism: no symmetric memory between the GPUs (%s); "
                        "row-parallel sums go through NCCL", reason or "on another rank")
         return None
-    # Collective: every rank's flags are set before any rank returns.
-    handles = [symm_mem.rendezvous(t, group) for t in (buffer, flags)]
-    assert all(getattr(h, "offset", 0) == 0 for h in handles), "buffers at their allocation's start"
-    buffers, flag_ptrs = (torch.tensor(h.buffer_ptrs, dtype=torch.int64, device=device)
-                          for h in handles)
-    _FUSED_KEEP.append((buffer, flags, handles))
+    # Collective: every rank's buffer is free before any rank returns.
+    handle = symm_mem.rendezvous(buffer, group)
+    assert getattr(handle, "offset", 0) == 0, "buffers at their allocation's start"
+    buffers = torch.tensor(handle.buffer_ptrs, dtype=torch.int64, device=device)
+    _FUSED_KEEP.append((buffer, handle))
 
     def fused(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
         if _STATE.group is not group:
@@ -185,8 +182,7 @@ def _symmetric_workspace(hidden_size: int, dtype: torch.dtype, device: torch.dev
         if x.shape[1] != hidden_size or x.dtype != dtype:
             raise ValueError(f"rows of {x.shape[1]} {x.dtype} in a workspace for rows of "
                              f"{hidden_size} {dtype}")
-        return all_reduce_add_rms_norm(x, residual, weight, eps, buffers, flag_ptrs,
-                                       _STATE.rank, FUSED_MAX_ROWS)
+        return all_reduce_add_rms_norm(x, residual, weight, eps, buffers, launches, _STATE.rank)
     return fused
 
 
@@ -204,6 +200,25 @@ def gather_vocab(x: torch.Tensor, vocab_size: int, dim: int = -1) -> torch.Tenso
     parts = [torch.empty_like(x) for _ in range(_STATE.world_size)]
     dist.all_gather(parts, x.contiguous(), group=_STATE.group)
     return torch.cat(parts, dim=dim).narrow(dim, 0, vocab_size)
+
+
+def gather_argmax(value: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """The vocabulary-wide argmax from each rank's argmax over its shard: ``value``
+    [n] (each row's maximum logit on this rank) and ``index`` [n] int64 (its token id,
+    the first in the shard) -> [n] int64, the token of the greatest value, the lowest
+    rank's on a tie (shards are in vocabulary order, so this is ``argmax``'s first
+    index over the gathered logits). One all-gather of ``[2, n]`` float32 instead of
+    the ``[n, V / N]`` logits; ``index`` itself on one rank. Collective: every rank
+    calls it."""
+    world = _STATE.world_size
+    if world == 1:
+        return index
+    pairs = torch.stack([value.float(), index.float()])  # token ids < 2^24: exact
+    parts = torch.empty(world * 2, pairs.shape[1], dtype=torch.float32, device=pairs.device)
+    dist.all_gather_into_tensor(parts, pairs, group=_STATE.group)  # ranks along dim 0
+    parts = parts.view(world, 2, -1)
+    best = parts[:, 0].argmax(dim=0, keepdim=True)  # [1, n], the first maximum
+    return parts[:, 1].gather(0, best)[0].long()
 
 
 def broadcast_object(obj: Any = None) -> Any:

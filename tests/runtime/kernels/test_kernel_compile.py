@@ -140,8 +140,8 @@ CASES = {
         all_reduce._all_reduce_add_rms_norm_kernel,
         {"out_ptr": "*bf16", "residual_out_ptr": "*bf16", "x_ptr": "*bf16",
          "residual_ptr": "*bf16", "weight_ptr": "*bf16", "buffers_ptr": "*i64",
-         "flags_ptr": "*i64", "eps": "fp32"},
-        dict(HIDDEN=4096, BLOCK=4096, WORLD=2, NUM_FLAGS=128, TIMEOUT_NS=300 * 10**9, PDL=True),
+         "launches_ptr": "*i32", "eps": "fp32"},
+        dict(HIDDEN=4096, BLOCK=4096, WORLD=2, TIMEOUT_NS=300 * 10**9, PDL=True),
     ),
 }
 
@@ -168,12 +168,13 @@ def test_compiles_for_sm90(name):
     assert compiled.asm["cubin"], "ptxas produced no binary"
 
 
-def test_the_fused_all_reduce_orders_and_vectorises_its_peer_accesses():
-    """The flags are raised with a system-scope release by one thread and awaited with a
-    system-scope acquire; the rows to and from the peers' buffers move in 16-byte vectors
-    (the pointers built from integer addresses carry the alignment hint), not 2-byte
-    scalars; a peer silent past the timeout traps. Pointers and strides are marked
-    16-divisible, as a launch specialises them."""
+def test_the_fused_all_reduce_polls_and_vectorises_its_peer_accesses():
+    """The peers' rows are awaited with volatile loads (so every poll reaches memory) and
+    there is no fence or flag; the rows to and from the peers' buffers, and the free mark
+    (two bfloat16 ``-0.0`` a word, 0x80008000), move in 16-byte vectors (the pointers
+    built from integer addresses carry the alignment hint), not 2-byte scalars; a peer
+    silent past the timeout traps. Pointers and strides are marked 16-divisible, as a
+    launch specialises them."""
     kernel, types, constexprs = CASES["all_reduce_add_rms_norm"]
     if not isinstance(kernel, triton.runtime.JITFunction):
         pytest.skip("TRITON_INTERPRET is set in this process: nothing to compile")
@@ -183,7 +184,8 @@ def test_the_fused_all_reduce_orders_and_vectorises_its_peer_accesses():
              if signature[arg].startswith("*") or arg.startswith("stride")}
     ptx = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=HOPPER,
                          options={"num_warps": 8}).asm["ptx"]
-    assert "st.release.sys.global.b32" in ptx and "ld.acquire.sys.global.b32" in ptx
-    assert "@first st.release" in ptx and "%globaltimer" in ptx and "trap;" in ptx
+    assert "ld.volatile.global.v4.b32" in ptx and "%globaltimer" in ptx and "trap;" in ptx
+    assert "membar" not in ptx and "fence" not in ptx and ".release" not in ptx
+    assert f"{-2147450880}" in ptx or "0x80008000" in ptx.lower()
     assert "st.global.b16" not in ptx and "ld.global.b16" not in ptx
     assert "st.global.v4.b32" in ptx and "ld.global.v4.b32" in ptx
