@@ -407,6 +407,33 @@ def test_gemv_matches_the_library_gemm_on_tuned_shapes():
         assert not use_gemv(torch.randn(200, k, device=DEVICE, dtype=torch.bfloat16), w)
 
 
+@pytest.mark.parametrize("split", [2, 4])
+def test_split_k_gemv_in_a_cuda_graph(split):
+    """Split-K on a short, wide weight (the 1B ``down_proj``): equal to the unsplit GEMV
+    up to the float32 sums' order, the same result launch after launch, eagerly and
+    replayed in a CUDA graph (each column tile's counter set back by its last program),
+    and with the residual epilogue."""
+    from specula.runtime.kernels.gemv import gemv
+
+    gen = torch.Generator(DEVICE).manual_seed(split)
+    w = torch.randn(2048, 8192, device=DEVICE, dtype=torch.bfloat16, generator=gen) * 0.02
+    for rows in (1, 5):
+        x = torch.randn(rows, 8192, device=DEVICE, dtype=torch.bfloat16, generator=gen)
+        residual = torch.randn(rows, 2048, device=DEVICE, dtype=torch.bfloat16, generator=gen)
+        cfg = (16, 256, 4, 5, split)
+        want = gemv(x, w, cfg)
+        torch.testing.assert_close(want, gemv(x, w, (16, 256, 4, 5)), rtol=1e-2, atol=1e-2)
+        stream, _ = gemv(x, w, cfg, residual=residual)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs = [gemv(x, w, cfg) for _ in range(20)]
+        for _ in range(10):
+            graph.replay()
+            torch.cuda.synchronize()
+            assert all(torch.equal(y, want) for y in outs)
+        assert torch.equal(stream, (want.float() + residual.float()).to(torch.bfloat16))
+
+
 @pytest.mark.parametrize("rows", [1, 5, 32, 64])
 def test_gate_up_gemv_with_swiglu_epilogue(rows):
     from specula.runtime.kernels.activation import silu_and_mul

@@ -2,9 +2,13 @@
 where the product is a stream over the weight: every byte of ``W`` is read once and the
 arithmetic is small, so the kernel is built for memory bandwidth. Each program owns
 ``BLOCK_N`` output columns and all rows (one ``BLOCK_M`` tile, at least 16 for
-``tl.dot``), and walks the whole reduction dimension with pipelined weight loads; no split
-of the reduction, so no second pass and a deterministic result. The launch configuration
-per weight shape and row tile comes from ``bench/gemv.py`` on an H100.
+``tl.dot``), and walks the reduction dimension with pipelined weight loads. A short, wide
+weight (few column tiles, long rows) may split the reduction over ``SPLIT_K`` programs per
+column tile (split-K, as CUTLASS's "serial split-K"): each stores its float32 partial,
+and the last of them to arrive (an atomic counter per tile) sums the partials in split
+order and runs the epilogue, so the result does not depend on the arrival order. The
+launch configuration per weight shape and row tile comes from ``bench/gemv.py`` on an
+H100.
 
 Four epilogues each save a decode step a launch and a round trip through memory:
 
@@ -34,9 +38,10 @@ from specula.runtime.kernels.activation import silu_and_mul
 from specula.runtime.kernels.dispatch import pdl, use_reference, wait_for_previous_kernel
 
 DEFAULT_CONFIG = (32, 256, 4, 4)
-"""``(BLOCK_N, BLOCK_K, num_warps, num_stages)`` when none is given or tuned."""
+"""``(BLOCK_N, BLOCK_K, num_warps, num_stages)`` when none is given or tuned; a tuned
+entry may add a fifth, ``SPLIT_K`` (1 when absent)."""
 
-CONFIGS: dict[tuple[int, int], dict[int, tuple[int, int, int, int]]] = {
+CONFIGS: dict[tuple[int, int], dict[int, tuple[int, ...]]] = {
     (6144, 4096): {16: (64, 128, 4, 5), 32: (64, 128, 8, 5)},  # Llama-3.1-8B qkv_proj
     (4096, 4096): {16: (32, 256, 4, 5), 32: (32, 256, 4, 4)},  # o_proj
     (28672, 4096): {16: (128, 256, 8, 3), 32: (128, 256, 4, 3), 64: (128, 128, 8, 3)},
@@ -86,23 +91,27 @@ def _gemv_kernel(
     part_idx_ptr,  # ARGMAX: [M, num_programs] int32, their columns
     res_ptr,  # RESIDUAL: [M, N] added to the product
     rms_ptr,  # RMS: [M, num_parts] float32, sums of squares of parts of each row of x
+    split_ptr,  # SPLIT_K > 1: [num_programs, SPLIT_K, (2,) BLOCK_M, BLOCK_N] float32 partials
+    count_ptr,  # SPLIT_K > 1: [>= num_programs] int32 zeros, arrivals per column tile
     M, N, K, stride_ym, stride_xm, stride_wn,
     up_offset,  # SILU_MUL: N * stride_wn, the up rows' offset
     stride_res, num_parts, eps,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
     SILU_MUL: tl.constexpr, ARGMAX: tl.constexpr, RESIDUAL: tl.constexpr, RMS: tl.constexpr,
-    BLOCK_P: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_P: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
     pid = tl.program_id(0)
+    split = tl.program_id(1)  # this program's 1/SPLIT_K of the reduction
+    k_len = K // SPLIT_K
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
-    w_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] + split * k_len
+    w_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None] + split * k_len
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(0, k_len, BLOCK_K):
         w_mask = (offs_n[None, :] < N) & (k0 + offs_k[:, None] < K)
         w = _load_weight(w_ptrs, w_mask, EVEN)
         x = tl.load(x_ptrs, mask=(offs_m[:, None] < M) & (k0 + offs_k[None, :] < K), other=0.0)
@@ -111,6 +120,41 @@ def _gemv_kernel(
             acc_up = tl.dot(x, _load_weight(w_ptrs + up_offset, w_mask, EVEN), acc_up)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    if SPLIT_K > 1:  # the last program of the column tile to arrive sums the partials
+        tile = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        part = split_ptr + (pid * SPLIT_K + split) * (2 * BLOCK_M * BLOCK_N) + tile
+        tl.store(part, acc)
+        if SILU_MUL:
+            tl.store(part + BLOCK_M * BLOCK_N, acc_up)
+        tl.debug_barrier()  # every thread's partial stored before the release below
+        arrived = tl.atomic_add(count_ptr + pid, 1, sem="acq_rel", scope="gpu")
+        tl.debug_barrier()
+        last = arrived == SPLIT_K - 1
+        if last:  # in split order, whichever program arrives last: deterministic
+            first = split_ptr + pid * SPLIT_K * (2 * BLOCK_M * BLOCK_N) + tile
+            acc = tl.load(first, cache_modifier=".cg")
+            if SILU_MUL:
+                acc_up = tl.load(first + BLOCK_M * BLOCK_N, cache_modifier=".cg")
+            for s in tl.static_range(1, SPLIT_K):
+                acc += tl.load(first + s * (2 * BLOCK_M * BLOCK_N), cache_modifier=".cg")
+                if SILU_MUL:
+                    acc_up += tl.load(first + s * (2 * BLOCK_M * BLOCK_N) + BLOCK_M * BLOCK_N,
+                                      cache_modifier=".cg")
+            tl.store(count_ptr + pid, 0)  # ready for the next launch
+    else:
+        last = True
+    if last:
+        _gemv_epilogue(acc, acc_up, y_ptr, part_max_ptr, part_idx_ptr, res_ptr, rms_ptr, pid,
+                       offs_m, offs_n, M, N, K, stride_ym, stride_res, num_parts, eps, BLOCK_M,
+                       BLOCK_N, SILU_MUL, ARGMAX, RESIDUAL, RMS, BLOCK_P)
+
+
+@triton.jit
+def _gemv_epilogue(acc, acc_up, y_ptr, part_max_ptr, part_idx_ptr, res_ptr, rms_ptr, pid, offs_m,
+                   offs_n, M, N, K, stride_ym, stride_res, num_parts, eps, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, SILU_MUL: tl.constexpr, ARGMAX: tl.constexpr, RESIDUAL: tl.constexpr,
+                   RMS: tl.constexpr, BLOCK_P: tl.constexpr):
+    """:func:`_gemv_kernel`'s epilogues on a column tile's accumulators."""
     if RMS:  # the rows' 1 / rms from their sums of squares (outside the loop: x goes to
         # the dot untouched, which keeps the loads pipelined)
         offs_p = tl.arange(0, BLOCK_P)
@@ -219,7 +263,7 @@ def use_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def gemv(
-    x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int, int] | None = None,
+    x: torch.Tensor, weight: torch.Tensor, config: tuple[int, ...] | None = None,
     *, silu_mul: bool = False, with_argmax: bool = False, residual: torch.Tensor | None = None,
     rms: tuple[torch.Tensor, float] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -229,9 +273,10 @@ def gemv(
         x: [M, K] bfloat16/float16, last dim contiguous.
         weight: [N, K] of ``x.dtype``, last dim contiguous (an ``nn.Linear`` weight);
             with ``silu_mul`` [2N, K], the gate rows then the up rows.
-        config: ``(BLOCK_N, BLOCK_K, num_warps, num_stages)``; default the tuned entry of
-            the weight's shape and row tile, else :data:`DEFAULT_CONFIG`. With
-            ``silu_mul`` a program covers ``BLOCK_N / 2`` columns of each half.
+        config: ``(BLOCK_N, BLOCK_K, num_warps, num_stages[, SPLIT_K])``; default the
+            tuned entry of the weight's shape and row tile, else :data:`DEFAULT_CONFIG`.
+            With ``silu_mul`` a program covers ``BLOCK_N / 2`` columns of each half.
+            ``SPLIT_K`` > 1 applies when ``SPLIT_K * BLOCK_K`` divides ``K``.
         silu_mul: return ``silu(x @ gate.T) * (x @ up.T)`` [M, N] (SwiGLU, Shazeer,
             arXiv 2002.05202).
         with_argmax: also return the first index of each row's maximum, [M] int64.
@@ -275,11 +320,16 @@ def gemv(
         return y
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     bm = block_m(m)
-    block_n, block_k, warps, stages = config or CONFIGS.get(tuple(weight.shape), {}).get(
+    block_n, block_k, warps, stages, *rest = config or CONFIGS.get(tuple(weight.shape), {}).get(
         bm, DEFAULT_CONFIG
     )
     block_n //= 2 if silu_mul else 1
     grid = triton.cdiv(n, block_n)
+    split_k = rest[0] if rest else 1
+    counts = _split_counts(x.device, grid) if split_k > 1 and k % (split_k * block_k) == 0 else None
+    split_k = 1 if counts is None else split_k
+    partials = y if counts is None else torch.empty(
+        grid * split_k * 2 * bm * block_n, dtype=torch.float32, device=x.device)
     parts = (torch.empty(m, grid, dtype=torch.float32, device=x.device),
              torch.empty(m, grid, dtype=torch.int32, device=x.device)) if with_argmax else (y, y)
     if residual is not None:
@@ -288,18 +338,37 @@ def gemv(
     assert rms is None or (sum_sq.shape[0] == m and sum_sq.dtype == torch.float32
                            and sum_sq.is_contiguous())
     with_pdl = pdl(x)
-    _gemv_kernel[(grid,)](
-        y, x, weight, *parts, y if residual is None else residual, sum_sq, m, n, k, y.stride(0),
+    _gemv_kernel[(grid, split_k)](
+        y, x, weight, *parts, y if residual is None else residual, sum_sq, partials,
+        partials if counts is None else counts, m, n, k, y.stride(0),
         x.stride(0), weight.stride(0), n * weight.stride(0),
         y.stride(0) if residual is None else residual.stride(0), sum_sq.shape[1], eps, BLOCK_M=bm,
         BLOCK_N=block_n, BLOCK_K=block_k, EVEN=(k % block_k == 0 and n % block_n == 0),
         SILU_MUL=silu_mul, ARGMAX=with_argmax, RESIDUAL=residual is not None, RMS=rms is not None,
-        BLOCK_P=1 if rms is None else triton.next_power_of_2(sum_sq.shape[1]), PDL=with_pdl,
+        BLOCK_P=1 if rms is None else triton.next_power_of_2(sum_sq.shape[1]), SPLIT_K=split_k,
+        PDL=with_pdl,
         num_warps=warps, num_stages=stages, launch_pdl=with_pdl,
     )
     if with_argmax:
         return y, _merge_argmax(*parts)
     return (y, parts[0]) if residual is not None else y
+
+
+_SPLIT_COUNTS: dict[torch.device, torch.Tensor] = {}
+"""Per device, the arrival counters of split-K launches: zeros between launches (the
+last program of each column tile sets its counter back), shared by launches that run
+one after another on a stream."""
+
+
+def _split_counts(device: torch.device, grid: int) -> torch.Tensor | None:
+    """The device's split-K counters for ``grid`` column tiles; ``None`` (no split) when
+    they are not allocated yet inside a CUDA graph capture, or too few."""
+    counts = _SPLIT_COUNTS.get(device)
+    if counts is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        counts = _SPLIT_COUNTS[device] = torch.zeros(1 << 14, dtype=torch.int32, device=device)
+    return counts if grid <= counts.numel() else None
 
 
 def fold_norm_weight(weight: torch.Tensor, norm_weight: torch.Tensor) -> None:

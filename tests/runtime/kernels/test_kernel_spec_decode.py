@@ -449,6 +449,41 @@ def test_gemv_folded_norm_epilogues(interpreted):
     interpreted(check_gemv_folded_norm_epilogues)
 
 
+def check_gemv_split_k() -> None:
+    from specula.runtime.kernels import gemv as kernels
+    from specula.runtime.kernels.activation import silu_and_mul
+    from specula.runtime.kernels.gemv import gemv, gemv_reference
+    from specula.runtime.kernels.layernorm import fused_add_rms_norm
+
+    gen = torch.Generator().manual_seed(5)
+    for m, n, k, split in ((1, 64, 512, 2), (5, 40, 512, 4), (16, 96, 1024, 8)):
+        cfg = (32, 128, 4, 3, split)
+        x = torch.randn(m, k, generator=gen).half()
+        w = (torch.randn(2 * n, k, generator=gen) * 0.05).half()
+        y = gemv(x, w, cfg)
+        ref = gemv_reference(x.float(), w.float())
+        assert ((y.float() - ref).norm() / ref.norm()).item() < 2e-3
+        assert torch.equal(gemv(x, w, cfg), y)  # the partials summed in split order
+        # The epilogues run once, on the summed tile.
+        torch.testing.assert_close(gemv(x, w, cfg, silu_mul=True), silu_and_mul(y), atol=0, rtol=0)
+        residual = torch.randn(m, n, generator=gen).half()
+        stream, sum_sq = gemv(x, w[:n], cfg, residual=residual)
+        assert torch.equal(stream, fused_add_rms_norm(gemv(x, w[:n], cfg), residual, w[0, :n], 1e-5)[1])
+        torch.testing.assert_close(sum_sq.sum(-1), stream.float().pow(2).sum(-1))
+        logits, idx = gemv(x, w[:n], cfg, with_argmax=True)
+        assert torch.equal(idx, logits.float().argmax(-1))
+        # Every column tile's counter is back at zero for the next launch.
+        assert not kernels._SPLIT_COUNTS[x.device].any()
+    # A split that does not divide the reduction runs unsplit.
+    x = torch.randn(3, 384, generator=gen).half()
+    w = (torch.randn(64, 384, generator=gen) * 0.05).half()
+    assert torch.equal(gemv(x, w, (32, 128, 4, 3, 2)), gemv(x, w, (32, 128, 4, 3)))
+
+
+def test_gemv_split_k(interpreted):
+    interpreted(check_gemv_split_k)
+
+
 def _folded_norm_decoder(gemv_shapes: bool) -> None:
     import copy
     import json
