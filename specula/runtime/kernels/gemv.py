@@ -120,29 +120,22 @@ def _gemv_kernel(
             acc_up = tl.dot(x, _load_weight(w_ptrs + up_offset, w_mask, EVEN), acc_up)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    last = True
     if SPLIT_K > 1:  # the last program of the column tile to arrive sums the partials
         tile = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-        part = split_ptr + (pid * SPLIT_K + split) * (2 * BLOCK_M * BLOCK_N) + tile
-        tl.store(part, acc)
-        if SILU_MUL:
-            tl.store(part + BLOCK_M * BLOCK_N, acc_up)
+        tl.store(split_ptr + (pid * SPLIT_K + split) * 2 * BLOCK_M * BLOCK_N + tile, acc)
+        tl.store(split_ptr + ((pid * SPLIT_K + split) * 2 + 1) * BLOCK_M * BLOCK_N + tile, acc_up)
         tl.debug_barrier()  # every thread's partial stored before the release below
-        arrived = tl.atomic_add(count_ptr + pid, 1, sem="acq_rel", scope="gpu")
+        last = tl.atomic_add(count_ptr + pid, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1
         tl.debug_barrier()
-        last = arrived == SPLIT_K - 1
         if last:  # in split order, whichever program arrives last: deterministic
-            first = split_ptr + pid * SPLIT_K * (2 * BLOCK_M * BLOCK_N) + tile
-            acc = tl.load(first, cache_modifier=".cg")
-            if SILU_MUL:
-                acc_up = tl.load(first + BLOCK_M * BLOCK_N, cache_modifier=".cg")
-            for s in tl.static_range(1, SPLIT_K):
-                acc += tl.load(first + s * (2 * BLOCK_M * BLOCK_N), cache_modifier=".cg")
-                if SILU_MUL:
-                    acc_up += tl.load(first + s * (2 * BLOCK_M * BLOCK_N) + BLOCK_M * BLOCK_N,
-                                      cache_modifier=".cg")
             tl.store(count_ptr + pid, 0)  # ready for the next launch
-    else:
-        last = True
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for s in tl.static_range(SPLIT_K):
+                part = split_ptr + (pid * SPLIT_K + s) * 2 * BLOCK_M * BLOCK_N + tile
+                acc += tl.load(part, cache_modifier=".cg")
+                acc_up += tl.load(part + BLOCK_M * BLOCK_N, cache_modifier=".cg")
     if last:
         _gemv_epilogue(acc, acc_up, y_ptr, part_max_ptr, part_idx_ptr, res_ptr, rms_ptr, pid,
                        offs_m, offs_n, M, N, K, stride_ym, stride_res, num_parts, eps, BLOCK_M,
@@ -340,14 +333,13 @@ def gemv(
     with_pdl = pdl(x)
     _gemv_kernel[(grid, split_k)](
         y, x, weight, *parts, y if residual is None else residual, sum_sq, partials,
-        partials if counts is None else counts, m, n, k, y.stride(0),
-        x.stride(0), weight.stride(0), n * weight.stride(0),
-        y.stride(0) if residual is None else residual.stride(0), sum_sq.shape[1], eps, BLOCK_M=bm,
-        BLOCK_N=block_n, BLOCK_K=block_k, EVEN=(k % block_k == 0 and n % block_n == 0),
-        SILU_MUL=silu_mul, ARGMAX=with_argmax, RESIDUAL=residual is not None, RMS=rms is not None,
+        partials if counts is None else counts, m, n, k, y.stride(0), x.stride(0), weight.stride(0),
+        n * weight.stride(0), y.stride(0) if residual is None else residual.stride(0),
+        sum_sq.shape[1], eps, BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k,
+        EVEN=(k % block_k == 0 and n % block_n == 0), SILU_MUL=silu_mul, ARGMAX=with_argmax,
+        RESIDUAL=residual is not None, RMS=rms is not None,
         BLOCK_P=1 if rms is None else triton.next_power_of_2(sum_sq.shape[1]), SPLIT_K=split_k,
-        PDL=with_pdl,
-        num_warps=warps, num_stages=stages, launch_pdl=with_pdl,
+        PDL=with_pdl, num_warps=warps, num_stages=stages, launch_pdl=with_pdl,
     )
     if with_argmax:
         return y, _merge_argmax(*parts)
@@ -355,20 +347,17 @@ def gemv(
 
 
 _SPLIT_COUNTS: dict[torch.device, torch.Tensor] = {}
-"""Per device, the arrival counters of split-K launches: zeros between launches (the
-last program of each column tile sets its counter back), shared by launches that run
-one after another on a stream."""
+"""Per device, split-K launches' arrival counters per column tile, zeros between launches."""
 
 
 def _split_counts(device: torch.device, grid: int) -> torch.Tensor | None:
-    """The device's split-K counters for ``grid`` column tiles; ``None`` (no split) when
-    they are not allocated yet inside a CUDA graph capture, or too few."""
+    """The counters for ``grid`` tiles; ``None`` (no split) if too few, or if not yet
+    allocated inside a CUDA graph capture."""
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    if device not in _SPLIT_COUNTS and not capturing:
+        _SPLIT_COUNTS[device] = torch.zeros(1 << 14, dtype=torch.int32, device=device)
     counts = _SPLIT_COUNTS.get(device)
-    if counts is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        counts = _SPLIT_COUNTS[device] = torch.zeros(1 << 14, dtype=torch.int32, device=device)
-    return counts if grid <= counts.numel() else None
+    return counts if counts is not None and grid <= counts.numel() else None
 
 
 def fold_norm_weight(weight: torch.Tensor, norm_weight: torch.Tensor) -> None:
