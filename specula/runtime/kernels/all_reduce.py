@@ -1,24 +1,17 @@
 """One-shot all-reduce over peer-mapped (symmetric) memory, fused with the residual add
-and RMSNorm that follow a row-parallel layer (Megatron-LM, arXiv 1909.08053).
-
-Between a decoder's sublayers, tensor parallelism sums the ranks' partial outputs, adds
-the residual stream and normalises: with NCCL that is a collective kernel and a norm
-kernel, ~8.6 + 2.2 us at batch 32 on two H100s. Here one kernel does all three. Each
-rank stores its partial rows into its slot of every peer's buffer in a symmetric
-allocation (``torch.distributed._symmetric_memory``: every rank's buffer mapped into
-every rank's address space over NVLink), then reads the peers' rows from its own buffer
-and sums them with its own: writes posted over NVLink, no remote read, and no flag or
-fence. The sum runs in rank order in float32 on every rank, so the ranks agree bit for
-bit.
+and RMSNorm that follow a row-parallel layer (Megatron-LM, arXiv 1909.08053): one kernel
+instead of NCCL's collective and a norm kernel. Each rank stores its partial rows into its
+slot of every peer's buffer (``torch.distributed._symmetric_memory``, mapped over NVLink),
+then sums the peers' rows from its own buffer with its own, in rank order in float32, so
+the ranks agree bit for bit: posted writes, no remote read, no flag or fence.
 
 The data are their own flags (the Lamport-style one-shot all-reduce of TensorRT-LLM's
 ``customAllReduceKernels``, after vLLM's custom all-reduce, PR #2192): a free slot holds
-negative zero in every element, a sender writes ``-0.0`` as ``+0.0``, so a reader spins
-on its slot with volatile loads until no element is ``-0.0``, then sets the slot back to
-``-0.0``. Each row alternates between two halves of the buffer, by a per-row launch
-count kept on each rank (every rank launches the same rows in the same order): a peer
-writes a half again only two launches of the row later, after it has read this rank's
-rows of the launch between, which this rank stored after its reset.
+``-0.0`` in every element and a sender writes ``-0.0`` as ``+0.0``, so a reader spins on
+its slot with volatile loads until no element is ``-0.0``, then frees it. Each row
+alternates between two halves of the buffer by a per-row launch count, the same on every
+rank: a peer writes a half again two launches of the row later, after it has read this
+rank's rows of the launch between, stored after the reset.
 """
 
 from __future__ import annotations
@@ -126,21 +119,18 @@ def all_reduce_add_rms_norm(
     buffers: torch.Tensor, launches: torch.Tensor, rank: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``stream = sum over ranks(x) + residual``; ``(rms_norm(stream) * weight, stream)``
-    in one kernel (Llama's RMSNorm convention, as
-    :func:`~specula.runtime.kernels.layernorm.fused_add_rms_norm`). Collective: every
-    rank of the group calls it with ``x`` of the same shape, in the same order.
+    in one kernel (as :func:`~specula.runtime.kernels.layernorm.fused_add_rms_norm`).
+    Collective: every rank calls it with ``x`` of the same shape, in the same order.
 
     Args:
         x: [num_rows, hidden] bfloat16/float16/float32 on CUDA, this rank's partial
-            sums (a row-parallel layer's output); rows dense.
-        residual: [num_rows, hidden] like ``x``, the residual stream; weight: [hidden].
-        buffers: [world_size] int64, the address of every rank's buffer, ``[2,
-            world_size, max_rows, hidden]`` of ``x.dtype`` in one symmetric allocation,
-            every element ``-0.0`` before first use: slot ``[h, r]`` takes rank ``r``'s
-            rows at the launches of parity ``h``.
-        launches: [max_rows] int32 on this rank's device, zeros before first use: each
-            row's launch count (``num_rows <= max_rows``).
-        rank: this process's rank.
+            sums (a row-parallel layer's output), rows dense; residual: like ``x``;
+            weight: [hidden].
+        buffers: [world_size] int64, every rank's buffer's address, ``[2, world_size,
+            max_rows, hidden]`` of ``x.dtype`` in one symmetric allocation, all ``-0.0``
+            at first: slot ``[h, r]`` takes rank ``r``'s rows at launches of parity ``h``.
+        launches: [max_rows] int32 on this rank's device, zeros at first: each row's
+            launch count (``num_rows <= max_rows``).
 
     Returns:
         ``(out, stream)``, both [num_rows, hidden] in ``x.dtype``.

@@ -2,13 +2,10 @@
 where the product is a stream over the weight: every byte of ``W`` is read once and the
 arithmetic is small, so the kernel is built for memory bandwidth. Each program owns
 ``BLOCK_N`` output columns and all rows (one ``BLOCK_M`` tile, at least 16 for
-``tl.dot``), and walks the reduction dimension with pipelined weight loads. A short, wide
-weight (few column tiles, long rows) may split the reduction over ``SPLIT_K`` programs per
-column tile (split-K, as CUTLASS's "serial split-K"): each stores its float32 partial,
-and the last of them to arrive (an atomic counter per tile) sums the partials in split
-order and runs the epilogue, so the result does not depend on the arrival order. The
-launch configuration per weight shape and row tile comes from ``bench/gemv.py`` on an
-H100.
+``tl.dot``), and walks the reduction dimension with pipelined weight loads, or its
+``1/SPLIT_K`` of it (CUTLASS's serial split-K): the last of a tile's programs to arrive
+(an atomic counter) sums their float32 partials in split order, whatever the arrival order,
+and runs the epilogue. Configurations per weight shape and row tile: ``bench/gemv.py``.
 
 Four epilogues each save a decode step a launch and a round trip through memory:
 
@@ -313,12 +310,10 @@ def gemv(
         return y
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     bm = block_m(m)
-    block_n, block_k, warps, stages, *rest = config or CONFIGS.get(tuple(weight.shape), {}).get(
-        bm, DEFAULT_CONFIG
-    )
+    cfg = config or CONFIGS.get(tuple(weight.shape), {}).get(bm, DEFAULT_CONFIG)
+    block_n, block_k, warps, stages, split_k = (*cfg, 1)[:5]
     block_n //= 2 if silu_mul else 1
     grid = triton.cdiv(n, block_n)
-    split_k = rest[0] if rest else 1
     counts = _split_counts(x.device, grid) if split_k > 1 and k % (split_k * block_k) == 0 else None
     split_k = 1 if counts is None else split_k
     partials = y if counts is None else torch.empty(

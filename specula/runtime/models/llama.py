@@ -130,11 +130,9 @@ class LlamaForCausalLM(nn.Module):
         return gather_vocab(linear(hidden, self.lm_head_weight), self.config.vocab_size)
 
     def vocab_argmax(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[num_positions, hidden_size] -> [num_positions] int64 greedy tokens, the first
-        index of each row's maximum over the whole vocabulary, without gathering the
-        logits: this rank's shard through the LM head with the argmax epilogue, then the
-        best of the ranks' ``(logit, token)`` pairs (:func:`~specula.runtime.worker.
-        parallel.gather_argmax`). Collective at tensor_parallel_size > 1."""
+        """[num_positions, hidden_size] -> [num_positions] int64 greedy tokens over the
+        whole vocabulary without gathering the logits: this rank's shard with the argmax
+        epilogue, then :func:`~specula.runtime.worker.parallel.gather_argmax`."""
         weight, rank = self.lm_head_weight, get_parallel().rank
         rows = weight.shape[0]
         valid = min(rows, self.config.vocab_size - rank * rows)  # the last shard's padding

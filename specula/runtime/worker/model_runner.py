@@ -433,10 +433,9 @@ class ModelRunner:
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """[num_positions, hidden_size] -> ``(logits [num_positions, vocab_size] in the
         model's dtype, greedy tokens [num_positions] int64)``: the LM head with the argmax
-        fused in (:func:`~specula.runtime.kernels.gemv.linear_argmax`), so a greedy step
-        neither copies the logits to float32 nor scans them again. Sharded, the ranks'
-        logits are gathered, then ``argmax``; without ``need_logits`` (an all-greedy
-        step) only each rank's best ``(logit, token)`` is, and the logits are ``None``."""
+        fused in (:func:`~specula.runtime.kernels.gemv.linear_argmax`). Sharded, the
+        logits are gathered, or without ``need_logits`` only each rank's best token
+        (the logits then ``None``)."""
         if self.config.tensor_parallel_size == 1:
             return linear_argmax(hidden, self.model.lm_head_weight)
         if not need_logits:

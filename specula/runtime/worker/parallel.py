@@ -122,8 +122,10 @@ def fused_all_reduce_add_norm(hidden_size: int, dtype: torch.dtype, device: torc
     collective (every rank allocates and maps its buffer)."""
     if _STATE.world_size == 1:
         return None
-    if device.type != "cuda":
-        return _all_reduce_add_norm_reference
+    if device.type != "cuda":  # the torch reference
+        from specula.runtime.kernels.layernorm import fused_add_rms_norm
+
+        return lambda x, residual, weight, eps: fused_add_rms_norm(all_reduce(x), residual, weight, eps)
     key = (hidden_size, dtype)
     if key not in _FUSED:
         global _MAPPED_GROUP
@@ -138,14 +140,6 @@ def fused_all_reduce_add_norm(hidden_size: int, dtype: torch.dtype, device: torc
             _MAPPED_GROUP = _STATE.group
             _FUSED[key] = _symmetric_workspace(hidden_size, dtype, device)
     return _FUSED[key]
-
-
-def _all_reduce_add_norm_reference(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    from specula.runtime.kernels.layernorm import fused_add_rms_norm
-
-    return fused_add_rms_norm(all_reduce(x), residual, weight, eps)
 
 
 _MAPPED_GROUP: Any = None
@@ -203,13 +197,11 @@ def gather_vocab(x: torch.Tensor, vocab_size: int, dim: int = -1) -> torch.Tenso
 
 
 def gather_argmax(value: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """The vocabulary-wide argmax from each rank's argmax over its shard: ``value``
-    [n] (each row's maximum logit on this rank) and ``index`` [n] int64 (its token id,
-    the first in the shard) -> [n] int64, the token of the greatest value, the lowest
-    rank's on a tie (shards are in vocabulary order, so this is ``argmax``'s first
-    index over the gathered logits). One all-gather of ``[2, n]`` float32 instead of
-    the ``[n, V / N]`` logits; ``index`` itself on one rank. Collective: every rank
-    calls it."""
+    """The vocabulary-wide argmax from each rank's over its shard: ``value`` [n] (the
+    rows' maximum logits here) and ``index`` [n] int64 (their first token ids) -> [n]
+    int64, the greatest value's token, the lowest rank's on a tie (``argmax``'s first
+    index over the gathered logits), by one all-gather of ``[2, n]`` float32 instead of
+    the logits. Collective: every rank calls it."""
     world = _STATE.world_size
     if world == 1:
         return index
