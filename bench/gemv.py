@@ -8,6 +8,7 @@ layers are not; time per product = graph time / copies. A sweep over launch
 configurations picks the best per shape; it prints a table and writes JSON.
 
     PYTHONPATH=. python3 bench/gemv.py [--output FILE] [--quick] [--shapes 1B,8B]
+        [--rows 1,5] [--split-k 1,2,4]
 """
 
 from __future__ import annotations
@@ -69,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", default=",".join(map(str, ROWS)), help="row counts to time")
     parser.add_argument("--tuned-candidates", action="store_true",
                         help="try only the configurations already tuned for other shapes")
+    parser.add_argument("--split-k", default="1",
+                        help="comma-separated SPLIT_K values to try with each configuration")
     args = parser.parse_args(argv)
     import torch
     import torch.nn.functional as F
@@ -79,7 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         configs = [(32, 256, 4, 4), (64, 256, 4, 4), (64, 128, 8, 3)]
     if args.tuned_candidates:
-        configs = sorted({c for by_bm in CONFIGS.values() for c in by_bm.values()})
+        configs = sorted({c[:4] for by_bm in CONFIGS.values() for c in by_bm.values()})
+    splits = [int(v) for v in args.split_k.split(",")]
+    configs = [c if s == 1 else (*c, s) for c in configs for s in splits]
     rows = tuple(int(m) for m in args.rows.split(","))
     dev = torch.device("cuda")
     gen = torch.Generator(dev).manual_seed(0)
