@@ -223,6 +223,31 @@ def test_the_vocabulary_argmax_gathers_each_ranks_best():
     assert [p.exitcode for p in procs] == [0, 0], reported
 
 
+def test_a_padded_vocabulary_shard_never_offers_its_padding(monkeypatch):
+    """The last rank's shard of a vocabulary that does not divide evenly ends in zero
+    rows (logit 0): its best token is a real one even when every real logit is negative,
+    and a shard that is all padding offers -inf."""
+    from types import SimpleNamespace
+
+    import specula.runtime.models.llama as llama
+    import specula.runtime.worker.parallel as parallel
+
+    monkeypatch.setattr(llama, "gather_argmax", lambda value, index: (value, index))
+    hidden = -torch.ones(2, 3)
+    for rank, world, vocab, want in ((1, 2, 9, [5, 5]), (3, 4, 9, None)):
+        monkeypatch.setattr(parallel, "_STATE", ParallelState(rank, world))
+        shard = -(-vocab // world)  # rows per rank, the last padded with zeros
+        real = max(0, vocab - rank * shard)
+        weight = torch.cat([torch.arange(1.0, real + 1)[:, None].expand(real, 3),
+                            torch.zeros(shard - real, 3)])  # real logits -3, -6, ...: all < 0
+        model = SimpleNamespace(lm_head_weight=weight, config=SimpleNamespace(vocab_size=vocab))
+        value, index = llama.LlamaForCausalLM.vocab_argmax(model, hidden)
+        if want is None:
+            assert torch.isinf(value).all() and (value < 0).all()
+        else:
+            assert index.tolist() == want and value.tolist() == [-3.0, -3.0]
+
+
 def test_a_server_that_exits_without_shutdown_stops_its_ranks(tiny_llama_target, tmp_path):
     """``specula serve`` returns without calling ``shutdown``: the exit handler ends the
     other ranks and leaves the group, and the process exits 0."""

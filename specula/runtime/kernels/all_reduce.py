@@ -9,9 +9,9 @@ The data are their own flags (the Lamport-style one-shot all-reduce of TensorRT-
 ``customAllReduceKernels``, after vLLM's custom all-reduce, PR #2192): a free slot holds
 ``-0.0`` in every element and a sender writes ``-0.0`` as ``+0.0``, so a reader spins on
 its slot with volatile loads until no element is ``-0.0``, then frees it. Each row
-alternates between two halves of the buffer by a per-row launch count, the same on every
-rank: a peer writes a half again two launches of the row later, after it has read this
-rank's rows of the launch between, stored after the reset.
+alternates between two halves of the buffer (a per-row parity flipped at each launch of the
+row, the same on every rank): a peer writes a half again two launches of the row later,
+after it has read this rank's rows of the launch between, stored after the reset.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def _all_reduce_add_rms_norm_kernel(
     residual_ptr,  # [num_rows, HIDDEN]
     weight_ptr,  # [HIDDEN]
     buffers_ptr,  # [WORLD] int64: every rank's buffer, [2, WORLD, max_rows, HIDDEN] x's dtype
-    launches_ptr,  # [max_rows] int32, this rank's launch count of each row
+    launches_ptr,  # [max_rows] int32, each row's half: the parity of its launches so far
     rank, max_rows, num_rows, eps, stride_x, stride_res, stride_out,
     HIDDEN: tl.constexpr, BLOCK: tl.constexpr, WORLD: tl.constexpr,
     TIMEOUT_NS: tl.constexpr, PDL: tl.constexpr,
@@ -80,8 +80,8 @@ def _all_reduce_add_rms_norm_kernel(
     # -0.0 from its bits: a float constant equal to 0 may be built as +0.0 (triton 3.6)
     free = tl.full((BLOCK,), -2147483648, tl.int32).to(tl.float32, bitcast=True).to(dtype)
     for row in range(pid, num_rows, tl.num_programs(0)):
-        launch = tl.load(launches_ptr + row)
-        half = (launch % 2).to(tl.int64) * WORLD * max_rows * HIDDEN
+        launch = tl.load(launches_ptr + row)  # 0 or 1 (a count would overflow int32)
+        half = launch.to(tl.int64) * WORLD * max_rows * HIDDEN
         mine = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
         mine = tl.where(mine == 0.0, 0.0, mine).to(dtype)  # -0.0 -> +0.0: never "free"
         for peer in tl.static_range(WORLD):  # my row into my slot of each peer's buffer
@@ -111,7 +111,7 @@ def _all_reduce_add_rms_norm_kernel(
         rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / HIDDEN + eps)
         y = w * (xf * rstd).to(dtype).to(tl.float32)
         tl.store(out_ptr + row * stride_out + cols, y.to(dtype), mask=mask)
-        tl.store(launches_ptr + row, launch + 1)
+        tl.store(launches_ptr + row, 1 - launch)
 
 
 def all_reduce_add_rms_norm(
@@ -130,7 +130,7 @@ def all_reduce_add_rms_norm(
             max_rows, hidden]`` of ``x.dtype`` in one symmetric allocation, all ``-0.0``
             at first: slot ``[h, r]`` takes rank ``r``'s rows at launches of parity ``h``.
         launches: [max_rows] int32 on this rank's device, zeros at first: each row's
-            launch count (``num_rows <= max_rows``).
+            parity of launches (``num_rows <= max_rows``).
 
     Returns:
         ``(out, stream)``, both [num_rows, hidden] in ``x.dtype``.
@@ -140,7 +140,7 @@ def all_reduce_add_rms_norm(
     """
     n, hidden = x.shape
     max_rows = launches.shape[0]
-    assert hidden * x.element_size() % 16 == 0, "rows must be 16-byte multiples"
+    assert hidden * x.element_size() % 16 == 0 and hidden >= 32, "rows of 16-byte multiples, >= 32"
     assert n <= max_rows and x.stride(1) == 1 and residual.shape == x.shape and residual.stride(1) == 1
     assert weight.shape == (hidden,) and weight.dtype == x.dtype == residual.dtype
     assert launches.dtype == torch.int32 and launches.device == x.device
@@ -153,6 +153,7 @@ def all_reduce_add_rms_norm(
         out, stream, x, residual, weight, buffers, launches, rank, max_rows, n, eps,
         x.stride(0), residual.stride(0), out.stride(0), HIDDEN=hidden, BLOCK=block,
         WORLD=buffers.shape[0], TIMEOUT_NS=TIMEOUT_S * 10**9, PDL=with_pdl,
-        num_warps=min(16, max(4, block // 512)), launch_pdl=with_pdl,
+        # At least one column per thread: no copies of a column polled in other warps.
+        num_warps=min(16, max(4, block // 512), block // 32), launch_pdl=with_pdl,
     )
     return out, stream

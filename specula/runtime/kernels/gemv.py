@@ -120,8 +120,10 @@ def _gemv_kernel(
     last = True
     if SPLIT_K > 1:  # the last program of the column tile to arrive sums the partials
         tile = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-        tl.store(split_ptr + (pid * SPLIT_K + split) * 2 * BLOCK_M * BLOCK_N + tile, acc)
-        tl.store(split_ptr + ((pid * SPLIT_K + split) * 2 + 1) * BLOCK_M * BLOCK_N + tile, acc_up)
+        part = split_ptr + (pid * SPLIT_K + split) * 2 * BLOCK_M * BLOCK_N + tile
+        tl.store(part, acc)
+        if SILU_MUL:
+            tl.store(part + BLOCK_M * BLOCK_N, acc_up)
         tl.debug_barrier()  # every thread's partial stored before the release below
         last = tl.atomic_add(count_ptr + pid, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1
         tl.debug_barrier()
@@ -132,7 +134,8 @@ def _gemv_kernel(
             for s in tl.static_range(SPLIT_K):
                 part = split_ptr + (pid * SPLIT_K + s) * 2 * BLOCK_M * BLOCK_N + tile
                 acc += tl.load(part, cache_modifier=".cg")
-                acc_up += tl.load(part + BLOCK_M * BLOCK_N, cache_modifier=".cg")
+                if SILU_MUL:
+                    acc_up += tl.load(part + BLOCK_M * BLOCK_N, cache_modifier=".cg")
     if last:
         _gemv_epilogue(acc, acc_up, y_ptr, part_max_ptr, part_idx_ptr, res_ptr, rms_ptr, pid,
                        offs_m, offs_n, M, N, K, stride_ym, stride_res, num_parts, eps, BLOCK_M,

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from specula.runtime.kernels.gemv import linear, linear_argmax
+from specula.runtime.kernels.gemv import argmax, linear, linear_argmax
 from specula.runtime.models.config import ModelConfig, check_aux_layer_ids
 from specula.runtime.models.layers import MergedLinear, RMSNorm, RotaryEmbedding, sharded
 from specula.runtime.worker.parallel import (
@@ -135,8 +135,13 @@ class LlamaForCausalLM(nn.Module):
         epilogue, then :func:`~specula.runtime.worker.parallel.gather_argmax`."""
         weight, rank = self.lm_head_weight, get_parallel().rank
         rows = weight.shape[0]
-        valid = min(rows, self.config.vocab_size - rank * rows)  # the last shard's padding
-        logits, index = linear_argmax(hidden, weight if valid == rows else weight[:valid])
+        valid = self.config.vocab_size - rank * rows  # < rows: a padded last shard
+        if valid >= rows:
+            logits, index = linear_argmax(hidden, weight)
+        else:  # the logits of vocab_logits' product, the padding never the maximum
+            logits = linear(hidden, weight)
+            logits[:, max(valid, 0) :] = float("-inf")
+            index = argmax(logits)
         return gather_argmax(logits.gather(1, index[:, None])[:, 0], index + rank * rows)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
