@@ -480,8 +480,7 @@ class LLMEngine(SpeculativeSettings):
         lp_rows: list[tuple[int, bool, int]] = []
         if nd:
             s_d = sampling.select(slice(0, nd)) if prefill else sampling
-            # [nd * q, V]; None at tensor_parallel_size > 1 when only the argmax is read
-            logits, argmax = self.runner.logits_and_argmax(
+            logits, argmax = self.runner.logits_and_argmax(  # [nd * q, V] or None (greedy TP)
                 hidden[: nd * q], not s_d.all_greedy or num_top is not None)
             if k > 0:
                 out_d, acc_d = verify(

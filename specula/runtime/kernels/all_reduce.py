@@ -1,9 +1,8 @@
 """One-shot all-reduce over peer-mapped (symmetric) memory, fused with the residual add
-and RMSNorm that follow a row-parallel layer (Megatron-LM, arXiv 1909.08053): one kernel
-instead of NCCL's collective and a norm kernel. Each rank stores its partial rows into its
-slot of every peer's buffer (``torch.distributed._symmetric_memory``, mapped over NVLink),
-then sums the peers' rows from its own buffer with its own, in rank order in float32, so
-the ranks agree bit for bit: posted writes, no remote read, no flag or fence.
+and RMSNorm after a row-parallel layer (Megatron-LM, arXiv 1909.08053). Each rank stores
+its partial rows into its slot of every peer's buffer (``torch.distributed.
+_symmetric_memory``, NVLink), then sums the peers' rows from its own buffer with its own,
+in rank order in float32, so the ranks agree bit for bit; no remote read, flag or fence.
 
 The data are their own flags (the Lamport-style one-shot all-reduce of TensorRT-LLM's
 ``customAllReduceKernels``, after vLLM's custom all-reduce, PR #2192): a free slot holds

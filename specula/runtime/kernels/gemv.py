@@ -344,8 +344,7 @@ def gemv(
     return (y, parts[0]) if residual is not None else y
 
 
-_SPLIT_COUNTS: dict[torch.device, torch.Tensor] = {}
-"""Per device, split-K launches' arrival counters per column tile, zeros between launches."""
+_SPLIT_COUNTS: dict[torch.device, torch.Tensor] = {}  # split-K arrivals per tile, 0 between
 
 
 def _split_counts(device: torch.device, grid: int) -> torch.Tensor | None:

@@ -227,11 +227,9 @@ class Gemma4Runner(Gemma4PagedLayers):
             hidden = self._layer(layer, hidden, per_layer_input, positions, i, metadata, produced)
         return rms_norm(hidden, model.norm.weight, model.norm.eps), hidden
 
-    def logits_and_argmax(
-        self, hidden: torch.Tensor, need_logits: bool = True
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def logits_and_argmax(self, hidden: torch.Tensor,
+                          need_logits: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """``(compute_logits(hidden), its argmax [num_positions] int64)``: float32 logits,
-        soft-capped as :meth:`Gemma4ForCausalLM.compute_logits` (also without
-        ``need_logits``: the soft cap is applied before the argmax)."""
+        soft-capped as :meth:`Gemma4ForCausalLM.compute_logits`, whatever ``need_logits``."""
         logits = self.compute_logits(hidden)
         return logits, logits.argmax(dim=-1)

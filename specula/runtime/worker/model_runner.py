@@ -428,9 +428,8 @@ class ModelRunner:
         return self.model.compute_logits(hidden)
 
     @torch.no_grad()
-    def logits_and_argmax(
-        self, hidden: torch.Tensor, need_logits: bool = True
-    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+    def logits_and_argmax(self, hidden: torch.Tensor,
+                          need_logits: bool = True) -> tuple[torch.Tensor | None, torch.Tensor]:
         """[num_positions, hidden_size] -> ``(logits [num_positions, vocab_size] in the
         model's dtype, greedy tokens [num_positions] int64)``: the LM head with the argmax
         fused in (:func:`~specula.runtime.kernels.gemv.linear_argmax`). Sharded, the

@@ -112,14 +112,11 @@ def fused_workspace_bytes(hidden_size: int, dtype: torch.dtype) -> int:
 
 
 def fused_all_reduce_add_norm(hidden_size: int, dtype: torch.dtype, device: torch.device):
-    """The all-reduce, residual add and RMSNorm after a row-parallel layer as one kernel
-    over CUDA symmetric memory (:func:`~specula.runtime.kernels.all_reduce.
-    all_reduce_add_rms_norm`), for rows of ``hidden_size`` in ``dtype``: a function
-    ``(partial [n, hidden_size], residual, weight, eps) -> (normed, stream)`` for ``n <=``
-    :data:`FUSED_MAX_ROWS`; off CUDA its torch reference (:func:`all_reduce`, then the
-    norm); ``None`` on one rank, or without peer-mapped memory between the GPUs (NCCL
-    then, with a warning). One workspace per process and shape; the first call is
-    collective (every rank allocates and maps its buffer)."""
+    """``(partial [n, hidden_size], residual, weight, eps) -> (normed, stream)`` for ``n
+    <=`` :data:`FUSED_MAX_ROWS` rows of ``dtype``: the sum over the ranks, residual add
+    and RMSNorm in one kernel (:mod:`~specula.runtime.kernels.all_reduce`); off CUDA its
+    torch reference; ``None`` on one rank or without peer-mapped memory (NCCL then, with
+    a warning). One workspace per process and shape; the first call is collective."""
     if _STATE.world_size == 1:
         return None
     if device.type != "cuda":  # the torch reference
