@@ -37,17 +37,14 @@ def _rank_ptr(table_ptr, rank, dtype: tl.constexpr):
 
 
 @triton.jit
-def _nanoseconds(ptr):
-    """The GPU's global timer (ns); ``ptr`` only gives the call a shape."""
-    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,l", [ptr],
-                                     dtype=tl.int64, is_pure=False, pack=1)
-
-
-@triton.jit
-def _trap(ptr):
-    """Abort the kernel (the launch fails with an error on the host)."""
-    tl.inline_asm_elementwise("trap;\n\tmov.u32 $0, 0;", "=r,l", [ptr], dtype=tl.int32,
-                              is_pure=False, pack=1)
+def _nanoseconds(ptr, ON: tl.constexpr):
+    """The GPU's global timer (ns), 0 if not ``ON`` (the interpreter has none); ``ptr``
+    only gives the call a shape."""
+    t = tl.full((), 0, tl.int64)
+    if ON:
+        t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,l", [ptr],
+                                      dtype=tl.int64, is_pure=False, pack=1)
+    return t
 
 
 @triton.jit
@@ -94,10 +91,12 @@ def _all_reduce_add_rms_norm_kernel(
             else:  # the peer's row, once every element has landed
                 ptrs = my_buffer + half + (r * max_rows + row) * HIDDEN + cols
                 part = tl.load(ptrs, mask=mask, other=1.0, volatile=True)
-                start = _nanoseconds(launches_ptr)
-                while tl.sum(_is_free(part).to(tl.int32), axis=0) > 0:
-                    if _nanoseconds(launches_ptr) - start > TIMEOUT_NS:
-                        _trap(launches_ptr)
+                start = _nanoseconds(launches_ptr, TIMEOUT_NS > 0)
+                while tl.sum(_is_free(part).to(tl.int32), axis=0) > 0:  # (TIMEOUT_NS 0: none)
+                    if _nanoseconds(launches_ptr, TIMEOUT_NS > 0) - start > TIMEOUT_NS:
+                        tl.inline_asm_elementwise(  # abort: the launch fails on the host
+                            "trap;\n\tmov.u32 $0, 0;", "=r,l", [launches_ptr], dtype=tl.int32,
+                            is_pure=False, pack=1)
                     part = tl.load(ptrs, mask=mask, other=1.0, volatile=True)
                 tl.store(ptrs, free, mask=mask)  # free again
             acc += tl.where(mask, part.to(tl.float32), 0.0)  # columns past HIDDEN read 1.0
