@@ -6,12 +6,9 @@ times in a row (each slot freed and reused launch after launch), with partials t
 
 from __future__ import annotations
 
-import os
-import socket
-
 import pytest
 import torch
-import torch.multiprocessing as mp
+from ranks import free_port, run_ranks
 
 pytestmark = [
     pytest.mark.gpu,
@@ -21,7 +18,7 @@ pytestmark = [
 ROWS = (1, 5, 32, 100, 1024)
 
 
-def _rank(rank: int, port: int, dtype: torch.dtype, hidden: int, errors) -> None:
+def _rank(rank: int, port: int, dtype: torch.dtype, hidden: int) -> None:
     from specula.runtime.kernels.layernorm import fused_add_rms_norm
     from specula.runtime.worker.parallel import (
         destroy_parallel,
@@ -30,44 +27,40 @@ def _rank(rank: int, port: int, dtype: torch.dtype, hidden: int, errors) -> None
         init_parallel,
     )
 
-    try:
-        device = torch.device("cuda", rank)
-        init_parallel(rank, 2, f"tcp://127.0.0.1:{port}", device)
-        fused = fused_all_reduce_add_norm(hidden, dtype, device)
-        assert fused is not None, "no symmetric memory between the two GPUs"
-        gen = torch.Generator(device).manual_seed(1234)  # residual and weight: every rank alike
-        weight = torch.rand(hidden, generator=gen, device=device).to(dtype) + 0.5
-        for rows in ROWS:
-            residual = torch.randn(rows, hidden, generator=gen, device=device).to(dtype)
-            # Two inputs taken in turn: a stale read of the last launch's rows would show.
-            inputs = [torch.randn(rows, hidden, device=device).mul(rank + 1).to(dtype)
-                      for _ in range(2)]
-            inputs[1][:, ::7] = -0.0  # a slot's free mark, which a sender must not write
-            wants = []
-            for mine in inputs:
-                both = gather_vocab(mine.contiguous(), 2 * hidden)  # [rows, 2 * hidden]
-                summed = (both[:, :hidden].float() + both[:, hidden:].float()).to(dtype)
-                wants.append(fused_add_rms_norm(summed, residual, weight, 1e-5))
-            for i in range(4):
-                out, stream = fused(inputs[i % 2], residual, weight, 1e-5)
-                assert torch.equal(stream, wants[i % 2][1]), rows
-                torch.testing.assert_close(out, wants[i % 2][0], rtol=1e-2, atol=1e-2)
-            # 50 launches in one graph, replayed 20 times: 1000 handshakes in a row.
-            graph = torch.cuda.CUDAGraph()
-            outs = []
-            with torch.cuda.graph(graph):
-                for i in range(50):
-                    outs.append(fused(inputs[i % 2], residual, weight, 1e-5))
-            for _ in range(20):
-                graph.replay()
-            torch.cuda.synchronize(device)
-            for i, (out, stream) in enumerate(outs):
-                assert torch.equal(stream, wants[i % 2][1]), rows
-                torch.testing.assert_close(out, wants[i % 2][0], rtol=1e-2, atol=1e-2)
-        destroy_parallel()
-    except BaseException as exc:  # noqa: BLE001 - reported to the parent
-        errors.put(f"rank {rank}: {exc!r}")
-        raise
+    device = torch.device("cuda", rank)
+    init_parallel(rank, 2, f"tcp://127.0.0.1:{port}", device)
+    fused = fused_all_reduce_add_norm(hidden, dtype, device)
+    assert fused is not None, "no symmetric memory between the two GPUs"
+    gen = torch.Generator(device).manual_seed(1234)  # residual and weight: every rank alike
+    weight = torch.rand(hidden, generator=gen, device=device).to(dtype) + 0.5
+    for rows in ROWS:
+        residual = torch.randn(rows, hidden, generator=gen, device=device).to(dtype)
+        # Two inputs taken in turn: a stale read of the last launch's rows would show.
+        inputs = [torch.randn(rows, hidden, device=device).mul(rank + 1).to(dtype)
+                  for _ in range(2)]
+        inputs[1][:, ::7] = -0.0  # a slot's free mark, which a sender must not write
+        wants = []
+        for mine in inputs:
+            both = gather_vocab(mine.contiguous(), 2 * hidden)  # [rows, 2 * hidden]
+            summed = (both[:, :hidden].float() + both[:, hidden:].float()).to(dtype)
+            wants.append(fused_add_rms_norm(summed, residual, weight, 1e-5))
+        for i in range(4):
+            out, stream = fused(inputs[i % 2], residual, weight, 1e-5)
+            assert torch.equal(stream, wants[i % 2][1]), rows
+            torch.testing.assert_close(out, wants[i % 2][0], rtol=1e-2, atol=1e-2)
+        # 50 launches in one graph, replayed 20 times: 1000 in a row, each half reused.
+        graph = torch.cuda.CUDAGraph()
+        outs = []
+        with torch.cuda.graph(graph):
+            for i in range(50):
+                outs.append(fused(inputs[i % 2], residual, weight, 1e-5))
+        for _ in range(20):
+            graph.replay()
+        torch.cuda.synchronize(device)
+        for i, (out, stream) in enumerate(outs):
+            assert torch.equal(stream, wants[i % 2][1]), rows
+            torch.testing.assert_close(out, wants[i % 2][0], rtol=1e-2, atol=1e-2)
+    destroy_parallel()
 
 
 # Llama-3.1-8B's rows in bfloat16; the demo target's (192 columns, not a power of two:
@@ -75,19 +68,4 @@ def _rank(rank: int, port: int, dtype: torch.dtype, hidden: int, errors) -> None
 @pytest.mark.parametrize(("dtype", "hidden"), [(torch.bfloat16, 4096), (torch.float32, 192)],
                          ids=["bf16-4096", "fp32-192"])
 def test_fused_all_reduce_matches_the_sum_then_the_norm(dtype, hidden):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    errors = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, port, dtype, hidden, errors)) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=300)
-    codes = [p.exitcode for p in procs]
-    reported = [errors.get() for _ in range(errors.qsize())] if not errors.empty() else []
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    assert codes == [0, 0], (codes, reported, os.environ.get("CUDA_VISIBLE_DEVICES"))
+    run_ranks(_rank, free_port(), dtype, hidden)

@@ -408,13 +408,18 @@ def test_gemv_matches_the_library_gemm_on_tuned_shapes():
 
 
 @pytest.mark.parametrize("split", [2, 4])
-def test_split_k_gemv_in_a_cuda_graph(split):
+def test_split_k_gemv_in_a_cuda_graph(split, monkeypatch):
     """Split-K on a short, wide weight (the 1B ``down_proj``): equal to the unsplit GEMV
     up to the float32 sums' order, the same result launch after launch, eagerly and
     replayed in a CUDA graph (each column tile's counter set back by its last program),
     and with the residual epilogue."""
+    from specula.runtime.kernels import gemv as kernels
     from specula.runtime.kernels.gemv import gemv
 
+    counters = kernels._split_counts  # every launch below takes the split
+    taken: list = []
+    monkeypatch.setattr(kernels, "_split_counts",
+                        lambda device, grid: taken.append(counters(device, grid)) or taken[-1])
     gen = torch.Generator(DEVICE).manual_seed(split)
     w = torch.randn(2048, 8192, device=DEVICE, dtype=torch.bfloat16, generator=gen) * 0.02
     for rows in (1, 5):
@@ -432,6 +437,7 @@ def test_split_k_gemv_in_a_cuda_graph(split):
             torch.cuda.synchronize()
             assert all(torch.equal(y, want) for y in outs)
         assert torch.equal(stream, (want.float() + residual.float()).to(torch.bfloat16))
+    assert len(taken) == 2 * 22 and all(c is not None for c in taken)
 
 
 @pytest.mark.parametrize("rows", [1, 5, 32, 64])

@@ -180,47 +180,30 @@ def test_vocab_parallel_embedding_looks_up_only_its_rows(monkeypatch):
 
 
 
-def _argmax_rank(rank: int, port: int, errors) -> None:
+def _argmax_rank(rank: int, port: int) -> None:
     from specula.runtime.worker.parallel import destroy_parallel, gather_argmax, init_parallel
 
-    try:
-        init_parallel(rank, 2, f"tcp://127.0.0.1:{port}", torch.device("cpu"))
-        # Whole-vocabulary logits, alike on both ranks: ties inside a shard and across
-        # the two, and maxima in the padded last shard's real and padding columns.
-        vocab, shard = 9, 5
-        logits = torch.tensor([[0.0, 3.0, 1.0, 3.0, 0.0, 2.0, 3.0, 0.0, 1.0],  # first 3: rank 0
-                               [0.0, 1.0, 1.0, 1.0, 1.0, 4.0, 2.0, 4.0, 0.0],  # tie in rank 1
-                               [-5.0, -4.0, -3.0, -2.0, -3.0, -2.0, -1.0, -3.0, -1.5],
-                               [7.0, 0.0, 0.0, 0.0, 0.0, 7.0, 0.0, 0.0, 0.0]])
-        mine = logits[:, rank * shard : min(vocab, (rank + 1) * shard)]
-        value, index = mine.max(dim=-1)
-        tokens = gather_argmax(value, index + rank * shard)
-        assert tokens.tolist() == logits.argmax(dim=-1).tolist() == [1, 5, 6, 0], tokens
-        destroy_parallel()
-    except BaseException as exc:  # noqa: BLE001 - reported to the parent
-        errors.put(f"rank {rank}: {exc!r}")
-        raise
+    init_parallel(rank, 2, f"tcp://127.0.0.1:{port}", torch.device("cpu"))
+    # Whole-vocabulary logits, alike on both ranks: ties inside a shard and across
+    # the two, and maxima in the padded last shard's real and padding columns.
+    vocab, shard = 9, 5
+    logits = torch.tensor([[0.0, 3.0, 1.0, 3.0, 0.0, 2.0, 3.0, 0.0, 1.0],  # first 3: rank 0
+                           [0.0, 1.0, 1.0, 1.0, 1.0, 4.0, 2.0, 4.0, 0.0],  # tie in rank 1
+                           [-5.0, -4.0, -3.0, -2.0, -3.0, -2.0, -1.0, -3.0, -1.5],
+                           [7.0, 0.0, 0.0, 0.0, 0.0, 7.0, 0.0, 0.0, 0.0]])
+    mine = logits[:, rank * shard : min(vocab, (rank + 1) * shard)]
+    value, index = mine.max(dim=-1)
+    tokens = gather_argmax(value, index + rank * shard)
+    assert tokens.tolist() == logits.argmax(dim=-1).tolist() == [1, 5, 6, 0], tokens
+    destroy_parallel()
 
 
 def test_the_vocabulary_argmax_gathers_each_ranks_best():
     """An all-greedy sharded step gathers each rank's ``(max logit, token)`` instead of
     its logits: the result is ``argmax``'s first index over the whole vocabulary."""
-    import socket
+    from ranks import free_port, run_ranks
 
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    errors = ctx.Queue()
-    procs = [ctx.Process(target=_argmax_rank, args=(r, port, errors)) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=120)
-    reported = [errors.get() for _ in range(errors.qsize())] if not errors.empty() else []
-    assert [p.exitcode for p in procs] == [0, 0], reported
+    run_ranks(_argmax_rank, free_port(), timeout=120)
 
 
 def test_a_padded_vocabulary_shard_never_offers_its_padding(monkeypatch):

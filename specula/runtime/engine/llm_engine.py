@@ -559,7 +559,8 @@ class LLMEngine(SpeculativeSettings):
         asked = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
         if asked:
             sel = to_device(asked, torch.int64, self.device)
-            lp = token_logprobs(logits.view(*tokens.shape, -1)[sel], sampling.select(sel), tokens[sel], num_top)
+            lp = token_logprobs(logits.view(*tokens.shape, -1)[sel], sampling.select(sel),
+                                tokens[sel], num_top)
             parts.append(lp.flatten(0, 1))  # [len(asked) * P, 1 + 2 * num_top]
             rows += [(first_row + i, False, tokens.shape[1]) for i in asked]
 

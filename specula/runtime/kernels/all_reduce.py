@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specula.runtime.kernels.dispatch import pdl, wait_for_previous_kernel
+from specula.runtime.kernels.dispatch import INTERPRET, pdl, wait_for_previous_kernel
 
 MAX_PROGRAMS = 64
 """Programs of one launch; rows beyond loop."""
@@ -150,7 +150,7 @@ def all_reduce_add_rms_norm(
     _all_reduce_add_rms_norm_kernel[(min(n, MAX_PROGRAMS),)](
         out, stream, x, residual, weight, buffers, launches, rank, max_rows, n, eps,
         x.stride(0), residual.stride(0), out.stride(0), HIDDEN=hidden, BLOCK=block,
-        WORLD=buffers.shape[0], TIMEOUT_NS=TIMEOUT_S * 10**9, PDL=with_pdl,
+        WORLD=buffers.shape[0], TIMEOUT_NS=0 if INTERPRET else TIMEOUT_S * 10**9, PDL=with_pdl,
         # At least one column per thread: no copies of a column polled in other warps.
         num_warps=min(16, max(4, block // 512), block // 32), launch_pdl=with_pdl,
     )

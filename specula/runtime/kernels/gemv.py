@@ -213,8 +213,9 @@ def _merge_argmax(part_max: torch.Tensor, part_idx: torch.Tensor) -> torch.Tenso
     """[M, P] partial maxima and their columns -> [M] int64, in one program per row."""
     m, p = part_max.shape
     idx = torch.empty(m, dtype=torch.int64, device=part_max.device)
-    _argmax_kernel[(m, 1)](
-        part_max, idx, part_max, part_idx, p, p, BLOCK=triton.next_power_of_2(p), HAS_IDX=True
+    best = torch.empty(m, dtype=torch.float32, device=part_max.device)  # not into part_max:
+    _argmax_kernel[(m, 1)](  # row r's program would overwrite row 0's partial r as it reads
+        best, idx, part_max, part_idx, p, p, BLOCK=triton.next_power_of_2(p), HAS_IDX=True
     )
     return idx
 

@@ -397,7 +397,6 @@ def paged_attention(
     return out
 
 
-
 def paged_attention_reference(
     query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
     block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float, q_len: int = 1,

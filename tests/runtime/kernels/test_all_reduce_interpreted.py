@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from ranks import run_ranks
 
 pytestmark = pytest.mark.runtime
 
@@ -17,34 +17,29 @@ MAX_ROWS = 8
 ROWS = (3, 1, 3, 5, 2, 5, 5, 1)
 
 
-def _rank(rank: int, buffers: list[torch.Tensor], dtype: torch.dtype, errors) -> None:
-    try:
-        from specula.runtime.kernels import all_reduce
-        from specula.runtime.kernels.layernorm import fused_add_rms_norm
+def _rank(rank: int, buffers: list[torch.Tensor], dtype: torch.dtype) -> None:
+    from specula.runtime.kernels import all_reduce
+    from specula.runtime.kernels.layernorm import fused_add_rms_norm
 
-        all_reduce.TIMEOUT_S = 0  # no timer in the interpreter
-        all_reduce.MAX_PROGRAMS = 2  # so that programs take several rows in turn
-        table = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64)
-        launches = torch.zeros(MAX_ROWS, dtype=torch.int32)
-        gen = torch.Generator().manual_seed(0)  # every rank draws every rank's inputs
-        weight = (torch.rand(HIDDEN, generator=gen) + 0.5).to(dtype)
-        for rows in ROWS:
-            parts = [torch.randn(rows, HIDDEN, generator=gen).to(dtype) for _ in range(2)]
-            parts[0][:, ::5] = -0.0
-            parts[1][:, ::3] = -0.0
-            residual = torch.randn(rows, HIDDEN, generator=gen).to(dtype)
-            out, stream = all_reduce.all_reduce_add_rms_norm(
-                parts[rank], residual, weight, 1e-5, table, launches, rank)
-            summed = (parts[0].float() + parts[1].float()).to(dtype)
-            want_out, want_stream = fused_add_rms_norm(summed, residual, weight, 1e-5)
-            assert torch.equal(stream, want_stream), rows
-            torch.testing.assert_close(out, want_out, rtol=1e-3, atol=1e-3)
-        assert launches.tolist() == [sum(r > i for r in ROWS) % 2 for i in range(MAX_ROWS)]
-        for b in buffers[rank : rank + 1]:  # every slot free again: -0.0
-            assert torch.equal(b, torch.full_like(b, -0.0)) and torch.signbit(b).all()
-    except BaseException as exc:  # noqa: BLE001 - reported to the parent
-        errors.put(f"rank {rank}: {exc!r}")
-        raise
+    all_reduce.MAX_PROGRAMS = 2  # so that programs take several rows in turn
+    table = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64)
+    launches = torch.zeros(MAX_ROWS, dtype=torch.int32)
+    gen = torch.Generator().manual_seed(0)  # every rank draws every rank's inputs
+    weight = (torch.rand(HIDDEN, generator=gen) + 0.5).to(dtype)
+    for rows in ROWS:
+        parts = [torch.randn(rows, HIDDEN, generator=gen).to(dtype) for _ in range(2)]
+        parts[0][:, ::5] = -0.0
+        parts[1][:, ::3] = -0.0
+        residual = torch.randn(rows, HIDDEN, generator=gen).to(dtype)
+        out, stream = all_reduce.all_reduce_add_rms_norm(
+            parts[rank], residual, weight, 1e-5, table, launches, rank)
+        summed = (parts[0].float() + parts[1].float()).to(dtype)
+        want_out, want_stream = fused_add_rms_norm(summed, residual, weight, 1e-5)
+        assert torch.equal(stream, want_stream), rows
+        torch.testing.assert_close(out, want_out, rtol=1e-3, atol=1e-3)
+    assert launches.tolist() == [sum(r > i for r in ROWS) % 2 for i in range(MAX_ROWS)]
+    mine = buffers[rank]  # every slot free again: -0.0
+    assert torch.equal(mine, torch.full_like(mine, -0.0)) and torch.signbit(mine).all()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
@@ -52,15 +47,4 @@ def test_two_interpreted_ranks_sum_add_and_norm(dtype, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # the spawned ranks inherit it
     buffers = [torch.full((2 * 2 * MAX_ROWS * HIDDEN,), -0.0, dtype=dtype).share_memory_()
                for _ in range(2)]
-    ctx = mp.get_context("spawn")
-    errors = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, buffers, dtype, errors)) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=300)
-    reported = [errors.get() for _ in range(errors.qsize())] if not errors.empty() else []
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    assert [p.exitcode for p in procs] == [0, 0], reported
+    run_ranks(_rank, buffers, dtype)

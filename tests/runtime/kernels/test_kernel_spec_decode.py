@@ -403,6 +403,15 @@ def check_gemv_epilogues() -> None:
         assert ((logits.float() - ref).norm() / ref.norm()).item() < 2e-3
         x[0] = w[7]  # row 0's maximum is at the repeated rows: the first one wins
         assert int(gemv(x, w, cfg, with_argmax=True)[1][0]) == 7
+    # The merge of the programs' partials reads them only: a row's program writing into
+    # them would race with row 0's (it overwrote row 0's first partials).
+    from specula.runtime.kernels.gemv import _merge_argmax
+
+    part_max = torch.tensor([[1.0, 5.0, 5.0, 2.0], [3.0, 0.0, 9.0, 9.0], [4.0, 4.0, 1.0, 0.0]])
+    part_idx = torch.arange(12, dtype=torch.int32).view(3, 4) * 10
+    kept = part_max.clone()
+    assert _merge_argmax(part_max, part_idx).tolist() == [10, 60, 80]
+    assert torch.equal(part_max, kept)
     # The two-pass argmax of logits the library GEMM computed: ties within a chunk,
     # across chunks, and a constant row.
     logits = torch.randn(4, 9000, generator=gen).half()
@@ -455,6 +464,9 @@ def check_gemv_split_k() -> None:
     from specula.runtime.kernels.gemv import gemv, gemv_reference
     from specula.runtime.kernels.layernorm import fused_add_rms_norm
 
+    counters = kernels._split_counts  # every launch below that may split takes the split
+    taken: list = []
+    kernels._split_counts = lambda device, grid: taken.append(counters(device, grid)) or taken[-1]
     gen = torch.Generator().manual_seed(5)
     for m, n, k, split in ((1, 64, 512, 2), (5, 40, 512, 4), (16, 96, 1024, 8)):
         cfg = (32, 128, 4, 3, split)
@@ -478,6 +490,7 @@ def check_gemv_split_k() -> None:
     x = torch.randn(3, 384, generator=gen).half()
     w = (torch.randn(64, 384, generator=gen) * 0.05).half()
     assert torch.equal(gemv(x, w, (32, 128, 4, 3, 2)), gemv(x, w, (32, 128, 4, 3)))
+    assert len(taken) == 3 * 6 and all(c is not None for c in taken)
 
 
 def test_gemv_split_k(interpreted):
