@@ -172,7 +172,10 @@ def main(argv: list[str] | None = None) -> int:
     if not args.dry_run:
         data = json.loads(args.output.read_text()) if args.output.is_file() else {}
         data.update(result)
-        data.setdefault("tensor_parallel", {}).update(record)
+        # This run's record replaces the last one; a phase not run keeps its last rows.
+        last = data.get("tensor_parallel", {})
+        data["tensor_parallel"] = record | {k: last[k] for k in ("speed", "greedy")
+                                            if k in last and k not in record}
         args.output.write_text(json.dumps(data, indent=1) + "\n")
     return 0
 
