@@ -180,13 +180,14 @@ def test_vocab_parallel_embedding_looks_up_only_its_rows(monkeypatch):
 
 
 
-def _argmax_rank(rank: int, port: int) -> None:
+def _argmax_rank(rank: int, port: int, world: int) -> None:
     from specula.runtime.worker.parallel import destroy_parallel, gather_argmax, init_parallel
 
-    init_parallel(rank, 2, f"tcp://127.0.0.1:{port}", torch.device("cpu"))
+    init_parallel(rank, world, f"tcp://127.0.0.1:{port}", torch.device("cpu"))
     # Whole-vocabulary logits, alike on both ranks: ties inside a shard and across
     # the two, and maxima in the padded last shard's real and padding columns.
-    vocab, shard = 9, 5
+    vocab = 9
+    shard = -(-vocab // world)
     logits = torch.tensor([[0.0, 3.0, 1.0, 3.0, 0.0, 2.0, 3.0, 0.0, 1.0],  # first 3: rank 0
                            [0.0, 1.0, 1.0, 1.0, 1.0, 4.0, 2.0, 4.0, 0.0],  # tie in rank 1
                            [-5.0, -4.0, -3.0, -2.0, -3.0, -2.0, -1.0, -3.0, -1.5],
@@ -198,12 +199,13 @@ def _argmax_rank(rank: int, port: int) -> None:
     destroy_parallel()
 
 
-def test_the_vocabulary_argmax_gathers_each_ranks_best():
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_vocabulary_argmax_gathers_each_ranks_best(world):
     """An all-greedy sharded step gathers each rank's ``(max logit, token)`` instead of
     its logits: the result is ``argmax``'s first index over the whole vocabulary."""
     from ranks import free_port, run_ranks
 
-    run_ranks(_argmax_rank, free_port(), timeout=120)
+    run_ranks(_argmax_rank, free_port(), world, world=world, timeout=120)
 
 
 def test_a_padded_vocabulary_shard_never_offers_its_padding(monkeypatch):

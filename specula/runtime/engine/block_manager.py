@@ -146,9 +146,7 @@ class BlockManager:
                 else:
                     self._free.append(block)
 
-    def allocate(
-        self, request_id: Hashable, num_tokens: int, cached: Sequence[int] = ()
-    ) -> list[int]:
+    def allocate(self, request_id: Hashable, num_tokens: int, cached: Sequence[int] = ()) -> list[int]:
         """Give a new request the blocks for its first ``num_tokens`` tokens (the prompt),
         the ``cached`` blocks of :meth:`match_prefix` first (shared, not copied).
 

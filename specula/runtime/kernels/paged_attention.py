@@ -105,8 +105,7 @@ def _paged_attention_kernel(
     slot_mapping_ptr,  # NEW_KV: [num_tokens] int64, negative: no cache write
     cos_sin_ptr,  # NEW_KV: [max_position, head_dim] float32
     scale_log2,  # softmax scale * log2(e)
-    q_len,
-    sliding_window,  # keys per query when SLIDING (its own position included)
+    q_len, sliding_window,  # keys per query when SLIDING (its own position included)
     num_heads, num_m_blocks,
     stride_qt, stride_qh, stride_ot, stride_oh,  # query, out: token, head
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,  # caches: block, slot, head
