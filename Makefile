@@ -18,7 +18,7 @@ helm_dir="$$(bash hack/helm.sh)" || { echo "make: helm unavailable" >&2; exit 1;
 SPECULA_CONTROL_PLANE_BIN="$$bin_dir" SPECULA_HELM_BIN="$$helm_dir" $(BIN)/python -m pytest $(PYTEST_ARGS) $(1)
 endef
 
-.PHONY: setup demo test test-e2e test-gpu test-unit test-runtime test-integration lint crd crd-check control-plane helm clean
+.PHONY: setup demo test test-e2e test-gpu gpu-wheels test-unit test-runtime test-integration lint crd crd-check control-plane helm clean
 
 $(STAMP): pyproject.toml hack/install.sh
 	PYTHON=$(PYTHON) bash hack/install.sh $(VENV) -e '.[dev]'
@@ -53,6 +53,10 @@ test-e2e: $(STAMP)
 ## test-gpu: the CUDA tests (kernels, runners, every method through the engine in CUDA graphs); run on a GPU machine
 test-gpu: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS) -m gpu tests
+
+## gpu-wheels: the wheels test-gpu needs on a CUDA machine without network access (hack/gpu-wheels.sh)
+gpu-wheels: $(STAMP)
+	PYTHON=$(BIN)/python bash hack/gpu-wheels.sh .wheels
 
 test-unit: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS) tests/unit
