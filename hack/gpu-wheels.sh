@@ -19,7 +19,7 @@ PACKAGES=(
   prometheus_client pyyaml packaging
   pytest pluggy iniconfig pygments pytest_timeout
   openai httpx2 httpcore2 truststore jiter httpx httpcore certifi
-  speculators opentelemetry_api hs_connectors
+  speculators opentelemetry_api hs_connectors datasets dill multiprocess loguru
 )
 mkdir -p "$DEST"
 pins=$("$PY" - "${PACKAGES[@]}" <<'PYEOF'
