@@ -298,6 +298,38 @@ def test_plain_decode_steps_feed_the_context_and_k_changes_between_steps(
     assert engine.spec_decoding_stats.num_accepted_tokens > 0
 
 
+def test_the_block_is_cached_before_its_rows_attend(tiny_qwen3_target, qwen3_dflash, monkeypatch):
+    """A block's rows read each other's keys, so the draft writes the block's keys and
+    values to the cache before attention, not inside it (``paged_attention``'s
+    ``new_kv``): there each row's program takes its own key as the request's last and
+    reads the other rows' slots while their programs write them. On a GPU every draft
+    was then rejected; the target's decode steps still take the fused write."""
+    import specula.runtime.worker.model_runner as model_runner
+    from specula.runtime.spec_decode.dflash.runner import DFlashRunner
+
+    fused, drafting = [], [False]
+    forward, attention = DFlashRunner.forward, model_runner.paged_attention
+
+    def draft_forward(self, *args, **kwargs):
+        drafting[0] = True
+        try:
+            return forward(self, *args, **kwargs)
+        finally:
+            drafting[0] = False
+
+    def paged_attention(*args, new_kv=None, **kwargs):
+        fused.append((drafting[0], new_kv is not None))
+        return attention(*args, new_kv=new_kv, **kwargs)
+
+    monkeypatch.setattr(DFlashRunner, "forward", draft_forward)
+    monkeypatch.setattr(model_runner, "paged_attention", paged_attention)
+    engine = _engine(tiny_qwen3_target, qwen3_dflash, k=3)
+    engine.generate(_prompts()[:2], SamplingParams(max_tokens=8, ignore_eos=True))
+    assert engine.spec_decoding_stats.num_draft_tokens > 0
+    assert (False, True) in fused, "the target's steps write their keys inside attention"
+    assert (True, True) not in fused, "a draft block attended before its keys were cached"
+
+
 @pytest.mark.gpu
 def test_greedy_on_gpu_in_cuda_graphs(tiny_qwen3_target, qwen3_dflash, hf_model, hf_greedy):
     from gpu_checks import check_greedy_on_gpu, gpu_engine

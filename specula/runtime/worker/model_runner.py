@@ -193,6 +193,8 @@ class ModelRunner:
     """The decoder layers' norm weights live in ``qkv_proj`` and ``gate_up_proj``."""
     fused_reduce = None
     """Tensor parallelism's sum, residual add and norm in one kernel, or None (NCCL)."""
+    own_keys_only = True
+    """A decode row reads no other request's new keys: attention may write them itself."""
 
     def __init__(
         self, model: LlamaForCausalLM, kv_cache: PagedKVCache, max_model_len: int,
@@ -273,8 +275,8 @@ class ModelRunner:
             q = rms_norm(q.reshape(-1, head_dim), attn.q_norm.weight, attn.q_norm.eps).view_as(q)
             k = rms_norm(k.reshape(-1, head_dim), attn.k_norm.weight, attn.k_norm.eps).view_as(k)
         key_cache, value_cache = self.kv_cache.layer(layer_idx)
-        if not metadata.prefill and metadata.split is None and metadata.uniform_query_len:
-            # Decode or verification: rotary and the cache write inside attention.
+        if (not metadata.prefill and metadata.split is None and metadata.uniform_query_len
+                and self.own_keys_only):  # decode, verification: rotary, cache write inside
             m = metadata.num_tokens
             out = paged_attention(
                 q[:m], key_cache, value_cache, metadata.block_table, metadata.seq_lens, self.scale,

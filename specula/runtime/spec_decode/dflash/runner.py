@@ -19,6 +19,7 @@ class DFlashRunner(DraftRunner):
     def __init__(self, model: DFlashDraftModel, kv_cache: PagedKVCache, max_model_len: int) -> None:
         super().__init__(model, kv_cache, max_model_len)
         self.has_qk_norm = True  # the layers are Qwen3's whatever the config's model_type
+        self.own_keys_only = False  # a block's rows read each other's keys: cache them first
 
     @torch.no_grad()
     def store_context(
@@ -37,8 +38,7 @@ class DFlashRunner(DraftRunner):
             kv = torch.nn.functional.linear(features, qkv.weight[q_size:], bias)
             k, v = kv.split(qkv.output_sizes[1:], dim=-1)
             heads, head_dim = attn.num_kv_heads, attn.head_dim
-            k = rms_norm(k.reshape(-1, head_dim), attn.k_norm.weight, attn.k_norm.eps)
-            k = k.view(n, heads, head_dim)
+            k = rms_norm(k.reshape(-1, head_dim), attn.k_norm.weight, attn.k_norm.eps).view(n, heads, head_dim)
             rotary_embedding(positions, k, None, self.cos_sin_cache)
             key_cache, value_cache = self.kv_cache.layer(i)
             reshape_and_cache(k, v.view(n, heads, head_dim), key_cache, value_cache, slot_mapping)
@@ -52,6 +52,5 @@ class DFlashRunner(DraftRunner):
         request seeing the whole context and block."""
         ln = self.model.layers[0].input_layernorm
         hidden = rms_norm(inputs_embeds, ln.weight, ln.eps)
-        return self.decoder(
-            self.model.layers, hidden, inputs_embeds, positions, metadata, self.model.norm
-        )[0]
+        return self.decoder(self.model.layers, hidden, inputs_embeds, positions, metadata,
+                            self.model.norm)[0]
