@@ -172,10 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.dry_run:
         data = json.loads(args.output.read_text()) if args.output.is_file() else {}
         data.update(result)
-        # This run's record replaces the last one; a phase not run keeps its last rows.
-        last = data.get("tensor_parallel", {})
-        data["tensor_parallel"] = record | {k: last[k] for k in ("speed", "greedy")
-                                            if k in last and k not in record}
+        data["tensor_parallel"] = record  # the last run's rows, under its own provenance
         args.output.write_text(json.dumps(data, indent=1) + "\n")
     return 0
 

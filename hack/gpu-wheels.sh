@@ -8,11 +8,14 @@
 #
 # On the GPU machine:
 #   python3 -m pip install --no-deps --target /tmp/wheels DEST/*.whl
-#   PYTHONPATH=/tmp/wheels:. SPECULA_DEMO_DIR=... python3 -m pytest -m gpu tests/gpu tests/runtime
+#   PYTHONPATH=/tmp/wheels:. SPECULA_DEMO_DIR=... python3 -m pytest -m gpu tests/gpu tests/runtime \
+#     --ignore=tests/runtime/test_server_fuzz.py    (HTTP fuzzing: CPU only, needs schemathesis)
+# The wheels are for CPython 3.12 on x86_64 Linux, whatever Python runs this script.
 set -euo pipefail
 
-DEST=${1:-.wheels}
-PY=${PYTHON:-.venv/bin/python}
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+DEST=${1:-$ROOT/.wheels}
+PY=${PYTHON:-$ROOT/.venv/bin/python}
 PACKAGES=(
   pydantic pydantic_core annotated_types typing_inspection typing_extensions
   fastapi starlette annotated_doc uvicorn click h11 anyio idna sniffio
@@ -22,6 +25,7 @@ PACKAGES=(
   speculators opentelemetry_api hs_connectors datasets dill multiprocess loguru
 )
 mkdir -p "$DEST"
+rm -f "$DEST"/*.whl  # wheels of other versions would clash at install
 pins=$("$PY" - "${PACKAGES[@]}" <<'PYEOF'
 import importlib.metadata as md
 import sys

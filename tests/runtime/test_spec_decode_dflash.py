@@ -303,7 +303,9 @@ def test_the_block_is_cached_before_its_rows_attend(tiny_qwen3_target, qwen3_dfl
     values to the cache before attention, not inside it (``paged_attention``'s
     ``new_kv``): there each row's program takes its own key as the request's last and
     reads the other rows' slots while their programs write them. On a GPU every draft
-    was then rejected; the target's decode steps still take the fused write."""
+    was then rejected. Off CUDA ``new_kv`` runs the unfused references, which hid it;
+    they now refuse positions that do not end each context. The target's decode steps
+    still take the fused write."""
     import specula.runtime.worker.model_runner as model_runner
     from specula.runtime.spec_decode.dflash.runner import DFlashRunner
 
@@ -327,6 +329,7 @@ def test_the_block_is_cached_before_its_rows_attend(tiny_qwen3_target, qwen3_dfl
     engine.generate(_prompts()[:2], SamplingParams(max_tokens=8, ignore_eos=True))
     assert engine.spec_decoding_stats.num_draft_tokens > 0
     assert (False, True) in fused, "the target's steps write their keys inside attention"
+    assert (True, False) in fused, "the draft's attention was not seen"
     assert (True, True) not in fused, "a draft block attended before its keys were cached"
 
 

@@ -320,7 +320,8 @@ def paged_attention(
         [num_reqs * q_len, num_heads, head_dim] in ``query.dtype``.
 
     Raises:
-        AssertionError: shapes, dtypes or layouts do not match the above.
+        AssertionError: shapes, dtypes or layouts do not match the above; off CUDA, with
+            ``new_kv``, positions other than the last ``q_len`` of each request's context.
     """
     assert query.ndim == 3 and key_cache.ndim == 4 and value_cache.shape == key_cache.shape
     assert block_table.ndim == 2 and block_table.dtype == torch.int32
@@ -344,13 +345,16 @@ def paged_attention(
         from specula.runtime.kernels.rotary import rotary_embedding_and_cache
 
         key, value, positions, slot_mapping, cos_sin = new_kv
+        if use_reference(query):  # the kernel's premise: a request's new tokens end its context
+            lens = seq_lens.long().repeat_interleave(q_len)
+            want = lens - q_len + torch.arange(num_tokens, device=lens.device) % q_len
+            assert bool(((positions == want) | (lens == 0)).all()), "new_kv: positions must end each context"
         rotary_embedding_and_cache(positions, query, key, value, key_cache, value_cache,
                                    slot_mapping, cos_sin)
         new_kv = None
     if use_reference(query):
-        return paged_attention_reference(
-            query, key_cache, value_cache, block_table, seq_lens, scale, q_len, sliding_window
-        )
+        return paged_attention_reference(query, key_cache, value_cache, block_table, seq_lens, scale,
+                                         q_len, sliding_window)
     out = torch.empty_like(query)
     if num_reqs == 0:
         return out
@@ -358,9 +362,7 @@ def paged_attention(
         max_context = block_table.shape[1] * block_size
         if sliding_window is not None:
             max_context = min(max_context, sliding_window + q_len - 1)
-        num_splits = default_num_splits(
-            num_reqs, num_kv_heads, num_m_blocks, max_context, query.device
-        )
+        num_splits = default_num_splits(num_reqs, num_kv_heads, num_m_blocks, max_context, query.device)
     assert num_splits >= 1
     partial_out = partial_lse = out  # unused by the kernel when NUM_SPLITS == 1
     if num_splits > 1:
@@ -370,8 +372,7 @@ def paged_attention(
     key, value, positions, slot_mapping, cos_sin = new_kv or (query, query, seq_lens, seq_lens, query)
     if new_kv is not None:
         check_cache_write(key, value, key_cache, value_cache, slot_mapping)
-        assert positions.shape == (num_tokens,) and positions.dtype == torch.int64
-        assert positions.is_contiguous()
+        assert positions.shape == (num_tokens,) and positions.dtype == torch.int64 and positions.is_contiguous()
         assert cos_sin.shape[-1] == head_dim and cos_sin.stride(-1) == 1, "full rotary only"
     # float32 caches are for tests and references: keep their dot products exact.
     precision = "ieee" if query.dtype == torch.float32 else "tf32"

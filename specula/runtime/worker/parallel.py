@@ -199,7 +199,7 @@ def gather_argmax(value: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     rows' maximum logits here) and ``index`` [n] int64 (their first token ids) -> [n]
     int64, the greatest value's token, the lowest rank's on a tie (``argmax``'s first
     index over the gathered logits), by one all-gather of ``[2, n]`` float32 instead of
-    the logits. Collective: every rank calls it."""
+    the logits (a NaN maximum wins only on rank 0). Collective: every rank calls it."""
     world = _STATE.world_size
     if world == 1:
         return index
@@ -207,10 +207,10 @@ def gather_argmax(value: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     parts = torch.empty(world * 2, pairs.shape[1], dtype=torch.float32, device=pairs.device)
     dist.all_gather_into_tensor(parts, pairs, group=_STATE.group)  # ranks along dim 0
     parts = parts.view(world, 2, -1)
-    value, token = parts[0]  # elementwise over ranks (an argmax over dim 0 took 10 us)
+    best, token = parts[0]  # elementwise over ranks (an argmax over dim 0 took 10 us)
     for r in range(1, world):  # strictly greater: the lowest rank keeps a tie
-        better = parts[r, 0] > value
-        token, value = torch.where(better, parts[r, 1], token), torch.where(better, parts[r, 0], value)
+        better = parts[r, 0] > best
+        token, best = torch.where(better, parts[r, 1], token), torch.where(better, parts[r, 0], best)
     return token.long()
 
 
