@@ -1,8 +1,8 @@
-"""One-shot all-reduce over peer-mapped (symmetric) memory, fused with the residual add
-and RMSNorm after a row-parallel layer (Megatron-LM, arXiv 1909.08053). Each rank stores
-its partial rows into its slot of every peer's buffer (``torch.distributed.
-_symmetric_memory``, NVLink), then sums the peers' rows from its own buffer with its own,
-in rank order in float32, so the ranks agree bit for bit; no remote read, flag or fence.
+"""One-shot all-reduce over peer-mapped memory, fused with the residual add and RMSNorm
+after a row-parallel layer (Megatron-LM, arXiv 1909.08053). A program first stores all its
+partial rows into this rank's slot of every peer's buffer (``torch.distributed.
+_symmetric_memory``, NVLink), so that its waits overlap, then sums each row's parts from its
+own buffer with its own, in rank order in float32: the ranks agree bit for bit.
 
 The data are their own flags (the Lamport-style one-shot all-reduce of TensorRT-LLM's
 ``customAllReduceKernels``, after vLLM's custom all-reduce, PR #2192): a free slot holds
@@ -75,41 +75,42 @@ def _all_reduce_add_rms_norm_kernel(
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     # -0.0 from its bits: a float constant equal to 0 may be built as +0.0 (triton 3.6)
     free = tl.full((BLOCK,), -2147483648, tl.int32).to(tl.float32, bitcast=True).to(dtype)
-    for row in range(pid, num_rows, tl.num_programs(0)):
-        launch = tl.load(launches_ptr + row)  # 0 or 1 (a count would overflow int32)
-        half = launch.to(tl.int64) * WORLD * max_rows * HIDDEN
-        mine = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
-        mine = tl.where(mine == 0.0, 0.0, mine).to(dtype)  # -0.0 -> +0.0: never "free"
-        for peer in tl.static_range(WORLD):  # my row into my slot of each peer's buffer
-            if peer != rank:
-                slot = _rank_ptr(buffers_ptr, peer, dtype) + half + (rank * max_rows + row) * HIDDEN
-                tl.store(slot + cols, mine, mask=mask)
-        acc = tl.zeros((BLOCK,), dtype=tl.float32)
-        for r in tl.static_range(WORLD):  # rank order on every rank: equal sums
-            if r == rank:
-                part = mine
-            else:  # the peer's row, once every element has landed
-                ptrs = my_buffer + half + (r * max_rows + row) * HIDDEN + cols
-                part = tl.load(ptrs, mask=mask, other=1.0, volatile=True)
-                start = _nanoseconds(launches_ptr, TIMEOUT_NS > 0)
-                while tl.sum(_is_free(part).to(tl.int32), axis=0) > 0:  # (TIMEOUT_NS 0: none)
-                    if _nanoseconds(launches_ptr, TIMEOUT_NS > 0) - start > TIMEOUT_NS:
-                        tl.inline_asm_elementwise(  # abort: the launch fails on the host
-                            "trap;\n\tmov.u32 $0, 0;", "=r,l", [launches_ptr], dtype=tl.int32,
-                            is_pure=False, pack=1)
-                    part = tl.load(ptrs, mask=mask, other=1.0, volatile=True)
-                tl.store(ptrs, free, mask=mask)  # free again
-            acc += tl.where(mask, part.to(tl.float32), 0.0)  # columns past HIDDEN read 1.0
-        res = tl.load(residual_ptr + row * stride_res + cols, mask=mask, other=0.0)
-        # The sum rounded once (as NCCL's for two ranks), then the add as
-        # fused_add_rms_norm rounds it.
-        x = (acc.to(dtype).to(tl.float32) + res.to(tl.float32)).to(dtype)
-        tl.store(residual_out_ptr + row * stride_out + cols, x, mask=mask)
-        xf = x.to(tl.float32)
-        rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / HIDDEN + eps)
-        y = w * (xf * rstd).to(dtype).to(tl.float32)
-        tl.store(out_ptr + row * stride_out + cols, y.to(dtype), mask=mask)
-        tl.store(launches_ptr + row, 1 - launch)
+    for phase in tl.static_range(2):  # my rows out first, then wait: the waits overlap
+        for row in range(pid, num_rows, tl.num_programs(0)):
+            launch = tl.load(launches_ptr + row)  # 0 or 1 (a count would overflow int32)
+            half = launch.to(tl.int64) * WORLD * max_rows * HIDDEN
+            mine = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+            mine = tl.where(mine == 0.0, 0.0, mine).to(dtype)  # -0.0 -> +0.0: never "free"
+            if phase == 0:
+                for peer in tl.static_range(WORLD):  # my row into my slot of each peer's buffer
+                    if peer != rank:
+                        slot = _rank_ptr(buffers_ptr, peer, dtype) + half + (rank * max_rows + row) * HIDDEN
+                        tl.store(slot + cols, mine, mask=mask)
+            else:
+                acc = tl.zeros((BLOCK,), dtype=tl.float32)
+                for r in tl.static_range(WORLD):  # rank order on every rank: equal sums
+                    if r == rank:
+                        part = mine
+                    else:  # the peer's row, once every element has landed
+                        ptrs = my_buffer + half + (r * max_rows + row) * HIDDEN + cols
+                        part = tl.load(ptrs, mask=mask, other=1.0, volatile=True)
+                        start = _nanoseconds(launches_ptr, TIMEOUT_NS > 0)
+                        while tl.sum(_is_free(part).to(tl.int32), axis=0) > 0:  # (TIMEOUT_NS 0: none)
+                            if _nanoseconds(launches_ptr, TIMEOUT_NS > 0) - start > TIMEOUT_NS:
+                                tl.inline_asm_elementwise("trap;\n\tmov.u32 $0, 0;", "=r,l", [launches_ptr],  # abort:
+                                                          dtype=tl.int32, is_pure=False, pack=1)  # fails on the host
+                            part = tl.load(ptrs, mask=mask, other=1.0, volatile=True)
+                        tl.store(ptrs, free, mask=mask)  # free again
+                    acc += tl.where(mask, part.to(tl.float32), 0.0)  # columns past HIDDEN read 1.0
+                res = tl.load(residual_ptr + row * stride_res + cols, mask=mask, other=0.0)
+                # The sum rounded once (as NCCL's for two ranks), the add as fused_add_rms_norm's.
+                x = (acc.to(dtype).to(tl.float32) + res.to(tl.float32)).to(dtype)
+                tl.store(residual_out_ptr + row * stride_out + cols, x, mask=mask)
+                xf = x.to(tl.float32)
+                y = w * (xf * tl.rsqrt(tl.sum(xf * xf, axis=0) / HIDDEN + eps)).to(dtype).to(tl.float32)
+                tl.store(out_ptr + row * stride_out + cols, y.to(dtype), mask=mask)
+                tl.store(launches_ptr + row, 1 - launch)
+        tl.debug_barrier()  # every thread read the parities before any is flipped
 
 
 def all_reduce_add_rms_norm(

@@ -275,9 +275,8 @@ class ModelRunner:
             q = rms_norm(q.reshape(-1, head_dim), attn.q_norm.weight, attn.q_norm.eps).view_as(q)
             k = rms_norm(k.reshape(-1, head_dim), attn.k_norm.weight, attn.k_norm.eps).view_as(k)
         key_cache, value_cache = self.kv_cache.layer(layer_idx)
-        if (not metadata.prefill and metadata.split is None and metadata.uniform_query_len
-                and self.own_keys_only):  # decode, verification: rotary, cache write inside
-            m = metadata.num_tokens
+        if self.own_keys_only and not metadata.prefill and metadata.split is None and metadata.uniform_query_len:
+            m = metadata.num_tokens  # decode, verification: rotary and the cache write inside
             out = paged_attention(
                 q[:m], key_cache, value_cache, metadata.block_table, metadata.seq_lens, self.scale,
                 metadata.uniform_query_len, num_splits=self.attn_num_splits,
