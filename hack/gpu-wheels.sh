@@ -6,10 +6,7 @@
 #
 #   bash hack/gpu-wheels.sh [DEST]        (default DEST: .wheels)
 #
-# On the GPU machine:
-#   python3 -m pip install --no-deps --target /tmp/wheels DEST/*.whl
-#   PYTHONPATH=/tmp/wheels:. SPECULA_DEMO_DIR=... python3 -m pytest -m gpu tests/gpu tests/runtime \
-#     --ignore=tests/runtime/test_server_fuzz.py    (HTTP fuzzing: CPU only, needs schemathesis)
+# On the GPU machine, `bash hack/test-gpu.sh` installs them and runs the GPU tests.
 # The wheels are for CPython 3.12 on x86_64 Linux, whatever Python runs this script.
 set -euo pipefail
 
