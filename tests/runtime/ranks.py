@@ -3,17 +3,13 @@ that two ranks drive together)."""
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Callable
 
 import torch.multiprocessing as mp
 
+from specula.demo.server_process import free_port
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now (a rendezvous address)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+__all__ = ["free_port", "run_ranks"]  # free_port: a rendezvous address for the ranks
 
 
 def _report(fn: Callable, rank: int, args: tuple, errors) -> None:

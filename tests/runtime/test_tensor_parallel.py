@@ -184,8 +184,9 @@ def _argmax_rank(rank: int, port: int, world: int) -> None:
     from specula.runtime.worker.parallel import destroy_parallel, gather_argmax, init_parallel
 
     init_parallel(rank, world, f"tcp://127.0.0.1:{port}", torch.device("cpu"))
-    # Whole-vocabulary logits, alike on both ranks: ties inside a shard and across
-    # the two, and maxima in the padded last shard's real and padding columns.
+    # Whole-vocabulary logits, alike on every rank: ties inside a shard and across
+    # ranks, and at two ranks an uneven last shard (5 + 4 columns; its padding rows are
+    # test_a_padded_vocabulary_shard_never_offers_its_padding's).
     vocab = 9
     shard = -(-vocab // world)
     logits = torch.tensor([[0.0, 3.0, 1.0, 3.0, 0.0, 2.0, 3.0, 0.0, 1.0],  # first 3: rank 0

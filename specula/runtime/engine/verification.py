@@ -20,7 +20,7 @@ from specula.runtime.kernels.rejection_sampler import PLACEHOLDER_TOKEN_ID, reje
 
 
 def verify(
-    input_batch: InputBatch, logits: torch.Tensor, idx: torch.Tensor, k: int,
+    input_batch: InputBatch, logits: torch.Tensor | None, idx: torch.Tensor, k: int,
     sampling: SamplingMetadata, keys: torch.Tensor, synthetic_acceptance_rate: float | None,
     argmax: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
