@@ -195,7 +195,7 @@ def _argmax_rank(rank: int, port: int, world: int) -> None:
                            [7.0, 0.0, 0.0, 0.0, 0.0, 7.0, 0.0, 0.0, 0.0]])
     mine = logits[:, rank * shard : min(vocab, (rank + 1) * shard)]
     value, index = mine.max(dim=-1)
-    tokens = gather_argmax(value, index + rank * shard)
+    tokens = gather_argmax(torch.stack([value, (index + rank * shard).float()]))
     assert tokens.tolist() == logits.argmax(dim=-1).tolist() == [1, 5, 6, 0], tokens
     destroy_parallel()
 
@@ -218,7 +218,7 @@ def test_a_padded_vocabulary_shard_never_offers_its_padding(monkeypatch):
     import specula.runtime.models.llama as llama
     import specula.runtime.worker.parallel as parallel
 
-    monkeypatch.setattr(llama, "gather_argmax", lambda value, index: (value, index))
+    monkeypatch.setattr(llama, "gather_argmax", lambda pairs: (pairs[0], pairs[1].long()))
     hidden = -torch.ones(2, 3)
     for rank, world, vocab, want in ((1, 2, 9, [5, 5]), (3, 4, 9, None)):
         monkeypatch.setattr(parallel, "_STATE", ParallelState(rank, world))

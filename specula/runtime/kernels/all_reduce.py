@@ -58,13 +58,13 @@ def _all_reduce_add_rms_norm_kernel(
     out_ptr,  # [num_rows, HIDDEN]
     residual_out_ptr,  # [num_rows, HIDDEN], out's strides
     x_ptr,  # [num_rows, HIDDEN], this rank's partial sums
-    residual_ptr,  # [num_rows, HIDDEN]
+    residual_ptr,  # HAS_RESIDUAL: [num_rows, HIDDEN]
     weight_ptr,  # [HIDDEN]
     buffers_ptr,  # [WORLD] int64: every rank's buffer, [2, WORLD, max_rows, HIDDEN] x's dtype
     launches_ptr,  # [max_rows] int32, each row's half: the parity of its launches so far
     rank, max_rows, num_rows, eps, stride_x, stride_res, stride_out,
     HIDDEN: tl.constexpr, BLOCK: tl.constexpr, WORLD: tl.constexpr,
-    TIMEOUT_NS: tl.constexpr, PDL: tl.constexpr,
+    TIMEOUT_NS: tl.constexpr, PDL: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
@@ -102,9 +102,11 @@ def _all_reduce_add_rms_norm_kernel(
                             part = tl.load(ptrs, mask=mask, other=1.0, volatile=True)
                         tl.store(ptrs, free, mask=mask)  # free again
                     acc += tl.where(mask, part.to(tl.float32), 0.0)  # columns past HIDDEN read 1.0
-                res = tl.load(residual_ptr + row * stride_res + cols, mask=mask, other=0.0)
                 # The sum rounded once (as NCCL's for two ranks), the add as fused_add_rms_norm's.
-                x = (acc.to(dtype).to(tl.float32) + res.to(tl.float32)).to(dtype)
+                x = acc.to(dtype)
+                if HAS_RESIDUAL:
+                    res = tl.load(residual_ptr + row * stride_res + cols, mask=mask, other=0.0)
+                    x = (x.to(tl.float32) + res.to(tl.float32)).to(dtype)
                 tl.store(residual_out_ptr + row * stride_out + cols, x, mask=mask)
                 xf = x.to(tl.float32)
                 y = w * (xf * tl.rsqrt(tl.sum(xf * xf, axis=0) / HIDDEN + eps)).to(dtype).to(tl.float32)
@@ -114,7 +116,7 @@ def _all_reduce_add_rms_norm_kernel(
 
 
 def all_reduce_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
     buffers: torch.Tensor, launches: torch.Tensor, rank: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``stream = sum over ranks(x) + residual``; ``(rms_norm(stream) * weight, stream)``
@@ -123,7 +125,8 @@ def all_reduce_add_rms_norm(
 
     Args:
         x: [num_rows, hidden] bfloat16/float16/float32 on CUDA, this rank's partial
-            sums (a row-parallel layer's output), rows dense; residual: like ``x``;
+            sums (a row-parallel layer's output), rows dense; residual: like ``x``, or
+            ``None`` (a vocabulary-parallel embedding's rows: ``stream`` is their sum);
             weight: [hidden].
         buffers: [world_size] int64, every rank's buffer's address, ``[2, world_size,
             max_rows, hidden]`` of ``x.dtype`` in one symmetric allocation, all ``-0.0``
@@ -140,6 +143,7 @@ def all_reduce_add_rms_norm(
     n, hidden = x.shape
     max_rows = launches.shape[0]
     assert hidden * x.element_size() % 16 == 0 and hidden >= 32, "rows of 16-byte multiples, >= 32"
+    has_residual, residual = residual is not None, x if residual is None else residual
     assert n <= max_rows and x.stride(1) == 1 and residual.shape == x.shape and residual.stride(1) == 1
     assert weight.shape == (hidden,) and weight.dtype == x.dtype == residual.dtype
     assert launches.dtype == torch.int32 and launches.device == x.device
@@ -152,6 +156,7 @@ def all_reduce_add_rms_norm(
         out, stream, x, residual, weight, buffers, launches, rank, max_rows, n, eps,
         x.stride(0), residual.stride(0), out.stride(0), HIDDEN=hidden, BLOCK=block,
         WORLD=buffers.shape[0], TIMEOUT_NS=0 if INTERPRET else TIMEOUT_S * 10**9, PDL=with_pdl,
+        HAS_RESIDUAL=has_residual,
         # At least one column per thread: no copies of a column polled in other warps.
         num_warps=min(16, max(4, block // 512), block // 32), launch_pdl=with_pdl,
     )

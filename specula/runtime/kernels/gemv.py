@@ -183,10 +183,10 @@ def _gemv_epilogue(acc, acc_up, y_ptr, part_max_ptr, part_idx_ptr, res_ptr, rms_
 @triton.jit
 def _argmax_kernel(
     max_ptr,  # [M, num_chunks] float32: each chunk's maximum
-    idx_ptr,  # [M, num_chunks] int32/int64: its first column
+    idx_ptr,  # [M, num_chunks] int32/int64/float32: its first column, plus offset
     x_ptr,  # [M, N] values (logits, or the partial maxima of a first pass)
     x_idx_ptr,  # HAS_IDX: [M, N] int32 columns of x's values, increasing along a row
-    N, stride_x,
+    N, stride_x, offset,
     BLOCK: tl.constexpr, HAS_IDX: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -202,46 +202,53 @@ def _argmax_kernel(
     best = tl.min(tl.where(v == tl.max(v, axis=0), i, 2147483647), axis=0)
     out = row * tl.num_programs(1) + chunk
     tl.store(max_ptr + out, tl.max(v, axis=0))
-    tl.store(idx_ptr + out, best.to(idx_ptr.dtype.element_ty))
+    tl.store(idx_ptr + out, (best + offset).to(idx_ptr.dtype.element_ty))
 
 
 _ARGMAX_BLOCK = 4096
 """Columns per program of :func:`argmax`'s first pass."""
 
 
-def _merge_argmax(part_max: torch.Tensor, part_idx: torch.Tensor) -> torch.Tensor:
-    """[M, P] partial maxima and their columns -> [M] int64, in one program per row."""
+def _merge_argmax(part_max: torch.Tensor, part_idx: torch.Tensor, into=None) -> torch.Tensor:
+    """[M, P] partial maxima and their columns -> [M] int64, in one program per row; or
+    ``pairs`` of ``into=(pairs [2, M] float32, offset)`` (:func:`argmax`'s)."""
     m, p = part_max.shape
-    idx = torch.empty(m, dtype=torch.int64, device=part_max.device)
-    best = torch.empty(m, dtype=torch.float32, device=part_max.device)  # not into part_max:
-    _argmax_kernel[(m, 1)](  # row r's program would overwrite row 0's partial r as it reads
-        best, idx, part_max, part_idx, p, p, BLOCK=triton.next_power_of_2(p), HAS_IDX=True
+    (best, idx), offset = into or ((torch.empty(m, dtype=torch.float32, device=part_max.device),
+                                    torch.empty(m, dtype=torch.int64, device=part_max.device)), 0)
+    _argmax_kernel[(m, 1)](  # not into part_max: row r's program would overwrite row 0's partial r
+        best, idx, part_max, part_idx, p, p, offset, BLOCK=triton.next_power_of_2(p), HAS_IDX=True
     )
-    return idx
+    return idx if into is None else into[0]
 
 
-def argmax(x: torch.Tensor) -> torch.Tensor:
+def argmax(x: torch.Tensor, into: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
     """``x.argmax(-1)`` (the first index of each row's maximum) in two passes: programs
     of :data:`_ARGMAX_BLOCK` columns, then one per row over their partials, instead of
     ``torch.argmax``'s one block per row.
 
     Args:
         x: [M, N] floating point, last dim contiguous.
+        into: ``(pairs [2, M] float32, offset)``: write each row's maximum into
+            ``pairs[0]`` and ``offset`` + its index into ``pairs[1]`` instead (a vocabulary
+            shard's offer to :func:`~specula.runtime.worker.parallel.gather_argmax`).
 
     Returns:
-        [M] int64.
+        [M] int64; with ``into``, ``pairs``.
     """
     assert x.ndim == 2 and x.stride(1) == 1 and x.is_floating_point()
     m, n = x.shape
     if m == 0 or n == 0 or use_reference(x):
-        return x.argmax(dim=-1)
+        idx = x.argmax(dim=-1)
+        if into is not None:
+            into[0][0], into[0][1] = x.gather(1, idx[:, None])[:, 0], idx + into[1]
+        return idx if into is None else into[0]
     chunks = triton.cdiv(n, _ARGMAX_BLOCK)
     part_max = torch.empty(m, chunks, dtype=torch.float32, device=x.device)
     part_idx = torch.empty(m, chunks, dtype=torch.int32, device=x.device)
     _argmax_kernel[(m, chunks)](
-        part_max, part_idx, x, x, n, x.stride(0), BLOCK=_ARGMAX_BLOCK, HAS_IDX=False
+        part_max, part_idx, x, x, n, x.stride(0), 0, BLOCK=_ARGMAX_BLOCK, HAS_IDX=False
     )
-    return _merge_argmax(part_max, part_idx)
+    return _merge_argmax(part_max, part_idx, into)
 
 
 def use_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -259,7 +266,7 @@ def use_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def gemv(
     x: torch.Tensor, weight: torch.Tensor, config: tuple[int, ...] | None = None,
     *, silu_mul: bool = False, with_argmax: bool = False, residual: torch.Tensor | None = None,
-    rms: tuple[torch.Tensor, float] | None = None,
+    rms: tuple[torch.Tensor, float] | None = None, argmax_into: tuple[torch.Tensor, int] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``x @ weight.T`` with the kernel, optionally with the module's epilogues.
 
@@ -273,7 +280,8 @@ def gemv(
             ``SPLIT_K`` > 1 applies when ``SPLIT_K * BLOCK_K`` divides ``K``.
         silu_mul: return ``silu(x @ gate.T) * (x @ up.T)`` [M, N] (SwiGLU, Shazeer,
             arXiv 2002.05202).
-        with_argmax: also return the first index of each row's maximum, [M] int64.
+        with_argmax: also return the first index of each row's maximum, [M] int64, or
+            with ``argmax_into`` the pairs :func:`argmax`'s ``into`` writes.
         residual: [M, N] like the output: return ``x @ weight.T + residual`` (a residual
             add, rounded as :func:`~.layernorm.fused_add_rms_norm` rounds it) and its sums
             of squares, [M, P] float32 over P parts of each row (what ``rms`` takes).
@@ -307,7 +315,7 @@ def gemv(
             y = (F.linear(x.float(), weight.float()) * rstd).to(x.dtype)
         y = silu_and_mul(y) if silu_mul else y
         if with_argmax:
-            return y, y.argmax(dim=-1)
+            return y, argmax(y, argmax_into)
         if residual is not None:
             y = y + residual
             return y, y.float().pow(2).sum(-1, keepdim=True)
@@ -341,7 +349,7 @@ def gemv(
         PDL=with_pdl, num_warps=warps, num_stages=stages, launch_pdl=with_pdl,
     )
     if with_argmax:
-        return y, _merge_argmax(*parts)
+        return y, _merge_argmax(*parts, argmax_into)
     return (y, parts[0]) if residual is not None else y
 
 
@@ -391,13 +399,15 @@ def linear_silu_and_mul(
     return silu_and_mul(linear(x, weight, bias))
 
 
-def linear_argmax(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def linear_argmax(
+    x: torch.Tensor, weight: torch.Tensor, into: tuple[torch.Tensor, int] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(logits, logits.argmax(-1))`` of ``logits = F.linear(x, weight)`` (an LM head
     and its greedy tokens): ``x`` [M, K], ``weight`` [V, K]; returns ``([M, V] in
-    ``x.dtype``, [M] int64)``, the argmax the first index of each row's maximum. One
-    :func:`gemv` with the argmax epilogue where :func:`use_gemv` says so, else the
-    library GEMM and :func:`argmax`."""
+    ``x.dtype``, [M] int64)``, the argmax the first index of each row's maximum (with
+    ``into``, :func:`argmax`'s pairs). One :func:`gemv` with the argmax epilogue where
+    :func:`use_gemv` says so, else the library GEMM and :func:`argmax`."""
     if use_gemv(x, weight):
-        return gemv(x, weight, with_argmax=True)
+        return gemv(x, weight, with_argmax=True, argmax_into=into)
     logits = linear(x, weight)
-    return logits, argmax(logits)
+    return logits, argmax(logits, into)

@@ -52,9 +52,7 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = sharded(
             MergedLinear(config.hidden_size, [inter, inter], bias=config.mlp_bias), "colwise", tp
         )
-        self.down_proj = sharded(
-            nn.Linear(inter, config.hidden_size, bias=config.mlp_bias), "rowwise", tp
-        )
+        self.down_proj = sharded(nn.Linear(inter, config.hidden_size, bias=config.mlp_bias), "rowwise", tp)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -136,13 +134,14 @@ class LlamaForCausalLM(nn.Module):
         weight, rank = self.lm_head_weight, get_parallel().rank
         rows = weight.shape[0]
         valid = self.config.vocab_size - rank * rows  # < rows: a padded last shard
+        into = (torch.empty(2, hidden.shape[0], dtype=torch.float32, device=hidden.device), rank * rows)
         if valid >= rows:
-            logits, index = linear_argmax(hidden, weight)
+            linear_argmax(hidden, weight, into)
         else:  # the logits of vocab_logits' product, the padding never the maximum
             logits = linear(hidden, weight)
             logits[:, max(valid, 0) :] = float("-inf")
-            index = argmax(logits)
-        return gather_argmax(logits.gather(1, index[:, None])[:, 0], index + rank * rows)
+            argmax(logits, into)
+        return gather_argmax(into[0])
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_positions, hidden_size] -> [num_positions, vocab_size] float32 logits."""

@@ -81,9 +81,7 @@ class Eagle3LlamaForCausalLM(nn.Module):
         first.norm_before_residual = eagle.norm_before_residual
         self.norm = RMSNorm(h, config.rms_norm_eps)
         self.lm_head = nn.Linear(h, eagle.draft_vocab_size, bias=False)
-        self.register_buffer(
-            "draft_to_target", torch.arange(eagle.draft_vocab_size), persistent=False
-        )
+        self.register_buffer("draft_to_target", torch.arange(eagle.draft_vocab_size), persistent=False)
         """[draft_vocab_size] target id of each draft id (``i + d2t[i]``)."""
         self.rotary = RotaryEmbedding.from_config(config, device)
 
@@ -144,9 +142,7 @@ def load_eagle3_draft(
         **{flag: bool(raw.get(flag, False)) for flag in flags},
     )
     factory = partial(Eagle3LlamaForCausalLM, eagle, device)
-    model = load_draft_head(
-        factory, checkpoint_dir, dtype, device, load_format, speculators_weight_name
-    )
+    model = load_draft_head(factory, checkpoint_dir, dtype, device, load_format, speculators_weight_name)
     # Not a weight: rebuild what to_empty left uninitialised.
     model.draft_to_target = draft_vocab_ids(
         checkpoint_dir, eagle.draft_vocab_size, layer.vocab_size, load_format

@@ -186,9 +186,7 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
             q = positions.shape[1]  # consecutive query rows per request
             slots, seq_lens = self.slots(positions, valid, writes_kv=not self.reads_target_kv)
             metadata = self.decode_metadata(slots, self.block_table[:r], seq_lens, q)
-            h_logits, h_next = self._forward(
-                ids.reshape(-1), positions.reshape(-1), metadata, hidden
-            )
+            h_logits, h_next = self._forward(ids.reshape(-1), positions.reshape(-1), metadata, hidden)
             if q > 1:  # each request's last row
                 last = torch.arange(r, device=pos.device) * q + (q - 1)
                 h_logits, h_next = h_logits[last], h_next[last]

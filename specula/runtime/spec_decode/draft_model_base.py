@@ -118,9 +118,7 @@ class DraftModelSpeculator(BaseSpeculator):
         """[max_num_seqs] the token each request sampled last."""
         self.start_positions = torch.full((r,), -1, dtype=torch.int64, device=dev)
         """[max_num_seqs] position of the sampled token; -1 marks a padding row."""
-        self.block_table = torch.zeros(
-            r, self.runner.max_blocks_per_req, dtype=torch.int32, device=dev
-        )
+        self.block_table = torch.zeros(r, self.runner.max_blocks_per_req, dtype=torch.int32, device=dev)
         self.draft_token_ids = torch.zeros(
             r, max(self.max_num_speculative_tokens, 1), dtype=torch.int64, device=dev
         )
@@ -143,9 +141,7 @@ class DraftModelSpeculator(BaseSpeculator):
     ) -> None:
         """:meth:`capture_graphs` for the target's request counts (none captured: the
         default ladder)."""
-        self.capture_sizes = (
-            sorted({d.num_reqs for d in captured_attention_states}) or self.capture_sizes
-        )
+        self.capture_sizes = (sorted({d.num_reqs for d in captured_attention_states}) or self.capture_sizes)
         self.start_positions.fill_(-1)
         self.capture_graphs(captured_attention_states)
         torch.cuda.synchronize()

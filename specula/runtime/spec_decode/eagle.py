@@ -40,9 +40,7 @@ class Eagle3Runner(DraftRunner):
         residual = normed_hidden if first.norm_before_residual else hidden_states
         ln = first.input_layernorm  # layer 0 attends over [embedding, hidden], width 2H
         hidden = torch.cat([rms_norm(embeds, ln.weight, ln.eps), normed_hidden], dim=-1)
-        normed, residual = self.decoder(
-            model.layers, hidden, residual, positions, metadata, model.norm
-        )
+        normed, residual = self.decoder(model.layers, hidden, residual, positions, metadata, model.norm)
         return normed, normed if model.eagle.norm_output else residual
 
 

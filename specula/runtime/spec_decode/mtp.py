@@ -54,9 +54,7 @@ class MTPSpeculator(AutoRegressiveSpeculator):
     model: MTPForCausalLM
 
     def load_draft_model(self) -> MTPForCausalLM:
-        return load_mtp_draft(
-            self.draft_dir, self.target_config, self.dtype, self.device, self.load_format
-        )
+        return load_mtp_draft(self.draft_dir, self.target_config, self.dtype, self.device, self.load_format)
 
     def bind_target(self, target_runner) -> None:
         share_target_weights(self.model, *target_runner.model.full_vocab_weights())

@@ -165,9 +165,7 @@ def attend(
     )
     if prefill is None:
         return out
-    rest = _prefill_attention(
-        q[n:], k[n:], v[n:], key_cache, value_cache, prefill, scale, sliding_window
-    )
+    rest = _prefill_attention(q[n:], k[n:], v[n:], key_cache, value_cache, prefill, scale, sliding_window)
     return torch.cat([out, rest])
 
 
@@ -365,9 +363,7 @@ class ModelRunner:
             out = self._attend(attn, qkv, positions, i, metadata)
             hidden, residual, sum_sq = self._out_linear(out, attn.o_proj, stream)
             ln = layer.post_attention_layernorm
-            act, stream = self._norm_linear(
-                hidden, residual, sum_sq, ln, mlp.gate_up_proj, silu_mul=True
-            )
+            act, stream = self._norm_linear(hidden, residual, sum_sq, ln, mlp.gate_up_proj, silu_mul=True)
             hidden, residual, sum_sq = self._out_linear(act, mlp.down_proj, stream)
         return self._add_norm(hidden, residual, norm.weight, norm.eps)
 
@@ -418,9 +414,13 @@ class ModelRunner:
         """The embedding and :meth:`decoder`; returns ``(normed [num_tokens, hidden_size],
         the last layer's output)``."""
         model = self.model.model
-        hidden = model.embed_tokens(input_ids)  # [num_tokens, hidden_size]
+        if self._fuses_reduce(input_ids) and getattr(model.embed_tokens, "world_size", 1) > 1:
+            ln = model.layers[0].input_layernorm  # the ranks' rows summed in layer 0's norm kernel
+            hidden, residual = self.fused_reduce(model.embed_tokens(input_ids, reduce=False), None, ln.weight, ln.eps)
+        else:
+            hidden, residual = model.embed_tokens(input_ids), None  # [num_tokens, hidden_size]
         return self.decoder(
-            model.layers, hidden, None, positions, metadata, model.norm, aux_layer_ids, captured
+            model.layers, hidden, residual, positions, metadata, model.norm, aux_layer_ids, captured
         )
 
     @torch.no_grad()

@@ -192,9 +192,7 @@ def device_metadata(
             0, (num_reqs + 1) * uniform, uniform, device=device, dtype=torch.int32
         )
     else:
-        token_req = _to_device(
-            [i for i, q in enumerate(query_lens) for _ in range(q)], torch.int64, device
-        )
+        token_req = _to_device([i for i, q in enumerate(query_lens) for _ in range(q)], torch.int64, device)
         offsets = _to_device([j for q in query_lens for j in range(q)], torch.int64, device)
         positions = starts[token_req] + offsets
         query_start_loc = _to_device(list(accumulate(query_lens, initial=0)), torch.int32, device)

@@ -123,7 +123,8 @@ def fused_all_reduce_add_norm(hidden_size: int, dtype: torch.dtype, device: torc
     if device.type != "cuda":  # the torch reference
         from specula.runtime.kernels.layernorm import fused_add_rms_norm
 
-        return lambda x, residual, weight, eps: fused_add_rms_norm(all_reduce(x), residual, weight, eps)
+        return lambda x, residual, weight, eps: fused_add_rms_norm(  # x + 0: x, exactly
+            all_reduce(x), torch.zeros_like(x) if residual is None else residual, weight, eps)
     key = (hidden_size, dtype)
     if key not in _FUSED:
         global _MAPPED_GROUP
@@ -194,23 +195,24 @@ def gather_vocab(x: torch.Tensor, vocab_size: int, dim: int = -1) -> torch.Tenso
     return torch.cat(parts, dim=dim).narrow(dim, 0, vocab_size)
 
 
-def gather_argmax(value: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """The vocabulary-wide argmax from each rank's over its shard: ``value`` [n] (the
-    rows' maximum logits here) and ``index`` [n] int64 (their first token ids) -> [n]
-    int64, the greatest value's token, the lowest rank's on a tie (``argmax``'s first
-    index over the gathered logits), by one all-gather of ``[2, n]`` float32 instead of
-    the logits (a NaN maximum wins only on rank 0). Collective: every rank calls it."""
+def gather_argmax(pairs: torch.Tensor) -> torch.Tensor:
+    """The vocabulary-wide argmax from each rank's over its shard: ``pairs`` [2, n]
+    float32, the rows' maximum logits here and their first token ids (from
+    :func:`~specula.runtime.kernels.gemv.argmax`'s ``into``) -> [n] int64, the greatest
+    value's token, the lowest rank's on a tie (``argmax``'s first index over the gathered
+    logits), by one all-gather of the pairs instead of the logits (a NaN maximum wins
+    only on rank 0). Collective: every rank calls it."""
     world = _STATE.world_size
     if world == 1:
-        return index
-    pairs = torch.stack([value.float(), index.float()])  # token ids < 2^24: exact
+        return pairs[1].long()
     parts = torch.empty(world * 2, pairs.shape[1], dtype=torch.float32, device=pairs.device)
     dist.all_gather_into_tensor(parts, pairs, group=_STATE.group)  # ranks along dim 0
     parts = parts.view(world, 2, -1)
     best, token = parts[0]  # elementwise over ranks (an argmax over dim 0 took 10 us)
     for r in range(1, world):  # strictly greater: the lowest rank keeps a tie
         better = parts[r, 0] > best
-        token, best = torch.where(better, parts[r, 1], token), torch.where(better, parts[r, 0], best)
+        token = torch.where(better, parts[r, 1], token)
+        best = torch.where(better, parts[r, 0], best) if r < world - 1 else best
     return token.long()
 
 
@@ -286,8 +288,9 @@ class VocabParallelEmbedding(nn.Embedding):
         if world_size > 1:
             self.tp_style = "vocab"
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """[num_tokens] int64 -> [num_tokens, embedding_dim]."""
+    def forward(self, input_ids: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        """[num_tokens] int64 -> [num_tokens, embedding_dim]; ``reduce=False``: this
+        rank's rows, to be summed over the ranks by the caller."""
         if self.world_size == 1:
             return super().forward(input_ids)
         start = _STATE.rank * self.num_embeddings
@@ -295,4 +298,4 @@ class VocabParallelEmbedding(nn.Embedding):
         outside = (local < 0) | (local >= self.num_embeddings)
         out = super().forward(local.masked_fill(outside, 0))
         out.masked_fill_(outside[:, None], 0)
-        return all_reduce(out)
+        return all_reduce(out) if reduce else out

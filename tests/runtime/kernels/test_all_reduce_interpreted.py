@@ -1,8 +1,9 @@
 """The fused all-reduce's protocol on a CPU: two ranks, each its own process running the
 kernel in Triton's interpreter, over buffers in shared memory that each maps at its own
 addresses (as symmetric memory maps the GPUs'). Varying row counts, several rows per
-program, a hidden size with masked columns and partials holding ``-0.0`` (the free mark):
-both ranks must return the sum's add and norm of every launch, with nothing stale."""
+program, a hidden size with masked columns, partials holding ``-0.0`` (the free mark) and
+launches without a residual (an embedding's rows): both ranks must return the sum's add
+and norm of every launch, with nothing stale."""
 
 from __future__ import annotations
 
@@ -26,15 +27,16 @@ def _rank(rank: int, buffers: list[torch.Tensor], dtype: torch.dtype) -> None:
     launches = torch.zeros(MAX_ROWS, dtype=torch.int32)
     gen = torch.Generator().manual_seed(0)  # every rank draws every rank's inputs
     weight = (torch.rand(HIDDEN, generator=gen) + 0.5).to(dtype)
-    for rows in ROWS:
+    for i, rows in enumerate(ROWS):
         parts = [torch.randn(rows, HIDDEN, generator=gen).to(dtype) for _ in range(2)]
         parts[0][:, ::5] = -0.0
         parts[1][:, ::3] = -0.0
-        residual = torch.randn(rows, HIDDEN, generator=gen).to(dtype)
+        residual = torch.randn(rows, HIDDEN, generator=gen).to(dtype) if i % 3 else None
         out, stream = all_reduce.all_reduce_add_rms_norm(
             parts[rank], residual, weight, 1e-5, table, launches, rank)
         summed = (parts[0].float() + parts[1].float()).to(dtype)
-        want_out, want_stream = fused_add_rms_norm(summed, residual, weight, 1e-5)
+        want_out, want_stream = fused_add_rms_norm(
+            summed, torch.zeros_like(summed) if residual is None else residual, weight, 1e-5)
         assert torch.equal(stream, want_stream), rows
         torch.testing.assert_close(out, want_out, rtol=1e-3, atol=1e-3)
     assert launches.tolist() == [sum(r > i for r in ROWS) % 2 for i in range(MAX_ROWS)]

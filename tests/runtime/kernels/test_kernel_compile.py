@@ -145,7 +145,8 @@ CASES = {
         {"out_ptr": "*bf16", "residual_out_ptr": "*bf16", "x_ptr": "*bf16",
          "residual_ptr": "*bf16", "weight_ptr": "*bf16", "buffers_ptr": "*i64",
          "launches_ptr": "*i32", "eps": "fp32"},
-        dict(HIDDEN=4096, BLOCK=4096, WORLD=2, TIMEOUT_NS=300 * 10**9, PDL=True),
+        dict(HIDDEN=4096, BLOCK=4096, WORLD=2, TIMEOUT_NS=300 * 10**9, PDL=True,
+             HAS_RESIDUAL=True),
     ),
 }
 

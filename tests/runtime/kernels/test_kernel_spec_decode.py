@@ -401,6 +401,10 @@ def check_gemv_epilogues() -> None:
         assert idx.dtype == torch.int64 and torch.equal(idx, logits.float().argmax(-1))
         ref = gemv_reference(x.float(), w.float())
         assert ((logits.float() - ref).norm() / ref.norm()).item() < 2e-3
+        # A vocabulary shard's offer: each row's maximum and its column plus the offset.
+        pairs = torch.full((2, m), float("nan"))
+        assert gemv(x, w, cfg, with_argmax=True, argmax_into=(pairs, 1000))[1] is pairs
+        assert torch.equal(pairs[0], logits.float().amax(-1)) and torch.equal(pairs[1], idx + 1000.0)
         x[0] = w[7]  # row 0's maximum is at the repeated rows: the first one wins
         assert int(gemv(x, w, cfg, with_argmax=True)[1][0]) == 7
     # The merge of the programs' partials reads them only: a row's program writing into
@@ -421,6 +425,9 @@ def check_gemv_epilogues() -> None:
     idx = argmax(logits)
     assert idx.dtype == torch.int64 and idx.tolist()[1:] == [30, 4097, 0]
     assert torch.equal(idx, logits.argmax(-1))
+    pairs = torch.empty(2, 4)
+    assert argmax(logits, (pairs, 7)) is pairs and torch.equal(pairs[1], idx + 7.0)
+    assert torch.equal(pairs[0], logits.float().amax(-1))
 
 
 def test_gemv_epilogues(interpreted):
@@ -611,3 +618,5 @@ def test_epilogue_launchers_take_the_references_off_cuda():
     logits, idx = linear_argmax(x, w)
     torch.testing.assert_close(logits, ref)
     assert torch.equal(idx, ref.argmax(-1))
+    pairs = linear_argmax(x, w, (torch.empty(2, 3), 20))[1]
+    assert torch.equal(pairs[0], ref.amax(-1)) and torch.equal(pairs[1], ref.argmax(-1) + 20.0)

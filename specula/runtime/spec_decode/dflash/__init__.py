@@ -74,9 +74,7 @@ class DFlashSpeculator(DraftModelSpeculator):
 
     def _store_context(self, target: ProposeInputs | CapturedAttentionState) -> None:
         assert target.aux_hidden_states is not None, "dflash reads auxiliary hidden states"
-        self.runner.store_context(
-            target.aux_hidden_states, target.positions, target.metadata.slot_mapping
-        )
+        self.runner.store_context(target.aux_hidden_states, target.positions, target.metadata.slot_mapping)
 
     def _block_hidden(self, r: int) -> torch.Tensor:
         """[r, num_drafts_max, H] the block's states at the draft slots."""
