@@ -1,6 +1,6 @@
 """The fused all-reduce, residual add and RMSNorm over CUDA symmetric memory on two GPUs
 (``make test-gpu`` on a 2-GPU machine): equal on both ranks to the sum of their
-partials added and normed by the norm kernel, eagerly and replayed in a CUDA graph many
+partials added (or, without a residual, alone) and normed by the norm kernel, eagerly and replayed in a CUDA graph many
 times in a row (each slot freed and reused launch after launch), with partials that hold
 ``-0.0``, the free mark."""
 
@@ -39,15 +39,20 @@ def _rank(rank: int, port: int, dtype: torch.dtype, hidden: int) -> None:
         inputs = [torch.randn(rows, hidden, device=device).mul(rank + 1).to(dtype)
                   for _ in range(2)]
         inputs[1][:, ::7] = -0.0  # a slot's free mark, which a sender must not write
-        wants = []
+        wants, sums = [], []
         for mine in inputs:
             both = gather_vocab(mine.contiguous(), 2 * hidden)  # [rows, 2 * hidden]
-            summed = (both[:, :hidden].float() + both[:, hidden:].float()).to(dtype)
-            wants.append(fused_add_rms_norm(summed, residual, weight, 1e-5))
+            sums.append((both[:, :hidden].float() + both[:, hidden:].float()).to(dtype))
+            wants.append(fused_add_rms_norm(sums[-1], residual, weight, 1e-5))
         for i in range(4):
             out, stream = fused(inputs[i % 2], residual, weight, 1e-5)
             assert torch.equal(stream, wants[i % 2][1]), rows
             torch.testing.assert_close(out, wants[i % 2][0], rtol=1e-2, atol=1e-2)
+        # No residual (an embedding's rows summed in layer 0's norm): the stream is the sum.
+        out, stream = fused(inputs[1], None, weight, 1e-5)
+        want = fused_add_rms_norm(sums[1], torch.zeros_like(residual), weight, 1e-5)
+        assert torch.equal(stream, sums[1]), rows
+        torch.testing.assert_close(out, want[0], rtol=1e-2, atol=1e-2)
         # 50 launches in one graph, replayed 20 times: 1000 in a row, each half reused.
         graph = torch.cuda.CUDAGraph()
         outs = []

@@ -1,5 +1,5 @@
 """One-shot all-reduce over peer-mapped memory, fused with the residual add and RMSNorm
-after a row-parallel layer (Megatron-LM, arXiv 1909.08053). A program first stores all its
+after a row-parallel layer or a vocabulary-parallel embedding (Megatron-LM, arXiv 1909.08053). A program first stores all its
 partial rows into this rank's slot of every peer's buffer (``torch.distributed.
 _symmetric_memory``, NVLink), so that its waits overlap, then sums each row's parts from its
 own buffer with its own, in rank order in float32: the ranks agree bit for bit.

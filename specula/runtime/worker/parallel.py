@@ -11,7 +11,7 @@ holds:
   with the residual add and norm after it (:func:`fused_all_reduce_add_norm`);
 - ``vocab`` weights (``embed_tokens``, ``lm_head``): its ``ceil(V / N)`` rows of the
   vocabulary (the last rank's padded with zeros); an embedding lookup masks the ids of
-  other ranks and all-reduces, the LM head all-gathers its logits (or, in an all-greedy
+  other ranks and all-reduces (a runner's, fused with layer 0's norm), the LM head all-gathers its logits (or, in an all-greedy
   step, each rank's best token, :func:`gather_argmax`).
 
 Names of the plan follow Hugging Face's ``base_model_tp_plan`` (``colwise``,
@@ -113,7 +113,7 @@ def fused_workspace_bytes(hidden_size: int, dtype: torch.dtype) -> int:
 
 
 def fused_all_reduce_add_norm(hidden_size: int, dtype: torch.dtype, device: torch.device):
-    """``(partial [n, hidden_size], residual, weight, eps) -> (normed, stream)`` for ``n
+    """``(partial [n, hidden_size], residual or None, weight, eps) -> (normed, stream)`` for ``n
     <=`` :data:`FUSED_MAX_ROWS` rows of ``dtype``: the sum over the ranks, residual add
     and RMSNorm in one kernel (:mod:`~specula.runtime.kernels.all_reduce`); off CUDA its
     torch reference; ``None`` on one rank or without peer-mapped memory (NCCL then, with
@@ -200,8 +200,8 @@ def gather_argmax(pairs: torch.Tensor) -> torch.Tensor:
     float32, the rows' maximum logits here and their first token ids (from
     :func:`~specula.runtime.kernels.gemv.argmax`'s ``into``) -> [n] int64, the greatest
     value's token, the lowest rank's on a tie (``argmax``'s first index over the gathered
-    logits), by one all-gather of the pairs instead of the logits (a NaN maximum wins
-    only on rank 0). Collective: every rank calls it."""
+    logits), by one all-gather of the pairs instead of the logits (with NaN logits the
+    pick is unspecified). Collective: every rank calls it."""
     world = _STATE.world_size
     if world == 1:
         return pairs[1].long()
