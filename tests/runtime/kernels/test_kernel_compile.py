@@ -148,16 +148,10 @@ CASES = {
         dict(HIDDEN=4096, BLOCK=4096, WORLD=2, TIMEOUT_NS=300 * 10**9, PDL=True,
              HAS_RESIDUAL=True),
     ),
-    # The same without a residual: an embedding's rows summed in layer 0's norm.
-    "all_reduce_rms_norm": (
-        all_reduce._all_reduce_add_rms_norm_kernel,
-        {"out_ptr": "*bf16", "residual_out_ptr": "*bf16", "x_ptr": "*bf16",
-         "residual_ptr": "*bf16", "weight_ptr": "*bf16", "buffers_ptr": "*i64",
-         "launches_ptr": "*i32", "eps": "fp32"},
-        dict(HIDDEN=4096, BLOCK=4096, WORLD=2, TIMEOUT_NS=300 * 10**9, PDL=True,
-             HAS_RESIDUAL=False),
-    ),
 }
+# The same without a residual: an embedding's rows summed in layer 0's norm.
+CASES["all_reduce_rms_norm"] = (*CASES["all_reduce_add_rms_norm"][:2],
+                                {**CASES["all_reduce_add_rms_norm"][2], "HAS_RESIDUAL": False})
 
 
 NUM_WARPS = {"rejection_sample_random": 8, "fused_add_rms_norm_gemma": 8,
