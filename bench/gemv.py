@@ -33,6 +33,7 @@ SHAPES = {
     "EAGLE-3 qkv (2H in)": (6144, 8192),
     "EAGLE-3 fc": (4096, 12288),
     "EAGLE-3 lm_head": (32000, 4096),
+    "MTP eh_proj (2H in)": (4096, 8192),
     "1B qkv_proj": (3072, 2048),
     "1B o_proj": (2048, 2048),
     "1B gate_up_proj": (16384, 2048),

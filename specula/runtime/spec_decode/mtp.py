@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from specula.runtime.kernels.gemv import linear_argmax
+from specula.runtime.kernels.gemv import linear, linear_argmax
 from specula.runtime.kernels.layernorm import rms_norm
 from specula.runtime.models.mtp import MTPForCausalLM, load_mtp_draft
 from specula.runtime.models.speculators_format import share_target_weights
@@ -32,9 +32,8 @@ class MTPRunner(DraftRunner):
         layer = self.model.mtp_layers[0]
         embeds = self.model.embed_tokens(input_ids)  # [num_tokens, H]
         hidden = rms_norm(hidden_states.to(embeds.dtype), layer.hnorm.weight, layer.hnorm.eps)
-        x = layer.eh_proj(
-            torch.cat([rms_norm(embeds, layer.enorm.weight, layer.enorm.eps), hidden], dim=-1)
-        )
+        x = linear(  # eh_proj (no bias): the GEMV where tuned
+            torch.cat([rms_norm(embeds, layer.enorm.weight, layer.enorm.eps), hidden], dim=-1), layer.eh_proj.weight)
         ln = layer.block.input_layernorm
         return self.decoder([layer.block], rms_norm(x, ln.weight, ln.eps), x, positions, metadata,
                             layer.final_layernorm)[0]
