@@ -171,12 +171,18 @@ def test_vocab_parallel_embedding_looks_up_only_its_rows(monkeypatch):
     import specula.runtime.worker.parallel as parallel
 
     monkeypatch.setattr(parallel, "_STATE", ParallelState(1, 2))
-    monkeypatch.setattr(parallel, "all_reduce", lambda x: x)
+    reduced = []
+    monkeypatch.setattr(parallel, "all_reduce", lambda x: reduced.append(x) or x)
     embed = VocabParallelEmbedding(7, 3, world_size=2)  # rows 4..7 of 8 (7 padded)
     torch.nn.init.normal_(embed.weight)
-    out = embed(torch.tensor([0, 4, 6, 3]))
+    ids = torch.tensor([0, 4, 6, 3])
+    out = embed(ids)
     assert torch.equal(out[0], torch.zeros(3)) and torch.equal(out[3], torch.zeros(3))
     assert torch.equal(out[1], embed.weight[0]) and torch.equal(out[2], embed.weight[2])
+    assert len(reduced) == 1 and reduced[0] is out
+    # reduce=False: the same rows of this rank, left for the caller to sum (the runner's
+    # fused all-reduce with layer 0's norm).
+    assert torch.equal(embed(ids, reduce=False), out) and len(reduced) == 1
 
 
 
