@@ -33,7 +33,12 @@ def _tp2(config) -> list[list[int]]:
         assert get_parallel().world_size == 2 and engine.tensor_parallel_size == 2
         # Row-parallel sums deferred to the next norm (the CUDA kernel's torch reference).
         assert engine.runner.fused_reduce is not None
+        fused, embedding_sums = engine.runner.fused_reduce, []
+        engine.runner.fused_reduce = lambda x, res, w, eps: (embedding_sums.append(res is None)
+                                                               or fused(x, res, w, eps))
         first = _greedy(engine)
+        # The embedding's rows are summed in layer 0's norm (no residual), once a forward.
+        assert 0 < embedding_sums.count(True) < len(embedding_sums)
         # Requests added and aborted between steps reach rank 1 as well.
         engine.add_request("aborted", PROMPTS[0], SamplingParams(max_tokens=30))
         engine.step()

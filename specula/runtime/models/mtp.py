@@ -29,7 +29,7 @@ from specula.runtime.models.speculators_format import (
     speculators_weight_name,
 )
 
-_CHECKPOINT_NAMES = {"token_layernorm": "enorm", "hidden_layernorm": "hnorm", "input_proj": "eh_proj",}
+_CHECKPOINT_NAMES = {"token_layernorm": "enorm", "hidden_layernorm": "hnorm", "input_proj": "eh_proj"}
 """``speculators`` MTP module name -> DeepSeek name used here."""
 
 

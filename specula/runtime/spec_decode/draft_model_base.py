@@ -141,7 +141,7 @@ class DraftModelSpeculator(BaseSpeculator):
     ) -> None:
         """:meth:`capture_graphs` for the target's request counts (none captured: the
         default ladder)."""
-        self.capture_sizes = (sorted({d.num_reqs for d in captured_attention_states}) or self.capture_sizes)
+        self.capture_sizes = sorted({d.num_reqs for d in captured_attention_states}) or self.capture_sizes
         self.start_positions.fill_(-1)
         self.capture_graphs(captured_attention_states)
         torch.cuda.synchronize()

@@ -11,8 +11,9 @@ holds:
   with the residual add and norm after it (:func:`fused_all_reduce_add_norm`);
 - ``vocab`` weights (``embed_tokens``, ``lm_head``): its ``ceil(V / N)`` rows of the
   vocabulary (the last rank's padded with zeros); an embedding lookup masks the ids of
-  other ranks and all-reduces (a runner's, fused with layer 0's norm), the LM head all-gathers its logits (or, in an all-greedy
-  step, each rank's best token, :func:`gather_argmax`).
+  other ranks and all-reduces (in a runner, fused with layer 0's norm), the LM head
+  all-gathers its logits (or, in an all-greedy step, each rank's best token,
+  :func:`gather_argmax`).
 
 Names of the plan follow Hugging Face's ``base_model_tp_plan`` (``colwise``,
 ``rowwise``). Every rank runs the same engine on the same inputs (SPMD): the rank that
@@ -197,7 +198,7 @@ def gather_vocab(x: torch.Tensor, vocab_size: int, dim: int = -1) -> torch.Tenso
 
 def gather_argmax(pairs: torch.Tensor) -> torch.Tensor:
     """The vocabulary-wide argmax from each rank's over its shard: ``pairs`` [2, n]
-    float32, the rows' maximum logits here and their first token ids (from
+    float32, the rows' maximum logits here and their first token ids (exact below 2^24; from
     :func:`~specula.runtime.kernels.gemv.argmax`'s ``into``) -> [n] int64, the greatest
     value's token, the lowest rank's on a tie (``argmax``'s first index over the gathered
     logits), by one all-gather of the pairs instead of the logits (with NaN logits the
