@@ -45,8 +45,7 @@ _MIN_TOKENS_PER_SPLIT = 128
 extra parallelism gains."""
 _MAX_SPLITS = 64
 _BLOCK_N = 64
-"""Keys per inner-loop tile, unless the tiles would not fit in shared memory
-(:func:`_block_n`)."""
+"""Keys per inner-loop tile at most (:func:`_block_n`)."""
 _HOPPER_SMEM_BYTES = 232448
 """Shared memory one program may take on an H100/H200 (``shared_memory_per_block_optin``);
 the CPU interpreter sizes tiles as for that GPU."""
@@ -200,7 +199,9 @@ def _paged_attention_kernel(
         tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=q_mask)
     else:
         row = (token.to(tl.int64) * num_heads + head) * NUM_SPLITS + split
-        tl.store(partial_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=q_mask)
+        # Rows that saw no key (most of a short context's splits) store only their lse.
+        tl.store(partial_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], acc,
+                 mask=q_mask & has_keys[:, None])
         lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
         tl.store(partial_lse_ptr + row, lse, mask=row_valid)
 
@@ -225,10 +226,10 @@ def _merge_splits_kernel(
     lse = tl.load(partial_lse_ptr + row * NUM_SPLITS + offs_s, mask=s_valid, other=float("-inf"))
     lse_max = tl.max(lse, axis=0)
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-    weight = tl.exp2(lse - lse_max)  # 0 for empty splits
+    weight = tl.exp2(lse - lse_max)  # 0 for empty splits, whose outputs are not stored
     parts = tl.load(
         partial_out_ptr + (row * NUM_SPLITS + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
-        mask=s_valid[:, None] & d_valid[None, :], other=0.0,
+        mask=(lse > float("-inf"))[:, None] & d_valid[None, :], other=0.0,
     )
     total = tl.sum(weight, axis=0)
     merged = tl.sum(parts * weight[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)
@@ -236,20 +237,19 @@ def _merge_splits_kernel(
     tl.store(o_ptrs, merged.to(out_ptr.dtype.element_ty), mask=d_valid)
 
 
-def _block_n(block_m: int, block_d: int, itemsize: int, device: torch.device) -> int:
-    """Keys per tile: ``_BLOCK_N`` unless the query, key and value tiles would exceed
-    the device's shared memory (Gemma4's 512-wide full-attention heads).
-
-    The estimate, fitted to what Triton 3.6 allocates on an H100: ``block_d * itemsize``
-    bytes per query row and per key and value row (keys and values twice for 16-bit
-    types, which it double-buffers), plus the ``[block_m, block_n]`` score tiles, and
-    8 KiB of slack.
-    """
+def _block_n(block_m: int, block_d: int, itemsize: int, device: torch.device, split: bool) -> int:
+    """Keys per tile: ``_BLOCK_N``, half in a ``split`` launch (bound by each program's chain
+    of dependent loads, not its tiles: 8B heads at batch 1, one H100, ``bench/attention.py``,
+    5.8 -> 5.2 us a layer at 1 query token, 8.4 -> 6.8 at 7), less where the tiles would
+    exceed the device's shared memory (Gemma4's 512-wide heads). The estimate, fitted to
+    Triton 3.6 on an H100: ``block_d * itemsize`` bytes per query row and per key and value
+    row (twice for 16-bit keys and values, double-buffered), the ``[block_m, block_n]``
+    score tiles, and 8 KiB of slack."""
     limit = _HOPPER_SMEM_BYTES
     if device.type == "cuda":
         limit = torch.cuda.get_device_properties(device).shared_memory_per_block_optin
     per_key = 4 if itemsize == 2 else 2
-    for block_n in (_BLOCK_N, _BLOCK_N // 2):
+    for block_n in (_BLOCK_N, _BLOCK_N // 2)[int(split):]:
         tiles = itemsize * block_d * (block_m + per_key * block_n) + 8 * block_m * block_n
         if tiles + 8192 <= limit:
             return block_n
@@ -340,7 +340,12 @@ def paged_attention(
     block_m = max(16, min(_MAX_BLOCK_M, triton.next_power_of_2(rows)))
     num_m_blocks = triton.cdiv(rows, block_m)
     block_d = triton.next_power_of_2(max(head_dim, 16))
-    block_n = _block_n(block_m, block_d, query.element_size(), query.device)
+    if num_splits is None and num_reqs:
+        max_context = block_table.shape[1] * block_size
+        if sliding_window is not None:
+            max_context = min(max_context, sliding_window + q_len - 1)
+        num_splits = default_num_splits(num_reqs, num_kv_heads, num_m_blocks, max_context, query.device)
+    block_n = _block_n(block_m, block_d, query.element_size(), query.device, (num_splits or 1) > 1)
     if new_kv is not None and (use_reference(query) or q_len > block_n or block_d != head_dim):
         from specula.runtime.kernels.rotary import rotary_embedding_and_cache
 
@@ -358,11 +363,6 @@ def paged_attention(
     out = torch.empty_like(query)
     if num_reqs == 0:
         return out
-    if num_splits is None:
-        max_context = block_table.shape[1] * block_size
-        if sliding_window is not None:
-            max_context = min(max_context, sliding_window + q_len - 1)
-        num_splits = default_num_splits(num_reqs, num_kv_heads, num_m_blocks, max_context, query.device)
     assert num_splits >= 1
     partial_out = partial_lse = out  # unused by the kernel when NUM_SPLITS == 1
     if num_splits > 1:

@@ -109,6 +109,31 @@ def test_paged_attention_matches_reference(
     )
 
 
+def check_with_poisoned_partials(*args) -> None:
+    """:func:`check_paged_attention` with the split partials allocated full of NaN: the
+    rows of a split that saw no key are neither stored nor read by the merge."""
+    new_empty = torch.Tensor.new_empty
+
+    def poisoned(self, *size, **kwargs):
+        out = new_empty(self, *size, **kwargs)
+        return out.fill_(float("nan")) if out.is_floating_point() else out
+
+    torch.Tensor.new_empty = poisoned
+    try:
+        check_paged_attention(*args)
+    finally:
+        torch.Tensor.new_empty = new_empty
+
+
+@pytest.mark.parametrize(
+    "seq_lens, q_len, num_splits",
+    [([1, 7, 16, 0], 1, 3), ([3, 9, 20], 3, 4)],  # most splits of the short contexts empty
+    ids=["decode", "verify"],
+)
+def test_splits_without_keys_store_no_output(interpreted, seq_lens, q_len, num_splits):
+    interpreted(check_with_poisoned_partials, seq_lens, q_len, 4, 2, 16, 4, torch.float32, num_splits)
+
+
 @pytest.mark.parametrize(
     "seq_lens, q_len, num_heads, num_kv_heads, head_dim, block_size, dtype, num_splits, window",
     [
