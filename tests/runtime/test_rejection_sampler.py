@@ -436,3 +436,31 @@ def test_bonus_token_distribution(chi_square):
     )
     assert torch.all(num_accepted == k)
     assert chi_square(torch.bincount(out[:, k], minlength=vocab), probs[k]) > ALPHA
+
+
+# -- synthetic acceptance (benchmarks) ----------------------------------------------------
+
+
+def test_engine_synthetic_acceptance_accepts_each_position_at_the_rate(
+    tiny_llama_target, tiny_llama_draft
+):
+    """``synthetic_acceptance_rate`` (vLLM's ``rejection_sample_method="synthetic"``):
+    each draft position is accepted with the rate given the ones before it, whatever the
+    tokens. The engine's per-position counters are binomial draws: within 4 standard
+    deviations of the rate at every position."""
+    from specula.api.runtime_config import SpeculatorRuntimeConfig
+    from specula.runtime.engine.llm_engine import LLMEngine
+
+    rate, k = 0.8, 4
+    spec = SpeculatorRuntimeConfig(method="draft_model", model=f"file://{tiny_llama_draft}",
+                                   num_speculative_tokens=k)
+    engine = LLMEngine(tiny_llama_target, None, served_model_name="t", speculator_config=spec,
+                       dtype="float32", max_num_seqs=8, synthetic_acceptance_rate=rate)
+    gen = torch.Generator().manual_seed(3)
+    prompts = torch.randint(1, 100, (8, 5), generator=gen).tolist()
+    engine.generate(prompts, SamplingParams(max_tokens=96, ignore_eos=True))
+    stats = engine.spec_decoding_stats
+    reached = [stats.num_drafts, *stats.num_accepted_tokens_per_pos[:-1]]
+    assert stats.num_drafts > 150
+    for n, accepted in zip(reached, stats.num_accepted_tokens_per_pos, strict=True):
+        assert abs(accepted - rate * n) <= 4 * (n * rate * (1 - rate)) ** 0.5

@@ -1,6 +1,5 @@
-"""Per-request state kept on the device between steps, updated in place (vLLM Model
-Runner V2's persistent input batch, ``vllm/v1/worker/gpu/input_batch.py`` and
-``block_table.py``).
+"""Per-request state kept on the device between steps, updated in place (vLLM Model Runner
+V2's persistent input batch, ``vllm/v1/worker/gpu/input_batch.py`` and ``block_table.py``).
 
 A running request owns one *row* of every tensor from admission until it finishes or
 is preempted. A step names its requests by their rows (``idx_mapping``, batch order ->

@@ -483,9 +483,8 @@ class LLMEngine(SpeculativeSettings):
             logits, argmax = self.runner.logits_and_argmax(  # [nd * q, V] or None (greedy TP)
                 hidden[: nd * q], not s_d.all_greedy or num_top is not None)
             if k > 0:
-                out_d, acc_d = verify(
-                    ib, logits, idx_d, k, s_d, keys[:nd], self.synthetic_acceptance_rate, argmax
-                )
+                out_d, acc_d = verify(ib, logits, idx_d, k, self.cu_num_draft_tokens[k][:nd], s_d,
+                                      keys[:nd], self.synthetic_acceptance_rate, argmax)
                 num_verified = ib.num_draft_tokens[idx_d].clamp(max=k)
                 num_accepted = torch.minimum(acc_d, num_verified)
                 if prefill:  # prefills verified nothing

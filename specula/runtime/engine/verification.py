@@ -16,13 +16,13 @@ from specula.runtime.engine.sampler import (
     random_exponential,
     random_uniform,
 )
-from specula.runtime.kernels.rejection_sampler import PLACEHOLDER_TOKEN_ID, rejection_sample
+from specula.runtime.kernels.rejection_sampler import rejection_sample
 
 
 def verify(
     input_batch: InputBatch, logits: torch.Tensor | None, idx: torch.Tensor, k: int,
-    sampling: SamplingMetadata, keys: torch.Tensor, synthetic_acceptance_rate: float | None,
-    argmax: torch.Tensor,
+    cu: torch.Tensor, sampling: SamplingMetadata, keys: torch.Tensor,
+    synthetic_acceptance_rate: float | None, argmax: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Verify the ``k`` drafts of the requests at rows ``idx`` of ``input_batch``.
 
@@ -31,38 +31,27 @@ def verify(
             target's at each request's last token and drafts; may be ``None`` when
             every request is greedy or ``synthetic_acceptance_rate`` is given.
         idx: [num_reqs] int64 rows.
+        cu: [num_reqs] int32 ``k, 2k, ...``, the inclusive cumulative draft counts.
         sampling: the requests' settings (greedy ones match the argmax exactly).
         keys: [num_reqs] int64 draw keys of the step.
-        synthetic_acceptance_rate: accept each draft with this probability given the
-            ones before it, instead of verifying (benchmarks); ``None``: verify.
+        synthetic_acceptance_rate: as :class:`~.llm_engine.LLMEngine` takes it; ``None``: verify.
         argmax: [num_reqs * (k + 1)] int64 ``logits.argmax(-1)``.
 
     Returns:
-        ``(output [num_reqs, k + 1] int64, num_accepted [num_reqs] int64)``: row ``i``
-        holds its accepted drafts, the recovered or bonus token, then
-        ``PLACEHOLDER_TOKEN_ID``.
+        ``(output [num_reqs, k + 1] int64, num_accepted [num_reqs] int64)``, as
+        :func:`~specula.runtime.kernels.rejection_sampler.rejection_sample` returns them.
     """
-    r = idx.shape[0]
-    drafts = input_batch.draft_token_ids[idx, :k].reshape(-1)  # [r * k]
-    if synthetic_acceptance_rate is not None:  # each accepted given the ones before it
-        u = random_uniform(sampling.seeds, keys, STREAM_ACCEPT, k)  # [r, k], one kernel
-        accepted = (u < synthetic_acceptance_rate).cumprod(dim=1).sum(dim=1)
-        keep = torch.arange(k + 1, device=drafts.device) < accepted[:, None]
-        target = argmax.view(r, k + 1)
-        out = torch.cat([drafts.view(r, k), target[:, k:]], dim=1)
-        out.masked_fill_(~keep, PLACEHOLDER_TOKEN_ID)
-        return out.scatter_(1, accepted[:, None], target.gather(1, accepted[:, None])), accepted
-    cu = torch.arange(k, (r + 1) * k, k, dtype=torch.int32, device=argmax.device)
-    if sampling.all_greedy:
-        return rejection_sample(drafts, cu, argmax, k)
+    drafts = input_batch.draft_token_ids[idx, :k].reshape(-1)  # [num_reqs * k]
+    rate = synthetic_acceptance_rate  # synthetic: each accepted given the ones before it
+    greedy = sampling.all_greedy and rate is None
+    u = None if greedy else random_uniform(sampling.seeds, keys, STREAM_ACCEPT, k).view(-1)
+    if sampling.all_greedy or rate is not None:
+        return rejection_sample(drafts, cu, argmax, k, uniform_samples=u, synthetic_acceptance_rate=rate)
     vocab = logits.shape[-1]
-    probs = compute_probs(logits.view(r, k + 1, vocab), sampling).view(-1, vocab)
+    probs = compute_probs(logits.view(-1, k + 1, vocab), sampling).view(-1, vocab)
     kept = input_batch.draft_probs
     draft_probs = None if kept is None else kept[idx, :k].reshape(-1, vocab)
     return rejection_sample(
-        drafts, cu, argmax, k, is_greedy=sampling.is_greedy, draft_probs=draft_probs,
-        target_probs=probs,
-        uniform_samples=random_uniform(sampling.seeds, keys, STREAM_ACCEPT, k).view(-1),
-        exponential_noise=random_exponential(sampling.seeds, keys, STREAM_TARGET, vocab),
+        drafts, cu, argmax, k, is_greedy=sampling.is_greedy, draft_probs=draft_probs, target_probs=probs,
+        uniform_samples=u, exponential_noise=random_exponential(sampling.seeds, keys, STREAM_TARGET, vocab),
     )
-

@@ -4,8 +4,9 @@ Same semantics as :func:`specula.runtime.spec_decode.rejection_sampler.rejection
 (Leviathan et al., arXiv 2211.17192; Chen et al., arXiv 2302.01318), with the random draws
 made by the caller so that the kernel is deterministic given them:
 
-- greedy request: accept draft tokens while each equals the target argmax; then emit the
-  target argmax at the first mismatch (or the bonus position);
+- greedy request: accept draft tokens while each equals the target argmax (in benchmarks,
+  vLLM's ``rejection_sample_method="synthetic"``, while each one's uniform draw is below a
+  rate); then emit the target argmax at the first mismatch (or the bonus position);
 - random request: accept draft token ``x_j`` while ``u_j * q_j(x_j) < p_j(x_j)`` (that is
   ``u_j < p/q``, without dividing); at the first rejection ``a`` emit the recovered token
   ``argmax(max(p_a - q_a, 0) / e)`` with ``e ~ Exp(1)`` per vocabulary entry (the
@@ -66,9 +67,10 @@ def _rejection_sample_kernel(
     target_probs_ptr,  # [num_draft_tokens + num_reqs, vocab_size] float32
     uniform_ptr,  # [num_draft_tokens] float32
     noise_ptr,  # [num_reqs, vocab_size] float32
-    vocab_size, stride_out, stride_draft_probs, stride_target_probs, stride_noise,
+    vocab_size, stride_out, stride_draft_probs, stride_target_probs, stride_noise, rate,
     MAX_SPEC_LEN: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
     ALL_GREEDY: tl.constexpr, NO_DRAFT_PROBS: tl.constexpr, PLACEHOLDER: tl.constexpr,
+    SYNTHETIC: tl.constexpr,
 ):
     req = tl.program_id(0)
     start = tl.load(cu_num_draft_tokens_ptr + req - 1, mask=req > 0, other=0)
@@ -79,6 +81,8 @@ def _rejection_sample_kernel(
     tokens = tl.load(draft_token_ids_ptr + start + offs_k, mask=valid, other=0)
     argmax = tl.load(target_argmax_ptr + target_row0 + offs_k, mask=valid, other=-1)
     accepted = tokens == argmax
+    if SYNTHETIC:
+        accepted = tl.load(uniform_ptr + start + offs_k, mask=valid, other=1.0) < rate
     if not ALL_GREEDY:
         greedy = tl.load(is_greedy_ptr + req).to(tl.int32)
         # Draft positions whose probabilities a random request reads (none when greedy).
@@ -137,6 +141,7 @@ def rejection_sample(
     max_spec_len: int, *, is_greedy: torch.Tensor | None = None,
     draft_probs: torch.Tensor | None = None, target_probs: torch.Tensor | None = None,
     uniform_samples: torch.Tensor | None = None, exponential_noise: torch.Tensor | None = None,
+    synthetic_acceptance_rate: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Verify each request's draft tokens; no host synchronisation.
 
@@ -157,6 +162,8 @@ def rejection_sample(
         uniform_samples: [num_draft_tokens] float32 in [0, 1), one per draft token.
         exponential_noise: [num_reqs, vocab_size] float32, positive Exp(1) draws used for
             each request's recovered or bonus token.
+        synthetic_acceptance_rate: with every request greedy and ``uniform_samples``,
+            accept each draft while its draw is below this rate (module docstring).
 
     Returns:
         ``(output_token_ids [num_reqs, max_spec_len + 1] int64, num_accepted [num_reqs]
@@ -178,6 +185,8 @@ def rejection_sample(
     if num_reqs == 0:
         return output, num_accepted
     all_greedy = is_greedy is None
+    synthetic = synthetic_acceptance_rate is not None
+    assert not synthetic or (all_greedy and uniform_samples is not None and uniform_samples.shape == (num_draft_tokens,))
     if not all_greedy:
         assert is_greedy.shape == (num_reqs,) and is_greedy.dtype == torch.bool
         assert target_probs is not None and uniform_samples is not None
@@ -196,12 +205,13 @@ def rejection_sample(
             draft_token_ids, cu_num_draft_tokens, target_argmax, max_spec_len,
             is_greedy=is_greedy, draft_probs=draft_probs, target_probs=target_probs,
             uniform_samples=uniform_samples, exponential_noise=exponential_noise,
+            synthetic_acceptance_rate=synthetic_acceptance_rate,
         )
     # Arguments the kernel does not read (all greedy, or no draft probabilities) still
     # need a tensor: any will do, with row stride 0.
     sampling = (is_greedy, draft_probs, target_probs, uniform_samples, exponential_noise)
     if all_greedy:
-        sampling = (None,) * 5
+        sampling = (None, None, None, uniform_samples if synthetic else None, None)
     pointers = [draft_token_ids if t is None else t for t in sampling]
     _, draft_probs_stride, target_probs_stride, _, noise_stride = [
         0 if t is None else t.stride(0) for t in sampling
@@ -209,9 +219,9 @@ def rejection_sample(
     _rejection_sample_kernel[(num_reqs,)](
         output, num_accepted, draft_token_ids, cu_num_draft_tokens, target_argmax, *pointers,
         0 if all_greedy else vocab_size, output.stride(0), draft_probs_stride, target_probs_stride,
-        noise_stride, MAX_SPEC_LEN=max_spec_len, BLOCK_K=triton.next_power_of_2(max_spec_len + 1),
+        noise_stride, synthetic_acceptance_rate or 0.0, MAX_SPEC_LEN=max_spec_len, BLOCK_K=triton.next_power_of_2(max_spec_len + 1),
         BLOCK_V=_BLOCK_V, ALL_GREEDY=all_greedy, NO_DRAFT_PROBS=draft_probs is None,
-        PLACEHOLDER=PLACEHOLDER_TOKEN_ID,
+        PLACEHOLDER=PLACEHOLDER_TOKEN_ID, SYNTHETIC=synthetic,
         # The vocabulary scan of random requests is the heavy part: give it 8 warps.
         num_warps=1 if all_greedy else 8,
         # Plain IEEE float32 arithmetic, so that the result is the torch reference's.
@@ -225,6 +235,7 @@ def rejection_sample_reference(
     max_spec_len: int, *, is_greedy: torch.Tensor | None = None,
     draft_probs: torch.Tensor | None = None, target_probs: torch.Tensor | None = None,
     uniform_samples: torch.Tensor | None = None, exponential_noise: torch.Tensor | None = None,
+    synthetic_acceptance_rate: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Torch reference of :func:`rejection_sample` (same arguments and results), one
     request at a time."""
@@ -236,7 +247,9 @@ def rejection_sample_reference(
         tokens = draft_token_ids[start:end]
         rows = slice(start + req, end + req + 1)  # n + 1 target rows
         greedy = is_greedy is None or bool(is_greedy[req])
-        if greedy:
+        if synthetic_acceptance_rate is not None:
+            accepted = uniform_samples[start:end] < synthetic_acceptance_rate
+        elif greedy:
             accepted = tokens == target_argmax[rows][:-1]
         else:
             p_rows = target_probs[rows]  # [n + 1, vocab_size]

@@ -1,10 +1,9 @@
 """``specula serve``: build the runtime config, load the engine, run uvicorn.
 
-The config comes from ``--config FILE`` (the JSON the operator writes), from flags
-(which win), or both; an invalid one is reported on stderr with exit status 2
-(argparse's for usage errors) before anything is loaded.  Secrets (the API key, the
-admin token) come from flags, environment variables or a file, never the config (a
-ConfigMap).
+The config comes from ``--config FILE`` (the JSON the operator writes), from flags (which
+win), or both; an invalid one is reported on stderr with exit status 2 (argparse's for usage
+errors) before anything is loaded.  Secrets (the API key, the admin token) come from flags,
+environment variables or a file, never the config (a ConfigMap).
 """
 
 from __future__ import annotations

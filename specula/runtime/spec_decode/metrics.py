@@ -13,10 +13,9 @@ from dataclasses import dataclass, field
 class SpecDecodingStats:
     """Cumulative counters since engine start; never reset, only incremented.
 
-    Derived figures (for display, not export): acceptance rate =
-    ``num_accepted_tokens / num_draft_tokens``; mean acceptance length =
-    ``1 + num_accepted_tokens / num_drafts`` (tokens emitted per target forward,
-    counting the recovered or bonus token).
+    Derived figures (for display, not export): acceptance rate = ``num_accepted_tokens /
+    num_draft_tokens``; mean acceptance length = ``1 + num_accepted_tokens / num_drafts``
+    (tokens emitted per target forward, counting the recovered or bonus token).
     """
 
     num_spec_tokens: int

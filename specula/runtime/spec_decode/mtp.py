@@ -6,11 +6,12 @@ from __future__ import annotations
 import torch
 
 from specula.runtime.kernels.gemv import linear, linear_argmax
-from specula.runtime.kernels.layernorm import rms_norm
+from specula.runtime.kernels.layernorm import fused_add_rms_norm
 from specula.runtime.models.mtp import MTPForCausalLM, load_mtp_draft
 from specula.runtime.models.speculators_format import share_target_weights
 from specula.runtime.spec_decode.autoregressive import AutoRegressiveSpeculator
 from specula.runtime.spec_decode.draft_model_base import DraftRunner
+from specula.runtime.worker.model_runner import fold_norms
 from specula.runtime.worker.paged_kv import PagedAttentionMetadata
 
 
@@ -19,6 +20,10 @@ class MTPRunner(DraftRunner):
     :class:`DraftRunner`)."""
 
     weight_name = "mtp_layers.0.eh_proj.weight"
+
+    def __init__(self, model: MTPForCausalLM, kv_cache, max_model_len: int) -> None:
+        super().__init__(model, kv_cache, max_model_len)
+        self.norms_folded = fold_norms(model, [model.mtp_layers[0].block])
 
     @torch.no_grad()
     def forward(  # type: ignore[override]
@@ -29,14 +34,13 @@ class MTPRunner(DraftRunner):
         and ``hidden_states [num_tokens, H]`` (the target's final states or this head's
         previous output) -> [num_tokens, H] normed states, for the logits and next step."""
         assert hidden_states.shape == (input_ids.shape[0], self.config.hidden_size)
-        layer = self.model.mtp_layers[0]
+        layer, h = self.model.mtp_layers[0], self.config.hidden_size
         embeds = self.model.embed_tokens(input_ids)  # [num_tokens, H]
-        hidden = rms_norm(hidden_states.to(embeds.dtype), layer.hnorm.weight, layer.hnorm.eps)
-        x = linear(  # eh_proj (no bias): the GEMV where tuned
-            torch.cat([rms_norm(embeds, layer.enorm.weight, layer.enorm.eps), hidden], dim=-1), layer.eh_proj.weight)
-        ln = layer.block.input_layernorm
-        return self.decoder([layer.block], rms_norm(x, ln.weight, ln.eps), x, positions, metadata,
-                            layer.final_layernorm)[0]
+        x = embeds.new_empty(embeds.shape[0], 2 * h)  # the two norms write its halves: no cat
+        fused_add_rms_norm(embeds, None, layer.enorm.weight, layer.enorm.eps, out=x[:, :h])
+        fused_add_rms_norm(hidden_states.to(embeds.dtype), None, layer.hnorm.weight, layer.hnorm.eps, out=x[:, h:])
+        x = linear(x, layer.eh_proj.weight)  # the GEMV where tuned
+        return self.decoder([layer.block], x, None, positions, metadata, layer.final_layernorm)[0]
 
 
 class MTPSpeculator(AutoRegressiveSpeculator):

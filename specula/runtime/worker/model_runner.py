@@ -5,13 +5,12 @@ fused ``qkv_proj`` and ``gate_up_proj``); this module runs those same parameters
 the Triton kernels of :mod:`specula.runtime.kernels` over a paged KV cache, as functions
 of the modules, so one checkpoint load serves both the CPU engine and this path.
 
-Per decoder layer: fused residual add + RMSNorm, the qkv GEMM, (Qwen3: RMSNorm of each
-query and key head), rotary in place fused with the cache write, paged attention,
-``o_proj``, fused residual add + RMSNorm, the gate/up GEMM with SiLU-and-multiply (one
-kernel at small batch), ``down_proj`` (vLLM's decoder structure, with the residual
-carried beside the hidden state so each add fuses into the next norm). At batch 1 a
-step is bound by reading the weights; every small kernel adds a fixed launch latency on
-top, hence the fusions.
+Per decoder layer: fused residual add + RMSNorm, the qkv GEMM, (Qwen3: RMSNorm of each query
+and key head), rotary in place fused with the cache write, paged attention, ``o_proj``,
+fused residual add + RMSNorm, the gate/up GEMM with SiLU-and-multiply (one kernel at small
+batch), ``down_proj`` (vLLM's decoder structure, with the residual carried beside the hidden
+state so each add fuses into the next norm). At batch 1 a step is bound by reading the
+weights; every small kernel adds a fixed launch latency on top, hence the fusions.
 
 Attention reads the paged cache for decode (one query token per request) and
 verification (``k + 1`` per request, causal among themselves). A prefill (every
@@ -61,21 +60,23 @@ def _add_norm(
     return fused_add_rms_norm(x, residual, weight, eps)
 
 
-def fold_norms(model: nn.Module) -> bool:
-    """Fold each decoder layer's input and post-attention RMSNorm weights into
-    ``qkv_proj`` and ``gate_up_proj`` (:func:`~specula.runtime.kernels.gemv.
-    fold_norm_weight`), once per model, where the GEMV's epilogues will run them: a model
-    in bfloat16/float16 on one rank, on CUDA (or in Triton's interpreter). Returns whether
-    they are (``model.norms_folded``); its weights then serve only a runner that knows."""
+def fold_norms(model: nn.Module, layers: Sequence[nn.Module] | None = None) -> bool:
+    """Fold the input and post-attention RMSNorm weights of each of ``layers`` (default
+    ``model.model.layers``) into ``qkv_proj`` and ``gate_up_proj`` (:func:`~specula.
+    runtime.kernels.gemv.fold_norm_weight`) where the GEMV's epilogues will run them, once
+    per model: in bfloat16/float16 on one rank, on CUDA (or in Triton's interpreter).
+    Returns whether they are (``model.norms_folded``); its weights then serve only a
+    runner that knows."""
     if getattr(model, "norms_folded", False):
         return True
-    weight = model.model.embed_tokens.weight
+    layers = model.model.layers if layers is None else layers
+    weight = layers[0].self_attn.qkv_proj.weight
     if use_reference(weight) or weight.dtype not in (torch.bfloat16, torch.float16):
         return False
     if model.config.tensor_parallel_size > 1:  # the all-reduce sits between GEMV and add
         return False
     with torch.no_grad():
-        for layer in model.model.layers:
+        for layer in layers:
             fold_norm_weight(layer.self_attn.qkv_proj.weight, layer.input_layernorm.weight)
             fold_norm_weight(layer.mlp.gate_up_proj.weight, layer.post_attention_layernorm.weight)
     model.norms_folded = True
@@ -206,7 +207,6 @@ class ModelRunner:
         weight = model.model.embed_tokens.weight
         self.setup_paged(model, kv_cache, max_model_len, attn_num_splits, weight)
         self.norms_folded = fold_norms(model) if fold else getattr(model, "norms_folded", False)
-        self.unit_norm = torch.ones(model.config.hidden_size, dtype=self.dtype, device=self.device)
 
     def setup_paged(
         self, model: nn.Module, kv_cache: PagedKVCache, max_model_len: int,
@@ -236,6 +236,7 @@ class ModelRunner:
             fused_all_reduce_add_norm(config.hidden_size, weight.dtype, weight.device) if tp > 1 else None
         )
         self.scale = config.head_dim**-0.5
+        self.unit_norm = torch.ones(config.hidden_size, dtype=self.dtype, device=self.device)
         inv_freq = model.rotary.inv_freq.to(self.device)
         self.cos_sin_cache = build_cos_sin_cache(inv_freq, max_model_len)
 

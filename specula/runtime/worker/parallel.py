@@ -15,10 +15,9 @@ holds:
   all-gathers its logits (or, in an all-greedy step, each rank's best token,
   :func:`gather_argmax`).
 
-Names of the plan follow Hugging Face's ``base_model_tp_plan`` (``colwise``,
-``rowwise``). Every rank runs the same engine on the same inputs (SPMD): the rank that
-serves HTTP broadcasts each step's requests to the others
-(:mod:`specula.runtime.engine.distributed`).
+Names of the plan follow Hugging Face's ``base_model_tp_plan`` (``colwise``, ``rowwise``).
+Every rank runs the same engine on the same inputs (SPMD): the rank that serves HTTP
+broadcasts each step's requests to the others (:mod:`specula.runtime.engine.distributed`).
 """
 
 from __future__ import annotations
@@ -255,10 +254,9 @@ def check_divisible(config: Any, world_size: int) -> None:
 def shard_tensor(tensor: torch.Tensor, style: str, shape: torch.Size) -> torch.Tensor:
     """This rank's part of checkpoint tensor ``tensor`` for a parameter of ``shape``.
 
-    ``colwise`` and ``vocab`` take rows ``[rank * shape[0], ...)`` (``vocab`` pads the
-    last rank's with zeros); ``rowwise`` takes columns ``[rank * shape[1], ...)`` of a
-    matrix, and of a bias the whole on rank 0 and zeros elsewhere (the all-reduce sums
-    it once).
+    ``colwise`` and ``vocab`` take rows ``[rank * shape[0], ...)`` (``vocab`` pads the last
+    rank's with zeros); ``rowwise`` takes columns ``[rank * shape[1], ...)`` of a matrix,
+    and of a bias the whole on rank 0 and zeros elsewhere (the all-reduce sums it once).
     """
     rank = _STATE.rank
     if style == "rowwise":

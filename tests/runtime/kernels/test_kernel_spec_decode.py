@@ -75,6 +75,24 @@ def test_greedy_hand_built(interpreted):
     interpreted(check_greedy_hand_built)
 
 
+def check_synthetic_hand_built() -> None:
+    # Drafts are accepted while their draws are below the rate, whatever the tokens: row
+    # 0's drafts all equal the target argmax yet its second draw rejects the second.
+    drafts = torch.tensor([5, 6, 7, 1, 2, 3, 4, 4, 4], dtype=torch.int64)
+    argmax = torch.tensor([5, 6, 7, 9, 0, 0, 0, 8, 1, 2, 3, 7], dtype=torch.int64)
+    u = torch.tensor([0.1, 0.7, 0.2, 0.9, 0.1, 0.1, 0.3, 0.2, 0.4])
+    expected = torch.tensor([[5, 6, P, P], [0, P, P, P], [4, 4, 4, 7]], dtype=torch.int64)
+    for fn in (rejection_sample, rejection_sample_reference):
+        out, num_accepted = fn(drafts, _cu([3, 3, 3]), argmax, 3, uniform_samples=u,
+                               synthetic_acceptance_rate=0.5)
+        torch.testing.assert_close(out, expected, rtol=0, atol=0)
+        torch.testing.assert_close(num_accepted, torch.tensor([1, 0, 3]), rtol=0, atol=0)
+
+
+def test_synthetic_hand_built(interpreted):
+    interpreted(check_synthetic_hand_built)
+
+
 def _random_batch(num_draft: list[int], vocab: int, seed: int, sharpness: float = 2.0):
     """Flattened inputs with draft and target distributions that agree often enough
     that every outcome (accept all, reject at each position) shows up; ``sharpness``
