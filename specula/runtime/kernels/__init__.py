@@ -8,9 +8,8 @@
 - :mod:`.rejection_sampler`: greedy and random verification of draft tokens;
 - :mod:`.draft_inputs`: the draft's next inputs from the verification result, on device.
 
-Launchers assert on shapes, dtypes and layouts before launching. On a CUDA device they
-launch the kernel; on any other device they run the kernel's torch reference, so the
-engine runs the same code on a CPU (:mod:`.dispatch`). Triton's interpreter
-(``TRITON_INTERPRET=1`` set before triton is imported) runs the kernels themselves on
-CPU tensors, for the kernels' own tests.
+Launchers assert on shapes, dtypes and layouts before launching. On a CUDA device they launch
+the kernel; on any other device they run the kernel's torch reference, so the engine runs the
+same code on a CPU (:mod:`.dispatch`). Triton's interpreter (``TRITON_INTERPRET=1`` set before
+triton is imported) runs the kernels themselves on CPU tensors, for the kernels' own tests.
 """

@@ -368,8 +368,8 @@ def _split_counts(device: torch.device, grid: int) -> torch.Tensor | None:
 
 
 def fold_norm_weight(weight: torch.Tensor, norm_weight: torch.Tensor) -> None:
-    """``weight [N, K] *= norm_weight [K]`` in place (float32 product, rounded once): a
-    Llama RMSNorm's weight moved into the projection after it, so that
+    """``weight [N, K] *= norm_weight [K]`` in place (float32 product, rounded once): a Llama
+    RMSNorm's weight moved into the projection after it, so that
     ``rms_norm(x, norm_weight) @ weight.T == (x / rms(x)) @ folded.T`` up to rounding
     (``gemv``'s ``rms``)."""
     weight.copy_(weight.float() * norm_weight.float())

@@ -32,14 +32,17 @@ def _rms_norm_kernel(
     x_ptr,  # [num_tokens, hidden_size]
     residual_ptr,  # [num_tokens, hidden_size], read when HAS_RESIDUAL
     weight_ptr,  # [hidden_size]
+    ids_ptr,  # GATHER: [num_tokens] int64 rows of x
     eps, stride_out, stride_res_out, stride_x, stride_res, HIDDEN: tl.constexpr,
-    BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GEMMA: tl.constexpr, PDL: tl.constexpr,
+    BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GEMMA: tl.constexpr, GATHER: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < HIDDEN
     wait_for_previous_kernel(PDL)
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    src = tl.load(ids_ptr + row) if GATHER else row
+    x = tl.load(x_ptr + src * stride_x + cols, mask=mask, other=0.0)
     dtype = x.dtype
     if HAS_RESIDUAL:
         res = tl.load(residual_ptr + row * stride_res + cols, mask=mask, other=0.0)
@@ -76,6 +79,7 @@ def rms_norm(
 def fused_add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, *,
     gemma: bool = False, out: torch.Tensor | None = None, residual_out: torch.Tensor | None = None,
+    ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``residual_out = x + residual``; ``out = rms_norm(residual_out)``, in one pass.
 
@@ -86,6 +90,8 @@ def fused_add_rms_norm(
         out, residual_out: optional buffers like ``x``; passing ``out=x,
             residual_out=residual`` updates in place (each program reads its row before
             writing it).
+        ids: [num_tokens] int64: ``x`` is a table (an embedding's weight) and the rows are
+            ``x[ids]``, gathered in the kernel (an embedding lookup and its norm in one launch).
 
     Returns:
         ``(out, residual_out)``, both [num_tokens, hidden_size] in ``x.dtype``.
@@ -94,15 +100,17 @@ def fused_add_rms_norm(
         AssertionError: shapes, dtypes or layouts do not match the above.
     """
     assert x.ndim == 2 and x.stride(-1) == 1, "x must be [num_tokens, hidden_size], rows dense"
-    assert x.dtype in FLOATS
-    num_tokens, hidden = x.shape
+    assert x.dtype in FLOATS and (ids is None or (ids.ndim == 1 and ids.dtype == torch.int64))
+    if ids is not None and use_reference(x):
+        x, ids = x[ids], None
+    num_tokens, hidden = x.shape if ids is None else (ids.shape[0], x.shape[1])
     assert weight.shape == (hidden,) and weight.is_contiguous() and hidden <= _MAX_HIDDEN
     assert weight.dtype == x.dtype, "weight must be in the activation dtype"
-    out = torch.empty_like(x) if out is None else out
+    out = x.new_empty(num_tokens, hidden) if out is None else out
     if residual is not None:
-        residual_out = torch.empty_like(x) if residual_out is None else residual_out
+        residual_out = x.new_empty(num_tokens, hidden) if residual_out is None else residual_out
     for t in (out,) if residual is None else (out, residual, residual_out):
-        assert t.shape == x.shape and t.dtype == x.dtype, "shape/dtype unlike x's"
+        assert t.shape == (num_tokens, hidden) and t.dtype == x.dtype, "shape/dtype unlike x's"
         assert t.stride(-1) == 1, "last dim must be contiguous"
     if num_tokens == 0:
         return out, residual_out
@@ -116,9 +124,9 @@ def fused_add_rms_norm(
     res_in, res_out = (x, out) if residual is None else (residual, residual_out)
     with_pdl = pdl(x)
     _rms_norm_kernel[(num_tokens,)](
-        out, res_out, x, res_in, weight, eps, out.stride(0), res_out.stride(0), x.stride(0),
-        res_in.stride(0), HIDDEN=hidden, BLOCK=block, HAS_RESIDUAL=residual is not None,
-        GEMMA=gemma, PDL=with_pdl, num_warps=min(16, max(1, block // 512)), enable_fp_fusion=True,
+        out, res_out, x, res_in, weight, x if ids is None else ids, eps, out.stride(0),
+        res_out.stride(0), x.stride(0), res_in.stride(0), HIDDEN=hidden, BLOCK=block,
+        HAS_RESIDUAL=residual is not None, GEMMA=gemma, GATHER=ids is not None, PDL=with_pdl, num_warps=min(16, max(1, block // 512)), enable_fp_fusion=True,
         launch_pdl=with_pdl,
     )
     return out, residual_out

@@ -1,12 +1,11 @@
 """Paged attention for decode and for the (k + 1)-token verification query.
 
 The KV cache uses vLLM's paged layout: ``key_cache, value_cache [num_blocks, block_size,
-num_kv_heads, head_dim]``; request ``i`` owns the blocks listed in ``block_table[i]``, so
-its token ``t`` lives in block ``block_table[i, t // block_size]`` at offset
-``t % block_size``. Every request has the same query length ``q_len`` (1 for decode,
-``k + 1`` for verifying ``k`` draft tokens); its query tokens are the last ``q_len`` of its
-``seq_lens[i]`` context tokens, and query token ``j`` sees keys ``[0, seq_lens[i] - q_len + j]``
-(causal within the query).
+num_kv_heads, head_dim]``; request ``i`` owns the blocks listed in ``block_table[i]``, so its
+token ``t`` lives in block ``block_table[i, t // block_size]`` at offset ``t % block_size``.
+Every request has the same query length ``q_len`` (1 for decode, ``k + 1`` for verifying ``k``
+draft tokens); its query tokens are the last ``q_len`` of its ``seq_lens[i]`` context tokens,
+and query token ``j`` sees keys ``[0, seq_lens[i] - q_len + j]`` (causal within the query).
 
 With a sliding window ``W`` (Mistral, Gemma 2-4 sliding layers) a query at position ``p``
 sees only keys at positions ``(p - W, p]``: its own and the ``W - 1`` before it, the

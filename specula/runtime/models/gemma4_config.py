@@ -76,9 +76,8 @@ class Gemma4ModelConfig(ModelConfig):
 
     @classmethod
     def from_text_config(cls, text: Any, architecture: str, outer: Any) -> Gemma4ModelConfig:
-        """:meth:`from_hf_config` without the KV-sharing check (a Gemma4 MTP draft's
-        layers all read the target's KV); ``outer``'s ``eos_token_id``, dtype and
-        embedding tying win.
+        """:meth:`from_hf_config` without the KV-sharing check (a Gemma4 MTP draft's layers all
+        read the target's KV); ``outer``'s ``eos_token_id``, dtype and embedding tying win.
 
         Raises:
             ValueError: an activation we do not implement, or bidirectional attention.

@@ -1,6 +1,5 @@
-"""The EAGLE-3 draft network (Li et al., arXiv 2503.01840) over Llama or Qwen3 layers,
-under the ``speculators`` checkpoint's parameter names (design reference: vLLM's
-``llama_eagle3.py``).
+"""The EAGLE-3 draft network (Li et al., arXiv 2503.01840) over Llama or Qwen3 layers, under the
+``speculators`` checkpoint's parameter names (design reference: vLLM's ``llama_eagle3.py``).
 
 ``fc`` fuses the target's auxiliary hidden states ``[n, num_aux * H_target]`` to width
 ``H`` once, when they arrive. The first decoder layer attends over

@@ -104,8 +104,7 @@ class _ServerState:
 
 
 async def parse_body(raw: Request, model: type[BodyT], limits: Limits = DEFAULT_LIMITS) -> BodyT:
-    """Parse a JSON body whatever its content type (``curl -d`` sends a form's) and
-    validate it.
+    """Parse a JSON body whatever its content type (``curl -d`` sends a form's) and validate it.
 
     Raises:
         APIError: 400 for malformed JSON (lone surrogates included) or a schema

@@ -3,9 +3,8 @@
 Field names and defaults follow the OpenAI Completions and Chat Completions APIs
 (https://platform.openai.com/docs/api-reference/completions, ``/chat``) and vLLM's
 ``vllm/entrypoints/openai/protocol.py``.  Unknown fields are refused (a typo such as
-``max_token`` gets 400, not silence); fields this runtime does not implement
-(``best_of`` other than ``n``, penalties, ``logit_bias``, ``suffix``) are accepted only
-at their no-op values.
+``max_token`` gets 400, not silence); fields this runtime does not implement (``best_of`` other
+than ``n``, penalties, ``logit_bias``, ``suffix``) are accepted only at their no-op values.
 
 Every error, FastAPI's own included, is answered as ``{"error": {"message", "type",
 "param", "code"}}``; malformed JSON and schema violations are 400, not FastAPI's 422, as
@@ -161,10 +160,9 @@ class ChatCompletionRequest(GenerationRequest):
 
 
 class SpeculativeConfigUpdate(_Body):
-    """``PUT /v1/speculative_config`` body: exactly one of a single k or a
-    per-batch-size schedule, used from the next engine step on.  Only the shape is
-    checked here; the bounds and the schedule's rules are the engine's
-    (:mod:`specula.runtime.engine.spec_schedule`)."""
+    """``PUT /v1/speculative_config`` body: exactly one of a single k or a per-batch-size
+    schedule, used from the next engine step on.  Only the shape is checked here; the bounds and
+    the schedule's rules are the engine's (:mod:`specula.runtime.engine.spec_schedule`)."""
 
     num_speculative_tokens: StrictInt | None = None
     """0 turns speculation off (the draft stays loaded); at most the k the server was

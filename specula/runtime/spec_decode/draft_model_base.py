@@ -170,9 +170,8 @@ class DraftModelSpeculator(BaseSpeculator):
             setattr(self, counter, getattr(self, counter) + 1)
 
     def load_inputs(self, inputs: ProposeInputs) -> int:
-        """Copy the step's sampled tokens, their positions and the block tables into the
-        static buffers; returns the number of rows the graphs run (padded rows get
-        position -1)."""
+        """Copy the step's sampled tokens, their positions and the block tables into the static
+        buffers; returns the number of rows the graphs run (padded rows get position -1)."""
         r = inputs.num_reqs
         padded = padded_size(self.capture_sizes, r) or r
         self.next_token_ids[:r] = inputs.next_token_ids

@@ -1,19 +1,17 @@
 """CUDA graphs of the target's decode and verification forwards.
 
-A batch is described by a :class:`BatchExecutionDescriptor` (tokens, requests, uniform
-query length: 1 for decode, ``k + 1`` for verification). One graph is captured per
-descriptor, for the request counts of :func:`cudagraph_capture_sizes`, into one memory
-pool, largest first (so smaller graphs reuse the largest one's blocks), on static input
-buffers sized for the largest batch. At replay a batch is padded to the next captured
-request count (padding requests: ``seq_lens`` 0, ``slot_mapping`` -1, so they neither
-read nor write the cache); a batch with no captured size (prefill, mixed query lengths,
-more requests than captured) runs eagerly.
+A batch is described by a :class:`BatchExecutionDescriptor` (tokens, requests, uniform query
+length: 1 for decode, ``k + 1`` for verification). One graph is captured per descriptor, for the
+request counts of :func:`cudagraph_capture_sizes`, into one memory pool, largest first (so
+smaller graphs reuse the largest one's blocks), on static input buffers sized for the largest
+batch. At replay a batch is padded to the next captured request count (padding requests:
+``seq_lens`` 0, ``slot_mapping`` -1, so they neither read nor write the cache); a batch with no
+captured size (prefill, mixed query lengths, more requests than captured) runs eagerly.
 
-Each capture returns a :class:`CapturedAttentionState`: the attention metadata, slot
-mapping and position buffers that graph reads. Keeping them by descriptor lets a
-speculator's prefill graphs reuse the target's metadata instead of rebuilding it
-(vLLM Model Runner V2, PR #40410). Design after vLLM's ``cudagraph_utils.py`` and
-nano-vllm's ``capture_cudagraph``.
+Each capture returns a :class:`CapturedAttentionState`: the attention metadata, slot mapping and
+position buffers that graph reads. Keeping them by descriptor lets a speculator's prefill graphs
+reuse the target's metadata instead of rebuilding it (vLLM Model Runner V2, PR #40410). Design
+after vLLM's ``cudagraph_utils.py`` and nano-vllm's ``capture_cudagraph``.
 """
 
 from __future__ import annotations

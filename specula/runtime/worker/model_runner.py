@@ -12,12 +12,11 @@ batch), ``down_proj`` (vLLM's decoder structure, with the residual carried besid
 state so each add fuses into the next norm). At batch 1 a step is bound by reading the
 weights; every small kernel adds a fixed launch latency on top, hence the fusions.
 
-Attention reads the paged cache for decode (one query token per request) and
-verification (``k + 1`` per request, causal among themselves). A prefill (every
-request's context empty) attends over the prompt itself with
-``scaled_dot_product_attention`` and writes its keys and values to the cache for later
-steps. Nothing here copies device data to the host, so a decode or verification forward
-can be captured in a CUDA graph (:mod:`specula.runtime.worker.cudagraph`).
+Attention reads the paged cache for decode (one query token per request) and verification
+(``k + 1`` per request, causal among themselves). A prefill (every request's context empty)
+attends over the prompt itself with ``scaled_dot_product_attention`` and writes its keys and
+values to the cache for later steps. Nothing here copies device data to the host, so a decode or
+verification forward can be captured in a CUDA graph (:mod:`specula.runtime.worker.cudagraph`).
 """
 
 from __future__ import annotations
@@ -71,9 +70,8 @@ def fold_norms(model: nn.Module, layers: Sequence[nn.Module] | None = None) -> b
         return True
     layers = model.model.layers if layers is None else layers
     weight = layers[0].self_attn.qkv_proj.weight
-    if use_reference(weight) or weight.dtype not in (torch.bfloat16, torch.float16):
-        return False
-    if model.config.tensor_parallel_size > 1:  # the all-reduce sits between GEMV and add
+    tp = model.config.tensor_parallel_size  # > 1: the all-reduce sits between GEMV and add
+    if use_reference(weight) or weight.dtype not in (torch.bfloat16, torch.float16) or tp > 1:
         return False
     with torch.no_grad():
         for layer in layers:
@@ -213,10 +211,9 @@ class ModelRunner:
         attn_num_splits: int | None, weight: torch.Tensor,
     ) -> None:
         """Set what the sublayers read: ``model`` and its ``config`` (heads, head size,
-        ``model_type``), the cache (checked against the config's ``num_hidden_layers``
-        layers of its KV shape and ``weight``'s dtype), the rotary table of
-        ``model.rotary``, device and dtype of ``weight``. Draft runners built on these
-        sublayers call it too.
+        ``model_type``), the cache (checked against the config's ``num_hidden_layers`` layers of
+        its KV shape and ``weight``'s dtype), the rotary table of ``model.rotary``, device and
+        dtype of ``weight``. Draft runners built on these sublayers call it too.
 
         Raises:
             ValueError: a cache that does not match.
@@ -340,6 +337,7 @@ class ModelRunner:
         self, layers: Sequence[nn.Module], hidden: torch.Tensor, residual: torch.Tensor | None,
         positions: torch.Tensor, metadata: PagedAttentionMetadata, norm: nn.Module,
         aux_layer_ids: Sequence[int] = (), captured: dict[int, torch.Tensor] | None = None,
+        sum_sq: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The decoder ``layers``, then the final ``norm``, each norm fused with its
         residual add (with folded norms, :func:`fold_norms`, with the GEMVs around it).
@@ -350,11 +348,11 @@ class ModelRunner:
             residual: [n, H] the residual stream entering layer 0, or None.
             aux_layer_ids, captured: the residual stream entering each layer of
                 ``aux_layer_ids`` goes in ``captured`` under the layer's index.
+            sum_sq: ``hidden``'s sums of squares (``residual=None``) for a folded layer 0.
 
         Returns:
             ``(normed [n, H], residual stream [n, H])``.
         """
-        sum_sq = None
         for i, layer in enumerate(layers):
             attn, mlp = layer.self_attn, layer.mlp
             ln = layer.input_layernorm if i > 0 or residual is None else None
@@ -433,11 +431,10 @@ class ModelRunner:
     @torch.no_grad()
     def logits_and_argmax(self, hidden: torch.Tensor,
                           need_logits: bool = True) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """[num_positions, hidden_size] -> ``(logits [num_positions, vocab_size] in the
-        model's dtype, greedy tokens [num_positions] int64)``: the LM head with the argmax
-        fused in (:func:`~specula.runtime.kernels.gemv.linear_argmax`). Sharded, the
-        logits are gathered, or without ``need_logits`` only each rank's best token
-        (the logits then ``None``)."""
+        """[num_positions, hidden_size] -> ``(logits [num_positions, vocab_size] in the model's
+        dtype, greedy tokens [num_positions] int64)``: the LM head with the argmax fused in
+        (:func:`~specula.runtime.kernels.gemv.linear_argmax`). Sharded, the logits are gathered,
+        or without ``need_logits`` only each rank's best token (the logits then ``None``)."""
         if self.config.tensor_parallel_size == 1:
             return linear_argmax(hidden, self.model.lm_head_weight)
         if not need_logits:
@@ -447,6 +444,5 @@ class ModelRunner:
 
     @staticmethod
     def last_token_indices(metadata: PagedAttentionMetadata) -> torch.Tensor:
-        """[num_reqs] int64 row of each request's last query token (where a prefill
-        samples)."""
+        """[num_reqs] int64 row of each request's last query token (where a prefill samples)."""
         return metadata.query_start_loc[1:].long() - 1

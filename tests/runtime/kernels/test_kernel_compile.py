@@ -100,8 +100,8 @@ CASES = {
     "fused_add_rms_norm_gemma": (
         layernorm._rms_norm_kernel,
         {"out_ptr": "*bf16", "residual_out_ptr": "*bf16", "x_ptr": "*bf16",
-         "residual_ptr": "*bf16", "weight_ptr": "*bf16", "eps": "fp32"},
-        dict(HIDDEN=4096, BLOCK=4096, HAS_RESIDUAL=True, GEMMA=True, PDL=True),
+         "residual_ptr": "*bf16", "weight_ptr": "*bf16", "ids_ptr": "*i64", "eps": "fp32"},
+        dict(HIDDEN=4096, BLOCK=4096, HAS_RESIDUAL=True, GEMMA=True, GATHER=False, PDL=True),
     ),
     "rotary": (
         rotary._rotary_kernel,
@@ -115,9 +115,9 @@ CASES = {
         {"output_ptr": "*i64", "num_accepted_ptr": "*i64", "draft_token_ids_ptr": "*i64",
          "cu_num_draft_tokens_ptr": "*i32", "target_argmax_ptr": "*i64",
          "is_greedy_ptr": "*i1", "draft_probs_ptr": "*fp32", "target_probs_ptr": "*fp32",
-         "uniform_ptr": "*fp32", "noise_ptr": "*fp32"},
+         "uniform_ptr": "*fp32", "noise_ptr": "*fp32", "rate": "fp32"},
         dict(MAX_SPEC_LEN=4, BLOCK_K=8, BLOCK_V=2048, ALL_GREEDY=False, NO_DRAFT_PROBS=False,
-             PLACEHOLDER=-1),
+             PLACEHOLDER=-1, SYNTHETIC=False),
     ),
     "prepare_draft_inputs": (
         draft_inputs._prepare_draft_inputs_kernel,
@@ -149,6 +149,11 @@ CASES = {
              HAS_RESIDUAL=True),
     ),
 }
+# An embedding's rows gathered and normed (MTP, EAGLE-3); synthetic acceptance (benchmarks).
+CASES["rms_norm_gather"] = (*CASES["fused_add_rms_norm_gemma"][:2], {
+    **CASES["fused_add_rms_norm_gemma"][2], "HAS_RESIDUAL": False, "GEMMA": False, "GATHER": True})
+CASES["rejection_sample_synthetic"] = (*CASES["rejection_sample_random"][:2], {
+    **CASES["rejection_sample_random"][2], "ALL_GREEDY": True, "SYNTHETIC": True})
 # The same without a residual: an embedding's rows summed in layer 0's norm.
 CASES["all_reduce_rms_norm"] = (*CASES["all_reduce_add_rms_norm"][:2],
                                 {**CASES["all_reduce_add_rms_norm"][2], "HAS_RESIDUAL": False})

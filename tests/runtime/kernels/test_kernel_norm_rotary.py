@@ -89,6 +89,26 @@ def test_fused_add_rms_norm_in_place(interpreted):
     interpreted(check_fused_add_rms_norm_in_place)
 
 
+def check_gathered_rows_into_half_of_a_row() -> None:
+    """``ids``: the rows of a table (an embedding lookup), normed into the left half of a
+    wider buffer (MTP's and EAGLE-3's ``[embedding, hidden]`` input, no cat); the right
+    half is untouched."""
+    gen = torch.Generator().manual_seed(2)
+    table = torch.randn(11, 48, generator=gen).to(torch.bfloat16)
+    weight = (torch.randn(48, generator=gen) * 0.5 + 1).to(torch.bfloat16)
+    ids = torch.tensor([7, 0, 7, 10])
+    buf = torch.full((4, 96), 5.0, dtype=torch.bfloat16)
+    out, _ = fused_add_rms_norm(table, None, weight, 1e-6, out=buf[:, :48], ids=ids)
+    assert out.data_ptr() == buf.data_ptr() and torch.all(buf[:, 48:] == 5.0)
+    ref, _ = rms_norm_reference(table[ids], weight, 1e-6)
+    torch.testing.assert_close(buf[:, :48], ref, **TOL[torch.bfloat16])
+
+
+def test_gathered_rows_into_half_of_a_row(interpreted):
+    interpreted(check_gathered_rows_into_half_of_a_row)
+    check_gathered_rows_into_half_of_a_row()  # the torch reference's path
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_norm_reference_is_the_model_layer(dtype):
     torch.manual_seed(0)
