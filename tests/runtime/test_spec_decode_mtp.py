@@ -122,6 +122,52 @@ def test_draft_logits_match_speculators(target, target_hf, tmp_path):
     torch.testing.assert_close(got, expected[0][0], atol=1e-5, rtol=1e-5)
 
 
+def check_folded_head_matches_unfolded(target: Path, draft: Path) -> None:
+    """In Triton's interpreter: the head in float16, its block's norms folded and every
+    projection through the GEMV (tiny configurations), against float32 without folding,
+    over six rows. ``eh_proj`` adds a zero residual (its sums of squares are the block's
+    input norm in ``qkv_proj``), ``o_proj`` and ``down_proj`` add theirs."""
+    from transformers import AutoModelForCausalLM
+
+    from specula.runtime.kernels import gemv
+    from specula.runtime.spec_decode import mtp
+
+    hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    configs, residuals = dict(gemv.CONFIGS), []
+
+    def spy(*args, **kwargs):
+        residuals.append(kwargs.get("residual") is not None)
+        return gemv.gemv(*args, **kwargs)
+
+    mtp.gemv = spy
+    gen = torch.Generator().manual_seed(12)
+    ids = torch.randint(1, VOCAB_SIZE, (6,), generator=gen)
+    hidden = torch.randn(6, HIDDEN_SIZE, generator=gen)
+    outs = []
+    try:
+        for shape in ((128, 64), (64, 64), (256, 64), (64, 128)):  # qkv, o, gate_up; down, eh_proj
+            gemv.CONFIGS[shape] = {16: (32, 64, 4, 2)}
+        for dtype in (torch.float16, torch.float32):
+            model = load_mtp_draft(draft, ModelConfig.from_pretrained(target), dtype, CPU)
+            embed = torch.nn.Embedding.from_pretrained(hf.model.embed_tokens.weight.to(dtype))
+            share_target_weights(model, embed, hf.lm_head.weight.to(dtype))
+            spec = KVCacheSpec.from_model_config(model.config, dtype, BLOCK_SIZE)
+            runner = MTPRunner(model, PagedKVCache(spec, 16, CPU), 64)
+            assert runner.norms_folded == (dtype == torch.float16)
+            with torch.no_grad():
+                outs.append(paged_prefill(runner, ids, hidden.to(dtype)).float())
+    finally:
+        mtp.gemv = gemv.gemv
+        gemv.CONFIGS.clear()
+        gemv.CONFIGS.update(configs)
+    assert residuals == [True]  # eh_proj's zero residual, in float16 only
+    assert ((outs[0] - outs[1]).norm() / outs[1].norm()).item() < 2e-2
+
+
+def test_folded_head_matches_unfolded(interpreted, target, bigram_draft):
+    interpreted(check_folded_head_matches_unfolded, target, bigram_draft)
+
+
 def _speculators_chain(ref, hidden: torch.Tensor, tokens: list[int], drafts: list[int]):
     """The draft tokens ``speculators``' MTP layer proposes after ``tokens``, driven
     step by step with a ``transformers`` KV cache: a prefill over rows ``0 .. n-2``

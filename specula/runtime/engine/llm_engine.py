@@ -22,11 +22,10 @@ Log-probabilities are computed on the device for the rows that asked only (emitt
 tokens under the target's processed distribution at their positions, prompt tokens from
 the prefill's logits) and reach the host by a second non-blocking copy.
 
-With asynchronous scheduling (the default on CUDA; vLLM's ``async_scheduling``), step 5
-of one step runs after steps 1-4 of the next are queued, from the state the device
-updated itself: the host's scheduling, input preparation and stop checks overlap the
-device's work, which never waits for the host. A request that finished is then part of
-one more step, whose tokens are dropped.
+With asynchronous scheduling (the default on CUDA; vLLM's ``async_scheduling``), step 5 of one step
+runs after steps 1-4 of the next are queued, from the state the device updated itself: the host's
+scheduling, input preparation and stop checks overlap the device's work, which never waits for the
+host. A request that finished is then part of one more step, whose tokens are dropped.
 
 ``k`` may depend on the batch size (:mod:`specula.runtime.engine.spec_schedule`): drafts
 are proposed for the k of the step's batch, and the next step verifies the first

@@ -9,9 +9,8 @@ batch, with no ``torch.Generator`` per request to loop over. Keys are the positi
 the first token a step can emit for the request (strictly increasing from step to step,
 preemption included), so no draw is ever reused (which would bias rejection sampling).
 
-Sampling uses the exponential race (``argmax(p / E)`` with ``E ~ Exp(1)`` i.i.d. picks
-index ``i`` with probability ``p_i``), which needs no cumulative sums and is exact for
-unnormalised ``p``.
+Sampling uses the exponential race (``argmax(p / E)`` with ``E ~ Exp(1)`` i.i.d. picks index ``i``
+with probability ``p_i``), which needs no cumulative sums and is exact for unnormalised ``p``.
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
-"""Verification of a step's drafts on the device: the rejection sampler (Leviathan et
-al., arXiv 2211.17192; the kernel of :mod:`specula.runtime.kernels.rejection_sampler`)
-on the target's logits, or, for benchmarks, synthetic acceptance (vLLM's
-``rejection_sample_method="synthetic"``)."""
+"""Verification of a step's drafts on the device: the rejection sampler (Leviathan et al., arXiv
+2211.17192; the kernel of :mod:`specula.runtime.kernels.rejection_sampler`) on the target's logits,
+or, for benchmarks, synthetic acceptance (vLLM's ``rejection_sample_method="synthetic"``)."""
 
 from __future__ import annotations
 
@@ -46,12 +45,14 @@ def verify(
     greedy = sampling.all_greedy and rate is None
     u = None if greedy else random_uniform(sampling.seeds, keys, STREAM_ACCEPT, k).view(-1)
     if sampling.all_greedy or rate is not None:
-        return rejection_sample(drafts, cu, argmax, k, uniform_samples=u, synthetic_acceptance_rate=rate)
+        return rejection_sample(drafts, cu, argmax, k, uniform_samples=u,
+                                synthetic_acceptance_rate=rate)
     vocab = logits.shape[-1]
     probs = compute_probs(logits.view(-1, k + 1, vocab), sampling).view(-1, vocab)
     kept = input_batch.draft_probs
     draft_probs = None if kept is None else kept[idx, :k].reshape(-1, vocab)
     return rejection_sample(
-        drafts, cu, argmax, k, is_greedy=sampling.is_greedy, draft_probs=draft_probs, target_probs=probs,
-        uniform_samples=u, exponential_noise=random_exponential(sampling.seeds, keys, STREAM_TARGET, vocab),
+        drafts, cu, argmax, k, is_greedy=sampling.is_greedy, draft_probs=draft_probs,
+        target_probs=probs, uniform_samples=u,
+        exponential_noise=random_exponential(sampling.seeds, keys, STREAM_TARGET, vocab),
     )

@@ -1,9 +1,8 @@
-"""One-shot all-reduce over peer-mapped memory, fused with the residual add and RMSNorm
-after a row-parallel layer or a vocabulary-parallel embedding (Megatron-LM, arXiv
-1909.08053). A program first stores all its partial rows into this rank's slot of every
-peer's buffer (``torch.distributed._symmetric_memory``, NVLink), so that its waits
-overlap, then sums each row's parts from its own buffer with its own, in rank order in
-float32: the ranks agree bit for bit.
+"""One-shot all-reduce over peer-mapped memory, fused with the residual add and RMSNorm after a
+row-parallel layer or a vocabulary-parallel embedding (Megatron-LM, arXiv 1909.08053). A program
+first stores all its partial rows into this rank's slot of every peer's buffer
+(``torch.distributed._symmetric_memory``, NVLink), so that its waits overlap, then sums each row's
+parts from its own buffer with its own, in rank order in float32: the ranks agree bit for bit.
 
 The data are their own flags (the Lamport-style one-shot all-reduce of TensorRT-LLM's
 ``customAllReduceKernels``, after vLLM's custom all-reduce, PR #2192): a free slot holds

@@ -32,8 +32,8 @@ def _rms_norm_kernel(
     x_ptr,  # [num_tokens, hidden_size]
     residual_ptr,  # [num_tokens, hidden_size], read when HAS_RESIDUAL
     weight_ptr,  # [hidden_size]
-    ids_ptr,  # GATHER: [num_tokens] int64 rows of x
-    eps, stride_out, stride_res_out, stride_x, stride_res, HIDDEN: tl.constexpr,
+    ids_ptr,  # GATHER: [num_tokens] int64 rows of x, stride_ids apart
+    eps, stride_out, stride_res_out, stride_x, stride_res, stride_ids, HIDDEN: tl.constexpr,
     BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GEMMA: tl.constexpr, GATHER: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -41,7 +41,7 @@ def _rms_norm_kernel(
     cols = tl.arange(0, BLOCK)
     mask = cols < HIDDEN
     wait_for_previous_kernel(PDL)
-    src = tl.load(ids_ptr + row) if GATHER else row
+    src = tl.load(ids_ptr + row * stride_ids) if GATHER else row
     x = tl.load(x_ptr + src * stride_x + cols, mask=mask, other=0.0)
     dtype = x.dtype
     if HAS_RESIDUAL:
@@ -90,7 +90,7 @@ def fused_add_rms_norm(
         out, residual_out: optional buffers like ``x``; passing ``out=x,
             residual_out=residual`` updates in place (each program reads its row before
             writing it).
-        ids: [num_tokens] int64: ``x`` is a table (an embedding's weight) and the rows are
+        ids: [num_tokens] int64 (any stride): ``x`` is a table (an embedding's weight) and the rows are
             ``x[ids]``, gathered in the kernel (an embedding lookup and its norm in one launch).
 
     Returns:
@@ -101,6 +101,7 @@ def fused_add_rms_norm(
     """
     assert x.ndim == 2 and x.stride(-1) == 1, "x must be [num_tokens, hidden_size], rows dense"
     assert x.dtype in FLOATS and (ids is None or (ids.ndim == 1 and ids.dtype == torch.int64))
+    assert ids is None or ids.device == x.device
     if ids is not None and use_reference(x):
         x, ids = x[ids], None
     num_tokens, hidden = x.shape if ids is None else (ids.shape[0], x.shape[1])
@@ -125,9 +126,10 @@ def fused_add_rms_norm(
     with_pdl = pdl(x)
     _rms_norm_kernel[(num_tokens,)](
         out, res_out, x, res_in, weight, x if ids is None else ids, eps, out.stride(0),
-        res_out.stride(0), x.stride(0), res_in.stride(0), HIDDEN=hidden, BLOCK=block,
-        HAS_RESIDUAL=residual is not None, GEMMA=gemma, GATHER=ids is not None, PDL=with_pdl, num_warps=min(16, max(1, block // 512)), enable_fp_fusion=True,
-        launch_pdl=with_pdl,
+        res_out.stride(0), x.stride(0), res_in.stride(0), 0 if ids is None else ids.stride(0),
+        HIDDEN=hidden, BLOCK=block, HAS_RESIDUAL=residual is not None, GEMMA=gemma,
+        GATHER=ids is not None, PDL=with_pdl, num_warps=min(16, max(1, block // 512)),
+        enable_fp_fusion=True, launch_pdl=with_pdl,
     )
     return out, residual_out
 

@@ -343,7 +343,8 @@ def paged_attention(
         max_context = block_table.shape[1] * block_size
         if sliding_window is not None:
             max_context = min(max_context, sliding_window + q_len - 1)
-        num_splits = default_num_splits(num_reqs, num_kv_heads, num_m_blocks, max_context, query.device)
+        num_splits = default_num_splits(num_reqs, num_kv_heads, num_m_blocks, max_context,
+                                        query.device)
     block_n = _block_n(block_m, block_d, query.element_size(), query.device, (num_splits or 1) > 1)
     if new_kv is not None and (use_reference(query) or q_len > block_n or block_d != head_dim):
         from specula.runtime.kernels.rotary import rotary_embedding_and_cache

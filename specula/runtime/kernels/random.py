@@ -2,11 +2,10 @@
 Salmon et al., SC 2011, with a 32-bit integer hash, ``lowbias32`` by C. Wellons, 2018,
 as the round function).
 
-Every draw is a pure function of a request's seed, a *key* unique per request and step,
-a *stream* id separating uses, and a column index, so a request's draws do not depend on
-the batch it runs in. The torch reference chains ~50 elementwise operations; the Triton
-kernel does the same integer arithmetic in registers, in one launch, and writes the
-draws once (bits, uniforms or exponentials).
+Every draw is a pure function of a request's seed, a *key* unique per request and step, a *stream*
+id separating uses, and a column index, so a request's draws do not depend on the batch it runs in.
+The torch reference chains ~50 elementwise operations; the Triton kernel does the same integer
+arithmetic in registers, in one launch, and writes the draws once (bits, uniforms or exponentials).
 """
 
 from __future__ import annotations
@@ -76,8 +75,7 @@ def _random_kernel(
 def random_draws(
     seeds: torch.Tensor, keys: torch.Tensor, stream: int, num_cols: int, mode: int
 ) -> torch.Tensor:
-    """``[num_reqs, num_cols]`` draws, a pure function of ``(seeds[i], keys[i], stream,
-    column)``.
+    """``[num_reqs, num_cols]`` draws, a pure function of ``(seeds[i], keys[i], stream, column)``.
 
     Args:
         seeds: [num_reqs] int64 (any value; both 32-bit halves are mixed in).

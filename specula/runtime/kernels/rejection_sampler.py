@@ -43,9 +43,8 @@ def _race(weight, e, valid, v0, best, best_idx):
     """One chunk ``v0 + [0, BLOCK_V)`` of the exponential race ``argmax(weight / e)``:
     the running ``(best, best_idx)`` updated with the chunk's winner.
 
-    IEEE division (``/`` may compile to an approximate one) so that the race picks the
-    token torch picks; strictly greater across chunks keeps the first index of a tie, as
-    torch.argmax does.
+    IEEE division (``/`` may compile to an approximate one) so that the race picks the token torch
+    picks; strictly greater across chunks keeps the first index of a tie, as torch.argmax does.
     """
     val, idx = tl.max(
         tl.where(valid, tl.math.div_rn(weight, e), float("-inf")), axis=0, return_indices=True
@@ -186,7 +185,9 @@ def rejection_sample(
         return output, num_accepted
     all_greedy = is_greedy is None
     synthetic = synthetic_acceptance_rate is not None
-    assert not synthetic or (all_greedy and uniform_samples is not None and uniform_samples.shape == (num_draft_tokens,))
+    u = uniform_samples
+    assert not synthetic or (all_greedy and u is not None and u.shape == (num_draft_tokens,)
+                             and u.dtype == torch.float32 and u.is_contiguous())
     if not all_greedy:
         assert is_greedy.shape == (num_reqs,) and is_greedy.dtype == torch.bool
         assert target_probs is not None and uniform_samples is not None
@@ -219,9 +220,9 @@ def rejection_sample(
     _rejection_sample_kernel[(num_reqs,)](
         output, num_accepted, draft_token_ids, cu_num_draft_tokens, target_argmax, *pointers,
         0 if all_greedy else vocab_size, output.stride(0), draft_probs_stride, target_probs_stride,
-        noise_stride, synthetic_acceptance_rate or 0.0, MAX_SPEC_LEN=max_spec_len, BLOCK_K=triton.next_power_of_2(max_spec_len + 1),
-        BLOCK_V=_BLOCK_V, ALL_GREEDY=all_greedy, NO_DRAFT_PROBS=draft_probs is None,
-        PLACEHOLDER=PLACEHOLDER_TOKEN_ID, SYNTHETIC=synthetic,
+        noise_stride, synthetic_acceptance_rate or 0.0, MAX_SPEC_LEN=max_spec_len,
+        BLOCK_K=triton.next_power_of_2(max_spec_len + 1), BLOCK_V=_BLOCK_V, ALL_GREEDY=all_greedy,
+        NO_DRAFT_PROBS=draft_probs is None, PLACEHOLDER=PLACEHOLDER_TOKEN_ID, SYNTHETIC=synthetic,
         # The vocabulary scan of random requests is the heavy part: give it 8 warps.
         num_warps=1 if all_greedy else 8,
         # Plain IEEE float32 arithmetic, so that the result is the torch reference's.

@@ -4,14 +4,13 @@
 too: their text model). Only ``gate/up_proj`` are fused: KV-shared layers have no
 ``k/v_proj``, full-attention layers with ``attention_k_eq_v`` no ``v_proj``.
 
-What sets it apart from Llama (Gemma 4 model card, Google DeepMind 2026; the Gemma 3
-report, arXiv 2503.19786, for the shared parts): per-layer-type geometry and rotary
-embeddings (``proportional`` RoPE rotates a ``partial_rotary_factor`` share of the
-dimensions); RMSNorm on queries, keys and (unscaled) values, attention scale 1, norms
-after attention and the MLP as well as before; embeddings scaled by ``sqrt(hidden_size)``;
-a learned ``layer_scalar`` per layer; final logit soft-capping; per-layer input
-embeddings (PLE) gated into the residual stream after each MLP; KV-shared layers
-(:class:`~specula.runtime.models.gemma4_config.Gemma4ModelConfig`). The
+What sets it apart from Llama (Gemma 4 model card, Google DeepMind 2026; the Gemma 3 report, arXiv
+2503.19786, for the shared parts): per-layer-type geometry and rotary embeddings (``proportional``
+RoPE rotates a ``partial_rotary_factor`` share of the dimensions); RMSNorm on queries, keys and
+(unscaled) values, attention scale 1, norms after attention and the MLP as well as before;
+embeddings scaled by ``sqrt(hidden_size)``; a learned ``layer_scalar`` per layer; final logit
+soft-capping; per-layer input embeddings (PLE) gated into the residual stream after each MLP;
+KV-shared layers (:class:`~specula.runtime.models.gemma4_config.Gemma4ModelConfig`). The
 mixture-of-experts variant (``enable_moe_block``) is refused at load.
 """
 

@@ -1,11 +1,10 @@
 """The multi-token-prediction (MTP) draft head of DeepSeek-V3 (arXiv 2412.19437, §2.2).
 
-At position ``p``, ``eh_proj(cat(enorm(embedding of t_{p+1}), hnorm(h_p)))`` (``h_p`` the
-target's final hidden state) goes through one decoder block and a final norm; the
-target's LM head gives logits for ``t_{p+2}`` and the normed state conditions the next
-step. Checkpoints are the ``speculators`` ``mtp`` format, whose ``token_layernorm``,
-``hidden_layernorm`` and ``input_proj`` are DeepSeek's ``enorm``, ``hnorm`` and
-``eh_proj``. Design reference: vLLM's ``deepseek_mtp.py``.
+At position ``p``, ``eh_proj(cat(enorm(embedding of t_{p+1}), hnorm(h_p)))`` (``h_p`` the target's
+final hidden state) goes through one decoder block and a final norm; the target's LM head gives
+logits for ``t_{p+2}`` and the normed state conditions the next step. Checkpoints are the
+``speculators`` ``mtp`` format, whose ``token_layernorm``, ``hidden_layernorm`` and ``input_proj``
+are DeepSeek's ``enorm``, ``hnorm`` and ``eh_proj``. Design reference: vLLM's ``deepseek_mtp.py``.
 """
 
 from __future__ import annotations

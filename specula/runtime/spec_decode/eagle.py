@@ -39,7 +39,8 @@ class Eagle3Runner(DraftRunner):
         hidden = table.new_empty(input_ids.shape[0], 2 * h)
         ln, hn = first.input_layernorm, first.hidden_norm
         fused_add_rms_norm(table, None, ln.weight, ln.eps, out=hidden[:, :h], ids=input_ids)
-        normed_hidden = fused_add_rms_norm(hidden_states, None, hn.weight, hn.eps, out=hidden[:, h:])[0]
+        normed_hidden = fused_add_rms_norm(hidden_states, None, hn.weight, hn.eps,
+                                           out=hidden[:, h:])[0]
         residual = normed_hidden if first.norm_before_residual else hidden_states
         normed, residual = self.decoder(model.layers, hidden, residual, positions, metadata, model.norm)
         return normed, normed if model.eagle.norm_output else residual

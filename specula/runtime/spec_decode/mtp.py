@@ -1,5 +1,4 @@
-"""The ``mtp`` method (DeepSeek-style multi-token prediction, arXiv 2412.19437; vLLM's
-``mtp``)."""
+"""The ``mtp`` method (DeepSeek-style multi-token prediction, arXiv 2412.19437; vLLM's ``mtp``)."""
 
 from __future__ import annotations
 
@@ -38,8 +37,9 @@ class MTPRunner(DraftRunner):
         layer, h = self.model.mtp_layers[0], self.config.hidden_size
         table = self.model.embed_tokens.weight  # whole at any TP degree (the target's)
         x = table.new_empty(input_ids.shape[0], 2 * h)  # the two norms write its halves: no cat
-        fused_add_rms_norm(table, None, layer.enorm.weight, layer.enorm.eps, out=x[:, :h], ids=input_ids)
-        fused_add_rms_norm(hidden_states.to(table.dtype), None, layer.hnorm.weight, layer.hnorm.eps, out=x[:, h:])
+        en, hn = layer.enorm, layer.hnorm
+        fused_add_rms_norm(table, None, en.weight, en.eps, out=x[:, :h], ids=input_ids)
+        fused_add_rms_norm(hidden_states.to(table.dtype), None, hn.weight, hn.eps, out=x[:, h:])
         w, n = layer.eh_proj.weight, x.shape[0]
         if self.norms_folded and n <= self.zero_rows.shape[0] and use_gemv(x, w):
             # + 0: the sums of squares the block's input norm takes in qkv_proj's GEMV

@@ -290,12 +290,11 @@ class ModelRunner:
         self, hidden: torch.Tensor, residual: torch.Tensor | None, sum_sq: torch.Tensor | None,
         norm: nn.Module | None, proj: nn.Linear, silu_mul: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """A sublayer's input ``norm`` and first projection -> ``(output, residual
-        stream)``. The stream is ``hidden + residual`` (``hidden`` when ``residual`` is
-        None); ``norm=None``: ``hidden`` is the normed input already. With folded norms
-        (:func:`fold_norms`) the norm is the GEMV's 1/rms epilogue when ``sum_sq`` (the
-        stream's sums of squares) is given and the GEMV takes the shape, else the norm
-        kernel with a unit weight."""
+        """A sublayer's input ``norm`` and first projection -> ``(output, residual stream)``. The
+        stream is ``hidden + residual`` (``hidden`` when ``residual`` is None); ``norm=None``:
+        ``hidden`` is the normed input already. With folded norms (:func:`fold_norms`) the norm is
+        the GEMV's 1/rms epilogue when ``sum_sq`` (the stream's sums of squares) is given and the
+        GEMV takes the shape, else the norm kernel with a unit weight."""
         if norm is None:
             normed, stream = hidden, residual
         elif sum_sq is not None and proj.bias is None and use_gemv(hidden, proj.weight):
@@ -353,6 +352,7 @@ class ModelRunner:
         Returns:
             ``(normed [n, H], residual stream [n, H])``.
         """
+        assert sum_sq is None or (self.norms_folded and residual is None), "sum_sq: folded layer 0"
         for i, layer in enumerate(layers):
             attn, mlp = layer.self_attn, layer.mlp
             ln = layer.input_layernorm if i > 0 or residual is None else None

@@ -90,13 +90,13 @@ def test_fused_add_rms_norm_in_place(interpreted):
 
 
 def check_gathered_rows_into_half_of_a_row() -> None:
-    """``ids``: the rows of a table (an embedding lookup), normed into the left half of a
-    wider buffer (MTP's and EAGLE-3's ``[embedding, hidden]`` input, no cat); the right
-    half is untouched."""
+    """``ids`` (strided, as a column of draft ids): the rows of a table (an embedding
+    lookup), normed into the left half of a wider buffer (MTP's and EAGLE-3's
+    ``[embedding, hidden]`` input, no cat); the right half is untouched."""
     gen = torch.Generator().manual_seed(2)
     table = torch.randn(11, 48, generator=gen).to(torch.bfloat16)
     weight = (torch.randn(48, generator=gen) * 0.5 + 1).to(torch.bfloat16)
-    ids = torch.tensor([7, 0, 7, 10])
+    ids = torch.tensor([[7, 1], [0, 1], [7, 1], [10, 1]])[:, 0]  # a strided column (draft ids)
     buf = torch.full((4, 96), 5.0, dtype=torch.bfloat16)
     out, _ = fused_add_rms_norm(table, None, weight, 1e-6, out=buf[:, :48], ids=ids)
     assert out.data_ptr() == buf.data_ptr() and torch.all(buf[:, 48:] == 5.0)

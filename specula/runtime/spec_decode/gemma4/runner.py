@@ -1,5 +1,4 @@
-"""The Gemma4 MTP draft (``gemma4_assistant``) on the kernels, over the target's paged
-KV cache."""
+"""The Gemma4 MTP draft (``gemma4_assistant``) on the kernels, over the target's paged KV cache."""
 
 from __future__ import annotations
 
