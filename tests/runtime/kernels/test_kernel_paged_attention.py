@@ -109,9 +109,10 @@ def test_paged_attention_matches_reference(
     )
 
 
-def check_with_poisoned_partials(*args) -> None:
-    """:func:`check_paged_attention` with the split partials allocated full of NaN: the
-    rows of a split that saw no key are neither stored nor read by the merge."""
+def check_with_poisoned_partials(check, *args) -> None:
+    """``check(*args)`` (:func:`check_paged_attention` or :func:`check_new_kv`) with the
+    split partials allocated full of NaN: the merge reads no row of a split that saw no
+    key (which stores only its log-sum-exp)."""
     new_empty = torch.Tensor.new_empty
 
     def poisoned(self, *size, **kwargs):
@@ -120,18 +121,25 @@ def check_with_poisoned_partials(*args) -> None:
 
     torch.Tensor.new_empty = poisoned
     try:
-        check_paged_attention(*args)
+        check(*args)
     finally:
         torch.Tensor.new_empty = new_empty
 
 
 @pytest.mark.parametrize(
-    "seq_lens, q_len, num_splits",
-    [([1, 7, 16, 0], 1, 3), ([3, 9, 20], 3, 4)],  # most splits of the short contexts empty
-    ids=["decode", "verify"],
+    "case",
+    [  # most splits of the short contexts empty
+        ("paged", [1, 7, 16, 0], 1, 4, 2, 16, 4, torch.float32, 3),
+        ("paged", [3, 9, 20], 3, 4, 2, 16, 4, torch.float32, 4),
+        # the engine's layout: the context in the first splits, the new keys in the last
+        ("new_kv", [1, 7, 70, 0], 1, 4, 1, 16, torch.float16, 3, None),
+        ("new_kv", [3, 9, 20], 3, 4, 1, 32, torch.float32, 4, None),
+    ],
+    ids=["decode", "verify", "decode-new-kv", "verify-new-kv"],
 )
-def test_splits_without_keys_store_no_output(interpreted, seq_lens, q_len, num_splits):
-    interpreted(check_with_poisoned_partials, seq_lens, q_len, 4, 2, 16, 4, torch.float32, num_splits)
+def test_splits_without_keys_are_not_merged(interpreted, case):
+    check = check_paged_attention if case[0] == "paged" else check_new_kv
+    interpreted(check_with_poisoned_partials, check, *case[1:])
 
 
 @pytest.mark.parametrize(
