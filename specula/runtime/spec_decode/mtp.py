@@ -15,8 +15,8 @@ from specula.runtime.worker.paged_kv import PagedAttentionMetadata
 
 
 class MTPRunner(DraftRunner):
-    """Runs an :class:`MTPForCausalLM` over a paged KV cache of its layer (raises as
-    :class:`DraftRunner`)."""
+    """Runs an :class:`MTPForCausalLM` over a paged KV cache of its layer, its block's norms
+    folded where the GEMV runs them (:func:`fold_norms`; raises as :class:`DraftRunner`)."""
 
     weight_name = "mtp_layers.0.eh_proj.weight"
 
