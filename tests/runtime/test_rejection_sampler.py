@@ -458,7 +458,10 @@ def test_engine_synthetic_acceptance_accepts_each_position_at_the_rate(
                        dtype="float32", max_num_seqs=8, synthetic_acceptance_rate=rate)
     gen = torch.Generator().manual_seed(3)
     prompts = torch.randint(1, 100, (8, 5), generator=gen).tolist()
-    engine.generate(prompts, SamplingParams(max_tokens=96, ignore_eos=True))
+    for i, p in enumerate(prompts):  # seeded: the draws, and so the counts, are fixed
+        engine.add_request(f"r{i}", p, SamplingParams(max_tokens=96, ignore_eos=True, seed=i))
+    while engine.has_unfinished_requests():
+        engine.step()
     stats = engine.spec_decoding_stats
     reached = [stats.num_drafts, *stats.num_accepted_tokens_per_pos[:-1]]
     assert stats.num_drafts > 150

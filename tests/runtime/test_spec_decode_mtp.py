@@ -125,18 +125,18 @@ def test_draft_logits_match_speculators(target, target_hf, tmp_path):
 def check_folded_head_matches_unfolded(target: Path, draft: Path) -> None:
     """In Triton's interpreter: the head in float16, its block's norms folded and every
     projection through the GEMV (tiny configurations), against float32 without folding,
-    over six rows. ``eh_proj`` adds a zero residual (its sums of squares are the block's
-    input norm in ``qkv_proj``), ``o_proj`` and ``down_proj`` add theirs."""
+    over six rows. ``eh_proj`` returns its sums of squares (the block's input norm in
+    ``qkv_proj``), ``o_proj`` and ``down_proj`` add their residuals."""
     from transformers import AutoModelForCausalLM
 
     from specula.runtime.kernels import gemv
     from specula.runtime.spec_decode import mtp
 
     hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
-    configs, residuals = dict(gemv.CONFIGS), []
+    configs, squares = dict(gemv.CONFIGS), []
 
     def spy(*args, **kwargs):
-        residuals.append(kwargs.get("residual") is not None)
+        squares.append(kwargs.get("sums_of_squares", False))
         return gemv.gemv(*args, **kwargs)
 
     mtp.gemv = spy
@@ -160,8 +160,9 @@ def check_folded_head_matches_unfolded(target: Path, draft: Path) -> None:
         mtp.gemv = gemv.gemv
         gemv.CONFIGS.clear()
         gemv.CONFIGS.update(configs)
-    assert residuals == [True]  # eh_proj's zero residual, in float16 only
-    assert ((outs[0] - outs[1]).norm() / outs[1].norm()).item() < 2e-2
+    assert squares == [True]  # eh_proj's sums of squares, in float16 only
+    # float16 against float32: 5e-4 here; sums of squares off by half give 1.7e-2.
+    assert ((outs[0] - outs[1]).norm() / outs[1].norm()).item() < 2e-3
 
 
 def test_folded_head_matches_unfolded(interpreted, target, bigram_draft):

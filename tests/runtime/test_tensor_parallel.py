@@ -37,8 +37,10 @@ def _tp2(config) -> list[list[int]]:
         engine.runner.fused_reduce = lambda x, res, w, eps: (embedding_sums.append(res is None)
                                                                or fused(x, res, w, eps))
         first = _greedy(engine)
-        # The embedding's rows are summed in layer 0's norm (no residual), once a forward.
-        assert 0 < embedding_sums.count(True) < len(embedding_sums)
+        # The embedding's rows are summed in layer 0's norm (no residual), once a forward,
+        # besides the two sums of each layer's sublayers.
+        layers = engine.runner.model.config.num_hidden_layers
+        assert 0 < embedding_sums.count(True) * 2 * layers == embedding_sums.count(False)
         # Requests added and aborted between steps reach rank 1 as well.
         engine.add_request("aborted", PROMPTS[0], SamplingParams(max_tokens=30))
         engine.step()

@@ -16,7 +16,8 @@ Four epilogues each save a decode step a launch and a round trip through memory:
   maxima and their first columns; one program per row merges them into ``torch.argmax``'s
   answer on the rounded logits. :func:`argmax` does the same after the library GEMM.
 - residual add (``residual``, a decoder's ``o_proj`` and ``down_proj``): the output is the
-  new residual stream, and each program also writes its columns' sums of squares;
+  new residual stream, and each program also writes its columns' sums of squares (alone:
+  ``sums_of_squares``, MTP's ``eh_proj``);
 - RMSNorm scale (``rms``, the ``qkv_proj`` and ``gate_up_proj`` after them, with the norm
   weight folded into theirs by :func:`fold_norm_weight`): the accumulators are scaled by
   the rows' ``1 / rms`` from those sums, so the norm needs no kernel of its own. ``x``
@@ -95,8 +96,8 @@ def _gemv_kernel(
     up_offset,  # SILU_MUL: N * stride_wn, the up rows' offset
     stride_res, num_parts, eps,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
-    SILU_MUL: tl.constexpr, ARGMAX: tl.constexpr, RESIDUAL: tl.constexpr, RMS: tl.constexpr,
-    BLOCK_P: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr,
+    SILU_MUL: tl.constexpr, ARGMAX: tl.constexpr, RESIDUAL: tl.constexpr, SQUARES: tl.constexpr,
+    RMS: tl.constexpr, BLOCK_P: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
     pid = tl.program_id(0)
@@ -140,14 +141,14 @@ def _gemv_kernel(
     if last:
         _gemv_epilogue(acc, acc_up, y_ptr, part_max_ptr, part_idx_ptr, res_ptr, rms_ptr, pid,
                        offs_m, offs_n, M, N, K, stride_ym, stride_res, num_parts, eps, BLOCK_M,
-                       BLOCK_N, SILU_MUL, ARGMAX, RESIDUAL, RMS, BLOCK_P)
+                       BLOCK_N, SILU_MUL, ARGMAX, RESIDUAL, SQUARES, RMS, BLOCK_P)
 
 
 @triton.jit
 def _gemv_epilogue(acc, acc_up, y_ptr, part_max_ptr, part_idx_ptr, res_ptr, rms_ptr, pid, offs_m,
                    offs_n, M, N, K, stride_ym, stride_res, num_parts, eps, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, SILU_MUL: tl.constexpr, ARGMAX: tl.constexpr, RESIDUAL: tl.constexpr,
-                   RMS: tl.constexpr, BLOCK_P: tl.constexpr):
+                   SQUARES: tl.constexpr, RMS: tl.constexpr, BLOCK_P: tl.constexpr):
     """:func:`_gemv_kernel`'s epilogues on a column tile's accumulators."""
     if RMS:  # the rows' 1 / rms from their sums of squares (outside the loop: x goes to
         # the dot untouched, which keeps the loads pipelined)
@@ -164,10 +165,11 @@ def _gemv_epilogue(acc, acc_up, y_ptr, part_max_ptr, part_idx_ptr, res_ptr, rms_
         silu = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
         y = (silu * acc_up.to(dtype).to(tl.float32)).to(dtype)
     y_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    if RESIDUAL:  # rounded as fused_add_rms_norm's add; then this program's sums of squares
+    if RESIDUAL:  # rounded as fused_add_rms_norm's add
         res = tl.load(res_ptr + offs_m[:, None] * stride_res + offs_n[None, :], mask=y_mask,
                       other=0.0)
         y = (y.to(tl.float32) + res.to(tl.float32)).to(dtype)
+    if SQUARES:  # this program's sums of squares of its columns
         yf = tl.where(y_mask, y.to(tl.float32), 0.0)
         parts = offs_m * tl.num_programs(0) + pid
         tl.store(part_max_ptr + parts, tl.sum(yf * yf, axis=1), mask=offs_m < M)
@@ -268,6 +270,7 @@ def gemv(
     x: torch.Tensor, weight: torch.Tensor, config: tuple[int, ...] | None = None,
     *, silu_mul: bool = False, with_argmax: bool = False, residual: torch.Tensor | None = None,
     rms: tuple[torch.Tensor, float] | None = None, argmax_into: tuple[torch.Tensor, int] | None = None,
+    sums_of_squares: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``x @ weight.T`` with the kernel, optionally with the module's epilogues.
 
@@ -285,7 +288,8 @@ def gemv(
             with ``argmax_into`` the pairs :func:`argmax`'s ``into`` writes.
         residual: [M, N] like the output: return ``x @ weight.T + residual`` (a residual
             add, rounded as :func:`~.layernorm.fused_add_rms_norm` rounds it) and its sums
-            of squares, [M, P] float32 over P parts of each row (what ``rms`` takes).
+            of squares, [M, P] float32 over P parts of each row (what ``rms`` takes);
+            ``sums_of_squares``: those of ``x @ weight.T``, without a residual.
         rms: ``(sum_sq [M, P] float32, eps)``, sums of squares of parts of each row of
             ``x``: return ``(x @ weight.T) / sqrt(mean(x^2) + eps)`` per row, the product
             of ``rms_norm(x)`` when the norm weight is folded into ``weight``
@@ -293,7 +297,7 @@ def gemv(
 
     Returns:
         [M, N] in ``x.dtype`` (float32 accumulation); with ``with_argmax`` also the
-        argmax, with ``residual`` also the sums of squares.
+        argmax, with ``residual`` or ``sums_of_squares`` also the sums of squares.
 
     Raises:
         AssertionError: shapes, dtypes or layouts do not match the above, or more than
@@ -302,7 +306,8 @@ def gemv(
     assert x.ndim == 2 and weight.ndim == 2 and x.shape[1] == weight.shape[1]
     assert x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float16)
     assert x.stride(1) == 1 and weight.stride(1) == 1
-    assert silu_mul + with_argmax + (residual is not None) <= 1, "one epilogue at a time"
+    squares = sums_of_squares or residual is not None
+    assert silu_mul + with_argmax + squares <= 1, "one epilogue at a time"
     m, k = x.shape
     n = weight.shape[0] // 2 if silu_mul else weight.shape[0]
     assert not silu_mul or weight.shape[0] == 2 * n
@@ -317,8 +322,8 @@ def gemv(
         y = silu_and_mul(y) if silu_mul else y
         if with_argmax:
             return y, argmax(y, argmax_into)
-        if residual is not None:
-            y = y + residual
+        if squares:
+            y = y if residual is None else y + residual
             return y, y.float().pow(2).sum(-1, keepdim=True)
         return y
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
@@ -333,7 +338,7 @@ def gemv(
         grid * split_k * 2 * bm * block_n, dtype=torch.float32, device=x.device)
     parts = (torch.empty(m, grid, dtype=torch.float32, device=x.device),
              torch.empty(m, grid, dtype=torch.int32, device=x.device)) if with_argmax else (y, y)
-    if residual is not None:
+    if squares:
         parts = (torch.empty(m, grid, dtype=torch.float32, device=x.device), y)
     sum_sq, eps = (y, 0.0) if rms is None else rms
     assert rms is None or (sum_sq.shape[0] == m and sum_sq.dtype == torch.float32
@@ -345,13 +350,13 @@ def gemv(
         n * weight.stride(0), y.stride(0) if residual is None else residual.stride(0),
         sum_sq.shape[1], eps, BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k,
         EVEN=(k % block_k == 0 and n % block_n == 0), SILU_MUL=silu_mul, ARGMAX=with_argmax,
-        RESIDUAL=residual is not None, RMS=rms is not None,
+        RESIDUAL=residual is not None, SQUARES=squares, RMS=rms is not None,
         BLOCK_P=1 if rms is None else triton.next_power_of_2(sum_sq.shape[1]), SPLIT_K=split_k,
         PDL=with_pdl, num_warps=warps, num_stages=stages, launch_pdl=with_pdl,
     )
     if with_argmax:
         return y, _merge_argmax(*parts, argmax_into)
-    return (y, parts[0]) if residual is not None else y
+    return (y, parts[0]) if squares else y
 
 
 _SPLIT_COUNTS: dict[torch.device, torch.Tensor] = {}  # split-K arrivals per tile, 0 between

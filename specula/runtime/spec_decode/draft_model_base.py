@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from specula.runtime.kernels.draft_inputs import draft_step_slots
+from specula.runtime.kernels.layernorm import fused_add_rms_norm
 from specula.runtime.models.config import ModelConfig
 from specula.runtime.spec_decode.base import BaseSpeculator, ProposeInputs
 from specula.runtime.worker.cudagraph import (
@@ -49,6 +50,17 @@ class DraftRunner(ModelRunner):
             raise ValueError(f"bind the target's {sorted(model.missing_target_weights)} first")
         weight = model.get_parameter(self.weight_name)
         self.setup_paged(model, kv_cache, max_model_len, None, weight)
+
+    def normed_pair(self, input_ids: torch.Tensor, hidden: torch.Tensor, en: nn.Module,
+                    hn: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[n, 2H]``: norm ``en`` of the embedding rows of ``input_ids`` [n] (gathered
+        from the head's table in the norm kernel) beside norm ``hn`` of ``hidden [n, H]``,
+        each norm writing its half (no cat; EAGLE-3's first layer, MTP's ``eh_proj``), and
+        the right half, a view."""
+        table, h = self.model.embed_tokens.weight, hidden.shape[1]
+        x = table.new_empty(input_ids.shape[0], 2 * h)
+        fused_add_rms_norm(table, None, en.weight, en.eps, out=x[:, :h], ids=input_ids)
+        return x, fused_add_rms_norm(hidden.to(x.dtype), None, hn.weight, hn.eps, out=x[:, h:])[0]
 
 
 class DraftModelSpeculator(BaseSpeculator):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 
 from specula.runtime.kernels.gemv import linear_argmax
-from specula.runtime.kernels.layernorm import fused_add_rms_norm
 from specula.runtime.models.llama_eagle3 import Eagle3LlamaForCausalLM, load_eagle3_draft
 from specula.runtime.models.speculators_format import share_target_weights
 from specula.runtime.spec_decode.autoregressive import AutoRegressiveSpeculator
@@ -33,14 +32,9 @@ class Eagle3Runner(DraftRunner):
         assert input_ids.ndim == 1 and input_ids.shape == positions.shape
         assert input_ids.shape[0] == metadata.num_tokens
         assert hidden_states.shape == (input_ids.shape[0], self.config.hidden_size)
-        model, h = self.model, self.config.hidden_size
-        first, table = model.layers[0], model.embed_tokens.weight  # the target's, whole
-        # Layer 0 attends over [embedding, hidden] (width 2H): the two norms write its halves.
-        hidden = table.new_empty(input_ids.shape[0], 2 * h)
-        ln, hn = first.input_layernorm, first.hidden_norm
-        fused_add_rms_norm(table, None, ln.weight, ln.eps, out=hidden[:, :h], ids=input_ids)
-        normed_hidden = fused_add_rms_norm(hidden_states, None, hn.weight, hn.eps,
-                                           out=hidden[:, h:])[0]
+        model, first = self.model, self.model.layers[0]  # layer 0 attends over [embedding, hidden]
+        hidden, normed_hidden = self.normed_pair(input_ids, hidden_states, first.input_layernorm,
+                                                 first.hidden_norm)
         residual = normed_hidden if first.norm_before_residual else hidden_states
         normed, residual = self.decoder(model.layers, hidden, residual, positions, metadata, model.norm)
         return normed, normed if model.eagle.norm_output else residual

@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 
 from specula.runtime.kernels.gemv import gemv, linear, linear_argmax, use_gemv
-from specula.runtime.kernels.layernorm import fused_add_rms_norm
 from specula.runtime.models.mtp import MTPForCausalLM, load_mtp_draft
 from specula.runtime.models.speculators_format import share_target_weights
 from specula.runtime.spec_decode.autoregressive import AutoRegressiveSpeculator
@@ -23,7 +22,6 @@ class MTPRunner(DraftRunner):
     def __init__(self, model: MTPForCausalLM, kv_cache, max_model_len: int) -> None:
         super().__init__(model, kv_cache, max_model_len)
         self.norms_folded = fold_norms(model, [model.mtp_layers[0].block])
-        self.zero_rows = self.unit_norm.new_zeros(128, self.config.hidden_size)
 
     @torch.no_grad()
     def forward(  # type: ignore[override]
@@ -34,18 +32,12 @@ class MTPRunner(DraftRunner):
         and ``hidden_states [num_tokens, H]`` (the target's final states or this head's
         previous output) -> [num_tokens, H] normed states, for the logits and next step."""
         assert hidden_states.shape == (input_ids.shape[0], self.config.hidden_size)
-        layer, h = self.model.mtp_layers[0], self.config.hidden_size
-        table = self.model.embed_tokens.weight  # whole at any TP degree (the target's)
-        x = table.new_empty(input_ids.shape[0], 2 * h)  # the two norms write its halves: no cat
-        en, hn = layer.enorm, layer.hnorm
-        fused_add_rms_norm(table, None, en.weight, en.eps, out=x[:, :h], ids=input_ids)
-        fused_add_rms_norm(hidden_states.to(table.dtype), None, hn.weight, hn.eps, out=x[:, h:])
-        w, n = layer.eh_proj.weight, x.shape[0]
-        if self.norms_folded and n <= self.zero_rows.shape[0] and use_gemv(x, w):
-            # + 0: the sums of squares the block's input norm takes in qkv_proj's GEMV
-            x, sum_sq = gemv(x, w, residual=self.zero_rows[:n])
+        layer = self.model.mtp_layers[0]
+        x = self.normed_pair(input_ids, hidden_states, layer.enorm, layer.hnorm)[0]
+        if self.norms_folded and use_gemv(x, layer.eh_proj.weight):  # input norm in qkv_proj's GEMV
+            x, sum_sq = gemv(x, layer.eh_proj.weight, sums_of_squares=True)
         else:
-            x, sum_sq = linear(x, w), None
+            x, sum_sq = linear(x, layer.eh_proj.weight), None
         return self.decoder([layer.block], x, None, positions, metadata, layer.final_layernorm,
                             sum_sq=sum_sq)[0]
 

@@ -413,10 +413,9 @@ class ModelRunner:
         """The embedding and :meth:`decoder`; returns ``(normed [num_tokens, hidden_size],
         the last layer's output)``."""
         model = self.model.model
-        if self._fuses_reduce(input_ids) and getattr(model.embed_tokens, "world_size", 1) > 1:
+        if self._fuses_reduce(input_ids):  # TP > 1: a vocabulary-parallel embedding, no folding
             ln = model.layers[0].input_layernorm  # the ranks' rows summed in layer 0's norm kernel
-            weight = self.unit_norm if self.norms_folded else ln.weight
-            hidden, residual = self.fused_reduce(model.embed_tokens(input_ids, reduce=False), None, weight, ln.eps)
+            hidden, residual = self.fused_reduce(model.embed_tokens(input_ids, reduce=False), None, ln.weight, ln.eps)
         else:
             hidden, residual = model.embed_tokens(input_ids), None  # [num_tokens, hidden_size]
         return self.decoder(

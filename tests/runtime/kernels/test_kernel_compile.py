@@ -39,7 +39,7 @@ def _gemv(**constexprs):
              "split_ptr": "*fp32", "count_ptr": "*i32",
              "up_offset": "i64", "eps": "fp32"}
     flags = dict(BLOCK_M=16, EVEN=True, SILU_MUL=False, ARGMAX=False, RESIDUAL=False,
-                 RMS=False, BLOCK_P=1, SPLIT_K=1, PDL=True)
+                 SQUARES=False, RMS=False, BLOCK_P=1, SPLIT_K=1, PDL=True)
     return gemv._gemv_kernel, types, flags | constexprs
 
 
@@ -76,8 +76,9 @@ CASES = {
     # norm), o_proj/down_proj (the residual add before a folded norm) and LM head
     # (bench/gemv.py configs).
     "gemv_silu_mul": _gemv(BLOCK_N=64, BLOCK_K=256, SILU_MUL=True, RMS=True, BLOCK_P=64),
-    "gemv_residual": _gemv(BLOCK_N=32, BLOCK_K=256, RESIDUAL=True),
-    "gemv_split_k": _gemv(BLOCK_N=16, BLOCK_K=256, RESIDUAL=True, SPLIT_K=4),
+    "gemv_residual": _gemv(BLOCK_N=32, BLOCK_K=256, RESIDUAL=True, SQUARES=True),
+    "gemv_squares": _gemv(BLOCK_N=32, BLOCK_K=512, SQUARES=True),  # MTP's eh_proj
+    "gemv_split_k": _gemv(BLOCK_N=16, BLOCK_K=256, RESIDUAL=True, SQUARES=True, SPLIT_K=4),
     "gemv_split_k_silu_mul": _gemv(BLOCK_N=32, BLOCK_K=128, SILU_MUL=True, RMS=True, BLOCK_P=64,
                                    SPLIT_K=2),
     "gemv_argmax": _gemv(BLOCK_N=64, BLOCK_K=512, EVEN=False, ARGMAX=True),

@@ -468,6 +468,10 @@ def check_gemv_folded_norm_epilogues() -> None:
         assert torch.equal(stream, fused_add_rms_norm(gemv(x, w, cfg), residual, w[0, :n], 1e-5)[1])
         assert sum_sq.shape == (m, -(-n // cfg[0])) and sum_sq.dtype == torch.float32
         torch.testing.assert_close(sum_sq.sum(-1), stream.float().pow(2).sum(-1))
+        # The sums of squares alone (MTP's eh_proj): the product unchanged, no add.
+        y, squares = gemv(x, w, cfg, sums_of_squares=True)
+        assert torch.equal(y, gemv(x, w, cfg)) and squares.shape == sum_sq.shape
+        torch.testing.assert_close(squares.sum(-1), y.float().pow(2).sum(-1))
         # 1/rms epilogue with the norm weight folded in: rms_norm(stream) then the product.
         g = (1 + 0.2 * torch.randn(n, generator=gen)).half()
         w2 = (torch.randn(2 * 48, n, generator=gen) * 0.05).half()
