@@ -96,9 +96,8 @@ def start_ranks(
     """
     n = world_size
     if device_type == "cuda" and torch.cuda.device_count() < n:
-        raise ValueError(
-            f"tensor_parallel_size {n} needs {n} GPUs; {torch.cuda.device_count()} visible"
-        )
+        raise ValueError(f"tensor_parallel_size {n} needs {n} GPUs; "
+                         f"{torch.cuda.device_count()} visible")
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         init_method = f"tcp://127.0.0.1:{sock.getsockname()[1]}"

@@ -92,9 +92,8 @@ class Request:
                 self.finish_reason, self.stop_reason = "stop", token
             elif params.stop and (matched := self._match_stop_string(tokenizer)) is not None:
                 self.finish_reason, self.stop_reason = "stop", matched
-            elif (
-                self.num_output_tokens >= params.max_tokens or len(self.token_ids) >= max_model_len
-            ):
+            elif (self.num_output_tokens >= params.max_tokens
+                  or len(self.token_ids) >= max_model_len):
                 self.finish_reason = "length"
             if self.finished:
                 break

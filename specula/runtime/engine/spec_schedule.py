@@ -95,16 +95,14 @@ class BatchSizeSchedule:
             if end < start:
                 raise _invalid_schedule(f"{where}end {end} is below start {start}")
             if i == 0 and start != 1:
-                raise _invalid_schedule(
-                    f"{where}the first range must start at batch size 1, not {start}"
-                )
+                raise _invalid_schedule(f"{where}the first range must start at batch size 1, "
+                                        f"not {start}")
             prev_end = parsed[-1][1] if parsed else 0
             if start <= prev_end:
                 raise _invalid_schedule(f"{where}overlaps the previous range, which ends at {prev_end}")
             if start > prev_end + 1:
-                raise _invalid_schedule(
-                    f"{where}leaves a gap: batch sizes {prev_end + 1}..{start - 1} are in no range"
-                )
+                raise _invalid_schedule(f"{where}leaves a gap: batch sizes {prev_end + 1}.."
+                                        f"{start - 1} are in no range")
             check_k(k, max_k, param=SCHEDULE_PARAM, where=where)
             parsed.append((start, end, k))
         return cls(tuple(parsed))
@@ -168,8 +166,7 @@ class SpeculativeSettings:
             )
         if num_speculative_tokens is None:
             self.speculative_schedule = BatchSizeSchedule.parse(
-                num_speculative_tokens_per_batch_size, self.max_num_speculative_tokens
-            )
+                num_speculative_tokens_per_batch_size, self.max_num_speculative_tokens)
         else:
             check_k(num_speculative_tokens, self.max_num_speculative_tokens)
             self.speculative_schedule = None

@@ -72,8 +72,7 @@ class DFlashDraftModel(nn.Module):
     ) -> torch.Tensor:
         """``[num_positions, hidden_size]`` -> ``[num_positions, target_vocab_size]``
         float32 logits over the *target* vocabulary (``-inf`` outside a reduced draft
-        vocabulary: :func:`~specula.runtime.models.speculators_format.target_vocab_logits`).
-        """
+        vocabulary: :func:`~specula.runtime.models.speculators_format.target_vocab_logits`)."""
         if self.lm_head is None:
             return linear(hidden, target_lm_head_weight).float()
         draft_logits = self.lm_head(hidden).float()

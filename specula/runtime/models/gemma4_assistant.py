@@ -53,15 +53,13 @@ class Gemma4AssistantConfig:
         """
         hf = read_hf_config(checkpoint_dir)
         if hf.model_type != ASSISTANT_MODEL_TYPE:
-            raise ValueError(
-                f"gemma4_mtp draft model_type {hf.model_type!r} != {ASSISTANT_MODEL_TYPE!r}"
-            )
+            raise ValueError(f"gemma4_mtp draft model_type {hf.model_type!r} != "
+                             f"{ASSISTANT_MODEL_TYPE!r}")
         text = hf.get_text_config()
         for field in ("hidden_size_per_layer_input", "enable_moe_block", "use_double_wide_mlp"):
             if getattr(text, field, None):
-                raise ValueError(
-                    f"gemma4_assistant text_config.{field} {getattr(text, field)!r} must be off"
-                )
+                raise ValueError(f"gemma4_assistant text_config.{field} "
+                                 f"{getattr(text, field)!r} must be off")
         architectures = getattr(hf, "architectures", None) or ["Gemma4AssistantForCausalLM"]
         return cls(
             text=Gemma4ModelConfig.from_text_config(text, architectures[0], outer=hf),

@@ -22,10 +22,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., hidden_size]
-        dtype = x.dtype
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(dtype)
+        return self.weight * xf.to(x.dtype)
 
 
 class MergedLinear(nn.Linear):
@@ -47,10 +46,8 @@ class MergedLinear(nn.Linear):
         start = sum(self.output_sizes[:shard_id])
         rows = param.data.narrow(0, start, self.output_sizes[shard_id])
         if rows.shape != loaded.shape:
-            raise ValueError(
-                f"shard {shard_id} of {param_name}: checkpoint shape {tuple(loaded.shape)} "
-                f"!= expected {tuple(rows.shape)}"
-            )
+            raise ValueError(f"shard {shard_id} of {param_name}: checkpoint shape "
+                             f"{tuple(loaded.shape)} != expected {tuple(rows.shape)}")
         rows.copy_(loaded)
 
 
@@ -93,9 +90,7 @@ class RotaryEmbedding:
     def __init__(
         self, head_dim: int, theta: float, scaling: dict[str, Any] | None, device: torch.device,
     ) -> None:
-        exponents = (
-            torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
-        )
+        exponents = torch.arange(0, head_dim, 2, device=device).float() / head_dim
         inv_freq = 1.0 / (theta**exponents)
         rope_type = (scaling or {}).get("rope_type", "default")
         if rope_type == "linear":

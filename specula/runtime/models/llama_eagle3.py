@@ -147,9 +147,7 @@ def load_eagle3_draft(
         checkpoint_dir, eagle.draft_vocab_size, layer.vocab_size, load_format
     ).to(device)
     if model.missing_target_weights and layer.hidden_size != target.hidden_size:
-        raise ValueError(
-            f"checkpoint lacks {sorted(model.missing_target_weights)} and "
-            f"transformer_layer_config.hidden_size {layer.hidden_size} != target "
-            f"hidden_size {target.hidden_size}: the target's cannot be shared"
-        )
+        raise ValueError(f"checkpoint lacks {sorted(model.missing_target_weights)} and "
+                         f"transformer_layer_config.hidden_size {layer.hidden_size} != target "
+                         f"hidden_size {target.hidden_size}: the target's cannot be shared")
     return model

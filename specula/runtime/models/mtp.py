@@ -92,10 +92,8 @@ def load_mtp_draft(
     raw = read_speculators_config(checkpoint_dir, "mtp")
     layer = layer_model_config(raw, target)
     if layer.hidden_size != target.hidden_size:
-        raise ValueError(
-            f"transformer_layer_config.hidden_size {layer.hidden_size} != target hidden_size "
-            f"{target.hidden_size}"
-        )
+        raise ValueError(f"transformer_layer_config.hidden_size {layer.hidden_size} != target "
+                         f"hidden_size {target.hidden_size}")
     num_layers = raw.get("num_nextn_predict_layers", 1)
     if num_layers != 1:
         # The format itself defines one layer (speculators' MTPSpeculatorConfig).

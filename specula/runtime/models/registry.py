@@ -38,10 +38,9 @@ def check_servable(config: ModelConfig) -> None:
     tp = config.tensor_parallel_size
     if tp > 1:
         if config.architecture not in ("LlamaForCausalLM", "Qwen3ForCausalLM"):
-            raise ValueError(
-                f"tensor_parallel_size {tp}: architecture {config.architecture!r} runs on "
-                "one GPU (tensor_parallel_size 1); Llama and Qwen3 targets can be sharded"
-            )
+            raise ValueError(f"tensor_parallel_size {tp}: architecture {config.architecture!r} "
+                             "runs on one GPU (tensor_parallel_size 1); Llama and Qwen3 targets "
+                             "can be sharded")
         check_divisible(config, tp)
 
 
@@ -109,10 +108,8 @@ def load_safetensors(
     modules = dict(model.named_modules())
     unloaded = set(params)
     loaded_shards: dict[str, set[int]] = defaultdict(set)
-    shard_map = {
-        sub: (fused, i) for fused, subs in model.packed_modules_mapping.items() for i,
-        sub in enumerate(subs)
-    }
+    shard_map = {sub: (fused, i) for fused, subs in model.packed_modules_mapping.items()
+                 for i, sub in enumerate(subs)}
     rename = rename or getattr(model, "checkpoint_name", None) or (lambda name: name)
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:

@@ -66,24 +66,19 @@ def layer_model_config(
     layer = dict(config["transformer_layer_config"])
     model_type = layer.pop("model_type", None) or default_type
     if target is not None and model_type not in DECODER_LAYERS:
-        raise ValueError(
-            f"transformer_layer_config.model_type {model_type!r} is not supported (llama, qwen3)"
-        )
+        raise ValueError(f"transformer_layer_config.model_type {model_type!r} is not supported "
+                         "(llama, qwen3)")
     hf = AutoConfig.for_model(model_type, **layer)
     layer_types = getattr(hf, "layer_types", None) or ()
     if any(t != "full_attention" for t in layer_types):
-        raise ValueError(
-            f"transformer_layer_config.layer_types {list(layer_types)}: only full-attention "
-            "layers are supported"
-        )
+        raise ValueError(f"transformer_layer_config.layer_types {list(layer_types)}: only "
+                         "full-attention layers are supported")
     # Only the layer shapes matter here; ModelConfig wants an architecture name.
     hf.architectures = getattr(hf, "architectures", None) or ["DraftLayers"]
     ours = ModelConfig.from_hf_config(hf)
     if target is not None and ours.vocab_size != target.vocab_size:
-        raise ValueError(
-            f"transformer_layer_config.vocab_size {ours.vocab_size} != target vocab_size "
-            f"{target.vocab_size}"
-        )
+        raise ValueError(f"transformer_layer_config.vocab_size {ours.vocab_size} != target "
+                         f"vocab_size {target.vocab_size}")
     return ours
 
 
@@ -145,9 +140,8 @@ def draft_vocab_ids(
             if d2t is None and "d2t" in f.keys():  # noqa: SIM118 - safe_open is not a mapping
                 d2t = f.get_tensor("d2t")
     if d2t is None:
-        raise ValueError(
-            f"draft_vocab_size {n} != target vocab_size {vocab_size} but the checkpoint has no d2t"
-        )
+        raise ValueError(f"draft_vocab_size {n} != target vocab_size {vocab_size} but the "
+                         "checkpoint has no d2t")
     if d2t.shape != (n,):
         raise ValueError(f"d2t has shape {tuple(d2t.shape)}, draft_vocab_size is {n}")
     target_ids = torch.arange(n) + d2t.long()

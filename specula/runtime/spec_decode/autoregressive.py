@@ -75,10 +75,8 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
         self, hidden: torch.Tensor, sampling: SamplingMetadata, keys: torch.Tensor, step: int
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Draft ``step`` (0-based) of each request from ``hidden [num_reqs, H]``: the
-        argmax (``draft_sample_method: greedy``) or a sample (``probabilistic``).
-
-        Returns ``(token_ids [num_reqs], probs [num_reqs, vocab_size] | None)``.
-        """
+        argmax (``draft_sample_method: greedy``) or a sample (``probabilistic``): returns
+        ``(token_ids [num_reqs], probs [num_reqs, vocab_size] | None)``."""
         if not self.keeps_draft_probs:
             return self.draft_argmax(hidden), None
         return sample(self.compute_draft_logits(hidden), sampling, keys, STREAM_DRAFT + step)

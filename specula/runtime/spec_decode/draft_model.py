@@ -26,10 +26,9 @@ class PlainDraftModelSpeculator(AutoRegressiveSpeculator):
     def load_draft_model(self) -> nn.Module:
         config = ModelConfig.from_pretrained(self.draft_dir)
         if config.vocab_size != self.vocab_size:
-            raise ValueError(
-                f"draft model vocab_size {config.vocab_size} != target vocab_size "
-                f"{self.vocab_size}: draft and target must share the tokenizer's vocabulary"
-            )
+            raise ValueError(f"draft model vocab_size {config.vocab_size} != target vocab_size "
+                             f"{self.vocab_size}: draft and target must share the tokenizer's "
+                             "vocabulary")
         config = replace(config, tensor_parallel_size=self.tensor_parallel_size)
         return load_model(self.draft_dir, self.dtype, self.device, config, self.load_format)
 

@@ -41,13 +41,11 @@ class SpecDecodingProm(Collector):
 
     def collect(self) -> Iterator[Metric]:
         stats = self._get_stats()
-        if stats is None:
-            return
-        yield from self._families(stats)
+        if stats is not None:
+            yield from self._families(stats)
 
     def _families(self, stats: SpecDecodingStats | None) -> Iterator[Metric]:
-        labels = ["model_name"]
-        values = [self._model_name]
+        labels, values = ["model_name"], [self._model_name]
         for attr, doc in (
             ("num_drafts", "Number of spec decoding drafts."),
             ("num_draft_tokens", "Number of draft tokens."),

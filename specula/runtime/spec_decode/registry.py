@@ -116,7 +116,5 @@ def create_speculator(
             f"{config.method} draft runs unsharded on every rank (draft_tensor_parallel_size "
             "1); only draft_model drafts can be sharded"
         )
-    ctx = SpeculatorContext(
-        config, target_config, Path(target_dir), max_num_seqs, dtype, device, load_format
-    )
-    return factory(ctx)
+    return factory(SpeculatorContext(
+        config, target_config, Path(target_dir), max_num_seqs, dtype, device, load_format))

@@ -185,12 +185,9 @@ class CUDAGraphManager:
             )
             state = CapturedAttentionState(d, metadata, self.input_ids[:n], self.positions[:n])
             outputs: list = []
-            graph = capture_graph(
-                lambda s=state, out=outputs: out.append(
-                    self.runner.forward(s.input_ids, s.positions, s.metadata, self.aux_layer_ids)
-                ),
-                self.pool,
-            )
+            args = (state.input_ids, state.positions, metadata, self.aux_layer_ids)
+            graph = capture_graph(lambda a=args, out=outputs: out.append(self.runner.forward(*a)),
+                                  self.pool)
             self.pool = graph.pool()
             self.graphs[d] = graph
             # The outputs of the captured call (the warm-up's come first).

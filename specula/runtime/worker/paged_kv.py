@@ -71,12 +71,8 @@ def num_blocks_from_free_memory(
 
 
 class PagedKVCache:
-    """The key and value caches of a :class:`KVCacheSpec`, zero-filled.
-
-    Args:
-        spec: the cache shape.
-        num_blocks: blocks per layer (> 0).
-        device: where the tensors live.
+    """The key and value caches of :class:`KVCacheSpec` ``spec``, ``num_blocks`` blocks per
+    layer on ``device``, zero-filled.
 
     Raises:
         ValueError: ``num_blocks`` <= 0.
@@ -232,15 +228,12 @@ def _context_groups(metadata: PagedAttentionMetadata) -> tuple:
         if ctx:
             by_len.setdefault(length, []).append(i)
     device = metadata.block_table.device
-    return tuple(
-        (
-            length,
-            _to_device([r for i in reqs for r in range(starts[i], starts[i + 1])], torch.int64, device),
-            metadata.block_table[_to_device(reqs, torch.int64, device)],
-            _to_device([metadata.context_lens_cpu[i] + length for i in reqs], torch.int32, device),
-        )
-        for length, reqs in by_len.items()
-    )
+    return tuple((
+        length,
+        _to_device([r for i in reqs for r in range(starts[i], starts[i + 1])], torch.int64, device),
+        metadata.block_table[_to_device(reqs, torch.int64, device)],
+        _to_device([metadata.context_lens_cpu[i] + length for i in reqs], torch.int32, device),
+    ) for length, reqs in by_len.items())
 
 
 def build_attention_metadata(

@@ -245,10 +245,8 @@ def check_divisible(config: Any, world_size: int) -> None:
     for field in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
         value = getattr(config, field)
         if value % world_size:
-            raise ValueError(
-                f"{field} {value} is not divisible by tensor_parallel_size {world_size}: "
-                "the model cannot be sharded over that many GPUs"
-            )
+            raise ValueError(f"{field} {value} is not divisible by tensor_parallel_size "
+                             f"{world_size}: the model cannot be sharded over that many GPUs")
 
 
 def shard_tensor(tensor: torch.Tensor, style: str, shape: torch.Size) -> torch.Tensor:
@@ -273,13 +271,9 @@ def shard_tensor(tensor: torch.Tensor, style: str, shape: torch.Size) -> torch.T
 
 
 class VocabParallelEmbedding(nn.Embedding):
-    """The embedding of this rank's ``ceil(vocab_size / N)`` token ids; the lookup of
-    another rank's id is zero before the all-reduce that sums the ranks' rows.
-
-    Args:
-        vocab_size: the whole vocabulary; embedding_dim: hidden size;
-        world_size: ranks the rows are spread over.
-    """
+    """The ``embedding_dim``-wide (hidden size) embedding of this rank's ``ceil(vocab_size /
+    world_size)`` ids of the whole vocabulary, spread over ``world_size`` ranks; the lookup of
+    another rank's id is zero before the all-reduce that sums the ranks' rows."""
 
     def __init__(self, vocab_size: int, embedding_dim: int, world_size: int = 1) -> None:
         super().__init__(cdiv(vocab_size, world_size), embedding_dim)

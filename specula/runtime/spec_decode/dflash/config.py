@@ -70,10 +70,8 @@ class DFlashConfig:
                              f"[0, {layer_config.vocab_size})")
         layer_ids = raw.get("aux_hidden_state_layer_ids")
         if not layer_ids or len(set(layer_ids)) != len(layer_ids):
-            raise ValueError(
-                f"aux_hidden_state_layer_ids {layer_ids!r} must be a non-empty list of "
-                f"distinct target layer ids"
-            )
+            raise ValueError(f"aux_hidden_state_layer_ids {layer_ids!r} must be a non-empty "
+                             "list of distinct target layer ids")
         draft_vocab_size = raw.get("draft_vocab_size") or layer_config.vocab_size
         if draft_vocab_size > layer_config.vocab_size:
             raise ValueError(f"draft_vocab_size {draft_vocab_size} exceeds the target vocab_size "
@@ -111,8 +109,6 @@ class DFlashConfig:
         limit = self.max_num_speculative_tokens
         if num_speculative_tokens > limit:
             anchor = "" if self.sample_from_anchor else " - 1 (the anchor slot drafts nothing)"
-            raise ValueError(
-                f"max_num_speculative_tokens {num_speculative_tokens} exceeds the {limit} "
-                f"draft tokens one dflash block yields (block_size {self.block_size}{anchor})"
-            )
-
+            raise ValueError(f"max_num_speculative_tokens {num_speculative_tokens} exceeds the "
+                             f"{limit} draft tokens one dflash block yields (block_size "
+                             f"{self.block_size}{anchor})")
