@@ -440,6 +440,31 @@ def test_split_k_gemv_in_a_cuda_graph(split, monkeypatch):
     assert len(taken) == 2 * 22 and all(c is not None for c in taken)
 
 
+def test_gemv_prefetch_changes_no_result():
+    """``prefetch`` only asks L2 for the next weight's first lines: the plain product, the
+    SwiGLU epilogue and the split-K residual epilogue (the 1B ``down_proj``) give the same
+    bits with it, eagerly and replayed in a CUDA graph."""
+    from specula.runtime.kernels.gemv import gemv
+
+    gen = torch.Generator(DEVICE).manual_seed(0)
+
+    def randn(*shape):
+        return torch.randn(*shape, device=DEVICE, dtype=torch.bfloat16, generator=gen) * 0.02
+
+    x, x_wide, res, nxt = randn(5, 2048), randn(5, 8192), randn(5, 2048), randn(3072, 2048)
+    o, gate_up, down = randn(2048, 2048), randn(16384, 2048), randn(2048, 8192)
+    cases = [lambda p: gemv(x, o, prefetch=p), lambda p: gemv(x, gate_up, silu_mul=True, prefetch=p),
+             lambda p: gemv(x_wide, down, residual=res, prefetch=p)[0]]
+    want = [case(None) for case in cases]
+    assert all(torch.equal(case(nxt), w) for case, w in zip(cases, want, strict=True))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = [case(nxt) for case in cases]
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(y, w) for y, w in zip(outs, want, strict=True))
+
+
 @pytest.mark.parametrize("rows", [1, 5, 32, 64])
 def test_gate_up_gemv_with_swiglu_epilogue(rows):
     from specula.runtime.kernels.activation import silu_and_mul

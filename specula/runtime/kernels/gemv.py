@@ -68,6 +68,12 @@ beat the library GEMM on an H100 (``bench/gemv.py``, ``bench/results/gemv.json``
 :func:`use_gemv` sends only these here."""
 
 
+PREFETCH_MAX_BYTES, PREFETCH_SHARE = 6 << 20, 3
+""":func:`gemv`'s ``prefetch``: at most 6 MiB of the next weight per launch, and at most a
+third of the launch's own weight bytes (the best mean over Llama-3.2-1B and 3.1-8B layers
+at 1, 5 and 32 rows on an H100: ``bench/results/engine.json``, ``gemv_prefetch_next``)."""
+
+
 def block_m(rows: int) -> int:
     """The row tile for ``rows`` rows: a power of two, at least 16 (``tl.dot``'s least)."""
     return max(16, triton.next_power_of_2(rows))
@@ -82,6 +88,19 @@ def _load_weight(ptrs, mask, EVEN: tl.constexpr):
 
 
 @triton.jit
+def _prefetch(next_ptr, next_lines, prog, num_progs):
+    """Program ``prog`` of ``num_progs`` asks L2 for its share of the first ``next_lines``
+    128-byte lines at ``next_ptr`` (``prefetch.global.L2``; nothing is written)."""
+    per = tl.cdiv(next_lines, num_progs)
+    for i in range(0, per, 128):
+        offs = i + tl.arange(0, 128)
+        line = tl.where((prog * per + offs < next_lines) & (offs < per), prog * per + offs, 0)
+        tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;", "=r,l",
+                                  [next_ptr.to(tl.pointer_type(tl.int8)) + line.to(tl.int64) * 128],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _gemv_kernel(
     y_ptr,  # [M, N]
     x_ptr,  # [M, K]
@@ -92,12 +111,14 @@ def _gemv_kernel(
     rms_ptr,  # RMS: [M, num_parts] float32, sums of squares of parts of each row of x
     split_ptr,  # SPLIT_K > 1: [num_programs, SPLIT_K, (2,) BLOCK_M, BLOCK_N] float32 partials
     count_ptr,  # SPLIT_K > 1: [>= num_programs] int32 zeros, arrivals per column tile
+    next_ptr, next_lines,  # PREFETCH: the next weight, how many of its first 128-byte lines
     M, N, K, stride_ym, stride_xm, stride_wn,
     up_offset,  # SILU_MUL: N * stride_wn, the up rows' offset
     stride_res, num_parts, eps,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
     SILU_MUL: tl.constexpr, ARGMAX: tl.constexpr, RESIDUAL: tl.constexpr, SQUARES: tl.constexpr,
     RMS: tl.constexpr, BLOCK_P: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
     pid = tl.program_id(0)
@@ -119,6 +140,8 @@ def _gemv_kernel(
             acc_up = tl.dot(x, _load_weight(w_ptrs + up_offset, w_mask, EVEN), acc_up)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    if PREFETCH:  # this program's weights are read: start the next kernel's into L2
+        _prefetch(next_ptr, next_lines, pid * SPLIT_K + split, tl.num_programs(0) * SPLIT_K)
     last = True
     if SPLIT_K > 1:  # the last program of the column tile to arrive sums the partials
         tile = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
@@ -270,7 +293,7 @@ def gemv(
     x: torch.Tensor, weight: torch.Tensor, config: tuple[int, ...] | None = None,
     *, silu_mul: bool = False, with_argmax: bool = False, residual: torch.Tensor | None = None,
     rms: tuple[torch.Tensor, float] | None = None, argmax_into: tuple[torch.Tensor, int] | None = None,
-    sums_of_squares: bool = False,
+    sums_of_squares: bool = False, prefetch: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``x @ weight.T`` with the kernel, optionally with the module's epilogues.
 
@@ -294,6 +317,11 @@ def gemv(
             ``x``: return ``(x @ weight.T) / sqrt(mean(x^2) + eps)`` per row, the product
             of ``rms_norm(x)`` when the norm weight is folded into ``weight``
             (:func:`fold_norm_weight`; RMSNorm, arXiv 1910.07467).
+        prefetch: the weight of the projection that runs next (contiguous): each program,
+            its own weights read, asks L2 for its share of the first
+            min(:data:`PREFETCH_MAX_BYTES`, ``weight`` bytes / :data:`PREFETCH_SHARE`)
+            bytes of it, which stream while this launch's tail and the next launch's
+            start leave the memory idle (CUDA devices of compute capability 9.0 and later).
 
     Returns:
         [M, N] in ``x.dtype`` (float32 accumulation); with ``with_argmax`` also the
@@ -344,15 +372,18 @@ def gemv(
     assert rms is None or (sum_sq.shape[0] == m and sum_sq.dtype == torch.float32
                            and sum_sq.is_contiguous())
     with_pdl = pdl(x)
+    lines = 0 if prefetch is None or not with_pdl else min(
+        PREFETCH_MAX_BYTES, weight.nbytes // PREFETCH_SHARE, prefetch.nbytes) // 128
     _gemv_kernel[(grid, split_k)](
         y, x, weight, *parts, y if residual is None else residual, sum_sq, partials,
-        partials if counts is None else counts, m, n, k, y.stride(0), x.stride(0), weight.stride(0),
-        n * weight.stride(0), y.stride(0) if residual is None else residual.stride(0),
-        sum_sq.shape[1], eps, BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k,
+        partials if counts is None else counts, weight if prefetch is None else prefetch, lines,
+        m, n, k, y.stride(0), x.stride(0), weight.stride(0), n * weight.stride(0),
+        y.stride(0) if residual is None else residual.stride(0), sum_sq.shape[1], eps,
+        BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k,
         EVEN=(k % block_k == 0 and n % block_n == 0), SILU_MUL=silu_mul, ARGMAX=with_argmax,
         RESIDUAL=residual is not None, SQUARES=squares, RMS=rms is not None,
         BLOCK_P=1 if rms is None else triton.next_power_of_2(sum_sq.shape[1]), SPLIT_K=split_k,
-        PDL=with_pdl, num_warps=warps, num_stages=stages, launch_pdl=with_pdl,
+        PDL=with_pdl, PREFETCH=lines > 0, num_warps=warps, num_stages=stages, launch_pdl=with_pdl,
     )
     if with_argmax:
         return y, _merge_argmax(*parts, argmax_into)

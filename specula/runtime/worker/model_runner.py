@@ -288,17 +288,17 @@ class ModelRunner:
 
     def _norm_linear(
         self, hidden: torch.Tensor, residual: torch.Tensor | None, sum_sq: torch.Tensor | None,
-        norm: nn.Module | None, proj: nn.Linear, silu_mul: bool = False,
+        norm: nn.Module | None, proj: nn.Linear, prefetch: torch.Tensor, silu_mul: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """A sublayer's input ``norm`` and first projection -> ``(output, residual stream)``. The
         stream is ``hidden + residual`` (``hidden`` when ``residual`` is None); ``norm=None``:
         ``hidden`` is the normed input already. With folded norms (:func:`fold_norms`) the norm is
         the GEMV's 1/rms epilogue when ``sum_sq`` (the stream's sums of squares) is given and the
-        GEMV takes the shape, else the norm kernel with a unit weight."""
+        GEMV takes the shape (``prefetch``: :func:`gemv`'s), else the norm kernel with a unit weight."""
         if norm is None:
             normed, stream = hidden, residual
         elif sum_sq is not None and proj.bias is None and use_gemv(hidden, proj.weight):
-            return gemv(hidden, proj.weight, silu_mul=silu_mul, rms=(sum_sq, norm.eps)), hidden
+            return gemv(hidden, proj.weight, silu_mul=silu_mul, rms=(sum_sq, norm.eps), prefetch=prefetch), hidden
         else:
             weight = self.unit_norm if self.norms_folded else norm.weight
             normed, stream = self._add_norm(hidden, residual, weight, norm.eps)
@@ -307,14 +307,14 @@ class ModelRunner:
         return linear(normed, proj.weight, proj.bias), stream
 
     def _out_linear(
-        self, x: torch.Tensor, proj: nn.Linear, stream: torch.Tensor
+        self, x: torch.Tensor, proj: nn.Linear, stream: torch.Tensor, prefetch: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """A sublayer's last projection -> ``(hidden, residual, sum_sq)`` for the next
         norm: with folded norms the GEMV's residual epilogue where it takes the shape
         (``(new stream, None, its sums of squares [n, P] float32)``), else ``(proj(x)``
         summed over the ranks, ``stream, None)``, the add left to the next norm kernel."""
         if self.norms_folded and proj.bias is None and use_gemv(x, proj.weight):
-            out, sum_sq = gemv(x, proj.weight, residual=stream)
+            out, sum_sq = gemv(x, proj.weight, residual=stream, prefetch=prefetch)
             return out, None, sum_sq
         if self._fuses_reduce(x):  # partial sums: the next _add_norm reduces them
             return linear(x, proj.weight, proj.bias), stream, None
@@ -353,17 +353,19 @@ class ModelRunner:
             ``(normed [n, H], residual stream [n, H])``.
         """
         assert sum_sq is None or (self.norms_folded and residual is None), "sum_sq: folded layer 0"
+        nxt = [layer.self_attn.qkv_proj.weight for layer in layers[1:]] + [None]  # gemv's prefetch
         for i, layer in enumerate(layers):
             attn, mlp = layer.self_attn, layer.mlp
             ln = layer.input_layernorm if i > 0 or residual is None else None
-            qkv, stream = self._norm_linear(hidden, residual, sum_sq, ln, attn.qkv_proj)
+            qkv, stream = self._norm_linear(hidden, residual, sum_sq, ln, attn.qkv_proj, attn.o_proj.weight)
             if i in aux_layer_ids:
                 captured[i] = stream
             out = self._attend(attn, qkv, positions, i, metadata)
-            hidden, residual, sum_sq = self._out_linear(out, attn.o_proj, stream)
+            hidden, residual, sum_sq = self._out_linear(out, attn.o_proj, stream, mlp.gate_up_proj.weight)
             ln = layer.post_attention_layernorm
-            act, stream = self._norm_linear(hidden, residual, sum_sq, ln, mlp.gate_up_proj, silu_mul=True)
-            hidden, residual, sum_sq = self._out_linear(act, mlp.down_proj, stream)
+            act, stream = self._norm_linear(hidden, residual, sum_sq, ln, mlp.gate_up_proj, mlp.down_proj.weight,
+                                            silu_mul=True)
+            hidden, residual, sum_sq = self._out_linear(act, mlp.down_proj, stream, nxt[i])
         return self._add_norm(hidden, residual, norm.weight, norm.eps)
 
     @torch.no_grad()

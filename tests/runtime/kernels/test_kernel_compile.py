@@ -36,10 +36,10 @@ def _gemv(**constexprs):
     no epilogue unless ``constexprs`` asks for one."""
     types = {"y_ptr": "*bf16", "x_ptr": "*bf16", "w_ptr": "*bf16", "part_max_ptr": "*fp32",
              "part_idx_ptr": "*i32", "res_ptr": "*bf16", "rms_ptr": "*fp32",
-             "split_ptr": "*fp32", "count_ptr": "*i32",
+             "split_ptr": "*fp32", "count_ptr": "*i32", "next_ptr": "*bf16",
              "up_offset": "i64", "eps": "fp32"}
     flags = dict(BLOCK_M=16, EVEN=True, SILU_MUL=False, ARGMAX=False, RESIDUAL=False,
-                 SQUARES=False, RMS=False, BLOCK_P=1, SPLIT_K=1, PDL=True)
+                 SQUARES=False, RMS=False, BLOCK_P=1, SPLIT_K=1, PDL=True, PREFETCH=False)
     return gemv._gemv_kernel, types, flags | constexprs
 
 
@@ -78,6 +78,8 @@ CASES = {
     "gemv_silu_mul": _gemv(BLOCK_N=64, BLOCK_K=256, SILU_MUL=True, RMS=True, BLOCK_P=64),
     "gemv_residual": _gemv(BLOCK_N=32, BLOCK_K=256, RESIDUAL=True, SQUARES=True),
     "gemv_squares": _gemv(BLOCK_N=32, BLOCK_K=512, SQUARES=True),  # MTP's eh_proj
+    # The next projection's weights asked of L2 after the loop (any epilogue).
+    "gemv_prefetch": _gemv(BLOCK_N=32, BLOCK_K=256, RESIDUAL=True, SQUARES=True, PREFETCH=True),
     "gemv_split_k": _gemv(BLOCK_N=16, BLOCK_K=256, RESIDUAL=True, SQUARES=True, SPLIT_K=4),
     "gemv_split_k_silu_mul": _gemv(BLOCK_N=32, BLOCK_K=128, SILU_MUL=True, RMS=True, BLOCK_P=64,
                                    SPLIT_K=2),
@@ -179,6 +181,7 @@ def test_compiles_for_sm90(name):
     assert f".entry {kernel.fn.__name__}" in compiled.asm["ptx"]
     # The variant launched with programmatic dependent launch waits for its predecessor.
     assert ("griddepcontrol.wait" in compiled.asm["ptx"]) == constexprs.get("PDL", False)
+    assert ("prefetch.global.L2" in compiled.asm["ptx"]) == constexprs.get("PREFETCH", False)
     assert compiled.asm["cubin"], "ptxas produced no binary"
 
 
