@@ -444,7 +444,8 @@ def test_gemv_prefetch_changes_no_result():
     """``prefetch`` only asks L2 for the next weight's first lines: the plain product, the
     SwiGLU epilogue and the split-K residual epilogue (the 1B ``down_proj``) give the same
     bits with it, eagerly and replayed in a CUDA graph."""
-    from specula.runtime.kernels.gemv import gemv
+    from specula.runtime.kernels.dispatch import pdl
+    from specula.runtime.kernels.gemv import gemv, prefetch_lines
 
     gen = torch.Generator(DEVICE).manual_seed(0)
 
@@ -453,6 +454,8 @@ def test_gemv_prefetch_changes_no_result():
 
     x, x_wide, res, nxt = randn(5, 2048), randn(5, 8192), randn(5, 2048), randn(3072, 2048)
     o, gate_up, down = randn(2048, 2048), randn(16384, 2048), randn(2048, 8192)
+    # Each case below launches the prefetching variant (PREFETCH: lines > 0 on a PDL device).
+    assert pdl(x) and all(prefetch_lines(w, nxt) > 0 for w in (o, gate_up, down))
     cases = [lambda p: gemv(x, o, prefetch=p), lambda p: gemv(x, gate_up, silu_mul=True, prefetch=p),
              lambda p: gemv(x_wide, down, residual=res, prefetch=p)[0]]
     want = [case(None) for case in cases]

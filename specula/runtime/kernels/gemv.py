@@ -74,6 +74,12 @@ third of the launch's own weight bytes (the best mean over Llama-3.2-1B and 3.1-
 at 1, 5 and 32 rows on an H100: ``bench/results/engine.json``, ``gemv_prefetch_next``)."""
 
 
+def prefetch_lines(weight: torch.Tensor, prefetch: torch.Tensor | None) -> int:
+    """The 128-byte lines of ``prefetch`` that :func:`gemv` of ``weight`` fetches ahead (0: none)."""
+    return 0 if prefetch is None else min(
+        PREFETCH_MAX_BYTES, weight.nbytes // PREFETCH_SHARE, prefetch.nbytes) // 128
+
+
 def block_m(rows: int) -> int:
     """The row tile for ``rows`` rows: a power of two, at least 16 (``tl.dot``'s least)."""
     return max(16, triton.next_power_of_2(rows))
@@ -372,8 +378,7 @@ def gemv(
     assert rms is None or (sum_sq.shape[0] == m and sum_sq.dtype == torch.float32
                            and sum_sq.is_contiguous())
     with_pdl = pdl(x)
-    lines = 0 if prefetch is None or not with_pdl else min(
-        PREFETCH_MAX_BYTES, weight.nbytes // PREFETCH_SHARE, prefetch.nbytes) // 128
+    lines = prefetch_lines(weight, prefetch) if with_pdl else 0
     _gemv_kernel[(grid, split_k)](
         y, x, weight, *parts, y if residual is None else residual, sum_sq, partials,
         partials if counts is None else counts, weight if prefetch is None else prefetch, lines,

@@ -353,7 +353,6 @@ class ModelRunner:
             ``(normed [n, H], residual stream [n, H])``.
         """
         assert sum_sq is None or (self.norms_folded and residual is None), "sum_sq: folded layer 0"
-        nxt = [layer.self_attn.qkv_proj.weight for layer in layers[1:]] + [None]  # gemv's prefetch
         for i, layer in enumerate(layers):
             attn, mlp = layer.self_attn, layer.mlp
             ln = layer.input_layernorm if i > 0 or residual is None else None
@@ -365,7 +364,8 @@ class ModelRunner:
             ln = layer.post_attention_layernorm
             act, stream = self._norm_linear(hidden, residual, sum_sq, ln, mlp.gate_up_proj, mlp.down_proj.weight,
                                             silu_mul=True)
-            hidden, residual, sum_sq = self._out_linear(act, mlp.down_proj, stream, nxt[i])
+            after = layers[i + 1].self_attn.qkv_proj.weight if i + 1 < len(layers) else None
+            hidden, residual, sum_sq = self._out_linear(act, mlp.down_proj, stream, after)
         return self._add_norm(hidden, residual, norm.weight, norm.eps)
 
     @torch.no_grad()

@@ -113,17 +113,20 @@ def check_with_poisoned_partials(check, *args) -> None:
     """``check(*args)`` (:func:`check_paged_attention` or :func:`check_new_kv`) with the
     split partials allocated full of NaN: the merge reads no row of a split that saw no
     key (which stores only its log-sum-exp)."""
-    new_empty = torch.Tensor.new_empty
+    new_empty, filled = torch.Tensor.new_empty, []
 
     def poisoned(self, *size, **kwargs):
         out = new_empty(self, *size, **kwargs)
-        return out.fill_(float("nan")) if out.is_floating_point() else out
+        if out.dtype == torch.float32:  # the partials (outputs and log-sum-exps)
+            filled.append(out.fill_(float("nan")))
+        return out
 
     torch.Tensor.new_empty = poisoned
     try:
         check(*args)
     finally:
         torch.Tensor.new_empty = new_empty
+    assert filled, "no split partials were allocated: nothing was poisoned"
 
 
 @pytest.mark.parametrize(

@@ -93,6 +93,22 @@ def test_synthetic_hand_built(interpreted):
     interpreted(check_synthetic_hand_built)
 
 
+def test_gemv_prefetch_bounds():
+    """What :func:`gemv` fetches of the next weight: nothing without one; at most
+    ``PREFETCH_MAX_BYTES`` a launch and ``1 / PREFETCH_SHARE`` of the launch's own weight
+    bytes; never past the next weight's end."""
+    from specula.runtime.kernels.gemv import PREFETCH_MAX_BYTES, PREFETCH_SHARE, prefetch_lines
+
+    def weight(n, k):
+        return torch.empty(n, k, dtype=torch.bfloat16, device="meta")
+
+    o, gate_up, tiny = weight(2048, 2048), weight(16384, 2048), weight(64, 64)  # 8, 64 MiB
+    assert prefetch_lines(o, None) == 0
+    assert prefetch_lines(gate_up, o) * 128 == PREFETCH_MAX_BYTES
+    assert prefetch_lines(o, gate_up) == o.nbytes // PREFETCH_SHARE // 128
+    assert prefetch_lines(gate_up, tiny) * 128 == tiny.nbytes
+
+
 def _random_batch(num_draft: list[int], vocab: int, seed: int, sharpness: float = 2.0):
     """Flattened inputs with draft and target distributions that agree often enough
     that every outcome (accept all, reject at each position) shows up; ``sharpness``
