@@ -38,10 +38,9 @@ def resolve_model_uri(uri: str, revision: str | None = None) -> Path:
         try:
             path = Path(snapshot_download(repo_id, revision=revision, local_files_only=True))
         except LocalEntryNotFoundError as exc:
-            raise FileNotFoundError(
-                f"hf://{repo_id} (revision {revision or 'main'}) is not in the local Hugging "
-                "Face cache; populate the cache (HF_HOME) or use a file:// or pvc:// URI"
-            ) from exc
+            raise FileNotFoundError(f"hf://{repo_id} (revision {revision or 'main'}) is not in "
+                                    "the local Hugging Face cache; populate the cache (HF_HOME) "
+                                    "or use a file:// or pvc:// URI") from exc
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint directory {str(path)!r} for {uri!r} does not exist")
     return path

@@ -10,14 +10,13 @@ Admission keeps a *watermark* of free blocks (vLLM's ``watermark``): a new reque
 admitted only if the blocks left after its allocation stay above it, a reserve that
 running requests may grow into (:meth:`BlockManager.resize`) before any is preempted.
 
-Automatic prefix caching (vLLM's, after SGLang's RadixAttention, Zheng et al., arXiv
-2312.07104): a full block of committed tokens is named by a hash chain, the SHA-256 of
-its parent block's hash and its own token ids, so equal names mean equal prefixes. A new
-request reuses the blocks of its longest cached prefix (reference-counted, never written:
-only full blocks of committed tokens are cached, and a request always computes at least
-its last prompt token). A freed block keeps its name until it is reused; free blocks
-with no name are taken first, then named ones least recently freed first (LRU
-eviction), the tail of a request before its head.
+Automatic prefix caching (vLLM's, after SGLang's RadixAttention, Zheng et al., arXiv 2312.07104): a
+full block of committed tokens is named by a hash chain, the SHA-256 of its parent block's hash and
+its own token ids, so equal names mean equal prefixes. A new request reuses the blocks of its
+longest cached prefix (reference-counted, never written: only full blocks of committed tokens are
+cached, and a request always computes at least its last prompt token). A freed block keeps its name
+until it is reused; free blocks with no name are taken first, then named ones least recently freed
+first (LRU eviction), the tail of a request before its head.
 
 Pure Python, no torch.
 """

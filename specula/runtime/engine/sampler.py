@@ -74,28 +74,24 @@ class SamplingMetadata:
     ) -> SamplingMetadata:
         """Build the tensors from the host (tests and references; the engine gathers
         them from :class:`~specula.runtime.engine.input_batch.InputBatch`)."""
-        return cls(
-            temperature=torch.tensor([p.temperature for p in params], device=device),
-            top_p=torch.tensor([p.top_p for p in params], device=device),
-            top_k=torch.tensor([max(p.top_k, 0) for p in params], device=device),
-            seeds=torch.tensor(list(seeds), dtype=torch.int64, device=device), **flags_of(params),
-        )
+        return cls(temperature=torch.tensor([p.temperature for p in params], device=device),
+                   top_p=torch.tensor([p.top_p for p in params], device=device),
+                   top_k=torch.tensor([max(p.top_k, 0) for p in params], device=device),
+                   seeds=torch.tensor(list(seeds), dtype=torch.int64, device=device),
+                   **flags_of(params))
 
     def select(self, rows: slice | torch.Tensor) -> SamplingMetadata:
         """The metadata of a range or int64 index tensor of requests (flags stay conservative)."""
-        return SamplingMetadata(
-            self.temperature[rows], self.top_p[rows], self.top_k[rows], self.seeds[rows],
-            self.all_greedy, self.needs_top_k, self.needs_top_p,
-        )
+        return SamplingMetadata(self.temperature[rows], self.top_p[rows], self.top_k[rows],
+                                self.seeds[rows], self.all_greedy, self.needs_top_k,
+                                self.needs_top_p)
 
 
 def flags_of(params: Sequence[SamplingParams]) -> dict[str, bool]:
     """``all_greedy``, ``needs_top_k``, ``needs_top_p`` of a batch."""
     random_rows = [p for p in params if p.temperature > 0.0]
-    return {
-        "all_greedy": not random_rows, "needs_top_k": any(p.top_k > 0 for p in random_rows),
-        "needs_top_p": any(p.top_p < 1.0 for p in random_rows),
-    }
+    return {"all_greedy": not random_rows, "needs_top_k": any(p.top_k > 0 for p in random_rows),
+            "needs_top_p": any(p.top_p < 1.0 for p in random_rows)}
 
 
 def process_logits(logits: torch.Tensor, sampling: SamplingMetadata) -> torch.Tensor:

@@ -103,10 +103,8 @@ class PagedScheduler:
         bm = self.block_manager
         out = SchedulerOutput()
         step = num_decode_tokens + num_lookahead_tokens
-        growth = {
-            r: cdiv(r.num_computed_tokens + step, bm.block_size) - bm.num_blocks_held(r.request_id)
-            for r in self.running
-        }
+        growth = {r: cdiv(r.num_computed_tokens + step, bm.block_size)
+                  - bm.num_blocks_held(r.request_id) for r in self.running}
         needed = sum(growth.values())
         while self.running and needed > bm.num_free_blocks:
             victim = self.running[-1]

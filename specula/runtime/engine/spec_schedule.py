@@ -132,13 +132,11 @@ class SpeculativeSettings:
         :attr:`last_step_num_speculative_tokens`."""
         spec, schedule = self.speculator_config, self.speculative_schedule
         ranges = [list(r) for r in schedule.ranges] if schedule else None
-        return {
-            "method": spec.method if spec else None,
-            "num_speculative_tokens": self.num_speculative_tokens,
-            "num_speculative_tokens_per_batch_size": ranges,
-            "max_num_speculative_tokens": self.max_num_speculative_tokens,
-            "model": spec.model if spec else None,
-        }
+        return {"method": spec.method if spec else None,
+                "num_speculative_tokens": self.num_speculative_tokens,
+                "num_speculative_tokens_per_batch_size": ranges,
+                "max_num_speculative_tokens": self.max_num_speculative_tokens,
+                "model": spec.model if spec else None}
 
     def set_speculative_config(
         self, num_speculative_tokens: int | None = None,
@@ -154,16 +152,13 @@ class SpeculativeSettings:
                 schedule (the message names the offending range).
         """
         if (num_speculative_tokens is None) == (num_speculative_tokens_per_batch_size is None):
-            raise SpeculativeConfigError(
-                "give exactly one of num_speculative_tokens and "
-                "num_speculative_tokens_per_batch_size", param=K_PARAM, code="invalid_value"
-            )
+            raise SpeculativeConfigError("give exactly one of num_speculative_tokens and "
+                                         "num_speculative_tokens_per_batch_size", param=K_PARAM,
+                                         code="invalid_value")
         param = K_PARAM if num_speculative_tokens is not None else SCHEDULE_PARAM
         if self.speculator_config is None:
-            raise SpeculativeConfigError(
-                "no speculator is configured; num_speculative_tokens is fixed at 0",
-                param=param, code="no_speculator",
-            )
+            raise SpeculativeConfigError("no speculator is configured; num_speculative_tokens is "
+                                         "fixed at 0", param=param, code="no_speculator")
         if num_speculative_tokens is None:
             self.speculative_schedule = BatchSizeSchedule.parse(
                 num_speculative_tokens_per_batch_size, self.max_num_speculative_tokens)

@@ -60,8 +60,7 @@ def silu_and_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torc
     if use_reference(gate_up):
         return out.copy_(silu_and_mul_reference(gate_up))
     _silu_and_mul_kernel[(num_tokens, triton.cdiv(d, _BLOCK))](
-        out, gate_up, d, out.stride(0), gate_up.stride(0), BLOCK=_BLOCK, enable_fp_fusion=True
-    )
+        out, gate_up, d, out.stride(0), gate_up.stride(0), BLOCK=_BLOCK, enable_fp_fusion=True)
     return out
 
 

@@ -124,10 +124,9 @@ def all_reduce_add_rms_norm(
     Collective: every rank calls it with ``x`` of the same shape, in the same order.
 
     Args:
-        x: [num_rows, hidden] bfloat16/float16/float32 on CUDA, this rank's partial
-            sums (a row-parallel layer's output), rows dense; residual: like ``x``, or
-            ``None`` (a vocabulary-parallel embedding's rows: ``stream`` is their sum);
-            weight: [hidden].
+        x: [num_rows, hidden] bfloat16/float16/float32 on CUDA, this rank's partial sums (a
+            row-parallel layer's output), rows dense; residual: like ``x``, or ``None`` (a
+            vocabulary-parallel embedding's rows: ``stream`` is their sum); weight: [hidden].
         buffers: [world_size] int64, every rank's buffer's address, ``[2, world_size,
             max_rows, hidden]`` of ``x.dtype`` in one symmetric allocation, all ``-0.0``
             at first: slot ``[h, r]`` takes rank ``r``'s rows at launches of parity ``h``.
@@ -158,6 +157,5 @@ def all_reduce_add_rms_norm(
         WORLD=buffers.shape[0], TIMEOUT_NS=0 if INTERPRET else TIMEOUT_S * 10**9, PDL=with_pdl,
         HAS_RESIDUAL=has_residual,
         # At least one column per thread: no copies of a column polled in other warps.
-        num_warps=min(16, max(4, block // 512), block // 32), launch_pdl=with_pdl,
-    )
+        num_warps=min(16, max(4, block // 512), block // 32), launch_pdl=with_pdl)
     return out, stream

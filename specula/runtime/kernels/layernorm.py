@@ -87,9 +87,8 @@ def fused_add_rms_norm(
         x, residual: [num_tokens, hidden_size] of one dtype, rows dense; ``residual=None``
             is :func:`rms_norm` (``residual_out`` is then ``None``).
         weight, eps, gemma: as :func:`rms_norm`.
-        out, residual_out: optional buffers like ``x``; passing ``out=x,
-            residual_out=residual`` updates in place (each program reads its row before
-            writing it).
+        out, residual_out: optional buffers like ``x``; passing ``out=x, residual_out=residual``
+            updates in place (each program reads its row before writing it).
         ids: [num_tokens] int64 (any stride): ``x`` is a table (an embedding's weight) and the rows are
             ``x[ids]``, gathered in the kernel (an embedding lookup and its norm in one launch).
 
@@ -129,8 +128,7 @@ def fused_add_rms_norm(
         res_out.stride(0), x.stride(0), res_in.stride(0), 0 if ids is None else ids.stride(0),
         HIDDEN=hidden, BLOCK=block, HAS_RESIDUAL=residual is not None, GEMMA=gemma,
         GATHER=ids is not None, PDL=with_pdl, num_warps=min(16, max(1, block // 512)),
-        enable_fp_fusion=True, launch_pdl=with_pdl,
-    )
+        enable_fp_fusion=True, launch_pdl=with_pdl)
     return out, residual_out
 
 

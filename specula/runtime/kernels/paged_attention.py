@@ -14,13 +14,12 @@ convention of Hugging Face ``sliding_window_overlay`` (``kv_idx > q_idx - W``) a
 starts at the window of the request's first query token instead of at 0, so a long
 context costs no more than ``W + q_len - 1`` keys.
 
-One program handles the ``q_len * (num_heads // num_kv_heads)`` query rows that share a KV
-head, so each key/value tile is read once for the whole GQA group and every query token
-(that read is what bounds decode). Long contexts are split across programs
-(flash-decoding: Dao et al., https://crfm.stanford.edu/2023/10/12/flashdecoding.html):
-each split writes a partial output and its log-sum-exp, and a second kernel merges them,
-so a batch-1 decode still fills the GPU. Online softmax as in FlashAttention (arXiv
-2205.14135), in base 2.
+One program handles the ``q_len * (num_heads // num_kv_heads)`` query rows that share a KV head, so
+each key/value tile is read once for the whole GQA group and every query token (that read is what
+bounds decode). Long contexts are split across programs (flash-decoding: Dao et al.,
+https://crfm.stanford.edu/2023/10/12/flashdecoding.html): each split writes a partial output and its
+log-sum-exp, and a second kernel merges them, so a batch-1 decode still fills the GPU. Online
+softmax as in FlashAttention (arXiv 2205.14135), in base 2.
 
 With ``new_kv`` the step's keys and values are not in the cache yet: the kernel rotates
 the query tile (RoFormer, arXiv 2104.09864, as :mod:`~.rotary`), the last split of each
@@ -228,8 +227,7 @@ def _merge_splits_kernel(
     weight = tl.exp2(lse - lse_max)  # 0 for empty splits, whose outputs are not stored
     parts = tl.load(
         partial_out_ptr + (row * NUM_SPLITS + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
-        mask=(lse > float("-inf"))[:, None] & d_valid[None, :], other=0.0,
-    )
+        mask=(lse > float("-inf"))[:, None] & d_valid[None, :], other=0.0)
     total = tl.sum(weight, axis=0)
     merged = tl.sum(parts * weight[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)
     o_ptrs = out_ptr + token * stride_ot + head * stride_oh + offs_d
@@ -237,13 +235,12 @@ def _merge_splits_kernel(
 
 
 def _block_n(block_m: int, block_d: int, itemsize: int, device: torch.device, split: bool) -> int:
-    """Keys per tile: ``_BLOCK_N``, half in a ``split`` launch (bound by each program's chain
-    of dependent loads, not its tiles: 8B heads at batch 1, one H100, ``bench/attention.py``,
-    5.8 -> 5.2 us a layer at 1 query token, 8.4 -> 6.8 at 7), less where the tiles would
-    exceed the device's shared memory (Gemma4's 512-wide heads). The estimate, fitted to
-    Triton 3.6 on an H100: ``block_d * itemsize`` bytes per query row and per key and value
-    row (twice for 16-bit keys and values, double-buffered), the ``[block_m, block_n]``
-    score tiles, and 8 KiB of slack."""
+    """Keys per tile: ``_BLOCK_N``, half in a ``split`` launch (bound by each program's chain of
+    dependent loads, not its tiles: 8B heads at batch 1, one H100, ``bench/attention.py``, 5.8 ->
+    5.2 us a layer at 1 query token, 8.4 -> 6.8 at 7), less where the tiles would exceed the
+    device's shared memory (Gemma4's 512-wide heads). The estimate, fitted to Triton 3.6 on an H100:
+    ``block_d * itemsize`` bytes per query row and per key and value row (twice for 16-bit keys and
+    values, double-buffered), the ``[block_m, block_n]`` score tiles, and 8 KiB of slack."""
     limit = _HOPPER_SMEM_BYTES
     if device.type == "cuda":
         limit = torch.cuda.get_device_properties(device).shared_memory_per_block_optin
@@ -297,23 +294,19 @@ def paged_attention(
         scale: softmax scale, usually ``head_dim ** -0.5``.
         q_len: query tokens per request: 1 for decode, ``k + 1`` for verification.
         num_splits: programs per (request, KV head) along the context; default from
-            :func:`default_num_splits` with ``max_blocks_per_req * block_size`` (with a
-            window: at most ``sliding_window + q_len - 1``) as the longest context.
-            Fixed per launch shape, independent of ``seq_lens`` values, so no
-            device-to-host copy happens.
-        sliding_window: ``W`` >= 1: a query at position ``p`` sees keys at positions
-            ``(p - W, p]`` only (see the module docstring); ``None`` (default): all
-            keys up to its own.
-        new_kv: ``(key, value, positions, slot_mapping, cos_sin_cache)``: the step's
-            keys and values are not in the cache yet and ``query`` and ``key`` are not
-            rotated. The kernel rotates them (full rotary, as
-            :func:`~.rotary.rotary_embedding_and_cache`), attends to the new keys from
-            ``key``/``value`` and writes them to their slots, sparing that kernel's
-            launch. ``key``, ``value``: [num_tokens, num_kv_heads, head_dim];
-            ``positions``, ``slot_mapping``: [num_tokens] int64; ``cos_sin_cache``:
-            [max_position, head_dim] float32. Off CUDA (and past one key tile of query
-            tokens), the two kernels' path runs, which rotates ``query`` and ``key`` in
-            place.
+            :func:`default_num_splits` with ``max_blocks_per_req * block_size`` (with a window: at
+            most ``sliding_window + q_len - 1``) as the longest context. Fixed per launch shape,
+            independent of ``seq_lens`` values, so no device-to-host copy happens.
+        sliding_window: ``W`` >= 1: a query at position ``p`` sees keys at positions ``(p - W, p]``
+            only (see the module docstring); ``None`` (default): all keys up to its own.
+        new_kv: ``(key, value, positions, slot_mapping, cos_sin_cache)``: the step's keys and values
+            are not in the cache yet and ``query`` and ``key`` are not rotated. The kernel rotates
+            them (full rotary, as :func:`~.rotary.rotary_embedding_and_cache`), attends to the new
+            keys from ``key``/``value`` and writes them to their slots, sparing that kernel's
+            launch. ``key``, ``value``: [num_tokens, num_kv_heads, head_dim]; ``positions``,
+            ``slot_mapping``: [num_tokens] int64; ``cos_sin_cache``: [max_position, head_dim]
+            float32. Off CUDA (and past one key tile of query tokens), the two kernels' path runs,
+            which rotates ``query`` and ``key`` in place.
 
     Returns:
         [num_reqs * q_len, num_heads, head_dim] in ``query.dtype``.
@@ -386,14 +379,12 @@ def paged_attention(
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
         NUM_SPLITS=num_splits, INPUT_PRECISION=precision, SLIDING=sliding_window is not None,
         NEW_KV=new_kv is not None, PDL=with_pdl, num_warps=4, enable_fp_fusion=True,
-        launch_pdl=with_pdl,
-    )
+        launch_pdl=with_pdl)
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
             out, partial_out, partial_lse, num_heads, *out.stride()[:2], HEAD_DIM=head_dim,
             BLOCK_D=block_d, NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits),
-            PDL=with_pdl, enable_fp_fusion=True, launch_pdl=with_pdl,
-        )
+            PDL=with_pdl, enable_fp_fusion=True, launch_pdl=with_pdl)
     return out
 
 

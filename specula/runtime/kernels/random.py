@@ -1,6 +1,5 @@
-"""Counter-based random numbers for sampling, one kernel per draw (the idea of Philox,
-Salmon et al., SC 2011, with a 32-bit integer hash, ``lowbias32`` by C. Wellons, 2018,
-as the round function).
+"""Counter-based random numbers for sampling, one kernel per draw (the idea of Philox, Salmon et
+al., SC 2011, with a 32-bit integer hash, ``lowbias32`` by C. Wellons, 2018, as the round function).
 
 Every draw is a pure function of a request's seed, a *key* unique per request and step, a *stream*
 id separating uses, and a column index, so a request's draws do not depend on the batch it runs in.
@@ -103,8 +102,7 @@ def random_draws(
         return out
     block = min(1024, max(16, triton.next_power_of_2(num_cols)))
     _random_kernel[(num_reqs, triton.cdiv(num_cols, block))](
-        out, seeds, keys, mix32(stream & _M32), num_cols, out.stride(0), MODE=mode, BLOCK=block,
-    )
+        out, seeds, keys, mix32(stream & _M32), num_cols, out.stride(0), MODE=mode, BLOCK=block)
     return out
 
 

@@ -37,9 +37,8 @@ def _reshape_and_cache_kernel(
     mask = (offs_h < num_heads)[:, None] & (offs_d < HEAD_DIM)[None, :]
     src = token.to(tl.int64)
     k = tl.load(key_ptr + src * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
-    v = tl.load(
-        value_ptr + src * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask
-    )
+    v = tl.load(value_ptr + src * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :],
+                mask=mask)
     k_dst = key_cache_ptr + block * stride_kcb + offset * stride_kcs
     v_dst = value_cache_ptr + block * stride_vcb + offset * stride_vcs
     tl.store(k_dst + offs_h[:, None] * stride_kch + offs_d[None, :], k, mask=mask)
@@ -89,8 +88,7 @@ def reshape_and_cache(
         *key.stride()[:2], *value.stride()[:2], *key_cache.stride()[:3], *value_cache.stride()[:3],
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=key_cache.shape[1],
         BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
-        enable_fp_fusion=True,
-    )
+        enable_fp_fusion=True)
 
 
 def reshape_and_cache_reference(

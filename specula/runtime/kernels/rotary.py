@@ -166,8 +166,7 @@ def rotary_embedding(
         BLOCK_SIZE=1 if cache is None else key_cache.shape[1],
         BLOCK_HALF=triton.next_power_of_2(half), BLOCK_H=triton.next_power_of_2(num_heads),
         BLOCK_KH=triton.next_power_of_2(num_kv_heads), HAS_KEY=key is not None,
-        WRITE_CACHE=cache is not None, PDL=with_pdl, enable_fp_fusion=True, launch_pdl=with_pdl,
-    )
+        WRITE_CACHE=cache is not None, PDL=with_pdl, enable_fp_fusion=True, launch_pdl=with_pdl)
 
 
 def rotary_embedding_and_cache(

@@ -13,10 +13,8 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 
 _DEFAULT_ARCHITECTURE = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
-HF_FIELDS = (
-    "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-    "num_attention_heads", "rms_norm_eps", "max_position_embeddings",
-)
+HF_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+             "num_attention_heads", "rms_norm_eps", "max_position_embeddings")
 """:class:`ModelConfig` fields read unchanged from the Hugging Face (text) config."""
 
 
@@ -89,15 +87,13 @@ class ModelConfig:
         hidden_act = getattr(hf, "hidden_act", "silu")
         if hidden_act != "silu":
             raise ValueError(f"hidden_act {hidden_act!r} is not supported (only 'silu')")
-        return cls(
-            architecture=architectures[0], **{f: getattr(hf, f) for f in HF_FIELDS},
-            num_key_value_heads=getattr(hf, "num_key_value_heads", None) or num_heads,
-            head_dim=head_dim, rope_theta=float(rope_theta), rope_scaling=rope_scaling,
-            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
-            attention_bias=bool(getattr(hf, "attention_bias", False)),
-            mlp_bias=bool(getattr(hf, "mlp_bias", False)), torch_dtype=checkpoint_dtype(hf),
-            eos_token_ids=eos_token_ids(hf), hidden_act=hidden_act,
-        )
+        return cls(architecture=architectures[0], **{f: getattr(hf, f) for f in HF_FIELDS},
+                   num_key_value_heads=getattr(hf, "num_key_value_heads", None) or num_heads,
+                   head_dim=head_dim, rope_theta=float(rope_theta), rope_scaling=rope_scaling,
+                   tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+                   attention_bias=bool(getattr(hf, "attention_bias", False)),
+                   mlp_bias=bool(getattr(hf, "mlp_bias", False)), torch_dtype=checkpoint_dtype(hf),
+                   eos_token_ids=eos_token_ids(hf), hidden_act=hidden_act)
 
     def kv_cache_shapes(self) -> tuple[tuple[int, int], ...]:
         """``(num_kv_heads, head_dim)`` of each layer owning KV-cache storage, in order;

@@ -49,17 +49,15 @@ class DFlashDraftModel(nn.Module):
         self.config = config
         hidden = config.hidden_size
         self.layers = nn.ModuleList(
-            Qwen3DecoderLayer(config) for _ in range(config.num_hidden_layers)
-        )
+            Qwen3DecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.fc = nn.Linear(num_aux_layers * hidden, hidden, bias=False)
         self.hidden_norm = RMSNorm(hidden, config.rms_norm_eps)
         self.norm = RMSNorm(hidden, config.rms_norm_eps)
         self.lm_head = None
         if draft_vocab_size is not None:
             self.lm_head = nn.Linear(hidden, draft_vocab_size, bias=False)
-            self.register_buffer(
-                "draft_to_target", torch.arange(draft_vocab_size), persistent=False
-            )
+            self.register_buffer("draft_to_target", torch.arange(draft_vocab_size),
+                                 persistent=False)
         self.rotary = RotaryEmbedding.from_config(config, device)
 
     def context_features(self, aux_hidden_states: torch.Tensor) -> torch.Tensor:
@@ -97,10 +95,8 @@ def load_dflash_draft(
     model, _ = load_checkpoint(
         partial(DFlashDraftModel, config, num_aux_layers, draft_vocab_size, device),
         checkpoint_dir, dtype, device, load_format,
-        lambda name: None if name == "embed_tokens.weight" else speculators_weight_name(name),
-    )
+        lambda name: None if name == "embed_tokens.weight" else speculators_weight_name(name))
     if draft_vocab_size is not None:  # not a weight: rebuild what to_empty left uninitialised
-        model.draft_to_target = draft_vocab_ids(
-            checkpoint_dir, draft_vocab_size, config.vocab_size, load_format
-        ).to(device)
+        model.draft_to_target = draft_vocab_ids(checkpoint_dir, draft_vocab_size, config.vocab_size,
+                                                load_format).to(device)
     return model

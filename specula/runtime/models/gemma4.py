@@ -105,8 +105,7 @@ class Gemma4TextModel(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, hidden)
         self.layers = nn.ModuleList(
             Gemma4DecoderLayer(config, i, all_kv_shared or i >= config.first_kv_shared_layer)
-            for i in range(config.num_hidden_layers)
-        )
+            for i in range(config.num_hidden_layers))
         self.norm = Gemma4RMSNorm(hidden, eps)
         ple = config.hidden_size_per_layer_input
         if ple:

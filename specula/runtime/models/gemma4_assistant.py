@@ -47,9 +47,8 @@ class Gemma4AssistantConfig:
 
         Raises:
             FileNotFoundError: no ``config.json``.
-            ValueError: another ``model_type``, or settings the assistant does not
-                allow (per-layer inputs, experts, double-wide MLPs); the message names
-                the field and its value.
+            ValueError: another ``model_type``, or settings the assistant does not allow (per-layer
+                inputs, experts, double-wide MLPs); the message names the field and its value.
         """
         hf = read_hf_config(checkpoint_dir)
         if hf.model_type != ASSISTANT_MODEL_TYPE:
@@ -61,13 +60,11 @@ class Gemma4AssistantConfig:
                 raise ValueError(f"gemma4_assistant text_config.{field} "
                                  f"{getattr(text, field)!r} must be off")
         architectures = getattr(hf, "architectures", None) or ["Gemma4AssistantForCausalLM"]
-        return cls(
-            text=Gemma4ModelConfig.from_text_config(text, architectures[0], outer=hf),
-            backbone_hidden_size=int(hf.backbone_hidden_size),
-            use_ordered_embeddings=bool(hf.use_ordered_embeddings),
-            num_centroids=int(hf.num_centroids),
-            centroid_intermediate_top_k=int(hf.centroid_intermediate_top_k),
-        )
+        return cls(text=Gemma4ModelConfig.from_text_config(text, architectures[0], outer=hf),
+                   backbone_hidden_size=int(hf.backbone_hidden_size),
+                   use_ordered_embeddings=bool(hf.use_ordered_embeddings),
+                   num_centroids=int(hf.num_centroids),
+                   centroid_intermediate_top_k=int(hf.centroid_intermediate_top_k))
 
 
 def check_gemma4_target(config: Gemma4AssistantConfig, target: Any) -> None:
@@ -90,22 +87,17 @@ def check_gemma4_target(config: Gemma4AssistantConfig, target: Any) -> None:
     producers = target.kv_producer_layers()
     for i, layer_type in enumerate(text.layer_types):
         if layer_type not in producers:
-            raise ValueError(
-                f"draft layer {i} is {layer_type} but the target has no non-shared "
-                f"{layer_type} layer (target layer_types {sorted(set(target.layer_types))})"
-            )
+            raise ValueError(f"draft layer {i} is {layer_type} but the target has no non-shared "
+                             f"{layer_type} layer (target layer_types "
+                             f"{sorted(set(target.layer_types))})")
         src = producers[layer_type]
         if text.layer_head_dims[i] != target.layer_head_dims[src]:
-            raise ValueError(
-                f"draft layer {i} ({layer_type}) head_dim {text.layer_head_dims[i]} != target "
-                f"layer {src} head_dim {target.layer_head_dims[src]}"
-            )
+            raise ValueError(f"draft layer {i} ({layer_type}) head_dim {text.layer_head_dims[i]} "
+                             f"!= target layer {src} head_dim {target.layer_head_dims[src]}")
         if text.num_attention_heads % target.layer_num_kv_heads[src]:
-            raise ValueError(
-                f"draft num_attention_heads {text.num_attention_heads} is not a multiple of "
-                f"target layer {src} ({layer_type}) num_key_value_heads "
-                f"{target.layer_num_kv_heads[src]}"
-            )
+            raise ValueError(f"draft num_attention_heads {text.num_attention_heads} is not a "
+                             f"multiple of target layer {src} ({layer_type}) num_key_value_heads "
+                             f"{target.layer_num_kv_heads[src]}")
 
 
 class Gemma4AssistantMaskedEmbedder(nn.Module):
@@ -120,9 +112,8 @@ class Gemma4AssistantMaskedEmbedder(nn.Module):
         self.num_centroids = config.num_centroids
         self.top_k = config.centroid_intermediate_top_k
         self.centroids = nn.Linear(hidden, config.num_centroids, bias=False)
-        self.token_ordering = nn.Parameter(
-            torch.zeros(config.text.vocab_size, dtype=torch.long), requires_grad=False
-        )
+        self.token_ordering = nn.Parameter(torch.zeros(config.text.vocab_size, dtype=torch.long),
+                                           requires_grad=False)
 
     def forward(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
         """[num_rows, hidden_size] -> [num_rows, vocab_size] (hidden's dtype)."""
@@ -155,9 +146,8 @@ class Gemma4AssistantForCausalLM(nn.Module):
         backbone = config.backbone_hidden_size
         self.pre_projection = nn.Linear(2 * backbone, text.hidden_size, bias=False)
         self.post_projection = nn.Linear(text.hidden_size, backbone, bias=False)
-        self.masked_embedding = (
-            Gemma4AssistantMaskedEmbedder(config) if config.use_ordered_embeddings else None
-        )
+        self.masked_embedding = (Gemma4AssistantMaskedEmbedder(config)
+                                 if config.use_ordered_embeddings else None)
         self.rotary = Gemma4Rotary(text, device)
 
     @property

@@ -86,28 +86,25 @@ class Gemma4ModelConfig(ModelConfig):
         if act not in ACTIVATIONS:
             raise ValueError(f"hidden_activation {act!r} is not supported ({sorted(ACTIVATIONS)})")
         if getattr(text, "use_bidirectional_attention", None) is not None:
-            raise ValueError(
-                "use_bidirectional_attention "
-                f"{text.use_bidirectional_attention!r} is not supported (causal decoding only)"
-            )
+            raise ValueError(f"use_bidirectional_attention {text.use_bidirectional_attention!r} "
+                             "is not supported (causal decoding only)")
         per_layer = [text.per_layer_config[i] for i in range(text.num_hidden_layers)]
         rope = {t: dict(p) for t, p in (text.rope_parameters or {}).items() if p is not None}
-        return cls(
-            architecture=architecture, **{f: getattr(text, f) for f in HF_FIELDS},
-            num_key_value_heads=int(per_layer[0].num_key_value_heads),
-            head_dim=int(per_layer[0].head_dim),
-            rope_theta=float(rope.get(SLIDING, {}).get("rope_theta", 10000.0)), rope_scaling=None,
-            tie_word_embeddings=bool(getattr(outer, "tie_word_embeddings", True)),
-            attention_bias=bool(text.attention_bias), mlp_bias=False,
-            torch_dtype=checkpoint_dtype(outer) or checkpoint_dtype(text),
-            eos_token_ids=eos_token_ids(outer) or eos_token_ids(text), hidden_act=act,
-            layer_types=tuple(text.layer_types), sliding_window=int(text.sliding_window),
-            layer_head_dims=tuple(int(c.head_dim) for c in per_layer),
-            layer_num_kv_heads=tuple(int(c.num_key_value_heads) for c in per_layer),
-            rope_parameters=rope, final_logit_softcapping=text.final_logit_softcapping,
-            **{f: int(getattr(text, f) or 0) for f in _INT_FIELDS},
-            **{f: bool(getattr(text, f)) for f in _BOOL_FIELDS},
-        )
+        return cls(architecture=architecture, **{f: getattr(text, f) for f in HF_FIELDS},
+                   num_key_value_heads=int(per_layer[0].num_key_value_heads),
+                   head_dim=int(per_layer[0].head_dim),
+                   rope_theta=float(rope.get(SLIDING, {}).get("rope_theta", 10000.0)),
+                   rope_scaling=None,
+                   tie_word_embeddings=bool(getattr(outer, "tie_word_embeddings", True)),
+                   attention_bias=bool(text.attention_bias), mlp_bias=False,
+                   torch_dtype=checkpoint_dtype(outer) or checkpoint_dtype(text),
+                   eos_token_ids=eos_token_ids(outer) or eos_token_ids(text), hidden_act=act,
+                   layer_types=tuple(text.layer_types), sliding_window=int(text.sliding_window),
+                   layer_head_dims=tuple(int(c.head_dim) for c in per_layer),
+                   layer_num_kv_heads=tuple(int(c.num_key_value_heads) for c in per_layer),
+                   rope_parameters=rope, final_logit_softcapping=text.final_logit_softcapping,
+                   **{f: int(getattr(text, f) or 0) for f in _INT_FIELDS},
+                   **{f: bool(getattr(text, f)) for f in _BOOL_FIELDS})
 
     @property
     def first_kv_shared_layer(self) -> int:
@@ -130,10 +127,9 @@ class Gemma4ModelConfig(ModelConfig):
         producers = self.kv_producer_layers()
         for i, layer_type in enumerate(shared, first_shared):
             if layer_type not in producers:
-                raise ValueError(
-                    f"layer {i} ({layer_type}) is KV-shared (num_kv_shared_layers="
-                    f"{self.num_kv_shared_layers}) but no earlier non-shared layer has that type"
-                )
+                raise ValueError(f"layer {i} ({layer_type}) is KV-shared (num_kv_shared_layers="
+                                 f"{self.num_kv_shared_layers}) but no earlier non-shared layer "
+                                 "has that type")
         return (*range(first_shared), *(producers[t] for t in shared))
 
     def kv_cache_shapes(self) -> tuple[tuple[int, int], ...]:

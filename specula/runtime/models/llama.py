@@ -37,9 +37,8 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = sharded(MergedLinear(
             config.hidden_size, [q_size, kv_size, kv_size], bias=config.attention_bias
         ), "colwise", tp)
-        self.o_proj = sharded(
-            nn.Linear(q_size, config.hidden_size, bias=config.attention_bias), "rowwise", tp
-        )
+        self.o_proj = sharded(nn.Linear(q_size, config.hidden_size, bias=config.attention_bias),
+                              "rowwise", tp)
 
 
 class LlamaMLP(nn.Module):
@@ -50,8 +49,7 @@ class LlamaMLP(nn.Module):
         tp = config.tensor_parallel_size
         inter = config.intermediate_size // tp
         self.gate_up_proj = sharded(
-            MergedLinear(config.hidden_size, [inter, inter], bias=config.mlp_bias), "colwise", tp
-        )
+            MergedLinear(config.hidden_size, [inter, inter], bias=config.mlp_bias), "colwise", tp)
         self.down_proj = sharded(nn.Linear(inter, config.hidden_size, bias=config.mlp_bias), "rowwise", tp)
 
 
@@ -71,9 +69,8 @@ class LlamaModel(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(
-            config.vocab_size, config.hidden_size, config.tensor_parallel_size
-        )
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size,
+                                                   config.tensor_parallel_size)
         self.layers = nn.ModuleList(self.layer_cls(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

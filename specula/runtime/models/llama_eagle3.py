@@ -73,9 +73,8 @@ class Eagle3LlamaForCausalLM(nn.Module):
         layer_cls = DECODER_LAYERS[config.model_type]
         self.layers = nn.ModuleList(layer_cls(config) for _ in range(config.num_hidden_layers))
         first = self.layers[0]  # attends over [embedding, hidden]: q/k/v read width 2H
-        first.self_attn.qkv_proj = MergedLinear(
-            2 * h, first.self_attn.qkv_proj.output_sizes, config.attention_bias
-        )
+        first.self_attn.qkv_proj = MergedLinear(2 * h, first.self_attn.qkv_proj.output_sizes,
+                                                config.attention_bias)
         first.hidden_norm = RMSNorm(h, config.rms_norm_eps)
         first.norm_before_residual = eagle.norm_before_residual
         self.norm = RMSNorm(h, config.rms_norm_eps)
@@ -91,8 +90,7 @@ class Eagle3LlamaForCausalLM(nn.Module):
         if self.fc_norm is not None:
             chunks = aux_hidden_states.chunk(len(self.fc_norm), dim=-1)
             aux_hidden_states = torch.cat(
-                [norm(c) for norm, c in zip(self.fc_norm, chunks, strict=True)], dim=-1
-            )
+                [norm(c) for norm, c in zip(self.fc_norm, chunks, strict=True)], dim=-1)
         return linear(aux_hidden_states, self.fc.weight, self.fc.bias)
 
     def compute_draft_vocab_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -132,20 +130,17 @@ def load_eagle3_draft(
     aux_ids = check_aux_layer_ids(
         # EAGLE-3's default auxiliary layers, as vLLM and ``speculators`` choose them.
         raw.get("eagle_aux_hidden_state_layer_ids") or (2, n // 2, n - 3), n,
-        "eagle_aux_hidden_state_layer_ids",
-    )
+        "eagle_aux_hidden_state_layer_ids")
     flags = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
-    eagle = Eagle3Config(
-        layer=layer, draft_vocab_size=int(raw.get("draft_vocab_size") or layer.vocab_size),
-        aux_hidden_state_layer_ids=aux_ids, target_hidden_size=target_hidden,
-        **{flag: bool(raw.get(flag, False)) for flag in flags},
-    )
+    eagle = Eagle3Config(layer=layer,
+                         draft_vocab_size=int(raw.get("draft_vocab_size") or layer.vocab_size),
+                         aux_hidden_state_layer_ids=aux_ids, target_hidden_size=target_hidden,
+                         **{flag: bool(raw.get(flag, False)) for flag in flags})
     factory = partial(Eagle3LlamaForCausalLM, eagle, device)
     model = load_draft_head(factory, checkpoint_dir, dtype, device, load_format, speculators_weight_name)
     # Not a weight: rebuild what to_empty left uninitialised.
-    model.draft_to_target = draft_vocab_ids(
-        checkpoint_dir, eagle.draft_vocab_size, layer.vocab_size, load_format
-    ).to(device)
+    model.draft_to_target = draft_vocab_ids(checkpoint_dir, eagle.draft_vocab_size,
+                                            layer.vocab_size, load_format).to(device)
     if model.missing_target_weights and layer.hidden_size != target.hidden_size:
         raise ValueError(f"checkpoint lacks {sorted(model.missing_target_weights)} and "
                          f"transformer_layer_config.hidden_size {layer.hidden_size} != target "

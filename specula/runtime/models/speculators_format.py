@@ -88,9 +88,8 @@ def load_draft_head(
 ) -> nn.Module:
     """:func:`load_checkpoint` through ``rename``, recording the :data:`SHARED_WITH_TARGET`
     tensors it lacks in ``missing_target_weights`` for :func:`share_target_weights`."""
-    model, missing = load_checkpoint(
-        factory, checkpoint_dir, dtype, device, load_format, rename, SHARED_WITH_TARGET
-    )
+    model, missing = load_checkpoint(factory, checkpoint_dir, dtype, device, load_format, rename,
+                                     SHARED_WITH_TARGET)
     model.missing_target_weights = missing
     return model
 

@@ -38,9 +38,8 @@ def build_runtime_config(args: argparse.Namespace) -> RuntimeConfig:
     ``--speculator-model`` without a method (in flags or file) means ``draft_model``.
 
     Raises:
-        ConfigError: unreadable file (config or chat template), invalid JSON, a missing
-            model, a speculator flag with no speculator method, or a value the pydantic
-            model rejects.
+        ConfigError: unreadable file (config or chat template), invalid JSON, a missing model, a
+            speculator flag with no speculator method, or a value the pydantic model rejects.
     """
     data: dict[str, Any] = {}
     if vars(args).get("config"):
@@ -171,8 +170,7 @@ def serve(args: argparse.Namespace) -> int:
         uvicorn.Config(app, host=config.host, port=config.port, log_level="info",
                        http=h11_with_header_timeout(config.http_read_timeout_s),
                        timeout_graceful_shutdown=5),
-        app.state.specula, config.drain_timeout_s,
-    )
+        app.state.specula, config.drain_timeout_s)
     logger.info("serving %s on %s:%d", config.model, config.host, config.port)
     # On SIGTERM/SIGINT the server drains, then shuts down gracefully; uvicorn then
     # re-raises a second signal with the handler it found: a no-op one exits with 0.

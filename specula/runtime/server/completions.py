@@ -81,11 +81,9 @@ def _completion_prompts(
 
 def _render_chat(request: ChatCompletionRequest, tokenizer: Any, model_name: str) -> list[int]:
     if not getattr(tokenizer, "chat_template", None):
-        raise APIError(
-            400, f"the model `{model_name}` has no chat template, so it cannot serve chat "
-            "completions; use /v1/completions, or start the server with --chat-template FILE",
-            param="messages", code="no_chat_template",
-        )
+        raise APIError(400, f"the model `{model_name}` has no chat template, so it cannot serve "
+                       "chat completions; use /v1/completions, or start the server with "
+                       "--chat-template FILE", param="messages", code="no_chat_template")
     messages = [m.template_input() for m in request.messages]
     try:
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -107,11 +105,10 @@ class CompletionRun:
     and their accumulated text.
 
     Raises:
-        APIError: 404 for an unknown model; 400 for an empty prompt, a token id outside
-            the vocabulary, a model without a chat template, messages the template
-            refuses (its message is passed on), ``n`` above ``max_n``, or a prompt (plus
-            ``max_tokens``) longer than the context (``param`` ``prompt`` or
-            ``messages``, or ``max_tokens``).
+        APIError: 404 for an unknown model; 400 for an empty prompt, a token id outside the
+            vocabulary, a model without a chat template, messages the template refuses (its message
+            is passed on), ``n`` above ``max_n``, or a prompt (plus ``max_tokens``) longer than the
+            context (``param`` ``prompt`` or ``messages``, or ``max_tokens``).
     """
 
     def __init__(
@@ -121,10 +118,9 @@ class CompletionRun:
         assert engine is not None
         self.model_name = name = engine.served_model_name
         if request.model is not None and request.model != name:
-            raise APIError(
-                404, f"The model `{request.model}` does not exist; this server serves `{name}`.",
-                type=ERROR_TYPE_NOT_FOUND, param="model", code="model_not_found",
-            )
+            raise APIError(404, f"The model `{request.model}` does not exist; this server serves "
+                           f"`{name}`.", type=ERROR_TYPE_NOT_FOUND, param="model",
+                           code="model_not_found")
         self.chat = isinstance(request, ChatCompletionRequest)
         if isinstance(request, ChatCompletionRequest):
             prompts, echo = [_render_chat(request, tokenizer, name)], None
@@ -142,20 +138,17 @@ class CompletionRun:
         self.choices: list[_Choice] = []
         for i, ids in enumerate(prompts):
             if len(ids) >= max_len:
-                raise APIError(
-                    400, f"This model's maximum context length is {max_len} tokens, but "
-                    f"{'the templated prompt' if self.chat else f'prompt {i}'} has "
-                    f"{len(ids)} tokens; at least one token must be left for the completion.",
-                    param="messages" if self.chat else "prompt", code="context_length_exceeded",
-                )
+                raise APIError(400, f"This model's maximum context length is {max_len} tokens, but "
+                               f"{'the templated prompt' if self.chat else f'prompt {i}'} has "
+                               f"{len(ids)} tokens; at least one token must be left for the "
+                               "completion.", param="messages" if self.chat else "prompt",
+                               code="context_length_exceeded")
             limit = max_tokens if max_tokens is not None else max_len - len(ids)
             if len(ids) + limit > max_len:
-                raise APIError(
-                    400, f"This model's maximum context length is {max_len} tokens, but {len(ids)} "
-                    f"prompt tokens plus max_tokens={limit} make {len(ids) + limit}; "
-                    "reduce the prompt or max_tokens.",
-                    param="max_tokens", code="context_length_exceeded",
-                )
+                raise APIError(400, f"This model's maximum context length is {max_len} tokens, but "
+                               f"{len(ids)} prompt tokens plus max_tokens={limit} make "
+                               f"{len(ids) + limit}; reduce the prompt or max_tokens.",
+                               param="max_tokens", code="context_length_exceeded")
             for j in range(request.n):
                 seed = request.seed
                 if seed is not None:
@@ -165,8 +158,7 @@ class CompletionRun:
                     top_k=max(request.top_k, 0), seed=seed, stop=stop or None,
                     stop_token_ids=list(request.stop_token_ids or []) or None,
                     ignore_eos=request.ignore_eos, logprobs=top_logprobs,
-                    prompt_logprobs=top_logprobs if echo is not None else None,
-                )
+                    prompt_logprobs=top_logprobs if echo is not None else None)
                 self.choices.append(_Choice(i, params, IncrementalText(tokenizer, stop),
                                             echo=echo[i] if echo is not None else None))
         self.request, self.prompts = request, prompts

@@ -1,13 +1,12 @@
 """Incremental detokenization with stop strings, for streamed and whole completions.
 
-The text of a completion is always ``tokenizer.decode(all generated ids)`` cut before
-the first stop string (OpenAI semantics: the stop string is not returned).  Streaming
-releases a prefix of that text as tokens arrive, holding back what may still change:
-the last ``len(longest stop string) - 1`` characters (they may begin a stop string
-that the next token completes) and trailing U+FFFD characters (an incomplete UTF-8
-sequence split across byte-level tokens).  The held-back tail is released at the end,
-so the streamed deltas concatenate to exactly the non-streamed text.  Re-decoding
-everything per step is O(n^2) characters over a completion: fine at the lengths served
+The text of a completion is always ``tokenizer.decode(all generated ids)`` cut before the first stop
+string (OpenAI semantics: the stop string is not returned).  Streaming releases a prefix of that
+text as tokens arrive, holding back what may still change: the last ``len(longest stop string) - 1``
+characters (they may begin a stop string that the next token completes) and trailing U+FFFD
+characters (an incomplete UTF-8 sequence split across byte-level tokens).  The held-back tail is
+released at the end, so the streamed deltas concatenate to exactly the non-streamed text.
+Re-decoding everything per step is O(n^2) characters over a completion: fine at the lengths served
 here, and the simplest way to stay exact.
 """
 
@@ -40,9 +39,8 @@ class IncrementalText:
         if self.stopped:
             return
         self.token_ids.extend(new_token_ids)
-        text = self._tokenizer.decode(
-            self.token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False
-        )
+        text = self._tokenizer.decode(self.token_ids, skip_special_tokens=True,
+                                      clean_up_tokenization_spaces=False)
         # Search the whole text: re-decoding can change the tail of earlier text
         # (an incomplete UTF-8 sequence completing).
         hits = [i for s in self._stop if (i := text.find(s)) != -1]

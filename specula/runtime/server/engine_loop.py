@@ -1,12 +1,11 @@
 """The bridge between the synchronous engine and asyncio request handlers (vLLM's
 ``AsyncLLMEngine`` background loop, reduced to one process).
 
-One background thread owns the single-threaded ``LLMEngine``: it loads it and runs
-``engine.step()`` while there is work. Handlers send commands (add, abort, settings
-calls) through a thread-safe queue and receive each step's ``RequestOutput`` on their
-own ``asyncio.Queue``. After each step and setting change the thread publishes a
-:class:`~specula.runtime.server.metrics.RuntimeSnapshot`, so a scrape never sees the
-engine's counters half-updated.
+One background thread owns the single-threaded ``LLMEngine``: it loads it and runs ``engine.step()``
+while there is work. Handlers send commands (add, abort, settings calls) through a thread-safe queue
+and receive each step's ``RequestOutput`` on their own ``asyncio.Queue``. After each step and
+setting change the thread publishes a :class:`~specula.runtime.server.metrics.RuntimeSnapshot`, so a
+scrape never sees the engine's counters half-updated.
 """
 
 from __future__ import annotations
@@ -273,8 +272,7 @@ class EngineLoop:
             num_preemptions=sched["num_preemptions"],
             prefix_cache_queries=sched["prefix_cache_queries"],
             prefix_cache_hits=sched["prefix_cache_hits"],
-            kv_cache_usage=1.0 - sched["num_free_gpu_blocks"] / sched["num_gpu_blocks"],
-        ))
+            kv_cache_usage=1.0 - sched["num_free_gpu_blocks"] / sched["num_gpu_blocks"]))
 
     def _fail_all(self, exc: EngineDeadError) -> None:
         for sink in self._sinks.values():

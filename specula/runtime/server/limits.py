@@ -60,9 +60,8 @@ async def read_body(raw: Request, limits: Limits) -> bytes:
                 if len(body) > limits.max_body_bytes:
                     raise too_large
     except TimeoutError:
-        raise APIError(408, f"the request body was not received within "
-                       f"{limits.read_timeout_s:g} s", code="request_timeout",
-                       headers=close) from None
+        raise APIError(408, f"the request body was not received within {limits.read_timeout_s:g} s",
+                       code="request_timeout", headers=close) from None
     return bytes(body)
 
 

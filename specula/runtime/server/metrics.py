@@ -25,10 +25,9 @@ from specula.runtime.spec_decode.metrics_prom import METRIC_PREFIX, SpecDecoding
 # One labelling shared with the tuner that reads the histogram back (re-exported here).
 from specula.tuning.cost import batch_bucket as batch_bucket
 
-STEP_DURATION_BUCKETS_S: tuple[float, ...] = (
-    0.0005, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05,
-    0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
-)
+STEP_DURATION_BUCKETS_S: tuple[float, ...] = (0.0005, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.0075,
+                                              0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2,
+                                              0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
 """Upper bounds (seconds) of the step-time histogram: about 1.5x apart from 1 ms to 1 s,
 where steps live (small batches at a few ms, large GPU batches at 10-300 ms), so
 quantiles of T(batch, k) are resolved to about a third; coarser beyond."""
@@ -116,12 +115,11 @@ class RuntimeProm(Collector):
             family = family_type(METRIC_PREFIX + name, help_text, labels=labels)
             family.add_metric(values, getattr(snap, name.removesuffix("_perc")))
             yield family
-        steps = HistogramMetricFamily(
-            METRIC_PREFIX + "step_duration_seconds",
-            "Wall time of one engine step (prefill of new requests plus one decode "
-            "round), by batch-size bucket of the decode round and the k it drafted.",
-            labels=[*labels, "batch_bucket", "num_speculative_tokens"],
-        )
+        steps = HistogramMetricFamily(METRIC_PREFIX + "step_duration_seconds",
+                                      "Wall time of one engine step (prefill of new requests plus "
+                                      "one decode round), by batch-size bucket of the decode "
+                                      "round and the k it drafted.",
+                                      labels=[*labels, "batch_bucket", "num_speculative_tokens"])
         for (bucket, k), s in sorted(snap.step_times.series.items()):
             cumulative = zip(_BUCKET_LABELS, itertools.accumulate(s.bucket_counts), strict=True)
             steps.add_metric([*values, bucket, str(k)], list(cumulative), s.sum_s)

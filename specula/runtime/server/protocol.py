@@ -100,8 +100,7 @@ class CompletionRequest(GenerationRequest):
     ``n`` choices per prompt), a list of token ids, or a list of token-id lists."""
 
     prompt: str | NonEmptyTokenIds | Annotated[list[str], Field(min_length=1)] | Annotated[
-        list[NonEmptyTokenIds], Field(min_length=1)
-    ]
+        list[NonEmptyTokenIds], Field(min_length=1)]
     max_tokens: int | None = Field(default=16, ge=1)
     """Most tokens to generate per prompt; ``None`` means up to the context length."""
     best_of: int | None = None

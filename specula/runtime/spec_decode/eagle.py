@@ -21,10 +21,9 @@ class Eagle3Runner(DraftRunner):
         self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: PagedAttentionMetadata,
         hidden_states: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One draft forward of ``input_ids`` ([num_tokens] int64, the token after each
-        conditioning position) at ``positions`` with ``hidden_states [num_tokens, H]``
-        (fused target states or the draft's previous output), writing its KV
-        (AssertionError: other shapes).
+        """One draft forward of ``input_ids`` ([num_tokens] int64, the token after each conditioning
+        position) at ``positions`` with ``hidden_states [num_tokens, H]`` (fused target states or
+        the draft's previous output), writing its KV (AssertionError: other shapes).
 
         Returns:
             ``(normed [num_tokens, H] for the logits, [num_tokens, H] the next state)``.
@@ -55,9 +54,8 @@ class EagleSpeculator(AutoRegressiveSpeculator):
     model: Eagle3LlamaForCausalLM
 
     def load_draft_model(self) -> Eagle3LlamaForCausalLM:
-        model = load_eagle3_draft(
-            self.draft_dir, self.target_config, self.dtype, self.device, self.load_format
-        )
+        model = load_eagle3_draft(self.draft_dir, self.target_config, self.dtype, self.device,
+                                  self.load_format)
         self.aux_hidden_state_layers = model.eagle.aux_hidden_state_layer_ids
         return model
 

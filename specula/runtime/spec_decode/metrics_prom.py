@@ -46,19 +46,16 @@ class SpecDecodingProm(Collector):
 
     def _families(self, stats: SpecDecodingStats | None) -> Iterator[Metric]:
         labels, values = ["model_name"], [self._model_name]
-        for attr, doc in (
-            ("num_drafts", "Number of spec decoding drafts."),
-            ("num_draft_tokens", "Number of draft tokens."),
-            ("num_accepted_tokens", "Number of accepted tokens."),
-        ):
+        for attr, doc in (("num_drafts", "Number of spec decoding drafts."),
+                          ("num_draft_tokens", "Number of draft tokens."),
+                          ("num_accepted_tokens", "Number of accepted tokens.")):
             family = CounterMetricFamily(f"{METRIC_PREFIX}spec_decode_{attr}", doc, labels=labels)
             if stats is not None:
                 family.add_metric(values, float(getattr(stats, attr)))
             yield family
-        per_pos = CounterMetricFamily(
-            METRIC_PREFIX + "spec_decode_num_accepted_tokens_per_pos",
-            "Accepted tokens per draft position.", labels=[*labels, "position"],
-        )
+        per_pos = CounterMetricFamily(METRIC_PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                      "Accepted tokens per draft position.",
+                                      labels=[*labels, "position"])
         if stats is not None:
             for position, count in enumerate(stats.num_accepted_tokens_per_pos):
                 per_pos.add_metric([*values, str(position)], float(count))

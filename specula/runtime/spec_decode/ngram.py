@@ -83,8 +83,6 @@ class NgramSpeculator(BaseSpeculator):
         batch = inputs.input_batch
         assert batch.token_ids is not None, "the engine keeps no token history"
         idx = inputs.idx_mapping
-        drafts, num = ngram_lookup(
-            batch.token_ids[idx], batch.num_tokens[idx], self.prompt_lookup_min,
-            self.prompt_lookup_max, k,
-        )
+        drafts, num = ngram_lookup(batch.token_ids[idx], batch.num_tokens[idx],
+                                   self.prompt_lookup_min, self.prompt_lookup_max, k)
         return DraftOutput(drafts, None, num)

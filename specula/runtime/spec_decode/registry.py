@@ -47,12 +47,10 @@ class SpeculatorContext:
 
 def draft_kwargs(ctx: SpeculatorContext) -> dict:
     """Constructor arguments of a :class:`DraftModelSpeculator` subclass."""
-    return {
-        "draft_dir": ctx.draft_dir(), "target_config": ctx.target_config,
-        "num_speculative_tokens": ctx.config.max_k, "max_num_seqs": ctx.max_num_seqs,
-        "dtype": ctx.dtype, "device": ctx.device,
-        "draft_sample_method": ctx.config.draft_sample_method, "load_format": ctx.load_format,
-    }
+    return {"draft_dir": ctx.draft_dir(), "target_config": ctx.target_config,
+            "num_speculative_tokens": ctx.config.max_k, "max_num_seqs": ctx.max_num_seqs,
+            "dtype": ctx.dtype, "device": ctx.device,
+            "draft_sample_method": ctx.config.draft_sample_method, "load_format": ctx.load_format}
 
 
 def _draft_model_kwargs(ctx: SpeculatorContext) -> dict:
@@ -106,15 +104,12 @@ def create_speculator(
     """
     factory = SPECULATOR_FACTORIES.get(config.method)
     if factory is None:
-        raise UnsupportedSpeculatorMethod(
-            f"speculator method {config.method!r} is not implemented; "
-            f"supported: {', '.join(supported_methods())}"
-        )
+        raise UnsupportedSpeculatorMethod(f"speculator method {config.method!r} is not "
+                                          "implemented; supported: "
+                                          f"{', '.join(supported_methods())}")
     if config.draft_tensor_parallel_size != 1 and config.method != "draft_model":
-        raise ValueError(
-            f"draft_tensor_parallel_size {config.draft_tensor_parallel_size}: a "
-            f"{config.method} draft runs unsharded on every rank (draft_tensor_parallel_size "
-            "1); only draft_model drafts can be sharded"
-        )
+        raise ValueError(f"draft_tensor_parallel_size {config.draft_tensor_parallel_size}: a "
+                         f"{config.method} draft runs unsharded on every rank "
+                         "(draft_tensor_parallel_size 1); only draft_model drafts can be sharded")
     return factory(SpeculatorContext(
         config, target_config, Path(target_dir), max_num_seqs, dtype, device, load_format))

@@ -4,8 +4,7 @@
 runs them over a :class:`~specula.runtime.worker.paged_kv.PagedKVCache` as a
 :class:`~specula.runtime.worker.model_runner.ModelRunner` with Gemma4's layers.
 
-What differs from the Llama path (see :mod:`specula.runtime.models.gemma4` for the
-model):
+What differs from the Llama path (see :mod:`specula.runtime.models.gemma4` for the model):
 
 - sliding-window layers attend to the last ``sliding_window`` positions only: the paged
   kernel's window (decode, verification), a banded causal mask for prefills;
@@ -65,10 +64,8 @@ class Gemma4PagedLayers(ModelRunner):
     Args:
         config: the layers' config (the target's, or the assistant's text config).
         kv_cache: the target's cache; entry ``kv_sources[i]`` is what layer ``i`` reads.
-        kv_sources: per layer, its cache entry (written by the layer unless it is
-            KV-shared).
-        windows: per layer, its sliding window in keys (own position included) or
-            ``None``.
+        kv_sources: per layer, its cache entry (written by the layer unless it is KV-shared).
+        windows: per layer, its sliding window in keys (own position included) or ``None``.
         rotary: per layer type, the rotary embedding (``inv_freq``) of that type.
         max_model_len, attn_num_splits: as for :class:`ModelRunner`.
         weight: one of the layers' parameters (their device and dtype).
@@ -88,14 +85,12 @@ class Gemma4PagedLayers(ModelRunner):
         """Per layer, the cache entry it reads (and writes when it is not shared)."""
         self.windows = tuple(windows)
         """Per layer, its sliding window or ``None`` (full attention)."""
-        self.cos_sin_caches = {
-            t: build_cos_sin_cache(r.inv_freq.to(device), max_model_len) for t, r in rotary.items()
-        }
+        self.cos_sin_caches = {t: build_cos_sin_cache(r.inv_freq.to(device), max_model_len)
+                               for t, r in rotary.items()}
         # The value norm has no scale: a weight of ones makes the plain RMSNorm kernel
         # compute exactly x * rsqrt(mean(x^2) + eps).
-        self._unit_weights = {
-            d: torch.ones(d, dtype=dtype, device=device) for d in set(config.layer_head_dims)
-        }
+        self._unit_weights = {d: torch.ones(d, dtype=dtype, device=device)
+                              for d in set(config.layer_head_dims)}
 
     def _head_norm(self, x: torch.Tensor, norm: Gemma4RMSNorm, num_heads: int) -> torch.Tensor:
         # x: [num_tokens, num_heads * head_dim] -> [num_tokens, num_heads, head_dim]
@@ -123,9 +118,8 @@ class Gemma4PagedLayers(ModelRunner):
             v_proj = k_proj if attn.v_proj is None else attn.v_proj(hidden)
             k = self._head_norm(k_proj, attn.k_norm, attn.num_kv_heads)
             v = self._head_norm(v_proj, attn.v_norm, attn.num_kv_heads)
-            rotary_embedding_and_cache(
-                positions, q, k, v, key_cache, value_cache, metadata.slot_mapping, cos_sin
-            )
+            rotary_embedding_and_cache(positions, q, k, v, key_cache, value_cache,
+                                       metadata.slot_mapping, cos_sin)
             produced[layer_idx] = (k, v)
         # q, k and v are normed: the softmax scale is 1.
         out = attend(q, k, v, key_cache, value_cache, metadata, 1.0, self.attn_num_splits,
@@ -206,8 +200,7 @@ class Gemma4Runner(Gemma4PagedLayers):
         super().__init__(
             config, kv_cache, config.kv_source_layers(),
             [config.sliding_window if t == SLIDING else None for t in config.layer_types],
-            model.rotary.by_type, max_model_len, attn_num_splits, model.model.embed_tokens.weight,
-        )
+            model.rotary.by_type, max_model_len, attn_num_splits, model.model.embed_tokens.weight)
         self.model = model
 
     def _run_layers(

@@ -94,9 +94,8 @@ def _causal_sdpa(
         # Causal band: query i sees keys (i - window, i].
         mask = torch.ones(q_len, q_len, dtype=torch.bool, device=q.device).tril().triu(1 - window)
     q, k, v = (x.view(num_reqs, q_len, -1, head_dim).transpose(1, 2) for x in (q, k, v))
-    out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
-    )
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                         scale=scale, enable_gqa=True)
     return out.transpose(1, 2).reshape(n, num_heads, head_dim)
 
 
@@ -111,9 +110,8 @@ def _prefill_attention(
     for length, rows, tables, seq_lens in metadata.context_groups:
         # After a reused prefix: the paged kernel reads the prefix (and this forward's
         # keys and values, written already) from the cache, as for a verification.
-        out[rows] = paged_attention(
-            q[rows], key_cache, value_cache, tables, seq_lens, scale, length, sliding_window=window,
-        )
+        out[rows] = paged_attention(q[rows], key_cache, value_cache, tables, seq_lens, scale,
+                                    length, sliding_window=window)
     starts = list(accumulate(metadata.query_lens_cpu, initial=0))
     context = metadata.context_lens_cpu or (0,) * metadata.num_reqs
     for start, end, cached in zip(starts, starts[1:], context, strict=False):
@@ -152,16 +150,13 @@ def attend(
         return _prefill_attention(q, k, v, key_cache, value_cache, metadata, scale, sliding_window)
     decode, prefill = metadata.split or (metadata, None)
     if decode.uniform_query_len is None:
-        raise ValueError(
-            "paged attention needs the same query length for every request "
-            "(decode: 1, verification: k + 1), optionally followed by prefills; "
-            "split the batch"
-        )
+        raise ValueError("paged attention needs the same query length for every request "
+                         "(decode: 1, verification: k + 1), optionally followed by prefills; "
+                         "split the batch")
     n = decode.num_tokens
-    out = paged_attention(
-        q[:n], key_cache, value_cache, decode.block_table, decode.seq_lens, scale,
-        decode.uniform_query_len, num_splits=num_splits, sliding_window=sliding_window,
-    )
+    out = paged_attention(q[:n], key_cache, value_cache, decode.block_table, decode.seq_lens, scale,
+                          decode.uniform_query_len, num_splits=num_splits,
+                          sliding_window=sliding_window)
     if prefill is None:
         return out
     rest = _prefill_attention(q[n:], k[n:], v[n:], key_cache, value_cache, prefill, scale, sliding_window)
@@ -198,10 +193,8 @@ class ModelRunner:
         attn_num_splits: int | None = None, fold: bool = True,
     ) -> None:
         if type(model) not in SUPPORTED_MODELS:
-            raise ValueError(
-                f"{type(model).__name__} is not supported by the paged runner; "
-                f"supported: {', '.join(c.__name__ for c in SUPPORTED_MODELS)}"
-            )
+            raise ValueError(f"{type(model).__name__} is not supported by the paged runner; "
+                             f"supported: {', '.join(c.__name__ for c in SUPPORTED_MODELS)}")
         weight = model.model.embed_tokens.weight
         self.setup_paged(model, kv_cache, max_model_len, attn_num_splits, weight)
         self.norms_folded = fold_norms(model) if fold else getattr(model, "norms_folded", False)
@@ -276,12 +269,10 @@ class ModelRunner:
             out = paged_attention(
                 q[:m], key_cache, value_cache, metadata.block_table, metadata.seq_lens, self.scale,
                 metadata.uniform_query_len, num_splits=self.attn_num_splits,
-                new_kv=(k[:m], v[:m], positions[:m], metadata.slot_mapping[:m], self.cos_sin_cache),
-            )
+                new_kv=(k[:m], v[:m], positions[:m], metadata.slot_mapping[:m], self.cos_sin_cache))
             return out.reshape(m, -1)
-        rotary_embedding_and_cache(
-            positions, q, k, v, key_cache, value_cache, metadata.slot_mapping, self.cos_sin_cache
-        )
+        rotary_embedding_and_cache(positions, q, k, v, key_cache, value_cache,
+                                   metadata.slot_mapping, self.cos_sin_cache)
         out = attend(q, k, v, key_cache, value_cache, metadata, self.scale, self.attn_num_splits)
         # reshape: a one-request prefill's attention output may be a transposed view.
         return out.reshape(n, -1)
@@ -383,11 +374,10 @@ class ModelRunner:
                 :func:`~specula.runtime.worker.paged_kv.build_attention_metadata` (one
                 for every layer: all share the block tables), whose ``block_table`` is
                 ``max_blocks_per_req`` wide.
-            aux_layer_ids: residual streams to return, Hugging Face
-                ``output_hidden_states`` ids as in
-                :meth:`LlamaForCausalLM.check_aux_hidden_state_layers` (``i``: the input
-                of decoder layer ``i``; the number of layers: the last layer's output;
-                EAGLE-3, arXiv 2503.01840).
+            aux_layer_ids: residual streams to return, Hugging Face ``output_hidden_states`` ids as
+                in :meth:`LlamaForCausalLM.check_aux_hidden_state_layers` (``i``: the input of
+                decoder layer ``i``; the number of layers: the last layer's output; EAGLE-3, arXiv
+                2503.01840).
 
         Returns:
             ``(hidden [num_tokens, hidden_size] after the final norm, aux [num_tokens,
@@ -403,8 +393,7 @@ class ModelRunner:
         assert metadata.block_table.shape[1] == self.max_blocks_per_req
         captured: dict[int, torch.Tensor] = {}
         hidden, captured[len(self.model.model.layers)] = self._run_layers(
-            input_ids, positions, metadata, aux_layer_ids, captured
-        )
+            input_ids, positions, metadata, aux_layer_ids, captured)
         aux = torch.cat([captured[i] for i in aux_layer_ids], dim=-1) if aux_layer_ids else None
         return hidden, aux
 
@@ -420,9 +409,8 @@ class ModelRunner:
             hidden, residual = self.fused_reduce(model.embed_tokens(input_ids, reduce=False), None, ln.weight, ln.eps)
         else:
             hidden, residual = model.embed_tokens(input_ids), None  # [num_tokens, hidden_size]
-        return self.decoder(
-            model.layers, hidden, residual, positions, metadata, model.norm, aux_layer_ids, captured
-        )
+        return self.decoder(model.layers, hidden, residual, positions, metadata, model.norm,
+                            aux_layer_ids, captured)
 
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,8 +1,7 @@
 """Tensor parallelism: the process group, the collectives of a sharded forward, and the
 sharding of checkpoint tensors (Megatron-LM, arXiv 1909.08053).
 
-A target of ``tensor_parallel_size`` N runs on N processes, one device each. Every rank
-holds:
+A target of ``tensor_parallel_size`` N runs on N processes, one device each. Every rank holds:
 
 - ``colwise`` weights (``qkv_proj``, ``gate_up_proj``): its ``1/N`` of the output rows,
   so of the query and key/value heads and of the MLP's intermediate columns;
@@ -238,9 +237,8 @@ def check_divisible(config: Any, world_size: int) -> None:
     """Refuse a target whose heads or MLP columns do not split evenly over the ranks.
 
     Raises:
-        ValueError: ``num_attention_heads``, ``num_key_value_heads`` or
-            ``intermediate_size`` not divisible by ``tensor_parallel_size``; the message
-            names the field and both values.
+        ValueError: ``num_attention_heads``, ``num_key_value_heads`` or ``intermediate_size`` not
+            divisible by ``tensor_parallel_size``; the message names the field and both values.
     """
     for field in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
         value = getattr(config, field)

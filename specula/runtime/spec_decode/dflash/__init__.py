@@ -42,10 +42,9 @@ class DFlashSpeculator(DraftModelSpeculator):
         draft_vocab_size = config.draft_vocab_size
         if draft_vocab_size == config.layer_config.vocab_size:
             draft_vocab_size = None  # the target's LM head
-        return load_dflash_draft(
-            self.draft_dir, config.layer_config, len(self.aux_hidden_state_layers),
-            draft_vocab_size, self.dtype, self.device, self.load_format,
-        )
+        return load_dflash_draft(self.draft_dir, config.layer_config,
+                                 len(self.aux_hidden_state_layers), draft_vocab_size, self.dtype,
+                                 self.device, self.load_format)
 
     def bind_target(self, target_runner) -> None:
         """Share the target's token embedding and LM head (``speculators`` DFlash

@@ -76,24 +76,21 @@ class DFlashConfig:
         if draft_vocab_size > layer_config.vocab_size:
             raise ValueError(f"draft_vocab_size {draft_vocab_size} exceeds the target vocab_size "
                              f"{layer_config.vocab_size} of transformer_layer_config")
-        return cls(
-            layer_config=layer_config, block_size=block_size, mask_token_id=mask_token_id,
-            aux_hidden_state_layer_ids=tuple(int(i) for i in layer_ids),
-            draft_vocab_size=int(draft_vocab_size),
-            target_hidden_size=raw.get("target_hidden_size"),
-            sample_from_anchor=bool(raw.get("sample_from_anchor", False)),
-        )
+        return cls(layer_config=layer_config, block_size=block_size, mask_token_id=mask_token_id,
+                   aux_hidden_state_layer_ids=tuple(int(i) for i in layer_ids),
+                   draft_vocab_size=int(draft_vocab_size),
+                   target_hidden_size=raw.get("target_hidden_size"),
+                   sample_from_anchor=bool(raw.get("sample_from_anchor", False)))
 
     def check_target(self, target: ModelConfig, num_speculative_tokens: int) -> None:
         """Check that this draft fits ``target`` and can draft ``num_speculative_tokens``
         (the maximum k) per block.
 
         Raises:
-            ValueError: naming the field and both values: ``vocab_size``,
-                ``hidden_size`` (of the draft layers, or a declared
-                ``target_hidden_size``), an ``aux_hidden_state_layer_ids`` entry outside
-                ``[0, num_hidden_layers]``, or ``max_num_speculative_tokens`` above
-                what one block yields.
+            ValueError: naming the field and both values: ``vocab_size``, ``hidden_size`` (of the
+                draft layers, or a declared ``target_hidden_size``), an
+                ``aux_hidden_state_layer_ids`` entry outside ``[0, num_hidden_layers]``, or
+                ``max_num_speculative_tokens`` above what one block yields.
         """
         for name, field, ours, why in (
             ("draft vocab_size", "vocab_size", self.layer_config.vocab_size,

@@ -1,13 +1,12 @@
 """Gemma4 multi-token prediction (the ``gemma4_mtp`` method): a ``gemma4_assistant`` checkpoint
-drafts for a Gemma4 target by reading the target's KV cache. With verified tokens
-``t_0 .. t_{n-1}`` (``t_{n-1}`` just sampled, its KV not yet cached), every draft step runs one
-row per request at the constant rotary position ``n - 1``, attending to the target's cached
-positions ``0 .. n - 2``. Step 1 reads ``t_{n-1}`` with the target's final hidden state at
-``n - 2``; step ``s`` reads draft token ``s - 1`` with the assistant's own ``post_projection``
-output. This is what ``transformers``' ``SinglePositionMultiTokenCandidateGenerator`` does for
-``generate(..., assistant_model=...)``, except that rows here never see the target's KV of
-rejected drafts (there they may, after a partially rejected round): the output is the target's
-either way, only acceptance can differ.
+drafts for a Gemma4 target by reading the target's KV cache. With verified tokens ``t_0 .. t_{n-1}``
+(``t_{n-1}`` just sampled, its KV not yet cached), every draft step runs one row per request at the
+constant rotary position ``n - 1``, attending to the target's cached positions ``0 .. n - 2``. Step
+1 reads ``t_{n-1}`` with the target's final hidden state at ``n - 2``; step ``s`` reads draft token
+``s - 1`` with the assistant's own ``post_projection`` output. This is what ``transformers``'
+``SinglePositionMultiTokenCandidateGenerator`` does for ``generate(..., assistant_model=...)``,
+except that rows here never see the target's KV of rejected drafts (there they may, after a
+partially rejected round): the output is the target's either way, only acceptance can differ.
 """
 
 from __future__ import annotations

@@ -30,8 +30,7 @@ class Gemma4AssistantRunner(Gemma4PagedLayers):
             [model.sliding_window if t == SLIDING else None for t in text.layer_types],
             model.rotary.by_type, target.max_model_len,
             None,  # attn_num_splits: the kernel's choice
-            model.pre_projection.weight,
-        )
+            model.pre_projection.weight)
         self.model = model
         self.target = target
 
