@@ -10,7 +10,11 @@ method and batch size:
   wall means the device waits for the host.
 
     PYTHONPATH=. python3 bench/profile_engine.py [--methods none,eagle3] [--batches 1,32]
-        [--tensor-parallel-size 2]
+        [--tensor-parallel-size 2] [--chrome-trace DIR]
+
+``--chrome-trace DIR`` also writes each profiled run's ``torch.profiler`` trace to
+``DIR/<method>-bs<batch>.json`` (Chrome trace format; kernels in CUDA graphs included),
+for ordering a step's kernels and finding the ones launched from the host.
 
 With ``--tensor-parallel-size`` N > 1 the engine runs on N GPUs (rank 0 here, the others
 spawned, as ``bench/tp.py`` starts them) and rank 0 is profiled; the target graph's
@@ -44,7 +48,8 @@ from bench.engine_e2e import (  # noqa: E402
 
 
 def profile_batch(
-    engine, label: str, batch: int, steps: int, torch_profile: bool, time_graph: bool = True
+    engine, label: str, batch: int, steps: int, torch_profile: bool, time_graph: bool = True,
+    trace_dir: str | None = None,
 ) -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -85,6 +90,9 @@ def profile_batch(
                 engine.step()
             torch.cuda.synchronize()
             twall = time.perf_counter() - start
+        if trace_dir:
+            Path(trace_dir).mkdir(parents=True, exist_ok=True)
+            tprof.export_chrome_trace(str(Path(trace_dir) / f"{label}-bs{batch}.json"))
         events = tprof.key_averages()
         device = [e for e in tprof.events() if e.device_type.name == "CUDA"]
         gpu = sum(e.time_range.elapsed_us() for e in device) / 1e3  # ms, kernels and copies
@@ -115,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-torch-profile", action="store_true")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--chrome-trace", default=None, metavar="DIR")
     args = parser.parse_args(argv)
     import torch
 
@@ -130,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         engine = build(torch.device("cuda:0")) if tp == 1 else start_ranks(tp, "cuda", build)
         for b in batches:
-            profile_batch(engine, name, b, args.steps, not args.no_torch_profile, tp == 1)
+            profile_batch(engine, name, b, args.steps, not args.no_torch_profile, tp == 1,
+                          args.chrome_trace)
         engine.shutdown()
         del engine
         release_memory()

@@ -322,7 +322,6 @@ def _propose_inputs(r, k, input_ids, positions, metadata, hidden, tokens, next_p
         next_token_ids=tokens[:r],
         next_positions=next_positions[:r],
         sampling=SamplingMetadata.from_params([SamplingParams()] * r, range(r), DEVICE),
-        draw_keys=torch.zeros(r, dtype=torch.int64, device=DEVICE),
         num_speculative_tokens=k,
     )
 

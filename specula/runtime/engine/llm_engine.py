@@ -530,7 +530,7 @@ class LLMEngine(SpeculativeSettings):
                 descriptor=descriptor, hidden_states=hidden, aux_hidden_states=aux,
                 cu_num_draft_tokens=cu_num_draft_tokens, num_accepted=num_accepted,
                 next_token_ids=next_tokens, next_positions=committed, sampling=sampling,
-                draw_keys=committed + 1, num_speculative_tokens=k_next,
+                num_speculative_tokens=k_next,
             ))
             if draft is None:
                 k_next = 0

@@ -44,7 +44,7 @@ CONFIGS: dict[tuple[int, int], dict[int, tuple[int, ...]]] = {
     (4096, 4096): {16: (32, 256, 4, 5), 32: (32, 256, 4, 4)},  # o_proj
     (28672, 4096): {16: (128, 256, 8, 3), 32: (128, 256, 4, 3), 64: (128, 128, 8, 3)},
     (4096, 14336): {16: (32, 256, 4, 5), 32: (32, 256, 4, 5)},  # down_proj
-    (128256, 4096): {16: (64, 512, 4, 3), 32: (128, 128, 4, 3), 64: (128, 128, 8, 3),
+    (128256, 4096): {1: (32, 512, 4, 5), 16: (64, 512, 4, 3), 32: (128, 128, 4, 3), 64: (128, 128, 8, 3),
                      128: (128, 128, 8, 3)},  # lm_head
     (6144, 8192): {16: (64, 128, 4, 5), 32: (32, 128, 4, 5), 64: (64, 128, 8, 5)},  # EAGLE-3 qkv
     (4096, 12288): {16: (32, 256, 4, 5), 32: (32, 256, 4, 5)},  # EAGLE-3 fc
@@ -53,9 +53,9 @@ CONFIGS: dict[tuple[int, int], dict[int, tuple[int, ...]]] = {
                     128: (128, 128, 8, 3)},  # EAGLE-3 draft-vocabulary lm_head
     (3072, 2048): {16: (32, 128, 4, 5)},  # Llama-3.2-1B qkv_proj
     (16384, 2048): {16: (64, 128, 4, 3), 32: (128, 128, 4, 3), 64: (64, 128, 4, 3)},  # gate_up
-    (2048, 2048): {16: (16, 128, 4, 5), 32: (16, 512, 4, 5), 64: (16, 128, 4, 5)},  # o_proj
+    (2048, 2048): {1: (32, 128, 4, 5, 2), 16: (16, 128, 4, 5), 32: (16, 512, 4, 5), 64: (16, 128, 4, 5)},  # o_proj
     (2048, 8192): {16: (32, 256, 4, 5, 2), 32: (16, 512, 4, 5)},  # down_proj, split-K
-    (128256, 2048): {16: (32, 256, 4, 5), 32: (128, 128, 4, 3), 64: (128, 128, 8, 3),
+    (128256, 2048): {1: (32, 512, 4, 5), 16: (32, 256, 4, 5), 32: (128, 128, 4, 3), 64: (128, 128, 8, 3),
                      128: (128, 128, 8, 3)},  # lm_head
     (3072, 4096): {16: (32, 256, 4, 5), 32: (32, 128, 4, 5)},  # 8B at TP=2: qkv_proj
     (4096, 2048): {16: (32, 128, 4, 5), 32: (32, 256, 4, 4)},  # o_proj
@@ -65,7 +65,9 @@ CONFIGS: dict[tuple[int, int], dict[int, tuple[int, ...]]] = {
 }
 """Tuned ``(N, K) -> {BLOCK_M: config}``: the weight shapes and row tiles where the kernel
 beat the library GEMM on an H100 (``bench/gemv.py``, ``bench/results/gemv.json``);
-:func:`use_gemv` sends only these here."""
+:func:`use_gemv` sends only these here. Key 1, where present, is one row's (a draft step's,
+a decode step's at batch 1), faster there than the 16-row tile's, which is tuned over 1-16 rows
+(``bench/results/engine.json``, ``gemv_one_row_configs``)."""
 
 
 PREFETCH_MAX_BYTES, PREFETCH_SHARE = 6 << 20, 3
@@ -308,7 +310,8 @@ def gemv(
         weight: [N, K] of ``x.dtype``, last dim contiguous (an ``nn.Linear`` weight);
             with ``silu_mul`` [2N, K], the gate rows then the up rows.
         config: ``(BLOCK_N, BLOCK_K, num_warps, num_stages[, SPLIT_K])``; default the
-            tuned entry of the weight's shape and row tile, else :data:`DEFAULT_CONFIG`.
+            tuned entry of the weight's shape and row tile (or of one row), else
+            :data:`DEFAULT_CONFIG`.
             With ``silu_mul`` a program covers ``BLOCK_N / 2`` columns of each half.
             ``SPLIT_K`` > 1 applies when ``SPLIT_K * BLOCK_K`` divides ``K``.
         silu_mul: return ``silu(x @ gate.T) * (x @ up.T)`` [M, N] (SwiGLU, Shazeer,
@@ -362,7 +365,8 @@ def gemv(
         return y
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     bm = block_m(m)
-    cfg = config or CONFIGS.get(tuple(weight.shape), {}).get(bm, DEFAULT_CONFIG)
+    tuned = CONFIGS.get(tuple(weight.shape), {})
+    cfg = config or tuned.get(1 if m == 1 else bm) or tuned.get(bm, DEFAULT_CONFIG)
     block_n, block_k, warps, stages, split_k = (*cfg, 1)[:5]
     block_n //= 2 if silu_mul else 1
     grid = triton.cdiv(n, block_n)
@@ -442,14 +446,15 @@ def linear_silu_and_mul(
 
 
 def linear_argmax(
-    x: torch.Tensor, weight: torch.Tensor, into: tuple[torch.Tensor, int] | None = None
+    x: torch.Tensor, weight: torch.Tensor, into: tuple[torch.Tensor, int] | None = None,
+    prefetch: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(logits, logits.argmax(-1))`` of ``logits = F.linear(x, weight)`` (an LM head
     and its greedy tokens): ``x`` [M, K], ``weight`` [V, K]; returns ``([M, V] in
     ``x.dtype``, [M] int64)``, the argmax the first index of each row's maximum (with
     ``into``, :func:`argmax`'s pairs). One :func:`gemv` with the argmax epilogue where
-    :func:`use_gemv` says so, else the library GEMM and :func:`argmax`."""
+    :func:`use_gemv` says so (``prefetch``: its), else the library GEMM and :func:`argmax`."""
     if use_gemv(x, weight):
-        return gemv(x, weight, with_argmax=True, argmax_into=into)
+        return gemv(x, weight, with_argmax=True, argmax_into=into, prefetch=prefetch)
     logits = linear(x, weight)
     return logits, argmax(logits, into)

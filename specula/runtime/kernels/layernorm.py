@@ -33,16 +33,21 @@ def _rms_norm_kernel(
     residual_ptr,  # [num_tokens, hidden_size], read when HAS_RESIDUAL
     weight_ptr,  # [hidden_size]
     ids_ptr,  # GATHER: [num_tokens] int64 rows of x, stride_ids apart
-    eps, stride_out, stride_res_out, stride_x, stride_res, stride_ids, HIDDEN: tl.constexpr,
-    BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GEMMA: tl.constexpr, GATHER: tl.constexpr,
-    PDL: tl.constexpr,
+    x2_ptr, weight2_ptr,  # PAIR: [num_tokens, hidden_size] rows, their [hidden_size] weight
+    eps, eps2, stride_out, stride_res_out, stride_x, stride_res, stride_ids, stride_x2,
+    HIDDEN: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GEMMA: tl.constexpr,
+    GATHER: tl.constexpr, PAIR: tl.constexpr, PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < HIDDEN
     wait_for_previous_kernel(PDL)
-    src = tl.load(ids_ptr + row * stride_ids) if GATHER else row
-    x = tl.load(x_ptr + src * stride_x + cols, mask=mask, other=0.0)
+    if PAIR and tl.program_id(1) == 1:  # the second norm, into the columns after the first's
+        x = tl.load(x2_ptr + row * stride_x2 + cols, mask=mask, other=0.0)
+        weight_ptr, out_ptr, eps = weight2_ptr, out_ptr + HIDDEN, eps2
+    else:
+        src = tl.load(ids_ptr + row * stride_ids) if GATHER else row
+        x = tl.load(x_ptr + src * stride_x + cols, mask=mask, other=0.0)
     dtype = x.dtype
     if HAS_RESIDUAL:
         res = tl.load(residual_ptr + row * stride_res + cols, mask=mask, other=0.0)
@@ -79,7 +84,7 @@ def rms_norm(
 def fused_add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, *,
     gemma: bool = False, out: torch.Tensor | None = None, residual_out: torch.Tensor | None = None,
-    ids: torch.Tensor | None = None,
+    ids: torch.Tensor | None = None, pair: tuple[torch.Tensor, torch.Tensor, float] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``residual_out = x + residual``; ``out = rms_norm(residual_out)``, in one pass.
 
@@ -91,6 +96,9 @@ def fused_add_rms_norm(
             updates in place (each program reads its row before writing it).
         ids: [num_tokens] int64 (any stride): ``x`` is a table (an embedding's weight) and the rows are
             ``x[ids]``, gathered in the kernel (an embedding lookup and its norm in one launch).
+        pair: ``(x2, weight2, eps2)``, with ``residual=None``: also norm ``x2 [num_tokens,
+            hidden_size]`` with ``weight2`` into ``out``'s next ``hidden_size`` columns, in the
+            same launch (``out`` [num_tokens, 2 * hidden_size]; EAGLE-3's and MTP's input pair).
 
     Returns:
         ``(out, residual_out)``, both [num_tokens, hidden_size] in ``x.dtype``.
@@ -104,12 +112,21 @@ def fused_add_rms_norm(
     if ids is not None and use_reference(x):
         x, ids = x[ids], None
     num_tokens, hidden = x.shape if ids is None else (ids.shape[0], x.shape[1])
+    if pair is not None:
+        assert residual is None and out is not None and out.shape == (num_tokens, 2 * hidden)
+        x2, w2, eps2 = pair
+        assert x2.shape == (num_tokens, hidden) and x2.dtype == x.dtype and x2.stride(1) == 1
+        assert w2.shape == weight.shape and w2.dtype == x.dtype and w2.is_contiguous()
+        if use_reference(x):
+            for src, w, e, half in ((x, weight, eps, out[:, :hidden]), (x2, w2, eps2, out[:, hidden:])):
+                fused_add_rms_norm(src, None, w, e, gemma=gemma, out=half)
+            return out, None
     assert weight.shape == (hidden,) and weight.is_contiguous() and hidden <= _MAX_HIDDEN
     assert weight.dtype == x.dtype, "weight must be in the activation dtype"
     out = x.new_empty(num_tokens, hidden) if out is None else out
     if residual is not None:
         residual_out = x.new_empty(num_tokens, hidden) if residual_out is None else residual_out
-    for t in (out,) if residual is None else (out, residual, residual_out):
+    for t in (out[:, :hidden],) if residual is None else (out, residual, residual_out):
         assert t.shape == (num_tokens, hidden) and t.dtype == x.dtype, "shape/dtype unlike x's"
         assert t.stride(-1) == 1, "last dim must be contiguous"
     if num_tokens == 0:
@@ -123,11 +140,13 @@ def fused_add_rms_norm(
     # Without a residual the kernel neither reads nor writes the residual pointers.
     res_in, res_out = (x, out) if residual is None else (residual, residual_out)
     with_pdl = pdl(x)
-    _rms_norm_kernel[(num_tokens,)](
-        out, res_out, x, res_in, weight, x if ids is None else ids, eps, out.stride(0),
-        res_out.stride(0), x.stride(0), res_in.stride(0), 0 if ids is None else ids.stride(0),
-        HIDDEN=hidden, BLOCK=block, HAS_RESIDUAL=residual is not None, GEMMA=gemma,
-        GATHER=ids is not None, PDL=with_pdl, num_warps=min(16, max(1, block // 512)),
+    x2, w2, eps2 = pair or (x, weight, eps)
+    _rms_norm_kernel[(num_tokens, 1 if pair is None else 2)](
+        out, res_out, x, res_in, weight, x if ids is None else ids, x2, w2, eps, eps2,
+        out.stride(0), res_out.stride(0), x.stride(0), res_in.stride(0),
+        0 if ids is None else ids.stride(0), x2.stride(0), HIDDEN=hidden, BLOCK=block,
+        HAS_RESIDUAL=residual is not None, GEMMA=gemma, GATHER=ids is not None,
+        PAIR=pair is not None, PDL=with_pdl, num_warps=min(16, max(1, block // 512)),
         enable_fp_fusion=True, launch_pdl=with_pdl)
     return out, residual_out
 

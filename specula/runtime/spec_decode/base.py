@@ -56,10 +56,14 @@ class ProposeInputs:
     next_positions: torch.Tensor
     """[num_reqs] int64 the position of ``next_token_ids`` (the committed length)."""
     sampling: SamplingMetadata
-    draw_keys: torch.Tensor
-    """[num_reqs] int64 keys of this proposal's random draws."""
     num_speculative_tokens: int
     """k of the next verification; 0: keep the draft's state complete, propose nothing."""
+
+    @property
+    def draw_keys(self) -> torch.Tensor:
+        """[num_reqs] int64 keys of this proposal's random draws, ``next_positions + 1``
+        (computed when a sampling speculator asks: greedy drafts launch nothing for it)."""
+        return self.next_positions + 1
 
 
 @dataclass

@@ -53,14 +53,15 @@ class DraftRunner(ModelRunner):
 
     def normed_pair(self, input_ids: torch.Tensor, hidden: torch.Tensor, en: nn.Module,
                     hn: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[n, 2H]``: norm ``en`` of the embedding rows of ``input_ids`` [n] (gathered
-        from the head's table in the norm kernel) beside norm ``hn`` of ``hidden [n, H]``,
-        each norm writing its half (no cat; EAGLE-3's first layer, MTP's ``eh_proj``), and
-        the right half, a view."""
+        """``[n, 2H]``: norm ``en`` of the embedding rows of ``input_ids`` [n] (gathered from the
+        head's table in the norm kernel) beside norm ``hn`` of ``hidden [n, H]``, each writing its
+        half in one launch (no cat; EAGLE-3's first layer, MTP's ``eh_proj``), and the right half,
+        a view."""
         table, h = self.model.embed_tokens.weight, hidden.shape[1]
         x = table.new_empty(input_ids.shape[0], 2 * h)
-        fused_add_rms_norm(table, None, en.weight, en.eps, out=x[:, :h], ids=input_ids)
-        return x, fused_add_rms_norm(hidden.to(x.dtype), None, hn.weight, hn.eps, out=x[:, h:])[0]
+        fused_add_rms_norm(table, None, en.weight, en.eps, out=x, ids=input_ids,
+                           pair=(hidden.to(x.dtype), hn.weight, hn.eps))
+        return x, x[:, h:]
 
 
 class DraftModelSpeculator(BaseSpeculator):

@@ -103,8 +103,10 @@ CASES = {
     "fused_add_rms_norm_gemma": (
         layernorm._rms_norm_kernel,
         {"out_ptr": "*bf16", "residual_out_ptr": "*bf16", "x_ptr": "*bf16",
-         "residual_ptr": "*bf16", "weight_ptr": "*bf16", "ids_ptr": "*i64", "eps": "fp32"},
-        dict(HIDDEN=4096, BLOCK=4096, HAS_RESIDUAL=True, GEMMA=True, GATHER=False, PDL=True),
+         "residual_ptr": "*bf16", "weight_ptr": "*bf16", "ids_ptr": "*i64", "eps": "fp32",
+         "x2_ptr": "*bf16", "weight2_ptr": "*bf16", "eps2": "fp32"},
+        dict(HIDDEN=4096, BLOCK=4096, HAS_RESIDUAL=True, GEMMA=True, GATHER=False, PAIR=False,
+             PDL=True),
     ),
     "rotary": (
         rotary._rotary_kernel,
@@ -152,9 +154,11 @@ CASES = {
              HAS_RESIDUAL=True),
     ),
 }
-# An embedding's rows gathered and normed (MTP, EAGLE-3); synthetic acceptance (benchmarks).
-CASES["rms_norm_gather"] = (*CASES["fused_add_rms_norm_gemma"][:2], {
-    **CASES["fused_add_rms_norm_gemma"][2], "HAS_RESIDUAL": False, "GEMMA": False, "GATHER": True})
+# An embedding's rows gathered and normed beside a second input (MTP, EAGLE-3); synthetic
+# acceptance (benchmarks).
+CASES["rms_norm_gather_pair"] = (*CASES["fused_add_rms_norm_gemma"][:2], {
+    **CASES["fused_add_rms_norm_gemma"][2], "HAS_RESIDUAL": False, "GEMMA": False, "GATHER": True,
+    "PAIR": True})
 CASES["rejection_sample_synthetic"] = (*CASES["rejection_sample_random"][:2], {
     **CASES["rejection_sample_random"][2], "ALL_GREEDY": True, "SYNTHETIC": True})
 # The same without a residual: an embedding's rows summed in layer 0's norm.

@@ -109,6 +109,27 @@ def test_gathered_rows_into_half_of_a_row(interpreted):
     check_gathered_rows_into_half_of_a_row()  # the torch reference's path
 
 
+def check_normed_pair_in_one_launch() -> None:
+    """``pair``: gathered table rows normed into the left half and a second input, with its
+    own weight and eps, into the right half of one ``[n, 2H]`` buffer (``normed_pair``)."""
+    gen = torch.Generator().manual_seed(3)
+    table = torch.randn(11, 48, generator=gen).to(torch.bfloat16)
+    hidden = (torch.randn(4, 48, generator=gen) * 3).to(torch.bfloat16)
+    w1, w2 = ((torch.randn(48, generator=gen) * 0.5 + 1).to(torch.bfloat16) for _ in range(2))
+    ids = torch.tensor([[7, 1], [0, 1], [7, 1], [10, 1]])[:, 0]
+    buf = torch.full((4, 96), 5.0, dtype=torch.bfloat16)
+    out, _ = fused_add_rms_norm(table, None, w1, 1e-6, out=buf, ids=ids, pair=(hidden, w2, 0.5))
+    assert out.data_ptr() == buf.data_ptr()
+    torch.testing.assert_close(buf[:, :48], rms_norm_reference(table[ids], w1, 1e-6)[0], **TOL[torch.bfloat16])
+    # eps 0.5 against 1e-6 would move these rows' norms by more than the tolerance.
+    torch.testing.assert_close(buf[:, 48:], rms_norm_reference(hidden, w2, 0.5)[0], **TOL[torch.bfloat16])
+
+
+def test_normed_pair_in_one_launch(interpreted):
+    interpreted(check_normed_pair_in_one_launch)
+    check_normed_pair_in_one_launch()  # the torch reference's path
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_norm_reference_is_the_model_layer(dtype):
     torch.manual_seed(0)
