@@ -44,8 +44,8 @@ CONFIGS: dict[tuple[int, int], dict[int, tuple[int, ...]]] = {
     (4096, 4096): {16: (32, 256, 4, 5), 32: (32, 256, 4, 4)},  # o_proj
     (28672, 4096): {16: (128, 256, 8, 3), 32: (128, 256, 4, 3), 64: (128, 128, 8, 3)},
     (4096, 14336): {16: (32, 256, 4, 5), 32: (32, 256, 4, 5)},  # down_proj
-    (128256, 4096): {1: (32, 512, 4, 5), 16: (64, 512, 4, 3), 32: (128, 128, 4, 3), 64: (128, 128, 8, 3),
-                     128: (128, 128, 8, 3)},  # lm_head
+    (128256, 4096): {1: (32, 512, 4, 5), 16: (64, 512, 4, 3), 32: (128, 128, 4, 3),
+                     64: (128, 128, 8, 3), 128: (128, 128, 8, 3)},  # lm_head
     (6144, 8192): {16: (64, 128, 4, 5), 32: (32, 128, 4, 5), 64: (64, 128, 8, 5)},  # EAGLE-3 qkv
     (4096, 12288): {16: (32, 256, 4, 5), 32: (32, 256, 4, 5)},  # EAGLE-3 fc
     (4096, 8192): {16: (32, 512, 4, 5)},  # MTP eh_proj (2H in)
@@ -53,10 +53,11 @@ CONFIGS: dict[tuple[int, int], dict[int, tuple[int, ...]]] = {
                     128: (128, 128, 8, 3)},  # EAGLE-3 draft-vocabulary lm_head
     (3072, 2048): {16: (32, 128, 4, 5)},  # Llama-3.2-1B qkv_proj
     (16384, 2048): {16: (64, 128, 4, 3), 32: (128, 128, 4, 3), 64: (64, 128, 4, 3)},  # gate_up
-    (2048, 2048): {1: (32, 128, 4, 5, 2), 16: (16, 128, 4, 5), 32: (16, 512, 4, 5), 64: (16, 128, 4, 5)},  # o_proj
+    (2048, 2048): {1: (32, 128, 4, 5, 2), 16: (16, 128, 4, 5), 32: (16, 512, 4, 5),
+                   64: (16, 128, 4, 5)},  # o_proj
     (2048, 8192): {16: (32, 256, 4, 5, 2), 32: (16, 512, 4, 5)},  # down_proj, split-K
-    (128256, 2048): {1: (32, 512, 4, 5), 16: (32, 256, 4, 5), 32: (128, 128, 4, 3), 64: (128, 128, 8, 3),
-                     128: (128, 128, 8, 3)},  # lm_head
+    (128256, 2048): {1: (32, 512, 4, 5), 16: (32, 256, 4, 5), 32: (128, 128, 4, 3),
+                     64: (128, 128, 8, 3), 128: (128, 128, 8, 3)},  # lm_head
     (3072, 4096): {16: (32, 256, 4, 5), 32: (32, 128, 4, 5)},  # 8B at TP=2: qkv_proj
     (4096, 2048): {16: (32, 128, 4, 5), 32: (32, 256, 4, 4)},  # o_proj
     (14336, 4096): {32: (128, 128, 4, 3)},  # gate_up_proj
@@ -446,15 +447,14 @@ def linear_silu_and_mul(
 
 
 def linear_argmax(
-    x: torch.Tensor, weight: torch.Tensor, into: tuple[torch.Tensor, int] | None = None,
-    prefetch: torch.Tensor | None = None,
+    x: torch.Tensor, weight: torch.Tensor, into: tuple[torch.Tensor, int] | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(logits, logits.argmax(-1))`` of ``logits = F.linear(x, weight)`` (an LM head
     and its greedy tokens): ``x`` [M, K], ``weight`` [V, K]; returns ``([M, V] in
     ``x.dtype``, [M] int64)``, the argmax the first index of each row's maximum (with
     ``into``, :func:`argmax`'s pairs). One :func:`gemv` with the argmax epilogue where
-    :func:`use_gemv` says so (``prefetch``: its), else the library GEMM and :func:`argmax`."""
+    :func:`use_gemv` says so, else the library GEMM and :func:`argmax`."""
     if use_gemv(x, weight):
-        return gemv(x, weight, with_argmax=True, argmax_into=into, prefetch=prefetch)
+        return gemv(x, weight, with_argmax=True, argmax_into=into)
     logits = linear(x, weight)
     return logits, argmax(logits, into)

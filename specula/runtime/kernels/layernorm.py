@@ -118,8 +118,8 @@ def fused_add_rms_norm(
         assert x2.shape == (num_tokens, hidden) and x2.dtype == x.dtype and x2.stride(1) == 1
         assert w2.shape == weight.shape and w2.dtype == x.dtype and w2.is_contiguous()
         if use_reference(x):
-            for src, w, e, half in ((x, weight, eps, out[:, :hidden]), (x2, w2, eps2, out[:, hidden:])):
-                fused_add_rms_norm(src, None, w, e, gemma=gemma, out=half)
+            fused_add_rms_norm(x, None, weight, eps, gemma=gemma, out=out[:, :hidden])
+            fused_add_rms_norm(x2, None, w2, eps2, gemma=gemma, out=out[:, hidden:])
             return out, None
     assert weight.shape == (hidden,) and weight.is_contiguous() and hidden <= _MAX_HIDDEN
     assert weight.dtype == x.dtype, "weight must be in the activation dtype"

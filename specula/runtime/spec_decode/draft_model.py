@@ -33,9 +33,7 @@ class PlainDraftModelSpeculator(AutoRegressiveSpeculator):
         return load_model(self.draft_dir, self.dtype, self.device, config, self.load_format)
 
     def build_runner(self, kv_cache, max_model_len: int):
-        runner = create_model_runner(self.model, kv_cache, max_model_len)
-        runner.prefetch_lm_head = self.model.lm_head_weight
-        return runner
+        return create_model_runner(self.model, kv_cache, max_model_len)
 
     def draft_argmax(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.runner.logits_and_argmax(hidden, need_logits=False)[1]  # argmax epilogue

@@ -22,7 +22,6 @@ class MTPRunner(DraftRunner):
     def __init__(self, model: MTPForCausalLM, kv_cache, max_model_len: int) -> None:
         super().__init__(model, kv_cache, max_model_len)
         self.norms_folded = fold_norms(model, [model.mtp_layers[0].block])
-        self.prefetch_lm_head = model.lm_head.weight
 
     @torch.no_grad()
     def forward(  # type: ignore[override]
@@ -36,8 +35,7 @@ class MTPRunner(DraftRunner):
         layer = self.model.mtp_layers[0]
         x = self.normed_pair(input_ids, hidden_states, layer.enorm, layer.hnorm)[0]
         if self.norms_folded and use_gemv(x, layer.eh_proj.weight):  # input norm in qkv_proj's GEMV
-            x, sum_sq = gemv(x, layer.eh_proj.weight, sums_of_squares=True,
-                             prefetch=layer.block.self_attn.qkv_proj.weight)
+            x, sum_sq = gemv(x, layer.eh_proj.weight, sums_of_squares=True)
         else:
             x, sum_sq = linear(x, layer.eh_proj.weight), None
         return self.decoder([layer.block], x, None, positions, metadata, layer.final_layernorm,
@@ -67,6 +65,4 @@ class MTPSpeculator(AutoRegressiveSpeculator):
         return MTPRunner(self.model, kv_cache, max_model_len)
 
     def draft_argmax(self, hidden: torch.Tensor) -> torch.Tensor:
-        # The argmax epilogue, prefetching the next step's first weight.
-        return linear_argmax(hidden, self.model.lm_head.weight,
-                             prefetch=self.model.mtp_layers[0].eh_proj.weight)[1]
+        return linear_argmax(hidden, self.model.lm_head.weight)[1]  # the argmax epilogue

@@ -187,10 +187,6 @@ class ModelRunner:
     """Tensor parallelism's sum, residual add and norm in one kernel, or None (NCCL)."""
     own_keys_only = True
     """A decode row reads no other request's new keys: attention may write them itself."""
-    prefetch_lm_head: torch.Tensor | None = None
-    """A draft's LM head weight, which the last layer's ``down_proj`` prefetches (:func:`gemv`'s
-    ``prefetch``) as the head runs next in the draft's graph; the head then prefetches layer 0's
-    ``qkv_proj`` for the next step. None (the target's head runs outside its graph): neither."""
 
     def __init__(
         self, model: LlamaForCausalLM, kv_cache: PagedKVCache, max_model_len: int,
@@ -359,8 +355,7 @@ class ModelRunner:
             ln = layer.post_attention_layernorm
             act, stream = self._norm_linear(hidden, residual, sum_sq, ln, mlp.gate_up_proj, mlp.down_proj.weight,
                                             silu_mul=True)
-            after = (layers[i + 1].self_attn.qkv_proj.weight if i + 1 < len(layers)
-                     else self.prefetch_lm_head)
+            after = layers[i + 1].self_attn.qkv_proj.weight if i + 1 < len(layers) else None
             hidden, residual, sum_sq = self._out_linear(act, mlp.down_proj, stream, after)
         return self._add_norm(hidden, residual, norm.weight, norm.eps)
 
@@ -430,9 +425,7 @@ class ModelRunner:
         (:func:`~specula.runtime.kernels.gemv.linear_argmax`). Sharded, the logits are gathered,
         or without ``need_logits`` only each rank's best token (the logits then ``None``)."""
         if self.config.tensor_parallel_size == 1:
-            first = self.model.model.layers[0].self_attn.qkv_proj.weight
-            return linear_argmax(hidden, self.model.lm_head_weight,
-                                 prefetch=None if self.prefetch_lm_head is None else first)
+            return linear_argmax(hidden, self.model.lm_head_weight)
         if not need_logits:
             return None, self.model.vocab_argmax(hidden)
         logits = self.model.vocab_logits(hidden)
