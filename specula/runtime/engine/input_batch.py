@@ -157,12 +157,12 @@ class InputBatch:
 
     def commit(
         self, idx: torch.Tensor, num_computed_tokens: torch.Tensor, next_token_ids: torch.Tensor,
-        output_token_ids: torch.Tensor, num_output_tokens: torch.Tensor,
+        output_token_ids: torch.Tensor, num_accepted: torch.Tensor,
     ) -> None:
         """After sampling (all int64): rows ``idx [num_reqs]`` now have
         ``num_computed_tokens [num_reqs]`` committed tokens and ``next_token_ids [num_reqs]``
         as their last token; with a token history, append each row's first
-        ``num_output_tokens[i]`` (in ``[1, n]``) of ``output_token_ids [num_reqs, n]`` to it."""
+        ``num_accepted[i] + 1`` (in ``[1, n]``) of ``output_token_ids [num_reqs, n]`` to it."""
         self.num_computed_tokens[idx] = num_computed_tokens
         self.last_token_ids[idx] = next_token_ids
         if self.token_ids is None:
@@ -170,9 +170,9 @@ class InputBatch:
         n, last = output_token_ids.shape[1], self.token_ids.shape[1] - 1
         start = self.num_tokens[idx]  # [num_reqs]
         offsets = torch.arange(n, device=idx.device)
-        valid = offsets < num_output_tokens[:, None]  # [num_reqs, n]
+        valid = offsets <= num_accepted[:, None]  # [num_reqs, n]
         # Invalid columns write the last column, which nothing reads before it is valid.
         cols = torch.where(valid, start[:, None] + offsets, last).clamp_(max=last)
         rows = idx[:, None].expand(-1, n)
         self.token_ids[rows, cols] = torch.where(valid, output_token_ids, self.token_ids[rows, cols])
-        self.num_tokens[idx] = start + num_output_tokens
+        self.num_tokens[idx] = start + num_accepted + 1

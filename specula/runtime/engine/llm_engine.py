@@ -53,6 +53,7 @@ from specula.runtime.engine.sampling_params import SamplingParams
 from specula.runtime.engine.scheduler import PagedScheduler
 from specula.runtime.engine.spec_schedule import SpeculativeSettings
 from specula.runtime.engine.verification import verify
+from specula.runtime.kernels.rejection_sampler import accepted_tokens
 from specula.runtime.loader import resolve_model_uri
 from specula.runtime.models.config import ModelConfig, eos_token_ids, resolve_dtype
 from specula.runtime.models.layers import LOAD_FORMATS
@@ -264,8 +265,6 @@ class LLMEngine(SpeculativeSettings):
         self._in_flight: _Launched | None = None
         """The last launched step, its tokens not read yet (asynchronous scheduling only)."""
         self._batch_cache: tuple[Any, ...] = (None, None, None)
-        self._zeros = torch.zeros(max_num_seqs, dtype=torch.int64, device=self.device)
-        """[max_num_seqs] int64 zeros, never written (counts of rows without drafts)."""
 
     @classmethod
     def from_config(cls, config: RuntimeConfig, device: str | torch.device = "cpu") -> LLMEngine:
@@ -470,8 +469,7 @@ class LLMEngine(SpeculativeSettings):
         keys = starts + 1
         if prefill:
             keys = torch.cat([keys[:nd], to_device(prompt_lens, torch.int64, dev)])
-        num_accepted = num_verified = self._zeros[:num_reqs]
-        outs = []
+        acc_d, outs = None, []
         # Log-probabilities: only of the rows that asked, with one width for the batch.
         num_top = max((t for r in batch for t in (r.params.logprobs, r.params.prompt_logprobs)
                        if t is not None), default=None)
@@ -484,12 +482,6 @@ class LLMEngine(SpeculativeSettings):
             if k > 0:
                 out_d, acc_d = verify(ib, logits, idx_d, k, self.cu_num_draft_tokens[k][:nd], s_d,
                                       keys[:nd], self.synthetic_acceptance_rate, argmax)
-                num_verified = ib.num_draft_tokens[idx_d].clamp(max=k)
-                num_accepted = torch.minimum(acc_d, num_verified)
-                if prefill:  # prefills verified nothing
-                    num_accepted, num_verified = (
-                        torch.cat([t, self._zeros[nd:num_reqs]]) for t in (num_accepted, num_verified)
-                    )
             else:
                 out_d = sample(logits, s_d, keys[:nd], STREAM_TARGET, argmax)[0][:, None]
             outs.append(out_d)  # [nd, q]
@@ -505,15 +497,16 @@ class LLMEngine(SpeculativeSettings):
             self._prompt_logprobs(prefill, nd, s_p, hidden[nd * q :], query_lens[nd:], num_top,
                                   lp_parts, lp_rows)
         out = outs[0] if len(outs) == 1 else torch.cat(outs)
-        next_tokens = out.gather(1, num_accepted[:, None])[:, 0] if q > 1 else out[:, 0]
-        committed = keys + num_accepted  # a prefill's key is its prompt length
-        ib.commit(idx, committed, next_tokens, out, num_accepted + 1)
+        # [num_reqs, 2 + q]: accepted and verified drafts (at most a row's real ones), the tokens.
+        staged, next_tokens, committed = accepted_tokens(out, acc_d, ib.num_draft_tokens, idx,
+                                                         keys, k, nd)
+        num_accepted = staged[:, 0]
+        ib.commit(idx, committed, next_tokens, out, num_accepted)
         for request in prefill:  # exact: a prefill commits its whole prompt
             request.num_computed_tokens = len(request.token_ids)
         # The step's only device-to-host copies (no-ops on a CPU), queued before the
         # drafting so that the host's stop checks overlap it.
-        host = torch.cat([num_accepted[:, None], num_verified[:, None], out], dim=1)
-        host = host.to("cpu", non_blocking=True)
+        host = staged.to("cpu", non_blocking=True)
         lp_host = torch.cat(lp_parts).to("cpu", non_blocking=True) if lp_parts else None
         ready = torch.cuda.current_stream().record_event() if dev.type == "cuda" else None
 

@@ -1,8 +1,7 @@
-"""Rejection sampling of draft tokens on the GPU, greedy and random, in one kernel.
-
-Same semantics as :func:`specula.runtime.spec_decode.rejection_sampler.rejection_sample`
-(Leviathan et al., arXiv 2211.17192; Chen et al., arXiv 2302.01318), with the random draws
-made by the caller so that the kernel is deterministic given them:
+"""Rejection sampling of draft tokens on the GPU, greedy and random, in one kernel
+(:func:`rejection_sample`; Leviathan et al., arXiv 2211.17192; Chen et al., arXiv
+2302.01318), with the random draws made by the caller so that the kernel is deterministic
+given them, and what a step keeps of it in another (:func:`accepted_tokens`):
 
 - greedy request: accept draft tokens while each equals the target argmax (in benchmarks,
   vLLM's ``rejection_sample_method="synthetic"``, while each one's uniform draw is below a
@@ -30,9 +29,7 @@ import triton.language as tl
 from specula.runtime.kernels.dispatch import use_reference
 
 PLACEHOLDER_TOKEN_ID = -1
-"""Fills output positions after the first rejection; the value of
-:data:`specula.runtime.spec_decode.rejection_sampler.PLACEHOLDER_TOKEN_ID` (vLLM's), kept
-here so that the kernels depend on nothing but torch and triton."""
+"""Fills output positions after the first rejection (vLLM's value)."""
 
 _BLOCK_V = 2048
 """Vocabulary entries per step of the recovered-token scan."""
@@ -274,3 +271,88 @@ def rejection_sample_reference(
         output[req, n_acc] = final
         num_accepted[req] = n_acc
     return output, num_accepted
+
+
+@triton.jit
+def _accepted_tokens_kernel(
+    staged_ptr,  # [num_reqs, 2 + width] int64
+    next_ptr, committed_ptr,  # [num_reqs] int64
+    output_ptr,  # [num_reqs, width] int64
+    raw_ptr,  # [num_decode] int64
+    num_draft_ptr, idx_ptr, keys_ptr,  # [max rows], [num_reqs], [num_reqs] int64
+    num_decode, k, width, stride_out, stride_col, HAS_RAW: tl.constexpr, BLOCK_W: tl.constexpr,
+):
+    req = tl.program_id(0)
+    decode = req < num_decode
+    row = tl.load(idx_ptr + req, mask=decode, other=0)
+    verified = tl.minimum(tl.load(num_draft_ptr + row, mask=decode, other=0), k)
+    accepted = verified * 0
+    if HAS_RAW:
+        accepted = tl.minimum(tl.load(raw_ptr + req, mask=decode, other=0), verified)
+    offs = tl.arange(0, BLOCK_W)
+    tokens = tl.load(output_ptr + req * stride_out + offs * stride_col, mask=offs < width, other=0)
+    staged = staged_ptr + req * (2 + width)
+    tl.store(staged + 2 + offs, tokens, mask=offs < width)
+    tl.store(staged, accepted)
+    tl.store(staged + 1, verified)
+    tl.store(next_ptr + req, tl.sum(tl.where(offs == accepted, tokens, 0), axis=0))
+    tl.store(committed_ptr + req, tl.load(keys_ptr + req) + accepted)
+
+
+def accepted_tokens(
+    output: torch.Tensor, num_accepted: torch.Tensor | None, num_draft_tokens: torch.Tensor,
+    idx: torch.Tensor, keys: torch.Tensor, k: int, num_decode: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What a step keeps of its verification, in one launch: its first ``num_decode``
+    requests verified at most ``k`` drafts, but no more than their rows' real drafts (an
+    n-gram proposal may be short); the rest prefilled and verified none.
+
+    Args:
+        output: [num_reqs, width] int64 (any strides) tokens per request,
+            :func:`rejection_sample`'s ``output_token_ids`` (then each prefill's first token
+            in column 0).
+        num_accepted: [num_decode] int64, :func:`rejection_sample`'s; ``None``: none accepted.
+        num_draft_tokens: [max_num_reqs] int64 real drafts per input-batch row.
+        idx: [num_reqs] int64 input-batch rows; keys: [num_reqs] int64 positions of each
+            request's first new token (a prefill's: its prompt length).
+
+    Returns:
+        ``(staged [num_reqs, 2 + width] int64, next_token_ids [num_reqs] int64,
+        committed [num_reqs] int64)``: ``staged`` holds per request the accepted and the
+        verified counts, then ``output``'s row (the step's one device-to-host copy);
+        ``next_token_ids`` the token after the accepted ones, ``committed`` ``keys`` plus
+        the accepted count.
+
+    Raises:
+        AssertionError: shapes or dtypes that do not match the above.
+    """
+    n, width = output.shape
+    assert output.dtype == num_draft_tokens.dtype == idx.dtype == keys.dtype == torch.int64
+    assert idx.shape == keys.shape == (n,) and 0 <= num_decode <= n
+    assert num_accepted is None or num_accepted.shape == (num_decode,)
+    if use_reference(output):
+        return accepted_tokens_reference(output, num_accepted, num_draft_tokens, idx, keys, k,
+                                         num_decode)
+    staged = output.new_empty(n, 2 + width)
+    next_token_ids, committed = output.new_empty(n), output.new_empty(n)
+    if n:
+        _accepted_tokens_kernel[(n,)](
+            staged, next_token_ids, committed, output,
+            output if num_accepted is None else num_accepted, num_draft_tokens, idx, keys,
+            num_decode, k, width, output.stride(0), output.stride(1),
+            HAS_RAW=num_accepted is not None, BLOCK_W=triton.next_power_of_2(width), num_warps=1)
+    return staged, next_token_ids, committed
+
+
+def accepted_tokens_reference(
+    output: torch.Tensor, num_accepted: torch.Tensor | None, num_draft_tokens: torch.Tensor,
+    idx: torch.Tensor, keys: torch.Tensor, k: int, num_decode: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Torch reference of :func:`accepted_tokens` (same arguments and results)."""
+    verified = torch.zeros_like(keys)
+    verified[:num_decode] = num_draft_tokens[idx[:num_decode]].clamp(max=k)
+    accepted = torch.zeros_like(keys)
+    if num_accepted is not None:
+        accepted[:num_decode] = torch.minimum(num_accepted, verified[:num_decode])
+    staged = torch.cat([accepted[:, None], verified[:, None], output], dim=1)
+    return staged, output.gather(1, accepted[:, None])[:, 0], keys + accepted

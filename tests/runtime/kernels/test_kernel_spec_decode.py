@@ -35,6 +35,8 @@ from specula.runtime.kernels.draft_inputs import (
 )
 from specula.runtime.kernels.rejection_sampler import (
     PLACEHOLDER_TOKEN_ID,
+    accepted_tokens,
+    accepted_tokens_reference,
     rejection_sample,
     rejection_sample_reference,
 )
@@ -91,6 +93,40 @@ def check_synthetic_hand_built() -> None:
 
 def test_synthetic_hand_built(interpreted):
     interpreted(check_synthetic_hand_built)
+
+
+def check_accepted_tokens_hand_built() -> None:
+    """Three verifying requests at k = 3 (input-batch rows 4, 0, 2), then two prefills: the
+    accepted count is capped by the row's real drafts (row 0 drafted 1, an n-gram
+    proposal), prefills verify nothing whatever their rows hold, and the outputs are
+    staged beside the counts; the prefills' tokens are an expanded view (stride 0)."""
+    decode = torch.tensor([[5, 6, 7, 9], [1, 4, P, P], [3, 8, 8, P]])
+    first = torch.tensor([11, 12])[:, None].expand(-1, 4)
+    num_draft = torch.tensor([1, 0, 3, 0, 3, 0, 3])  # per row; row 6 (a prefill) is stale
+    idx = torch.tensor([4, 0, 2, 6, 1])
+    keys = torch.tensor([100, 50, 70, 16, 9])
+    raw = torch.tensor([3, 2, 2])  # the rejection sampler's counts for the verifying three
+    for out in (torch.cat([decode, first]), first):
+        nd = 3 if out.shape[0] == 5 else 0
+        rows, k_ = (idx, keys) if nd else (idx[3:], keys[3:])
+        for fn in (accepted_tokens, accepted_tokens_reference):
+            staged, next_ids, committed = fn(out, raw if nd else None, num_draft, rows, k_, 3, nd)
+            accepted = [3, 1, 2, 0, 0][3 - nd:]
+            verified = [3, 1, 3, 0, 0][3 - nd:]
+            torch.testing.assert_close(staged[:, 0], torch.tensor(accepted), rtol=0, atol=0)
+            torch.testing.assert_close(staged[:, 1], torch.tensor(verified), rtol=0, atol=0)
+            torch.testing.assert_close(staged[:, 2:], out, rtol=0, atol=0)
+            want_next = [9, 4, 8, 11, 12][3 - nd:]
+            torch.testing.assert_close(next_ids, torch.tensor(want_next), rtol=0, atol=0)
+            torch.testing.assert_close(committed, k_ + torch.tensor(accepted), rtol=0, atol=0)
+    # Target-only decode (k = 0): nothing verified, the one sampled token is next.
+    staged, next_ids, committed = accepted_tokens(decode[:, :1], None, num_draft, idx[:3], keys[:3], 0, 3)
+    assert staged[:, :2].eq(0).all() and next_ids.tolist() == [5, 1, 3] and committed.equal(keys[:3])
+
+
+def test_accepted_tokens_hand_built(interpreted):
+    interpreted(check_accepted_tokens_hand_built)
+    check_accepted_tokens_hand_built()  # the torch reference's path (what a CPU engine runs)
 
 
 def test_gemv_prefetch_bounds():
