@@ -506,7 +506,7 @@ class LLMEngine(SpeculativeSettings):
             request.num_computed_tokens = len(request.token_ids)
         # The step's only device-to-host copies (no-ops on a CPU), queued before the
         # drafting so that the host's stop checks overlap it.
-        host = staged.to("cpu", non_blocking=True)
+        host = staged.to("cpu", non_blocking=True, copy=True)  # not staged itself on a CPU
         lp_host = torch.cat(lp_parts).to("cpu", non_blocking=True) if lp_parts else None
         ready = torch.cuda.current_stream().record_event() if dev.type == "cuda" else None
 

@@ -101,7 +101,8 @@ def fused_add_rms_norm(
             same launch (``out`` [num_tokens, 2 * hidden_size]; EAGLE-3's and MTP's input pair).
 
     Returns:
-        ``(out, residual_out)``, both [num_tokens, hidden_size] in ``x.dtype``.
+        ``(out, residual_out)``, both [num_tokens, hidden_size] in ``x.dtype`` (with ``pair``:
+        ``out`` [num_tokens, 2 * hidden_size], both halves normed under ``gemma``, and ``None``).
 
     Raises:
         AssertionError: shapes, dtypes or layouts do not match the above.

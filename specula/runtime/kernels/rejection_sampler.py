@@ -328,8 +328,10 @@ def accepted_tokens(
     """
     n, width = output.shape
     assert output.dtype == num_draft_tokens.dtype == idx.dtype == keys.dtype == torch.int64
-    assert idx.shape == keys.shape == (n,) and 0 <= num_decode <= n
-    assert num_accepted is None or num_accepted.shape == (num_decode,)
+    assert idx.shape == keys.shape == (n,) and 0 <= num_decode <= n and 0 <= k < width
+    raw = output if num_accepted is None else num_accepted
+    assert raw.dtype == torch.int64 and (num_accepted is None or raw.shape == (num_decode,))
+    assert all(t.is_contiguous() for t in (idx, keys, num_draft_tokens, raw) if t is not output)
     if use_reference(output):
         return accepted_tokens_reference(output, num_accepted, num_draft_tokens, idx, keys, k,
                                          num_decode)
@@ -337,8 +339,7 @@ def accepted_tokens(
     next_token_ids, committed = output.new_empty(n), output.new_empty(n)
     if n:
         _accepted_tokens_kernel[(n,)](
-            staged, next_token_ids, committed, output,
-            output if num_accepted is None else num_accepted, num_draft_tokens, idx, keys,
+            staged, next_token_ids, committed, output, raw, num_draft_tokens, idx, keys,
             num_decode, k, width, output.stride(0), output.stride(1),
             HAS_RAW=num_accepted is not None, BLOCK_W=triton.next_power_of_2(width), num_warps=1)
     return staged, next_token_ids, committed

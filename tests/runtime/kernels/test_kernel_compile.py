@@ -165,6 +165,7 @@ CASES["rejection_sample_synthetic"] = (*CASES["rejection_sample_random"][:2], {
 CASES["accepted_tokens"] = (rs._accepted_tokens_kernel, dict.fromkeys(
     ("staged_ptr", "next_ptr", "committed_ptr", "output_ptr", "raw_ptr", "num_draft_ptr",
      "idx_ptr", "keys_ptr"), "*i64"), dict(HAS_RAW=True, BLOCK_W=8))
+CASES["accepted_tokens_target_only"] = (*CASES["accepted_tokens"][:2], dict(HAS_RAW=False, BLOCK_W=1))
 # The same without a residual: an embedding's rows summed in layer 0's norm.
 CASES["all_reduce_rms_norm"] = (*CASES["all_reduce_add_rms_norm"][:2],
                                 {**CASES["all_reduce_add_rms_norm"][2], "HAS_RESIDUAL": False})

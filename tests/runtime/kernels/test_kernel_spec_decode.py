@@ -121,7 +121,8 @@ def check_accepted_tokens_hand_built() -> None:
             torch.testing.assert_close(committed, k_ + torch.tensor(accepted), rtol=0, atol=0)
     # Target-only decode (k = 0): nothing verified, the one sampled token is next.
     staged, next_ids, committed = accepted_tokens(decode[:, :1], None, num_draft, idx[:3], keys[:3], 0, 3)
-    assert staged[:, :2].eq(0).all() and next_ids.tolist() == [5, 1, 3] and committed.equal(keys[:3])
+    assert staged[:, :2].eq(0).all() and staged[:, 2].tolist() == next_ids.tolist() == [5, 1, 3]
+    assert committed.equal(keys[:3])
 
 
 def test_accepted_tokens_hand_built(interpreted):

@@ -111,6 +111,7 @@ class DFlashSpeculator(DraftModelSpeculator):
                                lambda: self._greedy_block(r))
             return DraftOutput(self.draft_token_ids[:r, :k])
         logits = self.compute_logits(self._block_hidden(r)[:, :k].flatten(0, 1)).view(r, k, -1)
-        ids, probs = zip(*(sample(logits[:, j], inputs.sampling, inputs.draw_keys, STREAM_DRAFT + j)
+        keys = inputs.draw_keys
+        ids, probs = zip(*(sample(logits[:, j], inputs.sampling, keys, STREAM_DRAFT + j)
                            for j in range(k)), strict=True)
         return DraftOutput(torch.stack(ids, dim=1), torch.stack(probs, dim=1))
