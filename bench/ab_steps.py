@@ -112,8 +112,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.output:
         import torch
 
+        sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # after any tree's
+        from bench.engine import recorded_command
+
+        # The trees by name (their directories are scratch paths of the machine).
+        recorded = ["--trees", ",".join(trees), "--methods", args.methods, "--rounds",
+                    str(args.rounds), "--steps", str(args.steps), "--batch", str(args.batch)]
         args.output.write_text(json.dumps({
-            "command": "PYTHONPATH=. python3 bench/ab_steps.py " + " ".join(argv or sys.argv[1:]),
+            "command": recorded_command("bench/ab_steps.py", recorded + ["--dry-run"] * args.dry_run),
             "gpu": None if args.dry_run else torch.cuda.get_device_name(),
             "torch": torch.__version__, "steps": args.steps, "batch": args.batch,
             "walls": summary,

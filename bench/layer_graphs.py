@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.engine import build_random_model, replay_ms  # noqa: E402
+from bench.engine import build_random_model, recorded_command, replay_ms  # noqa: E402
 from bench.engine_e2e import LLAMA_1B, LLAMA_8B  # noqa: E402
 
 SHAPES = {"1B": LLAMA_1B, "8B": LLAMA_8B}
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     gemv.PREFETCH_MAX_BYTES = int(args.max_mb * (1 << 20))
     gemv.PREFETCH_SHARE = args.share
     result = {"gpu": torch.cuda.get_device_name(), "max_mb": args.max_mb, "share": args.share,
-              "command": " ".join(["PYTHONPATH=. python3 bench/layer_graphs.py", *(argv or sys.argv[1:])])}
+              "command": recorded_command("bench/layer_graphs.py", argv or sys.argv[1:])}
     for name in args.shapes.split(","):
         result[name] = time_shape(name)
     print(json.dumps(result, indent=1))

@@ -504,9 +504,10 @@ class LLMEngine(SpeculativeSettings):
         ib.commit(idx, committed, next_tokens, out, num_accepted)
         for request in prefill:  # exact: a prefill commits its whole prompt
             request.num_computed_tokens = len(request.token_ids)
-        # The step's only device-to-host copies (no-ops on a CPU), queued before the
-        # drafting so that the host's stop checks overlap it.
-        host = staged.to("cpu", non_blocking=True, copy=True)  # not staged itself on a CPU
+        # The step's only device-to-host copies (plain copies on a CPU, so that the host's
+        # tensor is not the one the speculator reads), queued before the drafting so that
+        # the host's stop checks overlap it.
+        host = staged.to("cpu", non_blocking=True, copy=True)
         lp_host = torch.cat(lp_parts).to("cpu", non_blocking=True) if lp_parts else None
         ready = torch.cuda.current_stream().record_event() if dev.type == "cuda" else None
 

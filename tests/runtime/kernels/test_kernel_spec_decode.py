@@ -446,6 +446,32 @@ def test_gemv(interpreted):
     interpreted(check_gemv)
 
 
+def check_gemv_one_row_config() -> None:
+    """``CONFIGS``' key 1 is one row's configuration, the row tile's key every other row
+    count's: the argmax partials (one per program) show each launch's column tile."""
+    from specula.runtime.kernels import gemv
+
+    shape, merge, tiles = (64, 256), gemv._merge_argmax, []
+    saved = gemv.CONFIGS.get(shape)
+    gemv.CONFIGS[shape] = {1: (16, 128, 4, 3), 16: (32, 128, 4, 3)}
+    gemv._merge_argmax = lambda part_max, *rest: tiles.append(part_max.shape[1]) or merge(part_max, *rest)
+    try:
+        gen = torch.Generator().manual_seed(4)
+        w = (torch.randn(*shape, generator=gen) * 0.05).half()
+        for m in (1, 3):
+            x = torch.randn(m, shape[1], generator=gen).half()
+            y, best = gemv.gemv(x, w, with_argmax=True)
+            assert torch.equal(best, y.float().argmax(-1))
+    finally:
+        gemv._merge_argmax = merge
+        gemv.CONFIGS.pop(shape) if saved is None else gemv.CONFIGS.update({shape: saved})
+    assert tiles == [64 // 16, 64 // 32]
+
+
+def test_gemv_one_row_config(interpreted):
+    interpreted(check_gemv_one_row_config)
+
+
 def check_gemv_epilogues() -> None:
     from specula.runtime.kernels.activation import silu_and_mul
     from specula.runtime.kernels.gemv import argmax, gemv, gemv_reference
