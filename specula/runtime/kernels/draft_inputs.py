@@ -12,8 +12,8 @@ many tokens were accepted) and also read the sampled token; their outputs are un
 Everything is computed from device tensors in one kernel: no ``.item()`` or
 ``.tolist()``, so the host never waits for the verification result.
 
-:func:`draft_step_slots` gives each later draft step its cache slots and sequence lengths
-in one kernel (vLLM's ``EagleProposer`` computes them with a handful of elementwise
+:func:`draft_steps` gives all later draft steps their positions, cache slots and sequence
+lengths in one kernel (vLLM's ``EagleProposer`` computes them with a handful of elementwise
 operations per step; inside a graph of small draft steps each of those costs a launch).
 """
 
@@ -144,31 +144,40 @@ def prepare_draft_inputs_reference(
 
 @triton.jit
 def _draft_step_slots_kernel(
-    slots_ptr,  # [num_reqs * q] int64
-    seq_lens_ptr,  # [num_reqs] int32
+    slots_ptr,  # [steps, num_reqs * q] int64
+    seq_lens_ptr,  # [steps, num_reqs] int32
+    positions_out_ptr,  # [steps, num_reqs * q] int64 (not HAS_VALID)
     positions_ptr,  # [num_reqs, q] int64, contiguous
-    valid_ptr,  # [num_reqs] uint8 (a bool tensor's bytes)
+    valid_ptr,  # [num_reqs] uint8 (a bool tensor's bytes); not HAS_VALID: last position >= 0
     block_table_ptr,  # [>= num_reqs, max_blocks] int32
-    stride_bt, q,
+    stride_bt, q, shift,
     BLOCK_SIZE: tl.constexpr,  # tokens per KV block
-    BLOCK_Q: tl.constexpr, WRITES_KV: tl.constexpr,
+    BLOCK_Q: tl.constexpr, WRITES_KV: tl.constexpr, HAS_VALID: tl.constexpr,
 ):
-    req = tl.program_id(0)
+    req, step = tl.program_id(0), tl.program_id(1)
     offs = tl.arange(0, BLOCK_Q)
     in_req = offs < q
-    valid = tl.load(valid_ptr + req) != 0
+    out = step * tl.num_programs(0) * q + req * q + offs
     last = tl.load(positions_ptr + req * q + q - 1)
+    if HAS_VALID:
+        valid = tl.load(valid_ptr + req) != 0
+    else:
+        valid = last >= 0
+    # A padding row's positions may lie past its table (or below 0).
+    pos = tl.where(valid, tl.maximum(tl.load(positions_ptr + req * q + offs, mask=in_req, other=0), 0), 0)
+    pos += step * shift
+    last = tl.maximum(last, 0) + step * shift
+    if not HAS_VALID:
+        tl.store(positions_out_ptr + out, pos, mask=in_req)
     if WRITES_KV:
-        pos = tl.load(positions_ptr + req * q + offs, mask=in_req, other=0)
-        pos = tl.where(valid, pos, 0)  # a padding row's positions may lie past its table
         block = tl.load(block_table_ptr + req * stride_bt + pos // BLOCK_SIZE, mask=in_req, other=0)
         slot = tl.where(valid, block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE, -1)
         seq_len = tl.where(valid, last + 1, 0)
     else:
         slot = tl.full((BLOCK_Q,), -1, tl.int64)
         seq_len = tl.where(valid, last, 0)
-    tl.store(slots_ptr + req * q + offs, slot, mask=in_req)
-    tl.store(seq_lens_ptr + req, seq_len.to(tl.int32))
+    tl.store(slots_ptr + out, slot, mask=in_req)
+    tl.store(seq_lens_ptr + step * tl.num_programs(0) + req, seq_len.to(tl.int32))
 
 
 def draft_step_slots(
@@ -197,35 +206,78 @@ def draft_step_slots(
     Raises:
         AssertionError: shapes or dtypes do not match the above.
     """
+    assert valid.shape == (positions.shape[0],) and valid.dtype == torch.bool
+    return _launch(positions, valid, block_table, block_size, 1, 0, writes_kv)[1:]
+
+
+def draft_steps(
+    start: torch.Tensor, block_table: torch.Tensor, block_size: int, steps: int,
+    *, shift: int = 1, writes_kv: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`draft_step_slots` of ``steps`` draft steps at once, step ``s`` at the
+    positions ``start + s * shift`` (one launch where each step's elementwise position
+    update and slot lookup took two inside the draft's graph).
+
+    Args:
+        start: [num_reqs, q] int64, step 0's consecutive positions per request; a request
+            whose last one is negative is a padding row, and negative positions count as 0.
+        steps: the number of steps (>= 1); ``shift``: the positions' advance per step.
+
+    Returns:
+        ``(positions [steps, num_reqs * q] int64, slot_mapping [steps, num_reqs * q]
+        int64, seq_lens [steps, num_reqs] int32)``, step-major (a step's rows contiguous);
+        a padding row's positions are ``s * shift``.
+
+    Raises:
+        AssertionError: shapes or dtypes do not match the above.
+    """
+    assert steps >= 1
+    return _launch(start, None, block_table, block_size, steps, shift, writes_kv)
+
+
+def _launch(positions, valid, block_table, block_size, steps, shift, writes_kv):
     assert positions.ndim == 2 and positions.dtype == torch.int64
-    r, q = positions.shape
-    assert valid.shape == (r,) and valid.dtype == torch.bool
-    assert block_table.ndim == 2 and block_table.shape[0] >= r and block_table.dtype == torch.int32
+    assert block_table.ndim == 2 and block_table.shape[0] >= positions.shape[0]
+    assert block_table.dtype == torch.int32
     if use_reference(positions):
-        return draft_step_slots_reference(positions, valid, block_table, block_size,
-                                          writes_kv=writes_kv)
-    positions, valid = positions.contiguous(), valid.contiguous()
-    assert block_table.stride(1) == 1
-    slots = positions.new_empty(r * q)
-    seq_lens = torch.empty(r, dtype=torch.int32, device=positions.device)
-    if r > 0:
-        _draft_step_slots_kernel[(r,)](
-            slots, seq_lens, positions, valid.view(torch.uint8), block_table, block_table.stride(0), q,
-            BLOCK_SIZE=block_size, BLOCK_Q=triton.next_power_of_2(q), WRITES_KV=writes_kv,
-        )
-    return slots, seq_lens
-
-
-def draft_step_slots_reference(
-    positions: torch.Tensor, valid: torch.Tensor, block_table: torch.Tensor, block_size: int,
-    *, writes_kv: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Torch reference of :func:`draft_step_slots` (same arguments and results)."""
+        return draft_steps_reference(positions, valid, block_table, block_size, steps, shift, writes_kv)
     r, q = positions.shape
-    if not writes_kv:
-        return (torch.full((r * q,), -1, dtype=torch.int64, device=positions.device),
-                torch.where(valid, positions[:, -1], 0).to(torch.int32))
-    rows = torch.arange(r, device=positions.device)[:, None].expand(r, q)
-    slots = block_table[rows, positions // block_size].long() * block_size + positions % block_size
-    slots = torch.where(valid[:, None], slots, -1).reshape(-1)
-    return slots, torch.where(valid, positions[:, -1] + 1, 0).to(torch.int32)
+    positions = positions.contiguous()
+    assert block_table.stride(1) == 1
+    slots = positions.new_empty(steps, r * q)
+    out_positions = positions.new_empty(steps, r * q) if valid is None else slots
+    seq_lens = torch.empty(steps, r, dtype=torch.int32, device=positions.device)
+    if r > 0:
+        flags = positions if valid is None else valid.contiguous().view(torch.uint8)
+        _draft_step_slots_kernel[(r, steps)](
+            slots, seq_lens, out_positions, positions, flags, block_table, block_table.stride(0), q,
+            shift, BLOCK_SIZE=block_size, BLOCK_Q=triton.next_power_of_2(q), WRITES_KV=writes_kv,
+            HAS_VALID=valid is not None,
+        )
+    if valid is not None:
+        return None, slots[0], seq_lens[0]
+    return out_positions, slots, seq_lens
+
+
+def draft_steps_reference(
+    positions: torch.Tensor, valid: torch.Tensor | None, block_table: torch.Tensor,
+    block_size: int, steps: int = 1, shift: int = 0, writes_kv: bool = True,
+) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """Torch reference of :func:`draft_steps` (``valid`` None) and of
+    :func:`draft_step_slots` (``valid`` given: ``(None, slot_mapping, seq_lens)``)."""
+    r, q = positions.shape
+    given = valid is not None
+    valid = valid if given else positions[:, -1] >= 0
+    step_pos = torch.where(valid[:, None], positions.clamp(min=0), 0)[None] + shift * torch.arange(
+        steps, device=positions.device)[:, None, None]  # [steps, r, q]
+    last = step_pos[:, :, -1]
+    if writes_kv:
+        rows = torch.arange(r, device=positions.device)[:, None].expand(r, q)
+        slots = block_table[rows, step_pos // block_size].long() * block_size + step_pos % block_size
+        slots, lens = torch.where(valid[:, None], slots, -1), torch.where(valid, last + 1, 0)
+    else:
+        slots, lens = torch.full_like(step_pos, -1), torch.where(valid, last, 0)
+    slots, lens = slots.reshape(steps, r * q), lens.to(torch.int32)
+    if given:
+        return None, slots[0], lens[0]
+    return step_pos.reshape(steps, r * q), slots, lens

@@ -245,18 +245,24 @@ _ARGMAX_BLOCK = 4096
 
 
 def _merge_argmax(part_max: torch.Tensor, part_idx: torch.Tensor, into=None) -> torch.Tensor:
-    """[M, P] partial maxima and their columns -> [M] int64, in one program per row; or
-    ``pairs`` of ``into=(pairs [2, M] float32, offset)`` (:func:`argmax`'s)."""
+    """[M, P] partial maxima and their columns -> [M] int64, in one program per row (into
+    ``into`` where it is a tensor); or ``pairs`` of ``into=(pairs [2, M] float32, offset)``
+    (:func:`argmax`'s)."""
     m, p = part_max.shape
-    (best, idx), offset = into or ((torch.empty(m, dtype=torch.float32, device=part_max.device),
-                                    torch.empty(m, dtype=torch.int64, device=part_max.device)), 0)
+    pairs = None if into is None or isinstance(into, torch.Tensor) else into
+    if pairs is None:
+        idx = torch.empty(m, dtype=torch.int64, device=part_max.device) if into is None else into
+        assert idx.dtype == torch.int64 and idx.shape == (m,) and idx.stride(0) == 1
+        best, offset = torch.empty(m, dtype=torch.float32, device=part_max.device), 0
+    else:
+        (best, idx), offset = pairs
     _argmax_kernel[(m, 1)](  # not into part_max: row r's program would overwrite row 0's partial r
         best, idx, part_max, part_idx, p, p, offset, BLOCK=triton.next_power_of_2(p), HAS_IDX=True
     )
-    return idx if into is None else into[0]
+    return idx if pairs is None else pairs[0]
 
 
-def argmax(x: torch.Tensor, into: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
+def argmax(x: torch.Tensor, into: tuple[torch.Tensor, int] | torch.Tensor | None = None) -> torch.Tensor:
     """``x.argmax(-1)`` (the first index of each row's maximum) in two passes: programs
     of :data:`_ARGMAX_BLOCK` columns, then one per row over their partials, instead of
     ``torch.argmax``'s one block per row.
@@ -265,15 +271,18 @@ def argmax(x: torch.Tensor, into: tuple[torch.Tensor, int] | None = None) -> tor
         x: [M, N] floating point, last dim contiguous.
         into: ``(pairs [2, M] float32, offset)``: write each row's maximum into
             ``pairs[0]`` and ``offset`` + its index into ``pairs[1]`` instead (a vocabulary
-            shard's offer to :func:`~specula.runtime.worker.parallel.gather_argmax`).
+            shard's offer to :func:`~specula.runtime.worker.parallel.gather_argmax`); or a
+            contiguous [M] int64 tensor (a column of a draft's tokens) to write the indices to.
 
     Returns:
-        [M] int64; with ``into``, ``pairs``.
+        [M] int64 (with a tensor ``into``, that tensor); with ``into`` pairs, ``pairs``.
     """
     assert x.ndim == 2 and x.stride(1) == 1 and x.is_floating_point()
     m, n = x.shape
     if m == 0 or n == 0 or use_reference(x):
         idx = x.argmax(dim=-1)
+        if isinstance(into, torch.Tensor):
+            return into.copy_(idx)
         if into is not None:
             into[0][0], into[0][1] = x.gather(1, idx[:, None])[:, 0], idx + into[1]
         return idx if into is None else into[0]
@@ -301,7 +310,7 @@ def use_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def gemv(
     x: torch.Tensor, weight: torch.Tensor, config: tuple[int, ...] | None = None,
     *, silu_mul: bool = False, with_argmax: bool = False, residual: torch.Tensor | None = None,
-    rms: tuple[torch.Tensor, float] | None = None, argmax_into: tuple[torch.Tensor, int] | None = None,
+    rms: tuple[torch.Tensor, float] | None = None, argmax_into: tuple[torch.Tensor, int] | torch.Tensor | None = None,
     sums_of_squares: bool = False, prefetch: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``x @ weight.T`` with the kernel, optionally with the module's epilogues.
@@ -318,7 +327,8 @@ def gemv(
         silu_mul: return ``silu(x @ gate.T) * (x @ up.T)`` [M, N] (SwiGLU, Shazeer,
             arXiv 2002.05202).
         with_argmax: also return the first index of each row's maximum, [M] int64, or
-            with ``argmax_into`` the pairs :func:`argmax`'s ``into`` writes.
+            with ``argmax_into`` what :func:`argmax`'s ``into`` gets (pairs, or the [M]
+            int64 tensor it writes the indices to).
         residual: [M, N] like the output: return ``x @ weight.T + residual`` (a residual
             add, rounded as :func:`~.layernorm.fused_add_rms_norm` rounds it) and its sums
             of squares, [M, P] float32 over P parts of each row (what ``rms`` takes);
@@ -447,12 +457,12 @@ def linear_silu_and_mul(
 
 
 def linear_argmax(
-    x: torch.Tensor, weight: torch.Tensor, into: tuple[torch.Tensor, int] | None = None
+    x: torch.Tensor, weight: torch.Tensor, into: tuple[torch.Tensor, int] | torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(logits, logits.argmax(-1))`` of ``logits = F.linear(x, weight)`` (an LM head
     and its greedy tokens): ``x`` [M, K], ``weight`` [V, K]; returns ``([M, V] in
     ``x.dtype``, [M] int64)``, the argmax the first index of each row's maximum (with
-    ``into``, :func:`argmax`'s pairs). One :func:`gemv` with the argmax epilogue where
+    ``into``, as :func:`argmax` takes and returns it). One :func:`gemv` with the argmax epilogue where
     :func:`use_gemv` says so, else the library GEMM and :func:`argmax`."""
     if use_gemv(x, weight):
         return gemv(x, weight, with_argmax=True, argmax_into=into)

@@ -275,7 +275,7 @@ def rejection_sample_reference(
 
 @triton.jit
 def _accepted_tokens_kernel(
-    staged_ptr,  # [num_reqs, 2 + width] int64
+    staged_ptr,  # [2 + width, num_reqs] int64 (the transpose of what the host reads)
     next_ptr, committed_ptr,  # [num_reqs] int64
     output_ptr,  # [num_reqs, width] int64
     raw_ptr,  # [num_decode] int64
@@ -291,10 +291,10 @@ def _accepted_tokens_kernel(
         accepted = tl.minimum(tl.load(raw_ptr + req, mask=decode, other=0), verified)
     offs = tl.arange(0, BLOCK_W)
     tokens = tl.load(output_ptr + req * stride_out + offs * stride_col, mask=offs < width, other=0)
-    staged = staged_ptr + req * (2 + width)
-    tl.store(staged + 2 + offs, tokens, mask=offs < width)
-    tl.store(staged, accepted)
-    tl.store(staged + 1, verified)
+    n = tl.num_programs(0)
+    tl.store(staged_ptr + (2 + offs) * n + req, tokens, mask=offs < width)
+    tl.store(staged_ptr + req, accepted)
+    tl.store(staged_ptr + n + req, verified)
     tl.store(next_ptr + req, tl.sum(tl.where(offs == accepted, tokens, 0), axis=0))
     tl.store(committed_ptr + req, tl.load(keys_ptr + req) + accepted)
 
@@ -319,7 +319,8 @@ def accepted_tokens(
     Returns:
         ``(staged [num_reqs, 2 + width] int64, next_token_ids [num_reqs] int64,
         committed [num_reqs] int64)``: ``staged`` holds per request the accepted and the
-        verified counts, then ``output``'s row (the step's one device-to-host copy);
+        verified counts, then ``output``'s row (the step's one device-to-host copy; stored
+        column by column, so that ``staged[:, 0]`` is contiguous);
         ``next_token_ids`` the token after the accepted ones, ``committed`` ``keys`` plus
         the accepted count.
 
@@ -335,7 +336,7 @@ def accepted_tokens(
     if use_reference(output):
         return accepted_tokens_reference(output, num_accepted, num_draft_tokens, idx, keys, k,
                                          num_decode)
-    staged = output.new_empty(n, 2 + width)
+    staged = output.new_empty(2 + width, n).t()
     next_token_ids, committed = output.new_empty(n), output.new_empty(n)
     if n:
         _accepted_tokens_kernel[(n,)](
@@ -355,5 +356,5 @@ def accepted_tokens_reference(
     accepted = torch.zeros_like(keys)
     if num_accepted is not None:
         accepted[:num_decode] = torch.minimum(num_accepted, verified[:num_decode])
-    staged = torch.cat([accepted[:, None], verified[:, None], output], dim=1)
+    staged = torch.cat([accepted[None], verified[None], output.t()]).t()
     return staged, output.gather(1, accepted[:, None])[:, 0], keys + accepted

@@ -54,7 +54,9 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
     write no KV (Gemma4 MTP); there is no draft prefill."""
 
     def advance_draft_positions(self, positions: torch.Tensor) -> torch.Tensor:
-        """Rotary positions ``[num_reqs]`` of the next draft step from the current ones."""
+        """Rotary positions ``[num_reqs]`` of the next draft step from the current ones: a
+        constant shift (:func:`~specula.runtime.kernels.draft_inputs.draft_steps` applies
+        it to all steps at once)."""
         return positions + 1
 
     def conditioning(self, hidden: torch.Tensor, aux: torch.Tensor | None) -> torch.Tensor:
@@ -67,19 +69,22 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
         ``-inf``."""
         return self.model.compute_logits(hidden)
 
-    def draft_argmax(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Greedy drafts ``[n]`` int64 target ids from ``hidden [n, H]``."""
-        return argmax(self.compute_draft_logits(hidden))
+    def draft_argmax(self, hidden: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Greedy drafts ``[n]`` int64 target ids from ``hidden [n, H]``, written to ``out``
+        ([n] int64, contiguous; the argmax kernel's own output where it can be)."""
+        return argmax(self.compute_draft_logits(hidden), out)
 
     def sample_draft(
-        self, hidden: torch.Tensor, sampling: SamplingMetadata, keys: torch.Tensor, step: int
+        self, hidden: torch.Tensor, sampling: SamplingMetadata, keys: torch.Tensor, step: int,
+        out: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Draft ``step`` (0-based) of each request from ``hidden [num_reqs, H]``: the
-        argmax (``draft_sample_method: greedy``) or a sample (``probabilistic``): returns
-        ``(token_ids [num_reqs], probs [num_reqs, vocab_size] | None)``."""
+        argmax (``draft_sample_method: greedy``) or a sample (``probabilistic``), written to
+        ``out`` [num_reqs] int64: returns ``(out, probs [num_reqs, vocab_size] | None)``."""
         if not self.keeps_draft_probs:
-            return self.draft_argmax(hidden), None
-        return sample(self.compute_draft_logits(hidden), sampling, keys, STREAM_DRAFT + step)
+            return self.draft_argmax(hidden, out), None
+        tokens, probs = sample(self.compute_draft_logits(hidden), sampling, keys, STREAM_DRAFT + step)
+        return out.copy_(tokens), probs
 
     def num_lookahead_tokens(self, num_speculative_tokens: int) -> int:
         return 0 if self.reads_target_kv else num_speculative_tokens
@@ -97,6 +102,8 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
         self.last_token_indices = torch.zeros(r, **i64)
         self.prefill_input_ids = torch.zeros(r * (k + 1), **i64)
         self.prefill_positions = torch.zeros(r * (k + 1), **i64)
+        self.pair_offsets = torch.tensor([-1, 0], **i64)
+        """A token-only draft's first step: the last accepted token's position and the next."""
         self.sampling = SamplingMetadata(
             torch.zeros(r, device=dev), torch.ones(r, device=dev), torch.zeros(r, **i64),
             torch.zeros(r, **i64), all_greedy=not self.keeps_draft_probs,
@@ -157,50 +164,53 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
         )
         conditioning = self.conditioning(target.hidden_states, target.aux_hidden_states)
         h_logits, h_next = self._forward(ids, pos, metadata, conditioning)
-        self.hidden[:r] = h_next[last]
+        torch.index_select(h_next, 0, last, out=self.hidden[:r])  # one launch, no copy
         if sample_first:
-            self._store(0, *self.sample_draft(h_logits[last], self.sampling.select(slice(0, r)), self.keys[:r], 0), r)
+            rows = self.hidden[:r] if h_logits is h_next else h_logits[last]
+            self._draft(0, rows, self.sampling.select(slice(0, r)), r)
 
-    def _store(self, col: int, ids: torch.Tensor, probs: torch.Tensor | None, r: int) -> None:
-        self.draft_token_ids[:r, col] = ids
+    def _draft(self, col: int, hidden: torch.Tensor, sampling: SamplingMetadata, r: int) -> torch.Tensor:
+        """Draft ``col`` of rows ``0..r-1`` from ``hidden [r, H]`` into :attr:`draft_token_ids`
+        (and :attr:`draft_probs`); returns the tokens [r]."""
+        out = self.draft_token_ids[:r, col]
+        tokens, probs = self.sample_draft(hidden, sampling, self.keys[:r], col, out)
         if probs is not None:  # sampled drafts: draft_probs is allocated
             self.draft_probs[:r, col] = probs
+        return tokens
 
     def _decode(self, r: int, num_steps: int) -> None:
         """Stage 2: ``num_steps`` one-token steps for rows ``0..r-1``."""
         offset = 1 if self.conditions_on_hidden_states else 0
-        start = self.start_positions[:r]
-        valid = start >= 0
-        pos = start.clamp(min=0)
+        writes_kv = not self.reads_target_kv
+        start = self.start_positions[:r, None]  # -1: a padding row
         tokens = self.draft_token_ids[:r, 0] if offset else self.next_token_ids[:r]
         hidden = self.hidden[:r] if self.conditions_on_hidden_states or self.reads_target_kv else None
         sampling = self.sampling.select(slice(0, r))
+        # Every step's positions, slots and sequence lengths [num_steps, r] in one launch.
+        shift = int(self.advance_draft_positions(torch.zeros((), dtype=torch.int64)))
+        positions, slots, seq_lens = self.steps(start, num_steps, shift, writes_kv)
         for step in range(num_steps):
             if step == 0 and hidden is None:  # token-only drafts carry no state
                 ids = torch.stack([self.prev_token_ids[:r], tokens], dim=1)  # [r, 2]
-                positions = torch.stack([(pos - 1).clamp(min=0), pos], dim=1)
+                pos, sl, lens = self.steps(start + self.pair_offsets, 1, 0, writes_kv)
             else:
-                ids, positions = tokens[:, None], pos[:, None]
-            q = positions.shape[1]  # consecutive query rows per request
-            slots, seq_lens = self.slots(positions, valid, writes_kv=not self.reads_target_kv)
-            metadata = self.decode_metadata(slots, self.block_table[:r], seq_lens, q)
-            h_logits, h_next = self._forward(ids.reshape(-1), positions.reshape(-1), metadata, hidden)
+                ids, pos, sl, lens = tokens[:, None], positions[step], slots[step], seq_lens[step]
+            q = ids.shape[1]  # consecutive query rows per request
+            metadata = self.decode_metadata(sl, self.block_table[:r], lens.reshape(-1), q)
+            h_logits, h_next = self._forward(ids.reshape(-1), pos.reshape(-1), metadata, hidden)
             if q > 1:  # each request's last row
-                last = torch.arange(r, device=pos.device) * q + (q - 1)
+                last = torch.arange(r, device=ids.device) * q + (q - 1)
                 h_logits, h_next = h_logits[last], h_next[last]
             else:  # views: no launch in a draft step
                 h_logits, h_next = h_logits[:r], h_next[:r]
-            tokens, probs = self.sample_draft(h_logits, sampling, self.keys[:r], step + offset)
-            self._store(step + offset, tokens, probs, r)
+            tokens = self._draft(step + offset, h_logits, sampling, r)
             if hidden is not None:
                 hidden = h_next
-            pos = self.advance_draft_positions(pos)
 
     def _load(self, inputs: ProposeInputs) -> int:
         r = inputs.num_reqs
-        padded = self.load_inputs(inputs)
-        self.num_accepted[:r] = inputs.num_accepted
-        self.cu_num_draft_tokens[:r] = inputs.cu_num_draft_tokens
+        padded = self.load_inputs(inputs, (self.num_accepted[:r], inputs.num_accepted),
+                                  (self.cu_num_draft_tokens[:r], inputs.cu_num_draft_tokens))
         if padded > r:  # padding rows of a graph: no drafts, nothing accepted
             self.num_accepted[r:padded] = 0
             k = inputs.descriptor.uniform_query_len - 1 if inputs.descriptor else 0

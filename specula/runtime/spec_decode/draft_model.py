@@ -35,5 +35,5 @@ class PlainDraftModelSpeculator(AutoRegressiveSpeculator):
     def build_runner(self, kv_cache, max_model_len: int):
         return create_model_runner(self.model, kv_cache, max_model_len)
 
-    def draft_argmax(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.runner.logits_and_argmax(hidden, need_logits=False)[1]  # argmax epilogue
+    def draft_argmax(self, hidden: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        return self.runner.logits_and_argmax(hidden, need_logits=False, into=out)[1]  # epilogue

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from specula.runtime.kernels.draft_inputs import draft_step_slots
+from specula.runtime.kernels.draft_inputs import draft_step_slots, draft_steps
 from specula.runtime.kernels.layernorm import fused_add_rms_norm
 from specula.runtime.models.config import ModelConfig
 from specula.runtime.spec_decode.base import BaseSpeculator, ProposeInputs
@@ -133,9 +133,10 @@ class DraftModelSpeculator(BaseSpeculator):
         """[max_num_seqs] position of the sampled token; -1 marks a padding row."""
         self.block_table = torch.zeros(r, self.runner.max_blocks_per_req, dtype=torch.int32, device=dev)
         self.draft_token_ids = torch.zeros(
-            r, max(self.max_num_speculative_tokens, 1), dtype=torch.int64, device=dev
-        )
-        """[max_num_seqs, k] the drafts of the last proposal."""
+            max(self.max_num_speculative_tokens, 1), r, dtype=torch.int64, device=dev
+        ).t()
+        """[max_num_seqs, k] the drafts of the last proposal, each column contiguous (a draft
+        step's argmax writes it)."""
         self.token_starts = torch.arange(r * (self.max_num_speculative_tokens + 2) + 1,
                                          dtype=torch.int32, device=dev)
         """``0, 1, 2, ..``: the query start offsets of one-row-per-request steps."""
@@ -182,17 +183,23 @@ class DraftModelSpeculator(BaseSpeculator):
             graph.replay()
             setattr(self, counter, getattr(self, counter) + 1)
 
-    def load_inputs(self, inputs: ProposeInputs) -> int:
-        """Copy the step's sampled tokens, their positions and the block tables into the static
-        buffers; returns the number of rows the graphs run (padded rows get position -1)."""
+    def load_inputs(self, inputs: ProposeInputs, *more: tuple[torch.Tensor, torch.Tensor]) -> int:
+        """Copy the step's sampled tokens, their positions, the block tables and each
+        ``(static buffer, value)`` of ``more`` into the static buffers, one launch per dtype
+        (torch's foreach copy, where the tensors are dense); returns the number of rows the
+        graphs run (padded rows get position -1)."""
         r = inputs.num_reqs
         padded = padded_size(self.capture_sizes, r) or r
-        self.next_token_ids[:r] = inputs.next_token_ids
-        self.start_positions[:r] = inputs.next_positions
+        groups: dict[torch.dtype, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        for pair in ((self.next_token_ids[:r], inputs.next_token_ids),
+                     (self.start_positions[:r], inputs.next_positions),
+                     (self.block_table[:r], inputs.metadata.block_table[:r]), *more):
+            groups.setdefault(pair[0].dtype, []).append(pair)
+        for pairs in groups.values():
+            torch._foreach_copy_(*map(list, zip(*pairs, strict=True)))
         if padded > r:
             self.start_positions[r:padded] = -1
             self.next_token_ids[r:padded] = 0
-        self.block_table[:r] = inputs.metadata.block_table[:r]
         return padded
 
     def slots(
@@ -203,6 +210,14 @@ class DraftModelSpeculator(BaseSpeculator):
         sequence lengths ``[r]`` int32 after them (:func:`draft_step_slots`)."""
         return draft_step_slots(positions, valid, self.block_table, self.runner.block_size,
                                 writes_kv=writes_kv)
+
+    def steps(
+        self, start: torch.Tensor, steps: int, shift: int, writes_kv: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Positions, cache slots and sequence lengths ``[steps, ..]`` of ``steps`` draft steps
+        of rows ``0..r-1`` of :attr:`block_table` from ``start [r, q]`` (:func:`draft_steps`)."""
+        return draft_steps(start, self.block_table, self.runner.block_size, steps, shift=shift,
+                           writes_kv=writes_kv)
 
     def decode_metadata(
         self, slots: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, q: int

@@ -70,5 +70,6 @@ class EagleSpeculator(AutoRegressiveSpeculator):
         assert aux is not None, "EAGLE-3 reads the target's auxiliary hidden states"
         return self.model.combine_hidden_states(aux)
 
-    def draft_argmax(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.draft_to_target[linear_argmax(hidden, self.model.lm_head.weight)[1]]
+    def draft_argmax(self, hidden: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        ids = linear_argmax(hidden, self.model.lm_head.weight)[1]
+        return torch.index_select(self.model.draft_to_target, 0, ids, out=out)

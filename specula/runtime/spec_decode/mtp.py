@@ -64,5 +64,5 @@ class MTPSpeculator(AutoRegressiveSpeculator):
     def build_runner(self, kv_cache, max_model_len: int) -> MTPRunner:
         return MTPRunner(self.model, kv_cache, max_model_len)
 
-    def draft_argmax(self, hidden: torch.Tensor) -> torch.Tensor:
-        return linear_argmax(hidden, self.model.lm_head.weight)[1]  # the argmax epilogue
+    def draft_argmax(self, hidden: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        return linear_argmax(hidden, self.model.lm_head.weight, out)[1]  # the argmax epilogue

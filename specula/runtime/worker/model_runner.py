@@ -418,18 +418,18 @@ class ModelRunner:
         return self.model.compute_logits(hidden)
 
     @torch.no_grad()
-    def logits_and_argmax(self, hidden: torch.Tensor,
-                          need_logits: bool = True) -> tuple[torch.Tensor | None, torch.Tensor]:
+    def logits_and_argmax(self, hidden: torch.Tensor, need_logits: bool = True,
+                          into: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
         """[num_positions, hidden_size] -> ``(logits [num_positions, vocab_size] in the model's
         dtype, greedy tokens [num_positions] int64)``: the LM head with the argmax fused in
         (:func:`~specula.runtime.kernels.gemv.linear_argmax`). Sharded, the logits are gathered,
-        or without ``need_logits`` only each rank's best token (the logits then ``None``)."""
+        or without ``need_logits`` only each rank's best token (the logits then ``None``).
+        ``into``: an [num_positions] int64 tensor to write the tokens to (and return)."""
         if self.config.tensor_parallel_size == 1:
-            return linear_argmax(hidden, self.model.lm_head_weight)
-        if not need_logits:
-            return None, self.model.vocab_argmax(hidden)
-        logits = self.model.vocab_logits(hidden)
-        return logits, logits.argmax(dim=-1)
+            return linear_argmax(hidden, self.model.lm_head_weight, into)
+        logits = self.model.vocab_logits(hidden) if need_logits else None
+        tokens = self.model.vocab_argmax(hidden) if logits is None else logits.argmax(dim=-1)
+        return logits, tokens if into is None else into.copy_(tokens)
 
     @staticmethod
     def last_token_indices(metadata: PagedAttentionMetadata) -> torch.Tensor:

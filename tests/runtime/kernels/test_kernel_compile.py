@@ -134,15 +134,21 @@ CASES = {
     ),
     "draft_step_slots": (
         draft_inputs._draft_step_slots_kernel,
-        {"slots_ptr": "*i64", "seq_lens_ptr": "*i32", "positions_ptr": "*i64",
-         "valid_ptr": "*u8", "block_table_ptr": "*i32"},
-        dict(BLOCK_SIZE=16, BLOCK_Q=2, WRITES_KV=True),
+        {"slots_ptr": "*i64", "seq_lens_ptr": "*i32", "positions_out_ptr": "*i64",
+         "positions_ptr": "*i64", "valid_ptr": "*u8", "block_table_ptr": "*i32"},
+        dict(BLOCK_SIZE=16, BLOCK_Q=2, WRITES_KV=True, HAS_VALID=True),
     ),
-    "draft_step_slots_target_kv": (
+    "draft_steps": (
         draft_inputs._draft_step_slots_kernel,
-        {"slots_ptr": "*i64", "seq_lens_ptr": "*i32", "positions_ptr": "*i64",
-         "valid_ptr": "*u8", "block_table_ptr": "*i32"},
-        dict(BLOCK_SIZE=16, BLOCK_Q=1, WRITES_KV=False),
+        {"slots_ptr": "*i64", "seq_lens_ptr": "*i32", "positions_out_ptr": "*i64",
+         "positions_ptr": "*i64", "valid_ptr": "*i64", "block_table_ptr": "*i32"},
+        dict(BLOCK_SIZE=16, BLOCK_Q=1, WRITES_KV=True, HAS_VALID=False),
+    ),
+    "draft_steps_target_kv": (
+        draft_inputs._draft_step_slots_kernel,
+        {"slots_ptr": "*i64", "seq_lens_ptr": "*i32", "positions_out_ptr": "*i64",
+         "positions_ptr": "*i64", "valid_ptr": "*i64", "block_table_ptr": "*i32"},
+        dict(BLOCK_SIZE=16, BLOCK_Q=1, WRITES_KV=False, HAS_VALID=False),
     ),
     # Tensor parallelism's fused sum at Llama-3.1-8B's hidden size over two ranks.
     "all_reduce_add_rms_norm": (

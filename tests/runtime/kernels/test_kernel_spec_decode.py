@@ -29,7 +29,8 @@ from specula.runtime.engine.sampler import (
 from specula.runtime.engine.sampling_params import SamplingParams
 from specula.runtime.kernels.draft_inputs import (
     draft_step_slots,
-    draft_step_slots_reference,
+    draft_steps,
+    draft_steps_reference,
     prepare_draft_inputs,
     prepare_draft_inputs_reference,
 )
@@ -114,6 +115,7 @@ def check_accepted_tokens_hand_built() -> None:
             accepted = [3, 1, 2, 0, 0][3 - nd:]
             verified = [3, 1, 3, 0, 0][3 - nd:]
             torch.testing.assert_close(staged[:, 0], torch.tensor(accepted), rtol=0, atol=0)
+            assert staged[:, 0].is_contiguous()  # the speculator's copies take it as it is
             torch.testing.assert_close(staged[:, 1], torch.tensor(verified), rtol=0, atol=0)
             torch.testing.assert_close(staged[:, 2:], out, rtol=0, atol=0)
             want_next = [9, 4, 8, 11, 12][3 - nd:]
@@ -341,6 +343,10 @@ def test_prepare_draft_inputs(interpreted):
     interpreted(check_prepare_draft_inputs)
 
 
+def _slots_reference(positions, valid, block_table, block_size, writes_kv=True):
+    return draft_steps_reference(positions, valid, block_table, block_size, writes_kv=writes_kv)[1:]
+
+
 def check_draft_step_slots() -> None:
     # Blocks of 4 tokens; request 0 holds blocks [7, 2, 9], request 1 [5, 3], request 2
     # is a padding row.
@@ -349,16 +355,34 @@ def check_draft_step_slots() -> None:
     positions = torch.tensor([[3, 4], [6, 7], [0, 1]])  # q = 2: request 0 crosses a block
     expected_slots = torch.tensor([7 * 4 + 3, 2 * 4 + 0, 3 * 4 + 2, 3 * 4 + 3, -1, -1])
     expected_lens = torch.tensor([5, 8, 0], dtype=torch.int32)
-    for fn in (draft_step_slots, draft_step_slots_reference):
+    for fn in (draft_step_slots, _slots_reference):
         slots, lens = fn(positions, valid, block_table, 4)
         torch.testing.assert_close(slots, expected_slots, rtol=0, atol=0)
         torch.testing.assert_close(lens, expected_lens, rtol=0, atol=0)
 
     # Rows on the target's KV (Gemma4 MTP): no slot written, attending before the row.
-    for fn in (draft_step_slots, draft_step_slots_reference):
+    for fn in (draft_step_slots, _slots_reference):
         slots, lens = fn(positions, valid, block_table, 4, writes_kv=False)
         torch.testing.assert_close(slots, torch.full((6,), -1), rtol=0, atol=0)
         torch.testing.assert_close(lens, torch.tensor([4, 7, 0], dtype=torch.int32), rtol=0, atol=0)
+
+    # Three steps at once from each request's start (-1: a padding row), one position on.
+    start = torch.tensor([[3], [6], [-1]])
+    want_pos = torch.tensor([[3, 6, 0], [4, 7, 1], [5, 8, 2]])
+    want_slots = torch.tensor([[7 * 4 + 3, 3 * 4 + 2, -1], [2 * 4 + 0, 3 * 4 + 3, -1],
+                               [2 * 4 + 1, 0 * 4 + 0, -1]])
+    want_lens = torch.tensor([[4, 7, 0], [5, 8, 0], [6, 9, 0]], dtype=torch.int32)
+    for fn in (draft_steps, lambda *a, **kw: draft_steps_reference(a[0], None, *a[1:], **kw)):
+        pos, slots, lens = fn(start, block_table, 4, 3, shift=1)
+        for got, want in ((pos, want_pos), (slots, want_slots), (lens, want_lens)):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+    # No shift, no KV written (Gemma4 MTP); a token-only draft's first pair [p - 1, p].
+    pos, slots, lens = draft_steps(start, block_table, 4, 2, shift=0, writes_kv=False)
+    assert pos.tolist() == [[3, 6, 0]] * 2 and slots.tolist() == [[-1] * 3] * 2
+    assert lens.tolist() == [[3, 6, 0]] * 2
+    pos, slots, lens = draft_steps(start + torch.tensor([-1, 0]), block_table, 4, 1)
+    assert pos.tolist() == [[2, 3, 5, 6, 0, 0]] and lens.tolist() == [[4, 7, 0]]
+    assert slots.tolist() == [[7 * 4 + 2, 7 * 4 + 3, 3 * 4 + 1, 3 * 4 + 2, -1, -1]]
 
     # One row per request over a wider table, against the reference.
     gen = torch.Generator().manual_seed(0)
@@ -366,7 +390,11 @@ def check_draft_step_slots() -> None:
     positions = torch.randint(0, 16 * 40, (8, 1), generator=gen)
     valid = torch.rand(8, generator=gen) > 0.3
     for got, want in zip(draft_step_slots(positions, valid, block_table, 16),
-                         draft_step_slots_reference(positions, valid, block_table, 16), strict=True):
+                         _slots_reference(positions, valid, block_table, 16), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    start = torch.where(valid[:, None], positions.clamp(max=16 * 40 - 6), -1)
+    for got, want in zip(draft_steps(start, block_table, 16, 5),
+                         draft_steps_reference(start, None, block_table, 16, 5, 1), strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
@@ -502,6 +530,10 @@ def check_gemv_epilogues() -> None:
         pairs = torch.full((2, m), float("nan"))
         assert gemv(x, w, cfg, with_argmax=True, argmax_into=(pairs, 1000))[1] is pairs
         assert torch.equal(pairs[0], logits.float().amax(-1)) and torch.equal(pairs[1], idx + 1000.0)
+        # Into a column of a draft's tokens ([k, r] storage, transposed): that column only.
+        drafts = torch.full((3, m), -5).t()
+        assert gemv(x, w, cfg, with_argmax=True, argmax_into=drafts[:, 1])[1].data_ptr() == drafts[:, 1].data_ptr()
+        assert torch.equal(drafts[:, 1], idx) and (drafts[:, [0, 2]] == -5).all()
         x[0] = w[7]  # row 0's maximum is at the repeated rows: the first one wins
         assert int(gemv(x, w, cfg, with_argmax=True)[1][0]) == 7
     # The merge of the programs' partials reads them only: a row's program writing into
@@ -525,6 +557,8 @@ def check_gemv_epilogues() -> None:
     pairs = torch.empty(2, 4)
     assert argmax(logits, (pairs, 7)) is pairs and torch.equal(pairs[1], idx + 7.0)
     assert torch.equal(pairs[0], logits.float().amax(-1))
+    out = torch.full((4,), -1)
+    assert argmax(logits, out) is out and torch.equal(out, idx)
 
 
 def test_gemv_epilogues(interpreted):
