@@ -60,8 +60,7 @@ class BlockManager:
             raise ValueError(f"num_blocks={num_blocks} and block_size={block_size} must be > 0")
         if not 0.0 <= watermark < 1.0:
             raise ValueError(f"watermark={watermark} must be in [0, 1)")
-        self.num_blocks = num_blocks
-        self.block_size = block_size
+        self.num_blocks, self.block_size = num_blocks, block_size
         self.watermark_blocks = int(watermark * num_blocks)
         # Popped from the end: the most recently freed block is reused first, so a
         # small working set keeps touching the same memory.
@@ -216,8 +215,7 @@ class BlockManager:
         those past them (after verification, the slots of rejected draft tokens).
 
         Returns:
-            the index in the block table of the first block taken (``len(table)`` when
-            none was).
+            the block-table index of the first block taken (``len(table)`` when none was).
 
         Raises:
             ValueError: ``num_tokens`` < 0.

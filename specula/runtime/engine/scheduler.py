@@ -20,9 +20,8 @@ are preempted: their blocks are freed and they go back to the front of the waiti
 with all their tokens (prompt and output so far), which are prefilled again when
 readmitted (vLLM's ``PreemptionMode.RECOMPUTE``). A step that preempted admits nothing.
 
-Waiting requests are admitted oldest first while the requests fit ``max_num_seqs``,
-their prompt tokens fit the step's ``max_num_batched_tokens`` budget, and their blocks
-fit above the block manager's watermark.
+Waiting requests are admitted oldest first while the requests fit ``max_num_seqs``, their prompt
+tokens fit the step's ``max_num_batched_tokens`` budget, and their blocks fit above the watermark.
 
 Pure Python: no torch.
 """
@@ -69,8 +68,7 @@ class PagedScheduler:
             raise ValueError(f"max_num_seqs={max_num_seqs} and max_num_batched_tokens="
                              f"{max_num_batched_tokens} must be >= 1")
         self.block_manager = block_manager
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._by_id: dict[str, Request] = {}

@@ -31,8 +31,7 @@ class SpeculativeConfigError(ValueError):
 
     def __init__(self, message: str, *, param: str, code: str) -> None:
         super().__init__(message)
-        self.param = param
-        self.code = code
+        self.param, self.code = param, code
 
 
 SCHEDULE_PARAM = "num_speculative_tokens_per_batch_size"

@@ -34,8 +34,7 @@ class ModelConfig:
     num_attention_heads: int
     num_key_value_heads: int
     head_dim: int
-    """Per-head size; explicit in Qwen3 configs, ``hidden_size // num_attention_heads``
-    when absent."""
+    """Per-head size: explicit in Qwen3 configs, else ``hidden_size // num_attention_heads``."""
     rms_norm_eps: float
     rope_theta: float
     rope_scaling: dict[str, Any] | None
@@ -124,8 +123,7 @@ def check_aux_layer_ids(
     as EAGLE-3 (arXiv 2503.01840) and vLLM's ``aux_hidden_state_layers`` define them.
 
     Raises:
-        ValueError: an id outside ``[0, num_hidden_layers]``; the message names ``field``
-            and both values.
+        ValueError: an id outside ``[0, num_hidden_layers]`` (the message: ``field``, both values).
     """
     for i in layer_ids:
         if not 0 <= i <= num_hidden_layers:

@@ -35,8 +35,7 @@ class DFlashDraftModel(nn.Module):
     Args:
         config: the draft layers' hyper-parameters (``transformer_layer_config``).
         num_aux_layers: how many target hidden states are concatenated per position.
-        draft_vocab_size: rows of the draft's own LM head, or ``None`` when the draft
-            uses the target's head.
+        draft_vocab_size: rows of the draft's own LM head; ``None``: it uses the target's head.
     """
 
     packed_modules_mapping = LlamaForCausalLM.packed_modules_mapping
@@ -46,8 +45,7 @@ class DFlashDraftModel(nn.Module):
         device: torch.device,
     ) -> None:
         super().__init__()
-        self.config = config
-        hidden = config.hidden_size
+        self.config, hidden = config, config.hidden_size
         self.layers = nn.ModuleList(
             Qwen3DecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.fc = nn.Linear(num_aux_layers * hidden, hidden, bias=False)
@@ -73,9 +71,8 @@ class DFlashDraftModel(nn.Module):
         vocabulary: :func:`~specula.runtime.models.speculators_format.target_vocab_logits`)."""
         if self.lm_head is None:
             return linear(hidden, target_lm_head_weight).float()
-        draft_logits = self.lm_head(hidden).float()
         vocab_size = target_lm_head_weight.shape[0]
-        return target_vocab_logits(draft_logits, self.draft_to_target, vocab_size)
+        return target_vocab_logits(self.lm_head(hidden).float(), self.draft_to_target, vocab_size)
 
 
 def load_dflash_draft(
@@ -88,9 +85,8 @@ def load_dflash_draft(
 
     Raises:
         FileNotFoundError: no ``*.safetensors`` file.
-        ValueError: a tensor with no matching parameter, a missing tensor or shard, a
-            shape mismatch, or a bad ``d2t``
-            (:func:`~specula.runtime.models.speculators_format.draft_vocab_ids`).
+        ValueError: a tensor matching no parameter, a missing tensor or shard, a shape mismatch,
+            or a bad ``d2t`` (:func:`~specula.runtime.models.speculators_format.draft_vocab_ids`).
     """
     model, _ = load_checkpoint(
         partial(DFlashDraftModel, config, num_aux_layers, draft_vocab_size, device),

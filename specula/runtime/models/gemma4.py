@@ -42,10 +42,9 @@ class Gemma4Attention(nn.Module):
         self.num_kv_heads = config.layer_num_kv_heads[layer_idx]
         self.head_dim = config.layer_head_dims[layer_idx]
         self.kv_shared = kv_shared
-        bias = config.attention_bias
+        bias, eps = config.attention_bias, config.rms_norm_eps
         hidden, q_size = config.hidden_size, self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
-        eps = config.rms_norm_eps
         self.q_proj = nn.Linear(hidden, q_size, bias=bias)
         self.q_norm = Gemma4RMSNorm(self.head_dim, eps)
         if not kv_shared:
@@ -71,8 +70,7 @@ class Gemma4MLP(nn.Module):
 
 
 class Gemma4DecoderLayer(nn.Module):
-    """Sandwich-normed attention and MLP, then the layer's per-layer input, then the
-    learned ``layer_scalar``."""
+    """Sandwich-normed attention and MLP, the per-layer input, then the learned ``layer_scalar``."""
 
     def __init__(self, config: Gemma4ModelConfig, layer_idx: int, kv_shared: bool) -> None:
         super().__init__()

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specula.runtime.models.config import read_hf_config
-from specula.runtime.models.gemma4 import Gemma4TextModel
+from specula.runtime.models.gemma4 import Gemma4ForCausalLM, Gemma4TextModel
 from specula.runtime.models.gemma4_config import Gemma4ModelConfig
 from specula.runtime.models.gemma4_layers import Gemma4Rotary
 from specula.runtime.models.registry import load_checkpoint
@@ -108,10 +108,8 @@ class Gemma4AssistantMaskedEmbedder(nn.Module):
 
     def __init__(self, config: Gemma4AssistantConfig) -> None:
         super().__init__()
-        hidden = config.text.hidden_size
-        self.num_centroids = config.num_centroids
-        self.top_k = config.centroid_intermediate_top_k
-        self.centroids = nn.Linear(hidden, config.num_centroids, bias=False)
+        self.num_centroids, self.top_k = config.num_centroids, config.centroid_intermediate_top_k
+        self.centroids = nn.Linear(config.text.hidden_size, config.num_centroids, bias=False)
         self.token_ordering = nn.Parameter(torch.zeros(config.text.vocab_size, dtype=torch.long),
                                            requires_grad=False)
 
@@ -125,8 +123,7 @@ class Gemma4AssistantMaskedEmbedder(nn.Module):
         # Per row (HF takes the minimum over the whole batch): one request's logits never
         # depend on which other requests share the forward.
         floor = selected.min(dim=-1, keepdim=True).values - 1.0
-        out = floor.expand(n, lm_head_weight.shape[0]).clone()
-        return out.scatter_(1, tokens, selected)
+        return floor.expand(n, lm_head_weight.shape[0]).clone().scatter_(1, tokens, selected)
 
 
 class Gemma4AssistantForCausalLM(nn.Module):
@@ -136,10 +133,8 @@ class Gemma4AssistantForCausalLM(nn.Module):
 
     def __init__(self, config: Gemma4AssistantConfig, device: torch.device) -> None:
         super().__init__()
-        self.config = config
-        text = config.text
-        # Its embedding serves only the logits (tied lm_head); inputs come from the
-        # target's embedding.
+        self.config, text = config, config.text
+        # Its embedding serves only the logits (tied lm_head); inputs use the target's embedding.
         self.model = Gemma4TextModel(text, all_kv_shared=True)
         self.lm_head = (None if text.tie_word_embeddings
                         else nn.Linear(text.hidden_size, text.vocab_size, bias=False))
@@ -150,9 +145,7 @@ class Gemma4AssistantForCausalLM(nn.Module):
                                  if config.use_ordered_embeddings else None)
         self.rotary = Gemma4Rotary(text, device)
 
-    @property
-    def lm_head_weight(self) -> torch.Tensor:
-        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+    lm_head_weight = Gemma4ForCausalLM.lm_head_weight  # the tied embedding or the own head
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_rows, hidden_size] -> [num_rows, vocab_size] float32 draft logits."""

@@ -133,7 +133,6 @@ class Gemma4ModelConfig(ModelConfig):
         return (*range(first_shared), *(producers[t] for t in shared))
 
     def kv_cache_shapes(self) -> tuple[tuple[int, int], ...]:
-        """``(num_kv_heads, head_dim)`` of each non-shared layer, in layer order: shared
-        layers allocate nothing."""
+        """``(num_kv_heads, head_dim)`` per non-shared layer, in order (shared layers own none)."""
         return tuple((self.layer_num_kv_heads[i], self.layer_head_dims[i])
                      for i in range(self.first_kv_shared_layer))

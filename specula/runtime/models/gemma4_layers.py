@@ -34,10 +34,9 @@ class Gemma4Rotary:
     """
 
     def __init__(self, config: Gemma4ModelConfig, device: torch.device | None) -> None:
-        rope = config.rope_parameters or {}
         self.by_type = {}
         for layer_type in dict.fromkeys(config.layer_types):
             head_dim = config.layer_head_dims[config.layer_types.index(layer_type)]
-            params = rope.get(layer_type, {})
+            params = (config.rope_parameters or {}).get(layer_type, {})
             theta = float(params.get("rope_theta", 10000.0))
             self.by_type[layer_type] = RotaryEmbedding(head_dim, theta, params, device)

@@ -42,9 +42,8 @@ class MergedLinear(nn.Linear):
         Raises:
             ValueError: ``loaded`` does not have the shard's shape.
         """
-        param = getattr(self, param_name)
         start = sum(self.output_sizes[:shard_id])
-        rows = param.data.narrow(0, start, self.output_sizes[shard_id])
+        rows = getattr(self, param_name).data.narrow(0, start, self.output_sizes[shard_id])
         if rows.shape != loaded.shape:
             raise ValueError(f"shard {shard_id} of {param_name}: checkpoint shape "
                              f"{tuple(loaded.shape)} != expected {tuple(rows.shape)}")
@@ -63,12 +62,9 @@ def sharded(module: nn.Module, style: str, tensor_parallel_size: int) -> nn.Modu
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
     # Llama 3.1 frequency remapping: long wavelengths are divided by `factor`, short ones
     # kept, and the band between is interpolated smoothly.
-    factor = scaling["factor"]
-    low = scaling.get("low_freq_factor", 1.0)
-    high = scaling.get("high_freq_factor", 4.0)
-    old_len = scaling["original_max_position_embeddings"]
-    low_wavelen = old_len / low
-    high_wavelen = old_len / high
+    factor, old_len = scaling["factor"], scaling["original_max_position_embeddings"]
+    low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+    low_wavelen, high_wavelen = old_len / low, old_len / high
     wavelen = 2 * math.pi / inv_freq
     scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
     smooth = (old_len / wavelen - low) / (high - low)

@@ -1,7 +1,6 @@
-"""Llama decoder (arXiv 2302.13971, 2407.21783): the modules that hold the weights, under
-Hugging Face ``LlamaForCausalLM`` names, ``q/k/v_proj`` and ``gate/up_proj`` fused
-(``packed_modules_mapping``). The paged forward is :class:`~specula.runtime.worker.
-model_runner.ModelRunner`'s.
+"""Llama decoder (arXiv 2302.13971, 2407.21783): the modules holding the weights, under Hugging Face
+``LlamaForCausalLM`` names, ``q/k/v_proj`` and ``gate/up_proj`` fused (``packed_modules_mapping``);
+the paged forward is :class:`~specula.runtime.worker.model_runner.ModelRunner`'s.
 """
 
 from __future__ import annotations
@@ -32,13 +31,10 @@ class LlamaAttention(nn.Module):
         self.num_heads = config.num_attention_heads // tp
         self.num_kv_heads = config.num_key_value_heads // tp
         self.head_dim = config.head_dim
-        q_size = self.num_heads * self.head_dim
-        kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = sharded(MergedLinear(
-            config.hidden_size, [q_size, kv_size, kv_size], bias=config.attention_bias
-        ), "colwise", tp)
-        self.o_proj = sharded(nn.Linear(q_size, config.hidden_size, bias=config.attention_bias),
-                              "rowwise", tp)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        h, bias = config.hidden_size, config.attention_bias
+        self.qkv_proj = sharded(MergedLinear(h, [q_size, kv_size, kv_size], bias), "colwise", tp)
+        self.o_proj = sharded(nn.Linear(q_size, h, bias=bias), "rowwise", tp)
 
 
 class LlamaMLP(nn.Module):
@@ -46,11 +42,10 @@ class LlamaMLP(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        tp = config.tensor_parallel_size
+        tp, h, bias = config.tensor_parallel_size, config.hidden_size, config.mlp_bias
         inter = config.intermediate_size // tp
-        self.gate_up_proj = sharded(
-            MergedLinear(config.hidden_size, [inter, inter], bias=config.mlp_bias), "colwise", tp)
-        self.down_proj = sharded(nn.Linear(inter, config.hidden_size, bias=config.mlp_bias), "rowwise", tp)
+        self.gate_up_proj = sharded(MergedLinear(h, [inter, inter], bias), "colwise", tp)
+        self.down_proj = sharded(nn.Linear(inter, h, bias=bias), "rowwise", tp)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -76,8 +71,7 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Causal LM weights; callers project only the positions they sample from
-    (:meth:`compute_logits`)."""
+    """Causal LM weights; callers project (:meth:`compute_logits`) only positions they sample."""
 
     model_cls: type[LlamaModel] = LlamaModel
     packed_modules_mapping: dict[str, list[str]] = {"qkv_proj": ["q_proj", "k_proj", "v_proj"],
@@ -88,12 +82,9 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = self.model_cls(config)
-        if config.tie_word_embeddings:
-            self.lm_head = None
-        else:
-            self.lm_head = sharded(nn.Linear(
-                config.hidden_size, self.model.embed_tokens.num_embeddings, bias=False
-            ), "vocab", config.tensor_parallel_size)
+        self.lm_head = None if config.tie_word_embeddings else sharded(nn.Linear(
+            config.hidden_size, self.model.embed_tokens.num_embeddings, bias=False
+        ), "vocab", config.tensor_parallel_size)
         self.rotary = RotaryEmbedding.from_config(config, device)
         self._full_vocab: tuple[nn.Embedding, torch.Tensor] | None = None
 

@@ -37,8 +37,7 @@ class Eagle3Config:
     """The EAGLE-3 settings of a ``speculators`` ``eagle3`` config (top-level fields)."""
 
     layer: ModelConfig
-    """``transformer_layer_config``: width ``H``, heads, number of draft layers;
-    ``vocab_size`` is the target vocabulary."""
+    """``transformer_layer_config``: width ``H``, heads, layers; ``vocab_size`` the target's."""
     draft_vocab_size: int
     aux_hidden_state_layer_ids: tuple[int, ...]
     target_hidden_size: int
@@ -57,27 +56,25 @@ class Eagle3LlamaForCausalLM(nn.Module):
 
     def __init__(self, eagle: Eagle3Config, device: torch.device) -> None:
         super().__init__()
-        config = eagle.layer
         self.eagle = eagle
-        self.config = config
-        h = config.hidden_size
+        self.config = config = eagle.layer
+        h, eps = config.hidden_size, config.rms_norm_eps
         num_aux = len(eagle.aux_hidden_state_layer_ids)
         aux_width = num_aux * eagle.target_hidden_size
         self.embed_tokens = nn.Embedding(config.vocab_size, h)
-        self.input_norm = RMSNorm(aux_width, config.rms_norm_eps) if eagle.norm_before_fc else None
+        self.input_norm = RMSNorm(aux_width, eps) if eagle.norm_before_fc else None
         self.fc_norm = None
         if eagle.fc_norm:
-            norms = (RMSNorm(eagle.target_hidden_size, config.rms_norm_eps) for _ in range(num_aux))
-            self.fc_norm = nn.ModuleList(norms)
+            self.fc_norm = nn.ModuleList(RMSNorm(eagle.target_hidden_size, eps) for _ in range(num_aux))
         self.fc = nn.Linear(aux_width, h, bias=False)
         layer_cls = DECODER_LAYERS[config.model_type]
         self.layers = nn.ModuleList(layer_cls(config) for _ in range(config.num_hidden_layers))
         first = self.layers[0]  # attends over [embedding, hidden]: q/k/v read width 2H
         first.self_attn.qkv_proj = MergedLinear(2 * h, first.self_attn.qkv_proj.output_sizes,
                                                 config.attention_bias)
-        first.hidden_norm = RMSNorm(h, config.rms_norm_eps)
+        first.hidden_norm = RMSNorm(h, eps)
         first.norm_before_residual = eagle.norm_before_residual
-        self.norm = RMSNorm(h, config.rms_norm_eps)
+        self.norm = RMSNorm(h, eps)
         self.lm_head = nn.Linear(h, eagle.draft_vocab_size, bias=False)
         self.register_buffer("draft_to_target", torch.arange(eagle.draft_vocab_size), persistent=False)
         """[draft_vocab_size] target id of each draft id (``i + d2t[i]``)."""
@@ -114,10 +111,9 @@ def load_eagle3_draft(
 
     Raises:
         FileNotFoundError: no ``config.json`` or ``*.safetensors``.
-        ValueError: another ``speculators_model_type``; a vocabulary, hidden size or
-            auxiliary layer id that does not fit ``target`` (the message names the
-            field and both values); a malformed ``d2t``; a tensor of the wrong shape, an
-            unknown tensor, or a required tensor missing.
+        ValueError: another ``speculators_model_type``; a vocabulary, hidden size or auxiliary
+            layer id that does not fit ``target`` (the message names the field and both values);
+            a malformed ``d2t``; a wrong-shaped, unknown or missing required tensor.
     """
     raw = read_speculators_config(checkpoint_dir, "eagle3")
     layer = layer_model_config(raw, target)

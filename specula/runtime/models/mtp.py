@@ -47,8 +47,7 @@ class MTPLayer(nn.Module):
 
 class MTPForCausalLM(nn.Module):
     """One MTP layer over the target's embeddings and LM head; ``config``: the layer
-    :class:`ModelConfig`, kept with ``num_hidden_layers`` 1 (the format's counts the
-    verifier's layers)."""
+    :class:`ModelConfig` with ``num_hidden_layers`` 1 (the format's counts the verifier's)."""
 
     packed_modules_mapping = LlamaForCausalLM.packed_modules_mapping
 
@@ -84,10 +83,9 @@ def load_mtp_draft(
 
     Raises:
         FileNotFoundError: no ``config.json`` or ``*.safetensors``.
-        ValueError: another ``speculators_model_type``; a vocabulary or hidden size that
-            differs from ``target``'s (the message names the field and both values);
-            ``num_nextn_predict_layers`` other than 1; a tensor of the wrong shape, an
-            unknown tensor, or a required tensor missing.
+        ValueError: another ``speculators_model_type``; a vocabulary or hidden size that differs
+            from ``target``'s (the message names the field and both values); a wrong-shaped,
+            unknown or missing required tensor; ``num_nextn_predict_layers`` other than 1.
     """
     raw = read_speculators_config(checkpoint_dir, "mtp")
     layer = layer_model_config(raw, target)

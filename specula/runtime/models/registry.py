@@ -96,8 +96,7 @@ def load_safetensors(
 
     Raises:
         FileNotFoundError: no ``*.safetensors`` file.
-        ValueError: an unexpected tensor, a shape mismatch, or parameters outside
-            ``optional`` left unloaded.
+        ValueError: an unknown tensor, a shape mismatch, or unloaded parameters not in ``optional``.
     """
     from safetensors import safe_open
 

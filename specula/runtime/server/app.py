@@ -50,8 +50,7 @@ BodyT = TypeVar("BodyT", bound=BaseModel)
 
 class _ServerState:
     def __init__(self, loop: EngineLoop, limits: Limits) -> None:
-        self.loop = loop
-        self.limits = limits
+        self.loop, self.limits = loop, limits
         self.draining = False
         """Set on SIGTERM (:class:`~specula.runtime.server.limits.DrainingServer`)."""
         self._tokenizer: Any = None
@@ -141,7 +140,7 @@ def json_body(model: type[BaseModel]) -> dict[str, Any]:
     return {"requestBody": body}
 
 
-_bearer = HTTPBearer(auto_error=False)
+_Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(HTTPBearer(auto_error=False))]
 
 
 def require_bearer(token: Callable[[], str | None], what: str) -> Any:
@@ -152,9 +151,7 @@ def require_bearer(token: Callable[[], str | None], what: str) -> Any:
         APIError: 401 for a missing or wrong token; 503 when ``token()`` cannot read it.
     """
 
-    async def check(
-        given: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
-    ) -> None:
+    async def check(given: _Credentials) -> None:
         try:
             expected = token()
         except OSError as exc:

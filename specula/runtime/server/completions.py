@@ -101,8 +101,7 @@ def engine_unavailable(exc: BaseException) -> APIError:
 
 
 class CompletionRun:
-    """The engine requests of one HTTP request (choice ``i`` samples prompt ``i // n``)
-    and their accumulated text.
+    """One HTTP request's engine requests (choice ``i`` samples prompt ``i // n``) and their text.
 
     Raises:
         APIError: 404 for an unknown model; 400 for an empty prompt, a token id outside the
@@ -276,11 +275,10 @@ class CompletionRun:
             return {"token": text, "logprob": max(logprob, _MIN_LOGPROB),
                     "bytes": list(text.encode())}
 
+        pairs = zip(c.text.token_ids[c.num_streamed:], c.logprobs[c.num_streamed:], strict=True)
         return {"content": [
             {**entry(t, lp.logprob), "top_logprobs": [entry(*top) for top in lp.top]}
-            for t, lp in zip(c.text.token_ids[c.num_streamed:], c.logprobs[c.num_streamed:],
-                             strict=True)
-        ]}
+            for t, lp in pairs]}
 
     async def complete(self) -> dict[str, Any]:
         """Run every choice to completion and return the whole response."""
@@ -295,10 +293,9 @@ class CompletionRun:
         return self._body(choices, usage=self.usage())
 
     async def stream(self) -> AsyncIterator[str]:
-        """Server-sent events, once :meth:`submit` returned: one ``data: {chunk}`` per
-        text delta, new log-probabilities or finish, the usage chunk if asked, then
-        ``data: [DONE]``.  ``finally`` aborts the engine requests left when a client that
-        disconnects cancels this generator."""
+        """Server-sent events, once :meth:`submit` returned: one ``data: {chunk}`` per text delta,
+        new log-probabilities or finish, the usage chunk if asked, then ``data: [DONE]``. Its
+        ``finally`` aborts the engine requests left when a client that disconnects cancels it."""
         options = self.request.stream_options
         with_usage = bool(options and options.include_usage)
 

@@ -69,14 +69,12 @@ class EngineLoop:
     def __init__(
         self, load: Callable[[], LLMEngine], on_fatal: Callable[[BaseException], None] | None = None
     ) -> None:
-        self._load = load
-        self._on_fatal = on_fatal
+        self._load, self._on_fatal = load, on_fatal
         self._commands: queue.SimpleQueue[_Command | None] = queue.SimpleQueue()
         self._sinks: dict[str, Callable[[RequestOutput | BaseException], None]] = {}
         """Per request, where its outputs go (the handler's queue, on its event loop)."""
         self._thread: threading.Thread | None = None
-        self._stop = threading.Event()
-        self._ready = threading.Event()
+        self._stop, self._ready = threading.Event(), threading.Event()
         self.state = EngineState.LOADING
         """Written by the loop thread only."""
         self.error: BaseException | None = None
@@ -269,9 +267,8 @@ class EngineLoop:
             generation_tokens=engine.generation_tokens_total, step_times=self._step_times,
             spec_decoding=engine.spec_decoding_stats, num_speculative_tokens=k,
             max_num_speculative_tokens=engine.max_num_speculative_tokens,
-            num_preemptions=sched["num_preemptions"],
+            num_preemptions=sched["num_preemptions"], prefix_cache_hits=sched["prefix_cache_hits"],
             prefix_cache_queries=sched["prefix_cache_queries"],
-            prefix_cache_hits=sched["prefix_cache_hits"],
             kv_cache_usage=1.0 - sched["num_free_gpu_blocks"] / sched["num_gpu_blocks"]))
 
     def _fail_all(self, exc: EngineDeadError) -> None:

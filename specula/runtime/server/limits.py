@@ -125,8 +125,7 @@ class DrainingServer(uvicorn.Server):
 
     def __init__(self, config: uvicorn.Config, state: Any, drain_timeout_s: float) -> None:
         super().__init__(config)
-        self._state = state
-        self._drain_timeout_s = drain_timeout_s
+        self._state, self._drain_timeout_s = state, drain_timeout_s
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         if self._state.draining:

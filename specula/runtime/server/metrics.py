@@ -11,13 +11,8 @@ import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from prometheus_client import CollectorRegistry
-from prometheus_client.core import (
-    CounterMetricFamily,
-    GaugeMetricFamily,
-    HistogramMetricFamily,
-    Metric,
-)
+from prometheus_client import CollectorRegistry, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from specula.runtime.spec_decode.metrics_prom import METRIC_PREFIX, SpecDecodingProm
@@ -70,8 +65,7 @@ class RuntimeSnapshot:
     spec_decoding: object | None = None
     """A copy of the engine's ``SpecDecodingStats``; ``None`` before it is loaded."""
     num_speculative_tokens: int = 0
-    """The k the last decode round drafted (0: plain decoding); before any round, the
-    k a single request would get."""
+    """The k of the last decode round (0: plain decoding); before any round, a lone request's k."""
     max_num_speculative_tokens: int = 0
     num_preemptions: int = 0
     prefix_cache_queries: int = 0
@@ -105,8 +99,7 @@ class RuntimeProm(Collector):
     """Collector of request gauges, the generated-token counter and step times."""
 
     def __init__(self, get_snapshot: Callable[[], RuntimeSnapshot], model_name: str) -> None:
-        self._get_snapshot = get_snapshot
-        self._model_name = model_name
+        self._get_snapshot, self._model_name = get_snapshot, model_name
 
     def collect(self) -> Iterator[Metric]:
         snap = self._get_snapshot()

@@ -164,8 +164,7 @@ class SpeculativeConfigUpdate(_Body):
     the schedule's rules are the engine's (:mod:`specula.runtime.engine.spec_schedule`)."""
 
     num_speculative_tokens: StrictInt | None = None
-    """0 turns speculation off (the draft stays loaded); at most the k the server was
-    started with. Clears any schedule."""
+    """0: speculation off (the draft stays loaded); at most the startup k. Clears any schedule."""
     num_speculative_tokens_per_batch_size: list[tuple[StrictInt, StrictInt, StrictInt]] | None = None
     """``[[start, end, k], ...]``: inclusive ranges of the number of requests in a
     step, the first starting at 1, contiguous; larger batches use the last k."""

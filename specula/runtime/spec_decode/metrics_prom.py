@@ -31,8 +31,7 @@ class SpecDecodingProm(Collector):
     """
 
     def __init__(self, get_stats: Callable[[], SpecDecodingStats | None], model_name: str) -> None:
-        self._get_stats = get_stats
-        self._model_name = model_name
+        self._get_stats, self._model_name = get_stats, model_name
 
     def describe(self) -> Iterator[Metric]:
         # Describing lets ``registry.register`` check name clashes without calling

@@ -71,8 +71,7 @@ class NgramSpeculator(BaseSpeculator):
             raise ValueError(f"need 1 <= prompt_lookup_min ({prompt_lookup_min}) <= "
                              f"prompt_lookup_max ({prompt_lookup_max})")
         self.max_num_speculative_tokens = num_speculative_tokens
-        self.prompt_lookup_min = prompt_lookup_min
-        self.prompt_lookup_max = prompt_lookup_max
+        self.prompt_lookup_min, self.prompt_lookup_max = prompt_lookup_min, prompt_lookup_max
 
     @torch.no_grad()
     def propose(self, inputs: ProposeInputs) -> DraftOutput | None:

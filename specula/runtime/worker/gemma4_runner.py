@@ -11,8 +11,7 @@ What differs from the Llama path (see :mod:`specula.runtime.models.gemma4` for t
 - per layer type its own head size, KV heads and rotary table (``proportional`` RoPE is
   a table whose unrotated pairs have frequency 0, so the fused rotary + cache-write
   kernel applies it as a full-width rotation);
-- queries, keys and values are RMS-normed per head before rotary (values without a
-  scale) and the softmax scale is 1;
+- queries, keys and values are RMS-normed per head before rotary (values unscaled), softmax scale 1;
 - KV-shared layers (``num_kv_shared_layers``) own no cache: they rotate their queries
   only and attend to the cache of the last earlier non-shared layer of their type; a
   prefill reuses that layer's keys and values of the same forward;
@@ -42,18 +41,17 @@ from specula.runtime.kernels.rotary import (
     rotary_embedding,
     rotary_embedding_and_cache,
 )
-from specula.runtime.models.gemma4 import (
-    Gemma4Attention,
-    Gemma4DecoderLayer,
-    Gemma4ForCausalLM,
-    Gemma4MLP,
-)
+from specula.runtime.models.gemma4 import Gemma4Attention, Gemma4DecoderLayer, Gemma4ForCausalLM
 from specula.runtime.models.gemma4_config import SLIDING, Gemma4ModelConfig
 from specula.runtime.models.gemma4_layers import Gemma4RMSNorm
 from specula.runtime.models.layers import RotaryEmbedding
 from specula.runtime.models.registry import check_servable
 from specula.runtime.worker.model_runner import ModelRunner, attend
 from specula.runtime.worker.paged_kv import PagedAttentionMetadata, PagedKVCache
+
+
+def _norm(x: torch.Tensor, norm: Gemma4RMSNorm) -> torch.Tensor:
+    return rms_norm(x, norm.weight, norm.eps)
 
 
 class Gemma4PagedLayers(ModelRunner):
@@ -81,10 +79,7 @@ class Gemma4PagedLayers(ModelRunner):
     ) -> None:
         self.setup_cache(config, kv_cache, max_model_len, attn_num_splits, weight)
         device, dtype = weight.device, weight.dtype
-        self.kv_sources = tuple(kv_sources)
-        """Per layer, the cache entry it reads (and writes when it is not shared)."""
-        self.windows = tuple(windows)
-        """Per layer, its sliding window or ``None`` (full attention)."""
+        self.kv_sources, self.windows = tuple(kv_sources), tuple(windows)
         self.cos_sin_caches = {t: build_cos_sin_cache(r.inv_freq.to(device), max_model_len)
                                for t, r in rotary.items()}
         # The value norm has no scale: a weight of ones makes the plain RMSNorm kernel
@@ -109,9 +104,8 @@ class Gemma4PagedLayers(ModelRunner):
         q = self._head_norm(attn.q_proj(hidden), attn.q_norm, attn.num_heads)
         if attn.kv_shared:
             rotary_embedding(positions, q, None, cos_sin)
-            # The producer's keys and values of this forward, which prefill rows attend
-            # over; decode and verification rows (and draft rows, whose producer ran in
-            # an earlier forward) read the cache only.
+            # The producer's keys and values of this forward, which prefill rows attend over;
+            # decode, verification and draft rows (their producer ran earlier) read the cache only.
             k, v = produced.get(source, (None, None))
         else:
             k_proj = attn.k_proj(hidden)  # [num_tokens, num_kv_heads * head_dim]
@@ -127,11 +121,6 @@ class Gemma4PagedLayers(ModelRunner):
         # flatten (a reshape, not a view): a one-request prefill's SDPA output may keep a
         # [heads, tokens] layout (backends without a fused kernel for this head size).
         return attn.o_proj(out.flatten(1))
-
-    def _mlp(self, mlp: Gemma4MLP, hidden: torch.Tensor) -> torch.Tensor:
-        if self.config.hidden_act == "silu":
-            return mlp.down_proj(silu_and_mul(mlp.gate_up_proj(hidden)))
-        return mlp(hidden)
 
     def _layer(
         self, layer: Gemma4DecoderLayer, hidden: torch.Tensor, per_layer_input: torch.Tensor | None,
@@ -150,22 +139,21 @@ class Gemma4PagedLayers(ModelRunner):
         Returns:
             [num_tokens, hidden_size].
         """
-        ln = layer.input_layernorm
-        x = rms_norm(hidden, ln.weight, ln.eps)
+        x = _norm(hidden, layer.input_layernorm)
         x = self._attention(layer.self_attn, x, positions, layer_idx, metadata, produced)
-        ln = layer.post_attention_layernorm
-        x = rms_norm(x, ln.weight, ln.eps)
+        x = _norm(x, layer.post_attention_layernorm)
         # hidden + post_norm(attn), then the pre-MLP norm of that sum, in one pass.
         ln = layer.pre_feedforward_layernorm
         x, hidden = fused_add_rms_norm(x, hidden, ln.weight, ln.eps)
-        x = self._mlp(layer.mlp, x)
-        ln = layer.post_feedforward_layernorm
-        hidden = hidden + rms_norm(x, ln.weight, ln.eps)
+        if self.config.hidden_act == "silu":
+            x = layer.mlp.down_proj(silu_and_mul(layer.mlp.gate_up_proj(x)))
+        else:
+            x = layer.mlp(x)
+        hidden = hidden + _norm(x, layer.post_feedforward_layernorm)
         if per_layer_input is not None:
             gate = layer.act(layer.per_layer_input_gate(hidden)) * per_layer_input
-            ln = layer.post_per_layer_input_norm
             projected = layer.per_layer_projection(gate)
-            hidden = hidden + rms_norm(projected, ln.weight, ln.eps)
+            hidden = hidden + _norm(projected, layer.post_per_layer_input_norm)
         return hidden * layer.layer_scalar
 
 
@@ -181,8 +169,7 @@ class Gemma4Runner(Gemma4PagedLayers):
         max_model_len, attn_num_splits: as for :class:`ModelRunner`.
 
     Raises:
-        ValueError: not a Gemma4 text model, the mixture-of-experts variant, or a cache
-            that does not match the model.
+        ValueError: not a Gemma4 text model, the mixture-of-experts variant, or a mismatched cache.
     """
 
     def __init__(
@@ -218,7 +205,7 @@ class Gemma4Runner(Gemma4PagedLayers):
                 captured[i] = hidden
             per_layer_input = None if per_layer is None else per_layer[:, i]
             hidden = self._layer(layer, hidden, per_layer_input, positions, i, metadata, produced)
-        return rms_norm(hidden, model.norm.weight, model.norm.eps), hidden
+        return _norm(hidden, model.norm), hidden
 
     def logits_and_argmax(self, hidden: torch.Tensor,
                           need_logits: bool = True) -> tuple[torch.Tensor, torch.Tensor]:

@@ -260,11 +260,9 @@ def shard_tensor(tensor: torch.Tensor, style: str, shape: torch.Size) -> torch.T
             return tensor if rank == 0 else torch.zeros_like(tensor)
         return tensor.narrow(1, rank * shape[1], shape[1])
     rows = shape[0]
-    start = rank * rows
-    part = tensor[start : start + rows]
+    part = tensor[rank * rows : (rank + 1) * rows]
     if part.shape[0] < rows:  # vocabulary padding
-        pad = tensor.new_zeros((rows - part.shape[0], *tensor.shape[1:]))
-        part = torch.cat([part, pad])
+        return torch.cat([part, tensor.new_zeros((rows - part.shape[0], *tensor.shape[1:]))])
     return part
 
 
@@ -284,8 +282,7 @@ class VocabParallelEmbedding(nn.Embedding):
         rank's rows, to be summed over the ranks by the caller."""
         if self.world_size == 1:
             return super().forward(input_ids)
-        start = _STATE.rank * self.num_embeddings
-        local = input_ids - start
+        local = input_ids - _STATE.rank * self.num_embeddings
         outside = (local < 0) | (local >= self.num_embeddings)
         out = super().forward(local.masked_fill(outside, 0))
         out.masked_fill_(outside[:, None], 0)

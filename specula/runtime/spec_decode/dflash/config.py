@@ -25,8 +25,7 @@ class DFlashConfig:
     """The draft decoder layers (``transformer_layer_config``, Qwen3 when it names no
     ``model_type``); ``vocab_size`` is the target vocabulary the draft was trained for."""
     block_size: int
-    """Tokens in one drafted block: the anchor (the last verified token) plus
-    ``block_size - 1`` mask tokens."""
+    """Tokens per block: the anchor (last verified token) plus ``block_size - 1`` mask tokens."""
     mask_token_id: int
     """Token id whose embedding fills the block after the anchor."""
     aux_hidden_state_layer_ids: tuple[int, ...]
@@ -45,8 +44,7 @@ class DFlashConfig:
 
     @property
     def max_num_speculative_tokens(self) -> int:
-        """Draft tokens one block yields: ``block_size - 1`` (``block_size`` with
-        ``sample_from_anchor``)."""
+        """Drafts per block: ``block_size - 1`` (``block_size`` with ``sample_from_anchor``)."""
         return self.block_size - self.first_draft_slot
 
     @classmethod
@@ -83,8 +81,7 @@ class DFlashConfig:
                    sample_from_anchor=bool(raw.get("sample_from_anchor", False)))
 
     def check_target(self, target: ModelConfig, num_speculative_tokens: int) -> None:
-        """Check that this draft fits ``target`` and can draft ``num_speculative_tokens``
-        (the maximum k) per block.
+        """Check the draft fits ``target`` and one block yields ``num_speculative_tokens`` (max k).
 
         Raises:
             ValueError: naming the field and both values: ``vocab_size``, ``hidden_size`` (of the

@@ -13,8 +13,7 @@ from specula.runtime.worker.paged_kv import PagedAttentionMetadata, PagedKVCache
 
 
 class DFlashRunner(DraftRunner):
-    """Runs a :class:`DFlashDraftModel` over a paged KV cache of its layers (raises as
-    :class:`DraftRunner`)."""
+    """Runs :class:`DFlashDraftModel` on its own paged KV cache (raises as :class:`DraftRunner`)."""
 
     def __init__(self, model: DFlashDraftModel, kv_cache: PagedKVCache, max_model_len: int) -> None:
         super().__init__(model, kv_cache, max_model_len)

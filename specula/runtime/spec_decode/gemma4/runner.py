@@ -31,8 +31,7 @@ class Gemma4AssistantRunner(Gemma4PagedLayers):
             model.rotary.by_type, target.max_model_len,
             None,  # attn_num_splits: the kernel's choice
             model.pre_projection.weight)
-        self.model = model
-        self.target = target
+        self.model, self.target = model, target
 
     @torch.no_grad()
     def forward(
