@@ -180,6 +180,29 @@ def test_abort_running_request_and_counters(engine):
     assert not engine.has_unfinished_requests()
 
 
+def test_last_tokens_do_not_wait_for_the_step_in_flight(tiny_llama_target, tiny_llama_draft,
+                                                        make_engine):
+    """Asynchronous scheduling queues the next step before reading the last one, so a step
+    runs after a request's last tokens (its tokens dropped). The call that reads those last
+    tokens returns them without also reading that step; the next call does, emitting nothing."""
+    engine = make_engine(tiny_llama_target, tiny_llama_draft, k=2, max_num_seqs=2)
+    engine.async_scheduling = True
+    reads: list[object] = []
+    finish = engine._finish
+    engine._finish = lambda step: reads.append(step) or finish(step)
+    engine.add_request("r", PROMPT, SamplingParams(max_tokens=7, ignore_eos=True))
+    tokens: list[int] = []
+    outs: list = []
+    while not any(o.finished for o in outs):
+        before = len(reads)
+        outs = engine.step()
+        tokens += [t for o in outs for t in o.new_token_ids]
+    assert len(tokens) == 7 and len(reads) - before == 1  # the last tokens' step only
+    assert engine.has_unfinished_requests() and engine._in_flight is not None
+    assert engine.step() == [] and len(reads) - before == 2
+    assert not engine.has_unfinished_requests()
+
+
 def test_waiting_requests_are_counted(tiny_llama_target, make_engine):
     engine = make_engine(tiny_llama_target, max_num_seqs=1)
     engine.add_request("x", PROMPT, SamplingParams(max_tokens=4))

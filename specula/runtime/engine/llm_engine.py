@@ -25,7 +25,8 @@ the prefill's logits) and reach the host by a second non-blocking copy.
 With asynchronous scheduling (the default on CUDA; vLLM's ``async_scheduling``), step 5 of one step
 runs after steps 1-4 of the next are queued, from the state the device updated itself: the host's
 scheduling, input preparation and stop checks overlap the device's work, which never waits for the
-host. A request that finished is then part of one more step, whose tokens are dropped.
+host. A request that finished is then part of one more step, whose tokens are dropped; its last
+tokens are returned without waiting for that step, which the next call reads.
 
 ``k`` may depend on the batch size (:mod:`specula.runtime.engine.spec_schedule`): drafts
 are proposed for the k of the step's batch, and the next step verifies the first
@@ -365,11 +366,8 @@ class LLMEngine(SpeculativeSettings):
         outputs, self._pending = self._pending, []
         if finished is not None:
             outputs += self._finish(finished)
-        in_flight = self._in_flight
-        if in_flight is not None and all(r.finished or r.row < 0 for r in in_flight.batch):
-            # Drain it (emitting nothing) so that nothing is left pending.
-            self._finish(in_flight)
-            self._in_flight = None
+        # A step in flight whose requests have all finished since its launch emits nothing:
+        # the next call drains it, so that these outputs do not wait for it.
         for request in [r for r in self.scheduler.running if r.finished]:
             self.scheduler.remove(request.request_id)
             self.input_batch.remove(request)
