@@ -339,7 +339,10 @@ def paged_attention(
         num_splits = default_num_splits(num_reqs, num_kv_heads, num_m_blocks, max_context,
                                         query.device)
     block_n = _block_n(block_m, block_d, query.element_size(), query.device, (num_splits or 1) > 1)
-    if new_kv is not None and (use_reference(query) or q_len > block_n or block_d != head_dim):
+    # Past four (request, KV head) programs per SM, the rotary kernel before attention is
+    # cheaper (8B, batch 128 on an H100: a step 2 % faster; 256 programs at batch 32 fuse).
+    many = query.is_cuda and num_reqs * num_kv_heads * num_m_blocks > 4 * _num_sms(query.device)
+    if new_kv is not None and (use_reference(query) or q_len > block_n or block_d != head_dim or many):
         from specula.runtime.kernels.rotary import rotary_embedding_and_cache
 
         key, value, positions, slot_mapping, cos_sin = new_kv
