@@ -117,11 +117,11 @@ def test_paged_attention_llama8b(num_reqs, q_len):
     torch.testing.assert_close(out.float(), unsplit.float(), atol=2e-2, rtol=0)
 
 
-@pytest.mark.parametrize("num_reqs, q_len", [(1, 1), (16, 1), (1, 5), (8, 5)])
+@pytest.mark.parametrize("num_reqs, q_len", [(1, 1), (16, 1), (1, 5), (8, 5), (80, 1)])
 def test_paged_attention_with_new_kv(num_reqs, q_len):
     """Rotary and the cache write inside attention (``new_kv``) against the rotary kernel
     and the attention after it: the same cache bit for bit, the same output within the
-    tolerance."""
+    tolerance. 80 requests: past four programs per SM, where the rotary kernel runs first."""
     gen = torch.Generator().manual_seed(num_reqs * 7 + q_len)
     seq_lens = torch.randint(q_len + 1, 3000, (num_reqs,), generator=gen).tolist()
     if num_reqs > 1:

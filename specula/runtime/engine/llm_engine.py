@@ -336,6 +336,8 @@ class LLMEngine(SpeculativeSettings):
             self._pending.append(RequestOutput(request_id, [], True, "abort"))
 
     def has_unfinished_requests(self) -> bool:
+        """Whether :meth:`step` has work: requests waiting or running, outputs pending, or a
+        step in flight (after a batch's last tokens, one the next call reads, emitting nothing)."""
         sched = self.scheduler
         return bool(sched.waiting or sched.running or self._pending or self._in_flight)
 
@@ -395,7 +397,8 @@ class LLMEngine(SpeculativeSettings):
     def generate(
         self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
     ) -> list[list[int]]:
-        """Run ``prompts`` to completion (batched) and return each one's output tokens."""
+        """Run ``prompts`` to completion (batched) and return each one's output tokens, with no
+        step left in flight when nothing else is queued."""
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         results: dict[str, list[int]] = {}
         for prompt, p in zip(prompts, params_list, strict=True):
@@ -406,6 +409,8 @@ class LLMEngine(SpeculativeSettings):
             for out in self.step():
                 if out.request_id in results:
                     results[out.request_id].extend(out.new_token_ids)
+        while self._in_flight is not None and not (self.scheduler.waiting or self.scheduler.running):
+            self.step()
         return list(results.values())
 
     def _launch(self) -> _Launched | None:

@@ -221,15 +221,18 @@ def draft_steps(
     Args:
         start: [num_reqs, q] int64, step 0's consecutive positions per request; a request
             whose last one is negative is a padding row, and negative positions count as 0.
+        block_table, block_size, writes_kv: as :func:`draft_step_slots` takes them.
         steps: the number of steps (>= 1); ``shift``: the positions' advance per step.
 
     Returns:
         ``(positions [steps, num_reqs * q] int64, slot_mapping [steps, num_reqs * q]
         int64, seq_lens [steps, num_reqs] int32)``, step-major (a step's rows contiguous);
-        a padding row's positions are ``s * shift``.
+        a padding row's positions are ``s * shift``; sequence lengths as
+        :func:`draft_step_slots` gives them (the last position, + 1 where ``writes_kv``).
 
     Raises:
-        AssertionError: shapes or dtypes do not match the above.
+        AssertionError: ``steps`` < 1, shapes, dtypes or a block table whose rows are not
+            contiguous.
     """
     assert steps >= 1
     return _launch(start, None, block_table, block_size, steps, shift, writes_kv)
@@ -261,7 +264,7 @@ def _launch(positions, valid, block_table, block_size, steps, shift, writes_kv):
 
 def draft_steps_reference(
     positions: torch.Tensor, valid: torch.Tensor | None, block_table: torch.Tensor,
-    block_size: int, steps: int = 1, shift: int = 0, writes_kv: bool = True,
+    block_size: int, steps: int = 1, shift: int = 1, writes_kv: bool = True,
 ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """Torch reference of :func:`draft_steps` (``valid`` None) and of
     :func:`draft_step_slots` (``valid`` given: ``(None, slot_mapping, seq_lens)``)."""

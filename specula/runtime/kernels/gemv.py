@@ -276,9 +276,14 @@ def argmax(x: torch.Tensor, into: tuple[torch.Tensor, int] | torch.Tensor | None
 
     Returns:
         [M] int64 (with a tensor ``into``, that tensor); with ``into`` pairs, ``pairs``.
+
+    Raises:
+        AssertionError: ``x`` or a tensor ``into`` unlike the above.
     """
     assert x.ndim == 2 and x.stride(1) == 1 and x.is_floating_point()
     m, n = x.shape
+    if isinstance(into, torch.Tensor):  # on every path, so that a CPU run checks it too
+        assert into.dtype == torch.int64 and into.shape == (m,) and into.stride(0) == 1
     if m == 0 or n == 0 or use_reference(x):
         idx = x.argmax(dim=-1)
         if isinstance(into, torch.Tensor):

@@ -24,7 +24,8 @@ softmax as in FlashAttention (arXiv 2205.14135), in base 2.
 With ``new_kv`` the step's keys and values are not in the cache yet: the kernel rotates
 the query tile (RoFormer, arXiv 2104.09864, as :mod:`~.rotary`), the last split of each
 KV head attends to the rotated new keys straight from the qkv output and writes them to
-the cache, in place of a rotary kernel before it.
+the cache, in place of a rotary kernel before it (up to four programs per SM; past that the
+rotary kernel runs first).
 """
 
 from __future__ import annotations
@@ -305,7 +306,8 @@ def paged_attention(
             keys from ``key``/``value`` and writes them to their slots, sparing that kernel's
             launch. ``key``, ``value``: [num_tokens, num_kv_heads, head_dim]; ``positions``,
             ``slot_mapping``: [num_tokens] int64; ``cos_sin_cache``: [max_position, head_dim]
-            float32. Off CUDA (and past one key tile of query tokens), the two kernels' path runs,
+            float32. Off CUDA, past one key tile of query tokens, with a padded head dimension, or
+            past four (request, KV head, row tile) programs per SM, the two kernels' path runs,
             which rotates ``query`` and ``key`` in place.
 
     Returns:
@@ -339,7 +341,7 @@ def paged_attention(
         num_splits = default_num_splits(num_reqs, num_kv_heads, num_m_blocks, max_context,
                                         query.device)
     block_n = _block_n(block_m, block_d, query.element_size(), query.device, (num_splits or 1) > 1)
-    # Past four (request, KV head) programs per SM, the rotary kernel before attention is
+    # Past four (request, KV head, row tile) programs per SM, the rotary kernel first is
     # cheaper (8B, batch 128 on an H100: a step 2 % faster; 256 programs at batch 32 fuse).
     many = query.is_cuda and num_reqs * num_kv_heads * num_m_blocks > 4 * _num_sms(query.device)
     if new_kv is not None and (use_reference(query) or q_len > block_n or block_d != head_dim or many):

@@ -103,6 +103,10 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
         self.prefill_input_ids = torch.zeros(r * (k + 1), **i64)
         self.prefill_positions = torch.zeros(r * (k + 1), **i64)
         self.pair_offsets = torch.tensor([-1, 0], **i64)
+        at = [int(self.advance_draft_positions(torch.tensor(p))) for p in (0, 1)]
+        if at[1] - 1 != at[0]:
+            raise ValueError(f"advance_draft_positions must shift by a constant, got 0 -> {at[0]}, 1 -> {at[1]}")
+        self.position_shift = at[0]
         """A token-only draft's first step: the last accepted token's position and the next."""
         self.sampling = SamplingMetadata(
             torch.zeros(r, device=dev), torch.ones(r, device=dev), torch.zeros(r, **i64),
@@ -187,8 +191,7 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
         hidden = self.hidden[:r] if self.conditions_on_hidden_states or self.reads_target_kv else None
         sampling = self.sampling.select(slice(0, r))
         # Every step's positions, slots and sequence lengths [num_steps, r] in one launch.
-        shift = int(self.advance_draft_positions(torch.zeros((), dtype=torch.int64)))
-        positions, slots, seq_lens = self.steps(start, num_steps, shift, writes_kv)
+        positions, slots, seq_lens = self.steps(start, num_steps, self.position_shift, writes_kv)
         for step in range(num_steps):
             if step == 0 and hidden is None:  # token-only drafts carry no state
                 ids = torch.stack([self.prev_token_ids[:r], tokens], dim=1)  # [r, 2]

@@ -185,9 +185,9 @@ class DraftModelSpeculator(BaseSpeculator):
 
     def load_inputs(self, inputs: ProposeInputs, *more: tuple[torch.Tensor, torch.Tensor]) -> int:
         """Copy the step's sampled tokens, their positions, the block tables and each
-        ``(static buffer, value)`` of ``more`` into the static buffers, one launch per dtype
-        (torch's foreach copy, where the tensors are dense); returns the number of rows the
-        graphs run (padded rows get position -1)."""
+        ``(static buffer, value)`` of ``more`` into the static buffers by torch's foreach copy
+        per dtype (one launch where each pair's sizes and strides match, else a copy each);
+        returns the number of rows the graphs run (padded rows get position -1)."""
         r = inputs.num_reqs
         padded = padded_size(self.capture_sizes, r) or r
         groups: dict[torch.dtype, list[tuple[torch.Tensor, torch.Tensor]]] = {}

@@ -424,11 +424,12 @@ class ModelRunner:
         dtype, greedy tokens [num_positions] int64)``: the LM head with the argmax fused in
         (:func:`~specula.runtime.kernels.gemv.linear_argmax`). Sharded, the logits are gathered,
         or without ``need_logits`` only each rank's best token (the logits then ``None``).
-        ``into``: an [num_positions] int64 tensor to write the tokens to (and return)."""
+        ``into``: a contiguous [num_positions] int64 tensor to write the tokens to (and return)."""
         if self.config.tensor_parallel_size == 1:
             return linear_argmax(hidden, self.model.lm_head_weight, into)
         logits = self.model.vocab_logits(hidden) if need_logits else None
         tokens = self.model.vocab_argmax(hidden) if logits is None else logits.argmax(dim=-1)
+        assert into is None or (into.shape == tokens.shape and into.stride(0) == 1)
         return logits, tokens if into is None else into.copy_(tokens)
 
     @staticmethod
