@@ -203,6 +203,15 @@ def test_last_tokens_do_not_wait_for_the_step_in_flight(tiny_llama_target, tiny_
     assert not engine.has_unfinished_requests()
 
 
+def test_draft_positions_must_advance_by_a_constant(tiny_llama_target, tiny_llama_draft,
+                                                     make_engine, monkeypatch):
+    from specula.runtime.spec_decode.autoregressive import AutoRegressiveSpeculator
+
+    monkeypatch.setattr(AutoRegressiveSpeculator, "advance_draft_positions", lambda self, p: p * 2)
+    with pytest.raises(ValueError, match="constant, got 0 -> 0, 1 -> 2"):
+        make_engine(tiny_llama_target, tiny_llama_draft, k=2)
+
+
 def test_waiting_requests_are_counted(tiny_llama_target, make_engine):
     engine = make_engine(tiny_llama_target, max_num_seqs=1)
     engine.add_request("x", PROMPT, SamplingParams(max_tokens=4))
