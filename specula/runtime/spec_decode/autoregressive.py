@@ -103,11 +103,11 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
         self.prefill_input_ids = torch.zeros(r * (k + 1), **i64)
         self.prefill_positions = torch.zeros(r * (k + 1), **i64)
         self.pair_offsets = torch.tensor([-1, 0], **i64)
+        """A token-only draft's first step: the last accepted token's position and the next."""
         at = [int(self.advance_draft_positions(torch.tensor(p))) for p in (0, 1)]
         if at[1] - 1 != at[0]:
             raise ValueError(f"advance_draft_positions must shift by a constant, got 0 -> {at[0]}, 1 -> {at[1]}")
         self.position_shift = at[0]
-        """A token-only draft's first step: the last accepted token's position and the next."""
         self.sampling = SamplingMetadata(
             torch.zeros(r, device=dev), torch.ones(r, device=dev), torch.zeros(r, **i64),
             torch.zeros(r, **i64), all_greedy=not self.keeps_draft_probs,
