@@ -52,10 +52,8 @@ class BlockManager:
             take a ``request_id`` raise KeyError for an unknown request.
     """
 
-    def __init__(
-        self, num_blocks: int, block_size: int, watermark: float = 0.01,
-        enable_prefix_caching: bool = False,
-    ) -> None:
+    def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.01,
+                 enable_prefix_caching: bool = False) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"num_blocks={num_blocks} and block_size={block_size} must be > 0")
         if not 0.0 <= watermark < 1.0:

@@ -84,9 +84,8 @@ _ranks: list = []
 """The processes of ranks 1..N-1 of the group :func:`start_ranks` started last."""
 
 
-def start_ranks(
-    world_size: int, device_type: str, build: Callable[[torch.device], LLMEngine]
-) -> LLMEngine:
+def start_ranks(world_size: int, device_type: str,
+                build: Callable[[torch.device], LLMEngine]) -> LLMEngine:
     """Spawn ranks 1..N-1, each running ``build(its device).follow()``, join the group
     as rank 0 and return ``build(cuda:0 or cpu)``. ``build`` must be picklable (a
     module-level function or a ``functools.partial`` of one), the same on every rank.
@@ -128,10 +127,8 @@ def _watch(ranks: list) -> None:
             os._exit(1)
 
 
-def _follower_main(
-    build: Callable[[torch.device], LLMEngine], rank: int, world_size: int,
-    init_method: str, device: torch.device,
-) -> None:
+def _follower_main(build: Callable[[torch.device], LLMEngine], rank: int, world_size: int,
+                   init_method: str, device: torch.device) -> None:
     """A spawned rank: join, load this rank's shards, replay rank 0 until it stops."""
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s")

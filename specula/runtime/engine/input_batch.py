@@ -42,11 +42,9 @@ class InputBatch:
         keep_draft_probs: keep the distributions probabilistic drafts were sampled from.
     """
 
-    def __init__(
-        self, max_num_reqs: int, max_blocks_per_req: int, max_num_speculative_tokens: int,
-        vocab_size: int, device: torch.device, token_capacity: int | None = None,
-        keep_draft_probs: bool = False,
-    ) -> None:
+    def __init__(self, max_num_reqs: int, max_blocks_per_req: int, max_num_speculative_tokens: int,
+                 vocab_size: int, device: torch.device, token_capacity: int | None = None,
+                 keep_draft_probs: bool = False) -> None:
         r, k = max_num_reqs, max(max_num_speculative_tokens, 1)
         self.device = device
         i64 = {"dtype": torch.int64, "device": device}
@@ -152,13 +150,11 @@ class InputBatch:
         """The sampling settings of the requests at rows ``idx [num_reqs]``."""
         return SamplingMetadata(
             self.temperature[idx], self.top_p[idx], self.top_k[idx], self.seeds[idx],
-            **flags_of([r.params for r in requests]),
-        )
+            **flags_of([r.params for r in requests]))
 
-    def commit(
-        self, idx: torch.Tensor, num_computed_tokens: torch.Tensor, next_token_ids: torch.Tensor,
-        output_token_ids: torch.Tensor, num_accepted: torch.Tensor,
-    ) -> None:
+    def commit(self, idx: torch.Tensor, num_computed_tokens: torch.Tensor,
+               next_token_ids: torch.Tensor, output_token_ids: torch.Tensor,
+               num_accepted: torch.Tensor) -> None:
         """After sampling (all int64): rows ``idx [num_reqs]`` now have
         ``num_computed_tokens [num_reqs]`` committed tokens and ``next_token_ids [num_reqs]``
         as their last token; with a token history, append each row's first

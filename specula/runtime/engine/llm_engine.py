@@ -151,14 +151,12 @@ class LLMEngine(SpeculativeSettings):
         if tensor_parallel_size != parallel.world_size:
             raise ValueError(
                 f"tensor_parallel_size {tensor_parallel_size} != the {parallel.world_size} "
-                "ranks joined; start the engine with create_engine (specula serve)"
-            )
+                "ranks joined; start the engine with create_engine (specula serve)")
         draft_tp = getattr(speculator_config, "draft_tensor_parallel_size", 1)
         if draft_tp not in (1, tensor_parallel_size):
             raise ValueError(
                 f"draft_tensor_parallel_size {draft_tp} must be 1 or tensor_parallel_size "
-                f"({tensor_parallel_size})"
-            )
+                f"({tensor_parallel_size})")
         self.tensor_parallel_size = tensor_parallel_size
         self._commands: list[tuple[str, tuple, dict]] | None = (
             [] if tensor_parallel_size > 1 and parallel.rank == 0 else None
@@ -197,8 +195,7 @@ class LLMEngine(SpeculativeSettings):
             self.speculator = create_speculator(
                 speculator_config, self.model_config, target_dir=target_dir,
                 max_num_seqs=max_num_seqs, dtype=self.dtype, device=self.device,
-                load_format=load_format,
-            )
+                load_format=load_format)
         spec = self.speculator
         self.aux_hidden_state_layers: tuple[int, ...] = (
             model.check_aux_hidden_state_layers(spec.aux_hidden_state_layers) if spec else ()
@@ -212,8 +209,7 @@ class LLMEngine(SpeculativeSettings):
         self.input_batch = InputBatch(
             max_num_seqs, cdiv(runner_len, block_size), max_k, self.vocab_size, self.device,
             token_capacity=runner_len if spec is not None and spec.needs_token_ids else None,
-            keep_draft_probs=spec is not None and spec.keeps_draft_probs,
-        )
+            keep_draft_probs=spec is not None and spec.keeps_draft_probs)
         if num_gpu_blocks is None:
             if self.device.type == "cuda":
                 # The speculator's static buffers come later: keep their largest part.
@@ -222,26 +218,22 @@ class LLMEngine(SpeculativeSettings):
                     target_spec.bytes_per_block + (draft_spec.bytes_per_block if draft_spec else 0),
                     self.device, gpu_memory_utilization,
                     reserve_bytes=(1 << 30) + (probs if spec and spec.keeps_draft_probs else 0)
-                    + fused_workspace_bytes(model.config.hidden_size, self.dtype),
-                )
+                    + fused_workspace_bytes(model.config.hidden_size, self.dtype))
             else:
                 num_gpu_blocks = cdiv(max_num_seqs * runner_len, block_size)
             num_gpu_blocks = min_over_ranks(num_gpu_blocks)  # one scheduler for all ranks
         bm = BlockManager(num_gpu_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
         self.scheduler = PagedScheduler(
-            bm, max_num_seqs, max_num_batched_tokens or max(self.max_model_len, 2048)
-        )
+            bm, max_num_seqs, max_num_batched_tokens or max(self.max_model_len, 2048))
         # Most slots one request can hold: the whole pool minus the watermark.
         if (num_gpu_blocks - bm.watermark_blocks) * block_size < runner_len:
             raise ValueError(
                 f"the KV cache ({num_gpu_blocks} blocks of {block_size} tokens) cannot hold "
                 f"one request of max_model_len {self.max_model_len} tokens; lower "
-                "max_model_len or raise gpu_memory_utilization"
-            )
+                "max_model_len or raise gpu_memory_utilization")
         self.num_gpu_blocks = num_gpu_blocks
         self.runner = create_model_runner(
-            model, PagedKVCache(target_spec, num_gpu_blocks, self.device), runner_len
-        )
+            model, PagedKVCache(target_spec, num_gpu_blocks, self.device), runner_len)
         if spec is not None:
             spec.bind_target(self.runner)
             spec.allocate_kv_cache(num_gpu_blocks, block_size, runner_len)
@@ -284,14 +276,12 @@ class LLMEngine(SpeculativeSettings):
             max_num_seqs=config.max_num_seqs, device=device,
             gpu_memory_utilization=config.gpu_memory_utilization,
             enforce_eager=config.enforce_eager, tensor_parallel_size=config.tensor_parallel_size,
-            load_format=config.load_format, enable_prefix_caching=config.enable_prefix_caching,
-        )
+            load_format=config.load_format, enable_prefix_caching=config.enable_prefix_caching)
 
     # ---- requests -------------------------------------------------------------------
 
-    def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
-    ) -> None:
+    def add_request(self, request_id: str, prompt_token_ids: list[int],
+                    params: SamplingParams) -> None:
         """Queue a request.
 
         Raises:
@@ -611,8 +601,7 @@ class LLMEngine(SpeculativeSettings):
             if i < step.num_decode:
                 request.num_computed_tokens += accepted + 1
                 self.scheduler.block_manager.cache_blocks(
-                    request.request_id, request.token_ids, request.num_computed_tokens
-                )
+                    request.request_id, request.token_ids, request.num_computed_tokens)
             outputs.append(RequestOutput(
                 request.request_id, new, request.finished, request.finish_reason,
                 request.stop_reason,

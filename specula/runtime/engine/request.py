@@ -75,9 +75,8 @@ class Request:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def append_tokens(
-        self, new_token_ids: list[int], tokenizer: Any, max_model_len: int
-    ) -> list[int]:
+    def append_tokens(self, new_token_ids: list[int], tokenizer: Any,
+                      max_model_len: int) -> list[int]:
         """Append tokens in order until a stop condition holds (checked after each token:
         eos unless ``ignore_eos``, a stop token id, a stop string in the detokenized
         completion, ``max_tokens``, ``max_model_len``); returns the tokens appended, those

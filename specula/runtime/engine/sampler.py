@@ -31,16 +31,14 @@ STREAM_DRAFT = 2
 """Draws of a probabilistic draft (``+ step`` for its ``step``-th token)."""
 
 
-def random_uniform(
-    seeds: torch.Tensor, keys: torch.Tensor, stream: int, num_cols: int
-) -> torch.Tensor:
+def random_uniform(seeds: torch.Tensor, keys: torch.Tensor, stream: int,
+                   num_cols: int) -> torch.Tensor:
     """``[num_reqs, num_cols]`` float32 uniforms in ``[0, 1)`` (24-bit resolution)."""
     return random_draws(seeds.contiguous(), keys.contiguous(), stream, num_cols, MODE_UNIFORM)
 
 
-def random_exponential(
-    seeds: torch.Tensor, keys: torch.Tensor, stream: int, num_cols: int
-) -> torch.Tensor:
+def random_exponential(seeds: torch.Tensor, keys: torch.Tensor, stream: int,
+                       num_cols: int) -> torch.Tensor:
     """``[num_reqs, num_cols]`` float32 ``Exp(1)`` draws, all positive (the uniforms are
     taken at bin centres, so none is 0 or 1)."""
     return random_draws(seeds.contiguous(), keys.contiguous(), stream, num_cols, MODE_EXPONENTIAL)
@@ -135,9 +133,8 @@ def compute_probs(logits: torch.Tensor, sampling: SamplingMetadata) -> torch.Ten
     return process_logits(logits, sampling).softmax(dim=-1)
 
 
-def token_logprobs(
-    logits: torch.Tensor, sampling: SamplingMetadata, token_ids: torch.Tensor, num_top: int
-) -> torch.Tensor:
+def token_logprobs(logits: torch.Tensor, sampling: SamplingMetadata, token_ids: torch.Tensor,
+                   num_top: int) -> torch.Tensor:
     """Log-probabilities of ``token_ids`` and the ``num_top`` most likely tokens under
     each request's processed distribution (the log-softmax of :func:`process_logits`:
     vLLM's ``logprobs_mode="processed_logprobs"``; greedy rows: of the raw logits).
@@ -160,10 +157,8 @@ def token_logprobs(
     return torch.cat([chosen, top.values, top.indices.float()], dim=-1)
 
 
-def sample(
-    logits: torch.Tensor, sampling: SamplingMetadata, keys: torch.Tensor, stream: int,
-    argmax: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+def sample(logits: torch.Tensor, sampling: SamplingMetadata, keys: torch.Tensor, stream: int,
+           argmax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Sample one token per request.
 
     Args:

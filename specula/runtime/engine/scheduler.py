@@ -61,9 +61,8 @@ class PagedScheduler:
         ValueError: a non-positive limit.
     """
 
-    def __init__(
-        self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int
-    ) -> None:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int,
+                 max_num_batched_tokens: int) -> None:
         if min(max_num_seqs, max_num_batched_tokens) < 1:
             raise ValueError(f"max_num_seqs={max_num_seqs} and max_num_batched_tokens="
                              f"{max_num_batched_tokens} must be >= 1")

@@ -70,9 +70,8 @@ class BatchSizeSchedule:
     ranges: tuple[tuple[int, int, int], ...]
 
     @classmethod
-    def parse(
-        cls, ranges: list[tuple[int, int, int]] | list[list[int]], max_k: int
-    ) -> BatchSizeSchedule:
+    def parse(cls, ranges: list[tuple[int, int, int]] | list[list[int]],
+              max_k: int) -> BatchSizeSchedule:
         """Validate ``ranges`` against the rules in the module docstring.
 
         Raises:

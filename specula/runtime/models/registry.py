@@ -44,10 +44,8 @@ def check_servable(config: ModelConfig) -> None:
         check_divisible(config, tp)
 
 
-def load_model(
-    checkpoint_dir: str | Path, dtype: torch.dtype, device: torch.device,
-    config: ModelConfig | None = None, load_format: str = "auto",
-) -> LlamaForCausalLM:
+def load_model(checkpoint_dir: str | Path, dtype: torch.dtype, device: torch.device,
+               config: ModelConfig | None = None, load_format: str = "auto") -> LlamaForCausalLM:
     """Build the model named by the checkpoint's config and load it (:func:`load_checkpoint`).
 
     Raises:

@@ -160,17 +160,14 @@ def require_bearer(token: Callable[[], str | None], what: str) -> Any:
         if expected is None:
             return
         if given is None or not expected or not secrets.compare_digest(
-            given.credentials.encode(), expected.encode()
-        ):
+                given.credentials.encode(), expected.encode()):
             raise APIError(401, f"missing or wrong {what}: send `Authorization: Bearer <{what}>`",
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
     return Depends(check)
 
 
-def create_app(
-    loop: EngineLoop, *, manage_loop: bool = True, api_key: str | None = None,
-    limits: Limits = DEFAULT_LIMITS,
-) -> FastAPI:
+def create_app(loop: EngineLoop, *, manage_loop: bool = True, api_key: str | None = None,
+               limits: Limits = DEFAULT_LIMITS) -> FastAPI:
     """The model app around ``loop``.
 
     Args:

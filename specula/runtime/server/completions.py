@@ -56,9 +56,8 @@ class _Choice:
     """The prompt's text while it is still to be sent before the completion's."""
 
 
-def _completion_prompts(
-    request: CompletionRequest, tokenizer: Any, vocab: int
-) -> tuple[list[list[int]], list[str] | None]:
+def _completion_prompts(request: CompletionRequest, tokenizer: Any,
+                        vocab: int) -> tuple[list[list[int]], list[str] | None]:
     """The token ids of each prompt, and with ``echo`` each prompt's text; ``vocab`` is
     the model's vocabulary size (which can exceed the tokenizer's: padded embeddings)."""
     raw: Any = request.prompt
@@ -110,9 +109,8 @@ class CompletionRun:
             context (``param`` ``prompt`` or ``messages``, or ``max_tokens``).
     """
 
-    def __init__(
-        self, request: GenerationRequest, loop: EngineLoop, tokenizer: Any, max_n: int
-    ) -> None:
+    def __init__(self, request: GenerationRequest, loop: EngineLoop, tokenizer: Any,
+                 max_n: int) -> None:
         engine = loop.engine
         assert engine is not None
         self.model_name = name = engine.served_model_name

@@ -66,9 +66,8 @@ class EngineLoop:
             serve`` uses it to stop the HTTP server so the process exits non-zero.
     """
 
-    def __init__(
-        self, load: Callable[[], LLMEngine], on_fatal: Callable[[BaseException], None] | None = None
-    ) -> None:
+    def __init__(self, load: Callable[[], LLMEngine],
+                 on_fatal: Callable[[BaseException], None] | None = None) -> None:
         self._load, self._on_fatal = load, on_fatal
         self._commands: queue.SimpleQueue[_Command | None] = queue.SimpleQueue()
         self._sinks: dict[str, Callable[[RequestOutput | BaseException], None]] = {}
@@ -117,10 +116,8 @@ class EngineLoop:
     def snapshot(self) -> RuntimeSnapshot:
         return self._snapshot  # replaced whole by the loop thread, never mutated
 
-    async def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-        out: asyncio.Queue,
-    ) -> None:
+    async def add_request(self, request_id: str, prompt_token_ids: list[int],
+                          params: SamplingParams, out: asyncio.Queue) -> None:
         """Submit a request; its ``RequestOutput`` objects will arrive on ``out`` (an
         :class:`EngineDeadError` instead if the loop dies later).
 

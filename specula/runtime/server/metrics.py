@@ -119,9 +119,8 @@ class RuntimeProm(Collector):
         yield steps
 
 
-def build_registry(
-    get_snapshot: Callable[[], RuntimeSnapshot], model_name: str
-) -> CollectorRegistry:
+def build_registry(get_snapshot: Callable[[], RuntimeSnapshot],
+                   model_name: str) -> CollectorRegistry:
     """A fresh registry exporting the runtime and speculative-decoding metrics."""
     registry = CollectorRegistry(auto_describe=True)
     registry.register(RuntimeProm(get_snapshot, model_name))

@@ -111,8 +111,7 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
         self.sampling = SamplingMetadata(
             torch.zeros(r, device=dev), torch.ones(r, device=dev), torch.zeros(r, **i64),
             torch.zeros(r, **i64), all_greedy=not self.keeps_draft_probs,
-            needs_top_k=self.keeps_draft_probs, needs_top_p=self.keeps_draft_probs,
-        )
+            needs_top_k=self.keeps_draft_probs, needs_top_p=self.keeps_draft_probs)
         # Drafts on the target's KV carry the target's state (Gemma4's backbone width).
         h = (self.target_config if self.reads_target_kv else self.model.config).hidden_size
         self.hidden = torch.zeros(r, h, dtype=self.dtype, device=dev)
@@ -129,8 +128,7 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
                 if not self.conditions_on_hidden_states and d.uniform_query_len > 1:
                     continue  # token-only drafts skip the prefill of verifications
                 self.prefill_graphs[d] = self.capture_in_pool(
-                    lambda s=state: self._prefill(s.descriptor.num_reqs, s, True)
-                )
+                    lambda s=state: self._prefill(s.descriptor.num_reqs, s, True))
         steps = range(1, self._num_decode_steps(self.max_num_speculative_tokens) + 1)
         keys = sorted(((r, s) for r in self.capture_sizes for s in steps), reverse=True,
                       key=lambda rs: (rs[0] * rs[1], rs[0]))
@@ -164,8 +162,7 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
             self.num_accepted[:r], self.next_token_ids[:r],
             out_input_ids=self.prefill_input_ids[:n] if static else None,
             out_positions=self.prefill_positions[:n] if static else None,
-            out_last_token_indices=self.last_token_indices[:r],
-        )
+            out_last_token_indices=self.last_token_indices[:r])
         conditioning = self.conditioning(target.hidden_states, target.aux_hidden_states)
         h_logits, h_next = self._forward(ids, pos, metadata, conditioning)
         torch.index_select(h_next, 0, last, out=self.hidden[:r])  # one launch, no copy

@@ -202,26 +202,23 @@ class DraftModelSpeculator(BaseSpeculator):
             self.next_token_ids[r:padded] = 0
         return padded
 
-    def slots(
-        self, positions: torch.Tensor, valid: torch.Tensor, writes_kv: bool = True
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def slots(self, positions: torch.Tensor, valid: torch.Tensor,
+              writes_kv: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """Cache slots ``[r * q]`` of ``positions [r, q]`` of rows ``0..r-1`` of
         :attr:`block_table` (-1, write nothing, where ``valid [r]`` is False) and the
         sequence lengths ``[r]`` int32 after them (:func:`draft_step_slots`)."""
         return draft_step_slots(positions, valid, self.block_table, self.runner.block_size,
                                 writes_kv=writes_kv)
 
-    def steps(
-        self, start: torch.Tensor, steps: int, shift: int, writes_kv: bool = True
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def steps(self, start: torch.Tensor, steps: int, shift: int,
+              writes_kv: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Positions, cache slots and sequence lengths ``[steps, ..]`` of ``steps`` draft steps
         of rows ``0..r-1`` of :attr:`block_table` from ``start [r, q]`` (:func:`draft_steps`)."""
         return draft_steps(start, self.block_table, self.runner.block_size, steps, shift=shift,
                            writes_kv=writes_kv)
 
-    def decode_metadata(
-        self, slots: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, q: int
-    ) -> PagedAttentionMetadata:
+    def decode_metadata(self, slots: torch.Tensor, block_table: torch.Tensor,
+                        seq_lens: torch.Tensor, q: int) -> PagedAttentionMetadata:
         """Metadata of ``n`` requests with ``q`` consecutive query rows each: ``slots
         [n, q]``, ``block_table [n, max_blocks_per_req]``, ``seq_lens [n]``."""
         n = seq_lens.shape[0]
@@ -232,5 +229,4 @@ class DraftModelSpeculator(BaseSpeculator):
         return PagedAttentionMetadata(
             slot_mapping=slots.reshape(-1), block_table=block_table,
             seq_lens=seq_lens.to(torch.int32), query_start_loc=query_start_loc, num_reqs=n,
-            num_tokens=n * q, uniform_query_len=q, prefill=False, query_lens_cpu=(q,) * n,
-        )
+            num_tokens=n * q, uniform_query_len=q, prefill=False, query_lens_cpu=(q,) * n)

@@ -12,10 +12,8 @@ PAD_TOKEN_ID = 0
 """Fills draft positions past a request's real draft: a valid id, so shapes stay uniform."""
 
 
-def ngram_lookup(
-    token_ids: torch.Tensor, num_tokens: torch.Tensor, prompt_lookup_min: int,
-    prompt_lookup_max: int, k: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def ngram_lookup(token_ids: torch.Tensor, num_tokens: torch.Tensor, prompt_lookup_min: int,
+                 prompt_lookup_max: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Draft tokens by prompt lookup, for a batch: for ``n`` from ``prompt_lookup_max``
     down to ``prompt_lookup_min``, find the most recent earlier occurrence of a sequence's
     last ``n`` tokens (starting before the suffix; it may overlap it) and propose the up

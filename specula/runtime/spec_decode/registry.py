@@ -88,10 +88,9 @@ def supported_methods() -> tuple[str, ...]:
     return tuple(SPECULATOR_FACTORIES)
 
 
-def create_speculator(
-    config: SpeculatorRuntimeConfig, target_config: ModelConfig, *, target_dir: Path,
-    max_num_seqs: int, dtype: torch.dtype, device: torch.device, load_format: str = "auto",
-) -> BaseSpeculator:
+def create_speculator(config: SpeculatorRuntimeConfig, target_config: ModelConfig, *,
+                      target_dir: Path, max_num_seqs: int, dtype: torch.dtype,
+                      device: torch.device, load_format: str = "auto") -> BaseSpeculator:
     """Build the speculator ``config`` describes.
 
     Raises:

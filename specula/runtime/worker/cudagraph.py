@@ -142,8 +142,7 @@ class CUDAGraphManager:
         self.positions = torch.zeros(max_tokens, dtype=torch.int64, device=device)
         self.slot_mapping = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)
         self.block_table = torch.zeros(
-            max_num_reqs, runner.max_blocks_per_req, dtype=torch.int32, device=device
-        )
+            max_num_reqs, runner.max_blocks_per_req, dtype=torch.int32, device=device)
         self.seq_lens = torch.zeros(max_num_reqs, dtype=torch.int32, device=device)
         self.query_start_loc = {
             q: torch.arange(max_num_reqs + 1, dtype=torch.int32, device=device) * q
@@ -181,8 +180,7 @@ class CUDAGraphManager:
             n, r, q = d.num_tokens, d.num_reqs, d.uniform_query_len
             metadata = PagedAttentionMetadata.from_query_lens(
                 self.slot_mapping[:n], self.block_table[:r], self.seq_lens[:r],
-                self.query_start_loc[q][: r + 1], (q,) * r,
-            )
+                self.query_start_loc[q][: r + 1], (q,) * r)
             state = CapturedAttentionState(d, metadata, self.input_ids[:n], self.positions[:n])
             outputs: list = []
             args = (state.input_ids, state.positions, metadata, self.aux_layer_ids)
@@ -196,9 +194,8 @@ class CUDAGraphManager:
         torch.cuda.synchronize()
         return dict(self.states)
 
-    def descriptor_for(
-        self, num_reqs: int, uniform_query_len: int | None
-    ) -> BatchExecutionDescriptor | None:
+    def descriptor_for(self, num_reqs: int,
+                       uniform_query_len: int | None) -> BatchExecutionDescriptor | None:
         """The captured descriptor a batch pads to, or ``None`` (run eagerly)."""
         r = padded_size(self.capture_sizes, num_reqs)
         if r is None or uniform_query_len is None:

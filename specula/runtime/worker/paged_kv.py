@@ -35,9 +35,8 @@ class KVCacheSpec:
     dtype: torch.dtype
 
     @classmethod
-    def from_model_config(
-        cls, config: ModelConfig, dtype: torch.dtype, block_size: int = 16
-    ) -> KVCacheSpec:
+    def from_model_config(cls, config: ModelConfig, dtype: torch.dtype,
+                          block_size: int = 16) -> KVCacheSpec:
         """The cache a target needs: ``config.kv_cache_shapes()`` (one shape for every
         layer, or Gemma4's per-layer shapes)."""
         return cls(tuple(config.kv_cache_shapes()), block_size, dtype)
@@ -49,10 +48,8 @@ class KVCacheSpec:
         return 2 * self.block_size * per_token * self.dtype.itemsize
 
 
-def num_blocks_from_free_memory(
-    bytes_per_block: int, device: torch.device, memory_fraction: float = 0.9,
-    reserve_bytes: int = 1 << 30,
-) -> int:
+def num_blocks_from_free_memory(bytes_per_block: int, device: torch.device,
+                                memory_fraction: float = 0.9, reserve_bytes: int = 1 << 30) -> int:
     """Blocks of ``bytes_per_block`` (summed over every cache indexed by one block id:
     a target's and its draft's) that fit in ``memory_fraction`` of the device's free
     memory minus ``reserve_bytes`` (left for activations and CUDA-graph pools).
@@ -151,8 +148,7 @@ class PagedAttentionMetadata:
         return cls(
             slot_mapping, block_table, seq_lens, query_start_loc, num_reqs=len(lens),
             num_tokens=sum(lens), uniform_query_len=_uniform(lens), prefill=prefill,
-            query_lens_cpu=lens,
-        )
+            query_lens_cpu=lens)
 
 
 def device_metadata(
@@ -185,8 +181,7 @@ def device_metadata(
         blocks = block_table.gather(1, positions // block_size).reshape(-1).long()
         positions = positions.reshape(-1)
         query_start_loc = torch.arange(
-            0, (num_reqs + 1) * uniform, uniform, device=device, dtype=torch.int32
-        )
+            0, (num_reqs + 1) * uniform, uniform, device=device, dtype=torch.int32)
     else:
         token_req = _to_device([i for i, q in enumerate(query_lens) for _ in range(q)], torch.int64, device)
         offsets = _to_device([j for q in query_lens for j in range(q)], torch.int64, device)
@@ -196,8 +191,7 @@ def device_metadata(
     lens = _to_device(list(query_lens), torch.int64, device) if uniform is None else uniform
     metadata = PagedAttentionMetadata.from_query_lens(
         blocks * block_size + positions % block_size, block_table,
-        (starts + lens).to(torch.int32), query_start_loc, query_lens,
-    )
+        (starts + lens).to(torch.int32), query_start_loc, query_lens)
     return metadata, positions
 
 
@@ -271,8 +265,7 @@ def build_attention_metadata(
     starts = [s - q for s, q in zip(seq_lens, query_lens, strict=True)]
     metadata, positions = device_metadata(
         _to_device(rows, torch.int32, device).view(num_reqs, max_blocks_per_req),
-        _to_device(starts, torch.int64, device), query_lens, block_size,
-    )
+        _to_device(starts, torch.int64, device), query_lens, block_size)
     # Decode requests first, then prefills: any other order is left unsplit (refused), and
     # so is a mixed batch of one query length (attention reads it from the cache).
     num_decode = next((i for i, start in enumerate(starts) if start == 0), num_reqs)
