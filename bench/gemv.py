@@ -9,6 +9,11 @@ configurations picks the best per shape; it prints a table and writes JSON.
 
     PYTHONPATH=. python3 bench/gemv.py [--output FILE] [--quick] [--shapes 1B,8B]
         [--rows 1,5] [--split-k 1,2,4] [--epilogues]
+    PYTHONPATH=. python3 bench/gemv.py --libraries --shapes 8B,1B --rows 64,96,128,160,192,256,512,2048
+
+``--libraries`` times only the library GEMM, through cuBLAS and through cuBLASLt (torch's
+``preferred_blas_library``), and proposes ``LT_ROWS``: the rows where cuBLASLt is more than
+3 % faster.
 
 ``--epilogues`` times each shape with the epilogue the engine runs it with (:data:`EPILOGUES`:
 an LM head's argmax, ``o_proj``'s and ``down_proj``'s residual add, ``gate_up_proj``'s
@@ -72,6 +77,40 @@ def with_epilogue(name: str, m: int, n: int, device, gen):
     return lambda x, w, cfg: (lambda y: y[0] if isinstance(y, tuple) else y)(gemv(x, w, cfg, **kw))
 
 
+def library_sweep(shapes: dict, rows: tuple[int, ...]) -> dict:
+    """``{name: {rows: {"cublas_us", "cublaslt_us", "ratio"}}}`` for :func:`F.linear` through each
+    library; prints the table and the proposed ``LT_ROWS`` (a shape's rows from the first to the
+    last where cuBLASLt beats cuBLAS by more than 3 %)."""
+    import torch
+    import torch.nn.functional as F
+
+    dev, out, lt_rows = torch.device("cuda"), {}, {}
+    choose = torch.backends.cuda.preferred_blas_library
+    for name, (n, k) in shapes.items():
+        copies = max(2, math.ceil((512 << 20) / (n * k * 2)))
+        weights = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+        out[name] = {}
+        for m in rows:
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            ws = weights if m < 2048 else weights[:2]
+            t = {}
+            for lib in ("cublas", "cublaslt"):
+                choose(lib)
+                t[lib] = time_products(F.linear, ws, x)
+            choose("cublas")
+            out[name][m] = {"cublas_us": round(t["cublas"], 2), "cublaslt_us": round(t["cublaslt"], 2),
+                            "ratio": round(t["cublaslt"] / t["cublas"], 3)}
+        print(f"{name:22s} " + " | ".join(f"m={m}: {r['cublas_us']}/{r['cublaslt_us']} ({r['ratio']})"
+                                          for m, r in out[name].items()), flush=True)
+        faster = [m for m, r in out[name].items() if r["ratio"] < 0.97]
+        if faster:
+            lt_rows[(n, k)] = (min(faster), max(faster))
+        del weights
+        torch.cuda.empty_cache()
+    print(f"LT_ROWS = {lt_rows}")
+    return out
+
+
 def time_products(fn, weights, x, reps: int = 5) -> float:
     """Microseconds per product: a graph of ``fn(x, w)`` over ``weights``, replayed."""
     import torch
@@ -99,9 +138,21 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated SPLIT_K values to try with each configuration")
     parser.add_argument("--epilogues", action="store_true",
                         help="time each shape with the engine's epilogue (EPILOGUES)")
+    parser.add_argument("--libraries", action="store_true", help="cuBLAS against cuBLASLt only")
     args = parser.parse_args(argv)
     import torch
     import torch.nn.functional as F
+
+    if args.libraries:
+        prefixes = tuple(p for p in args.shapes.split(",") if p)
+        chosen = {name: nk for name, nk in SHAPES.items() if not prefixes or name.startswith(prefixes)}
+        result = library_sweep(chosen, tuple(int(m) for m in args.rows.split(",")))
+        if args.output:
+            args.output.write_text(json.dumps({
+                "command": recorded_command("bench/gemv.py", argv or sys.argv[1:]),
+                "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                "blas_library": result}, indent=1) + "\n")
+        return 0
 
     from specula.runtime.kernels.gemv import CONFIGS, block_m, gemv
 

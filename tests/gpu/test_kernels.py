@@ -117,6 +117,34 @@ def test_paged_attention_llama8b(num_reqs, q_len):
     torch.testing.assert_close(out.float(), unsplit.float(), atol=2e-2, rtol=0)
 
 
+def test_paged_attention_packs_kv_heads_at_batch_128(monkeypatch):
+    """Batch-128 decode takes two KV heads a program by default (the launch is checked); it
+    agrees with the reference and with one KV head a program."""
+    from specula.runtime.kernels import paged_attention as module
+
+    kernel, packs = module._paged_attention_kernel, []
+
+    class Recording:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                packs.append(kwargs["PACK"])
+                return kernel[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(module, "_paged_attention_kernel", Recording())
+    gen = torch.Generator().manual_seed(128)
+    seq_lens = torch.randint(1, 600, (128,), generator=gen).tolist()
+    seq_lens[-1] = 0  # a CUDA-graph padding request
+    query, key_cache, value_cache, block_table, lens = _paged_case(seq_lens, 1)
+    scale = HEAD_DIM**-0.5
+    out = paged_attention(query, key_cache, value_cache, block_table, lens, scale)
+    ref = paged_attention_reference(query, key_cache, value_cache, block_table, lens, scale)
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=0)
+    one = paged_attention(query, key_cache, value_cache, block_table, lens, scale, pack=1)
+    torch.testing.assert_close(out.float(), one.float(), atol=2e-2, rtol=0)
+    assert torch.all(out[-1] == 0) and packs == [2, 1]
+
+
 @pytest.mark.parametrize("num_reqs, q_len", [(1, 1), (16, 1), (1, 5), (8, 5), (80, 1)])
 def test_paged_attention_with_new_kv(num_reqs, q_len):
     """Rotary and the cache write inside attention (``new_kv``) against the rotary kernel
@@ -405,6 +433,25 @@ def test_gemv_matches_the_library_gemm_on_tuned_shapes():
             for y in (gemv(x, w), linear(x, w)):
                 assert ((y.float() - ref).norm() / ref.norm()).item() < 1e-2
         assert not use_gemv(torch.randn(200, k, device=DEVICE, dtype=torch.bfloat16), w)
+
+
+def test_linear_takes_cublaslt_on_its_rows_and_restores_the_preference(monkeypatch):
+    from specula.runtime.kernels.gemv import LT_ROWS, linear
+
+    asked, choose = [], torch.backends.cuda.preferred_blas_library
+    before = choose()
+    monkeypatch.setattr(torch.backends.cuda, "preferred_blas_library",
+                        lambda backend=None: asked.append(backend) or choose(backend))
+    gen = torch.Generator(DEVICE).manual_seed(0)
+    for (n, k), (low, high) in LT_ROWS.items():
+        w = torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16, generator=gen) * 0.02
+        for rows, lt in ((low - 1, False), (low, True), (high, True), (high + 1, False)):
+            x = torch.randn(rows, k, device=DEVICE, dtype=torch.bfloat16, generator=gen)
+            asked.clear()
+            y = linear(x, w)
+            ref = F.linear(x.float(), w.float())
+            assert ((y.float() - ref).norm() / ref.norm()).item() < 1e-2
+            assert ("cublaslt" in asked) == lt and choose() == before
 
 
 @pytest.mark.parametrize("split", [2, 4])

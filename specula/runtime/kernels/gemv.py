@@ -441,11 +441,29 @@ def gemv_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x, weight)
 
 
+LT_ROWS: dict[tuple[int, int], tuple[int, int]] = {
+    (4096, 14336): (64, 192),  # Llama-3.1-8B down_proj: 128 rows 54.9 -> 45.6 us
+    (2048, 8192): (64, 160),  # Llama-3.2-1B down_proj: 128 rows 18.2 -> 16.6 us
+}
+"""Weight shapes ``(N, K)`` and the row counts (inclusive) where the library GEMM through cuBLASLt
+beat cuBLAS by more than 3 % on an H100 (``bench/results/gemv.json``, ``blas_library``);
+:func:`linear` asks torch for cuBLASLt there, cuBLAS elsewhere (equal or faster)."""
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``, through :func:`gemv` where :func:`use_gemv` says so
-    (no bias). ``x``: [M, K] (any leading shape goes to ``F.linear``); returns [M, N]."""
+    (no bias), through cuBLASLt where :data:`LT_ROWS` says so. ``x``: [M, K] (any leading
+    shape goes to ``F.linear``); returns [M, N]."""
     if bias is None and use_gemv(x, weight):
         return gemv(x, weight)
+    low, high = LT_ROWS.get(tuple(weight.shape), (1, 0))
+    if x.is_cuda and low <= x.shape[0] <= high and x.ndim == 2:
+        previous = torch.backends.cuda.preferred_blas_library()
+        torch.backends.cuda.preferred_blas_library("cublaslt")
+        try:
+            return F.linear(x, weight, bias)
+        finally:
+            torch.backends.cuda.preferred_blas_library(previous)
     return F.linear(x, weight, bias)
 
 

@@ -51,7 +51,7 @@ def _paged(**constexprs):
              "key_ptr": "*bf16", "value_ptr": "*bf16", "positions_ptr": "*i64",
              "slot_mapping_ptr": "*i64", "cos_sin_ptr": "*fp32", "scale_log2": "fp32"}
     flags = dict(BLOCK_SIZE=16, BLOCK_M=16, INPUT_PRECISION="tf32", SLIDING=False,
-                 NEW_KV=False, PDL=True)
+                 NEW_KV=False, PDL=True, PACK=1)
     return paged_attention._paged_attention_kernel, types, flags | constexprs
 
 
@@ -62,6 +62,9 @@ CASES = {
     # Decode with rotary and the cache write in the kernel, split or not.
     "paged_attention_new_kv_split": _paged(GROUP_SIZE=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_N=64,
                                            NUM_SPLITS=3, NEW_KV=True),
+    # Batch-128 decode: two KV heads a program, 16-key tiles.
+    "paged_attention_packed": _paged(GROUP_SIZE=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_N=16,
+                                     NUM_SPLITS=1, PACK=2),
     "paged_attention_new_kv": _paged(GROUP_SIZE=4, HEAD_DIM=64, BLOCK_D=64, BLOCK_N=64,
                                      NUM_SPLITS=1, NEW_KV=True),
     # Gemma4's sliding layers: 256-wide heads, a window, 32-key tiles.

@@ -61,7 +61,7 @@ def _paged_case(
 
 def check_paged_attention(
     seq_lens, q_len, num_heads, num_kv_heads, head_dim, block_size, dtype, num_splits,
-    sliding_window=None,
+    sliding_window=None, pack=None,
 ) -> None:
     query, key_cache, value_cache, block_table, lens = _paged_case(
         seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, len(seq_lens) * q_len
@@ -69,7 +69,7 @@ def check_paged_attention(
     scale = head_dim**-0.5
     out = paged_attention(
         query, key_cache, value_cache, block_table, lens, scale, q_len,
-        num_splits=num_splits, sliding_window=sliding_window,
+        num_splits=num_splits, sliding_window=sliding_window, pack=pack,
     )
     ref = paged_attention_reference(
         query, key_cache, value_cache, block_table, lens, scale, q_len, sliding_window
@@ -107,6 +107,25 @@ def test_paged_attention_matches_reference(
         check_paged_attention,
         seq_lens, q_len, num_heads, num_kv_heads, head_dim, block_size, dtype, num_splits,
     )
+
+
+@pytest.mark.parametrize(
+    "seq_lens, num_heads, num_kv_heads, head_dim, dtype, window, pack",
+    [
+        # two KV heads a program, GQA 4:1 (8 rows), a padding request, contexts of 1-70 keys
+        ([1, 7, 70, 0], 16, 4, 16, torch.float32, None, 2),
+        # four a program (16 rows), float16, no GQA
+        ([33, 5], 8, 8, 16, torch.float16, None, 4),
+        # two a program inside a sliding window
+        ([9, 40, 0], 8, 4, 16, torch.float32, 5, 2),
+    ],
+    ids=["pack2-gqa", "pack4-fp16", "pack2-window"],
+)
+def test_packed_kv_heads_match_reference(interpreted, seq_lens, num_heads, num_kv_heads, head_dim,
+                                         dtype, window, pack):
+    """Programs of several KV heads (``pack``) give each head's rows its own keys only."""
+    interpreted(check_paged_attention, seq_lens, 1, num_heads, num_kv_heads, head_dim, 4, dtype, 1,
+                window, pack)
 
 
 def check_with_poisoned_partials(check, *args) -> None:
