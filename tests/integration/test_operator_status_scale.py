@@ -105,6 +105,13 @@ def test_kubectl_get_shows_printer_columns(
     )
     Children(core_v1, apps_v1, namespace, sm["metadata"]["uid"]).wait_all()
     wait_observed(custom_objects, namespace, name)
+    # The K column reads status.speculation, which the tuner's first pass writes (not the
+    # reconcile that sets observedGeneration): wait for it rather than race it.
+    wait_for(
+        lambda: ((get_sm(custom_objects, namespace, name).get("status") or {}).get("speculation")
+                 or {}).get("numSpeculativeTokens") is not None,
+        timeout=30, message=f"{name} status.speculation.numSpeculativeTokens",
+    )
 
     out = control_plane.run_kubectl("-n", namespace, "get", "sm", name).stdout
     header, row = out.strip().splitlines()
