@@ -226,7 +226,8 @@ def test_gemv_epilogues_match_the_unfused_kernels(tmp_path, monkeypatch, num_req
             model_runner, "linear_silu_and_mul", lambda x, w, b: silu_and_mul(linear(x, w, b))
         )
         monkeypatch.setattr(
-            model_runner, "linear_argmax", lambda x, w: (y := linear(x, w), y.float().argmax(-1))
+            model_runner, "linear_argmax",
+            lambda x, w, into=None: (y := linear(x, w), y.float().argmax(-1)),
         )
     (h_off, logits_off, idx_off), (h_on, logits_on, idx_on) = results[False], results[True]
     torch.testing.assert_close(h_on, h_off, atol=3e-2, rtol=3e-2)

@@ -442,14 +442,15 @@ def gemv_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 LT_ROWS: dict[tuple[int, int], tuple[int, int]] = {
-    (4096, 14336): (32, 192),  # Llama-3.1-8B down_proj: 128 rows 54.0 -> 45.2 us
+    (4096, 14336): (64, 192),  # Llama-3.1-8B down_proj: 128 rows 54.0 -> 45.2 us
     (2048, 8192): (64, 160),  # Llama-3.2-1B down_proj: 128 rows 18.3 -> 16.6 us
-    (4096, 7168): (32, 192),  # its TP=2 shard: 160 rows 33.5 -> 25.4 us (128 rows 2 % slower)
+    (4096, 7168): (64, 192),  # its TP=2 shard: 160 rows 33.5 -> 25.4 us (128 rows 2 % slower)
 }
-"""Weight shapes ``(N, K)`` and row counts (inclusive: the first to the last measured where the
-library GEMM through cuBLASLt beat cuBLAS by more than 3 %) on an H100 (``bench/gemv.py
---libraries``; ``bench/results/gemv.json``, ``blas_library``). :func:`linear` asks torch for
-cuBLASLt there; elsewhere the two were within 3 % or cuBLAS was faster."""
+"""Weight shapes ``(N, K)`` and row counts (inclusive: the first to the last measured past
+:data:`CONFIGS`' row tiles where the library GEMM through cuBLASLt beat cuBLAS by more than 3 %)
+on an H100 (``bench/gemv.py --libraries``; ``bench/results/gemv.json``, ``blas_library``).
+:func:`linear` asks torch for cuBLASLt there; elsewhere the two were within 3 % or cuBLAS was
+faster."""
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
