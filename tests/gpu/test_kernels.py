@@ -452,6 +452,14 @@ def test_linear_takes_cublaslt_on_its_rows_and_restores_the_preference(monkeypat
             ref = F.linear(x.float(), w.float())
             assert ((y.float() - ref).norm() / ref.norm()).item() < 1e-2
             assert ("cublaslt" in asked) == lt and choose() == before
+    # The preference comes back when the product raises, too.
+    low = next(iter(LT_ROWS.values()))[0]
+    n, k = next(iter(LT_ROWS))
+    x = torch.randn(low, k, device=DEVICE, dtype=torch.bfloat16)
+    monkeypatch.setattr(F, "linear", lambda *args: (_ for _ in ()).throw(RuntimeError("no GEMM")))
+    with pytest.raises(RuntimeError, match="no GEMM"):
+        linear(x, torch.zeros(n, k, device=DEVICE, dtype=torch.bfloat16))
+    assert choose() == before
 
 
 @pytest.mark.parametrize("split", [2, 4])

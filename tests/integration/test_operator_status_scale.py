@@ -109,7 +109,7 @@ def test_kubectl_get_shows_printer_columns(
     # reconcile that sets observedGeneration): wait for it rather than race it.
     wait_for(
         lambda: ((get_sm(custom_objects, namespace, name).get("status") or {}).get("speculation")
-                 or {}).get("numSpeculativeTokens") is not None,
+                 or {}).get("numSpeculativeTokens") == 4,
         timeout=30, message=f"{name} status.speculation.numSpeculativeTokens",
     )
 

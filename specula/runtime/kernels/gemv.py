@@ -455,12 +455,13 @@ faster."""
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``, through :func:`gemv` where :func:`use_gemv` says so
-    (no bias), through cuBLASLt where :data:`LT_ROWS` says so. ``x``: [M, K] (any leading
-    shape goes to ``F.linear``); returns [M, N]."""
+    (no bias), through cuBLASLt where :data:`LT_ROWS` says so (bfloat16; torch's preference is
+    process-wide: set and restored here, so only one thread may run products at a time, as the
+    engine's does). ``x``: [M, K] (any leading shape goes to ``F.linear``); returns [M, N]."""
     if bias is None and use_gemv(x, weight):
         return gemv(x, weight)
     low, high = LT_ROWS.get(tuple(weight.shape), (1, 0))
-    if x.is_cuda and low <= x.shape[0] <= high and x.ndim == 2:
+    if x.ndim == 2 and low <= x.shape[0] <= high and x.is_cuda and x.dtype == torch.bfloat16:
         previous = torch.backends.cuda.preferred_blas_library()
         torch.backends.cuda.preferred_blas_library("cublaslt")
         try:

@@ -16,7 +16,7 @@ context costs no more than ``W + q_len - 1`` keys.
 
 One program handles the ``q_len * (num_heads // num_kv_heads)`` query rows that share a KV head, so
 each key/value tile is read once for the whole GQA group and every query token (that read is what
-bounds decode). Long contexts are split across programs (flash-decoding: Dao et al.,
+bounds decode); at large decode batches, those of two adjacent KV heads (``pack``). Long contexts are split across programs (flash-decoding: Dao et al.,
 https://crfm.stanford.edu/2023/10/12/flashdecoding.html): each split writes a partial output and its
 log-sum-exp, and a second kernel merges them, so a batch-1 decode still fills the GPU. Online
 softmax as in FlashAttention (arXiv 2205.14135), in base 2.
@@ -319,12 +319,12 @@ def paged_attention(
             float32. Off CUDA, past one key tile of query tokens, with a padded head dimension, or
             past four (request, KV head, row tile) programs per SM, the two kernels' path runs,
             which rotates ``query`` and ``key`` in place.
-        pack: KV heads per program, 1 or 2 (a power of two dividing ``num_kv_heads``; more than 1
-            only at ``q_len`` 1 in one split without ``new_kv``): the program's query rows take the
-            pack's heads, and its key and value tiles their adjacent columns, the others' scores
-            masked out by a block-diagonal query. Default 2 where the head fits and there are
-            more than four (request, KV head) programs per SM, else 1: fewer, wider programs
-            (8B heads, batch 128 on an H100: 55.7 -> 50.3 us a layer at 256 keys, ``bench/attention.py``).
+        pack: KV heads per program, a power of two dividing ``num_kv_heads`` (more than 1 only at
+            ``q_len`` 1 in one split without ``new_kv``): the program's query rows take the pack's
+            heads, and its key and value tiles their adjacent columns, the others' scores masked
+            out by a block-diagonal query. Default 2 where the head fits and there are more than
+            four (request, KV head) programs per SM, else 1: fewer, wider programs (8B heads, batch
+            128 on an H100: 55.4 -> 52.6 us a layer at 256 keys, 33.6 -> 30.0 at 128, ``bench/attention.py``).
 
     Returns:
         [num_reqs * q_len, num_heads, head_dim] in ``query.dtype``.
@@ -374,7 +374,8 @@ def paged_attention(
         rotary_embedding_and_cache(positions, query, key, value, key_cache, value_cache,
                                    slot_mapping, cos_sin)
         new_kv = None
-    assert pack == 1 or (q_len == 1 and num_splits == 1 and new_kv is None and num_kv_heads % pack == 0)
+    assert pack >= 1 and pack & (pack - 1) == 0 and (pack == 1 or num_reqs == 0 or (
+        q_len == 1 and num_splits == 1 and new_kv is None and num_kv_heads % pack == 0))
     if pack > 1:  # 2 (or more) heads' rows, one row tile; short key tiles (the best at batch 128)
         block_m, block_n = max(16, triton.next_power_of_2(group_size * pack)), _BLOCK_N // 4
     if use_reference(query):

@@ -65,6 +65,8 @@ CASES = {
     # Batch-128 decode: two KV heads a program, 16-key tiles.
     "paged_attention_packed": _paged(GROUP_SIZE=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_N=16,
                                      NUM_SPLITS=1, PACK=2),
+    "paged_attention_packed_1b": _paged(GROUP_SIZE=4, HEAD_DIM=64, BLOCK_D=64, BLOCK_N=16,
+                                        NUM_SPLITS=1, PACK=2),
     "paged_attention_new_kv": _paged(GROUP_SIZE=4, HEAD_DIM=64, BLOCK_D=64, BLOCK_N=64,
                                      NUM_SPLITS=1, NEW_KV=True),
     # Gemma4's sliding layers: 256-wide heads, a window, 32-key tiles.

@@ -128,6 +128,32 @@ def test_packed_kv_heads_match_reference(interpreted, seq_lens, num_heads, num_k
                 window, pack)
 
 
+def check_packed_value_strides() -> None:
+    """Two KV heads a program, a head size padded to the tile (24 -> 32), and a value cache
+    that is a view of a wider tensor (a head stride of its own)."""
+    query, key_cache, value_cache, block_table, lens = _paged_case(
+        [5, 40, 0], 8, 4, 24, 4, torch.float32, 3)
+    wide = torch.randn(*value_cache.shape[:-1], 40)
+    wide[..., :24] = value_cache
+    scale = 24**-0.5
+    out = paged_attention(query, key_cache, wide[..., :24], block_table, lens, scale, num_splits=1,
+                          pack=2)
+    ref = paged_attention_reference(query, key_cache, value_cache, block_table, lens, scale)
+    torch.testing.assert_close(out, ref, atol=ATOL[torch.float32], rtol=0)
+
+
+def test_packed_kv_heads_read_values_by_their_own_strides(interpreted):
+    interpreted(check_packed_value_strides)
+
+
+def test_pack_must_be_a_power_of_two():
+    query, key_cache, value_cache, block_table, lens = _paged_case(
+        [5, 9], 8, 4, 16, 4, torch.float32, 2)
+    for pack in (0, 3):
+        with pytest.raises(AssertionError):
+            paged_attention(query, key_cache, value_cache, block_table, lens, 0.25, pack=pack)
+
+
 def check_with_poisoned_partials(check, *args) -> None:
     """``check(*args)`` (:func:`check_paged_attention` or :func:`check_new_kv`) with the
     split partials allocated full of NaN: the merge reads no row of a split that saw no

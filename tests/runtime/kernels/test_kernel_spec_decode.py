@@ -500,6 +500,16 @@ def test_gemv_one_row_config(interpreted):
     interpreted(check_gemv_one_row_config)
 
 
+def test_cublaslt_rows_lie_past_the_gemv_row_tiles():
+    """Every row count of an ``LT_ROWS`` range reaches the library GEMM: none falls in a
+    row tile the GEMV takes for that shape (``linear`` would never ask for cuBLASLt there)."""
+    from specula.runtime.kernels.gemv import CONFIGS, LT_ROWS, block_m
+
+    for shape, (low, high) in LT_ROWS.items():
+        assert 1 <= low <= high
+        assert not any(block_m(m) in CONFIGS.get(shape, {}) for m in range(low, high + 1)), shape
+
+
 def check_gemv_epilogues() -> None:
     from specula.runtime.kernels.activation import silu_and_mul
     from specula.runtime.kernels.gemv import argmax, gemv, gemv_reference
