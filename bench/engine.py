@@ -40,6 +40,7 @@ import datetime as dt
 import json
 import os
 import platform
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -242,7 +243,7 @@ def recorded_command(script: str, argv: list[str]) -> str:
     """The command line to record with results: ``script`` and its arguments, an absolute
     path (a scratch output on the GPU machine) kept to its file name."""
     args = [Path(a).name if os.path.isabs(a) else a for a in argv]
-    return " ".join(["PYTHONPATH=. python3", script, *args])
+    return f"PYTHONPATH=. python3 {script} {shlex.join(args)}".rstrip()
 
 
 def replay_ms(graph, reps: int) -> float:

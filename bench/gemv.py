@@ -9,11 +9,11 @@ configurations picks the best per shape; it prints a table and writes JSON.
 
     PYTHONPATH=. python3 bench/gemv.py [--output FILE] [--quick] [--shapes 1B,8B]
         [--rows 1,5] [--split-k 1,2,4] [--epilogues]
-    PYTHONPATH=. python3 bench/gemv.py --libraries --shapes 8B,1B --rows 64,96,128,160,192,256,512,2048
+    PYTHONPATH=. python3 bench/gemv.py --libraries --shapes '8B qkv_proj,8B o_proj,8B gate_up_proj,8B down_proj,1B down_proj,8B/TP2 down_proj' --rows 32,64,96,128,160,192,256,512,2048
 
 ``--libraries`` times only the library GEMM, through cuBLAS and through cuBLASLt (torch's
-``preferred_blas_library``), and proposes ``LT_ROWS``: the rows where cuBLASLt is more than
-3 % faster.
+``preferred_blas_library``), and proposes ``LT_ROWS``: the first to the last row count the GEMV
+does not take (no ``CONFIGS`` row tile) where cuBLASLt is more than 3 % faster.
 
 ``--epilogues`` times each shape with the epilogue the engine runs it with (:data:`EPILOGUES`:
 an LM head's argmax, ``o_proj``'s and ``down_proj``'s residual add, ``gate_up_proj``'s
@@ -25,6 +25,7 @@ one-row entry (key 1) where the best configuration at one row beats the row tile
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import itertools
 import json
 import math
@@ -77,38 +78,17 @@ def with_epilogue(name: str, m: int, n: int, device, gen):
     return lambda x, w, cfg: (lambda y: y[0] if isinstance(y, tuple) else y)(gemv(x, w, cfg, **kw))
 
 
-def library_sweep(shapes: dict, rows: tuple[int, ...]) -> dict:
-    """``{name: {rows: {"cublas_us", "cublaslt_us", "ratio"}}}`` for :func:`F.linear` through each
-    library; prints the table and the proposed ``LT_ROWS`` (a shape's rows from the first to the
-    last where cuBLASLt beats cuBLAS by more than 3 %)."""
+def cublaslt_products(weights, x) -> float:
+    """:func:`time_products` of the library GEMM with torch's preference on cuBLASLt (restored)."""
     import torch
     import torch.nn.functional as F
 
-    dev, out, lt_rows = torch.device("cuda"), {}, {}
-    choose = torch.backends.cuda.preferred_blas_library
-    for name, (n, k) in shapes.items():
-        copies = max(2, math.ceil((512 << 20) / (n * k * 2)))
-        weights = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
-        out[name] = {}
-        for m in rows:
-            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-            ws = weights if m < 2048 else weights[:2]
-            t = {}
-            for lib in ("cublas", "cublaslt"):
-                choose(lib)
-                t[lib] = time_products(F.linear, ws, x)
-            choose("cublas")
-            out[name][m] = {"cublas_us": round(t["cublas"], 2), "cublaslt_us": round(t["cublaslt"], 2),
-                            "ratio": round(t["cublaslt"] / t["cublas"], 3)}
-        print(f"{name:22s} " + " | ".join(f"m={m}: {r['cublas_us']}/{r['cublaslt_us']} ({r['ratio']})"
-                                          for m, r in out[name].items()), flush=True)
-        faster = [m for m, r in out[name].items() if r["ratio"] < 0.97]
-        if faster:
-            lt_rows[(n, k)] = (min(faster), max(faster))
-        del weights
-        torch.cuda.empty_cache()
-    print(f"LT_ROWS = {lt_rows}")
-    return out
+    previous = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library("cublaslt")
+    try:
+        return time_products(F.linear, weights, x)
+    finally:
+        torch.backends.cuda.preferred_blas_library(previous)
 
 
 def time_products(fn, weights, x, reps: int = 5) -> float:
@@ -143,17 +123,6 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.nn.functional as F
 
-    if args.libraries:
-        prefixes = tuple(p for p in args.shapes.split(",") if p)
-        chosen = {name: nk for name, nk in SHAPES.items() if not prefixes or name.startswith(prefixes)}
-        result = library_sweep(chosen, tuple(int(m) for m in args.rows.split(",")))
-        if args.output:
-            args.output.write_text(json.dumps({
-                "command": recorded_command("bench/gemv.py", argv or sys.argv[1:]),
-                "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                "blas_library": result}, indent=1) + "\n")
-        return 0
-
     from specula.runtime.kernels.gemv import CONFIGS, block_m, gemv
 
     configs = list(itertools.product((16, 32, 64, 128), (128, 256, 512), (4, 8), (3, 5)))
@@ -162,11 +131,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.tuned_candidates:
         configs = sorted({c[:4] for by_bm in CONFIGS.values() for c in by_bm.values()})
     splits = [int(v) for v in args.split_k.split(",")]
-    configs = [c if s == 1 else (*c, s) for c in configs for s in splits]
+    configs = [] if args.libraries else [c if s == 1 else (*c, s) for c in configs for s in splits]
     rows = tuple(int(m) for m in args.rows.split(","))
     dev = torch.device("cuda")
     gen = torch.Generator(dev).manual_seed(0)
-    results, table = {}, {}
+    results, table, libraries, lt_rows = {}, {}, {}, {}
     prefixes = tuple(p for p in args.shapes.split(",") if p)
     for name, (n, k) in SHAPES.items():
         if prefixes and not name.startswith(prefixes):
@@ -180,6 +149,14 @@ def main(argv: list[str] | None = None) -> int:
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16, generator=gen)
             ref = F.linear(x.float(), weights[0].float())
             times[m] = {"library": time_products(F.linear, weights, x)}
+            if args.libraries:  # the library GEMM through cuBLASLt instead of the kernel
+                lt = cublaslt_products(weights, x)
+                r = libraries.setdefault(name, {})[m] = {
+                    "cublas_us": round(times[m]["library"], 2), "cublaslt_us": round(lt, 2),
+                    "ratio": round(lt / times[m]["library"], 3)}
+                print(f"{name:22s} m={m:4d}: cuBLAS {r['cublas_us']:8.2f} us  cuBLASLt "
+                      f"{r['cublaslt_us']:8.2f} us ({r['ratio']})", flush=True)
+                continue
             run = (with_epilogue(name, m, n, dev, gen) if args.epilogues
                    else lambda a, b, cfg: gemv(a, b, cfg))
             for cfg in configs:
@@ -201,7 +178,12 @@ def main(argv: list[str] | None = None) -> int:
             }
             print(f"{name:22s} m={m:3d}: cuBLAS {r['library_us']:8.2f} us ({r['library_TBps']:.2f} "
                   f"TB/s)  gemv {r['gemv_us']:8.2f} us ({r['gemv_TBps']:.2f} TB/s) {best}", flush=True)
-        for bm in sorted({block_m(m) for m in rows}):
+        # LT_ROWS: the first to the last row count past the GEMV's row tiles where cuBLASLt won by 3 %
+        faster = [m for m, r in libraries.get(name, {}).items()
+                  if r["ratio"] < 0.97 and block_m(m) not in CONFIGS.get((n, k), {})]
+        if faster:
+            lt_rows[(n, k)] = (min(faster), max(faster))
+        for bm in sorted({block_m(m) for m in rows} if not args.libraries else ()):
             ms = [m for m in rows if block_m(m) == bm]
             common = set.intersection(*(set(times[m]) - {"library"} for m in ms))
             if not common:
@@ -215,17 +197,22 @@ def main(argv: list[str] | None = None) -> int:
                         table[(n, k)] = {1: one, **table[(n, k)]}
         del weights
         torch.cuda.empty_cache()
-    print("CONFIGS = {")
-    for (n, k), by_bm in table.items():
-        print(f"    ({n}, {k}): {{{', '.join(f'{bm}: {cfg}' for bm, cfg in by_bm.items())}}},")
-    print("}")
+    if args.libraries:
+        print(f"LT_ROWS = {lt_rows}")
+    else:
+        print("CONFIGS = {")
+        for (n, k), by_bm in table.items():
+            print(f"    ({n}, {k}): {{{', '.join(f'{bm}: {cfg}' for bm, cfg in by_bm.items())}}},")
+        print("}")
     if args.output:
+        record = {"blas_library": libraries, "lt_rows": {f"{n}x{k}": list(v) for (n, k), v in lt_rows.items()}}
+        if not args.libraries:
+            record = {"results": results, "configs": {f"{n}x{k}": {str(bm): list(c) for bm, c in v.items()}
+                                                      for (n, k), v in table.items()}}
         args.output.write_text(json.dumps({
             "command": recorded_command("bench/gemv.py", argv or sys.argv[1:]),
             "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "results": results,
-            "configs": {f"{n}x{k}": {str(bm): list(c) for bm, c in v.items()}
-                        for (n, k), v in table.items()},
+            "date": dt.date.today().isoformat(), **record,
         }, indent=1) + "\n")
     return 0
 

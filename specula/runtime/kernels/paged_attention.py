@@ -16,7 +16,8 @@ context costs no more than ``W + q_len - 1`` keys.
 
 One program handles the ``q_len * (num_heads // num_kv_heads)`` query rows that share a KV head, so
 each key/value tile is read once for the whole GQA group and every query token (that read is what
-bounds decode); at large decode batches, those of two adjacent KV heads (``pack``). Long contexts are split across programs (flash-decoding: Dao et al.,
+bounds decode); at large decode batches, those of two adjacent KV heads (``pack``). Long
+contexts are split across programs (flash-decoding: Dao et al.,
 https://crfm.stanford.edu/2023/10/12/flashdecoding.html): each split writes a partial output and its
 log-sum-exp, and a second kernel merges them, so a batch-1 decode still fills the GPU. Online
 softmax as in FlashAttention (arXiv 2205.14135), in base 2.
@@ -324,7 +325,8 @@ def paged_attention(
             heads, and its key and value tiles their adjacent columns, the others' scores masked
             out by a block-diagonal query. Default 2 where the head fits and there are more than
             four (request, KV head) programs per SM, else 1: fewer, wider programs (8B heads, batch
-            128 on an H100: 55.4 -> 52.6 us a layer at 256 keys, 33.6 -> 30.0 at 128, ``bench/attention.py``).
+            128 on an H100: 55.4 -> 52.6 us a layer at 256 keys, 33.6 -> 30.0 at 128,
+            ``bench/attention.py``).
 
     Returns:
         [num_reqs * q_len, num_heads, head_dim] in ``query.dtype``.
