@@ -191,35 +191,34 @@ def test_sampling_paths(target, target_hf, draft, hf_greedy):
     assert 0 < got["num_accepted_tokens"] < got["num_draft_tokens"]
 
 
-@pytest.mark.parametrize("with_assistant", [False, True], ids=["target-only", "gemma4_mtp"])
-def test_gemma4_greedy_matches_transformers(
-    tiny_tokenizer, tmp_path, hf_greedy, with_assistant
-):
+@pytest.mark.parametrize("method", [None, "gemma4_mtp", "draft_model"],
+                         ids=["target-only", "gemma4_mtp", "gemma4_draft_model"])
+def test_gemma4_greedy_matches_transformers(tiny_tokenizer, tmp_path, hf_greedy, method):
     """A Gemma4 target with sliding-window and KV-shared layers (the window shorter than
-    the contexts), alone or with its MTP assistant reading its KV, with a request
-    admitted while another decodes."""
+    the contexts), alone, with its MTP assistant reading its KV, or with itself as
+    its draft model (its runner's argmax into the drafts), with a request admitted while
+    another decodes."""
     import torch
     from gemma4_checkpoints import save, tiny_gemma4, tiny_gemma4_assistant
     from transformers import AutoModelForCausalLM
 
-    model = tiny_gemma4(
-        len(tiny_tokenizer), tiny_tokenizer.eos_token_id, seed=10,
-        sliding_window=3, num_attention_heads=2, num_key_value_heads=1,
-    )
+    shape = dict(sliding_window=3, num_attention_heads=2, num_key_value_heads=1)
+    model = tiny_gemma4(len(tiny_tokenizer), tiny_tokenizer.eos_token_id, seed=10, **shape)
     path = save(model, tiny_tokenizer, tmp_path / "gemma4")
-    assistant = None
-    if with_assistant:
-        assistant = save(
-            tiny_gemma4_assistant(model, seed=12), tiny_tokenizer, tmp_path / "assistant"
-        )
+    draft = None
+    if method == "gemma4_mtp":
+        draft = save(tiny_gemma4_assistant(model, seed=12), tiny_tokenizer, tmp_path / "assistant")
+    elif method == "draft_model":  # the target as its own draft: its drafts are accepted
+        draft = path
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     prompts = _prompts(seed=14)[:3]
     max_tokens = (4, 7, 5)
-    got = run_gpu_engine( path, assistant, prompts, _greedy(max_tokens),
-        max_num_seqs=2, num_gpu_blocks=32, method="gemma4_mtp",
-    )
+    got = run_gpu_engine(path, draft, prompts, _greedy(max_tokens),
+                         max_num_seqs=2, num_gpu_blocks=32, method=method or "gemma4_mtp")
     assert got["outputs"] == _expected(hf_greedy, hf, prompts, max_tokens)
     assert any(d and p for d, p in got["steps"]), f"no mixed step in {got['steps']}"
     assert got["free_blocks_after"] == got["num_blocks"]
-    if with_assistant:
+    if method == "gemma4_mtp":
         assert 0 < got["num_accepted_tokens"] < got["num_draft_tokens"]
+    elif method == "draft_model":
+        assert got["num_accepted_tokens"] > 0

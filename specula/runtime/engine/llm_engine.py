@@ -399,8 +399,8 @@ class LLMEngine(SpeculativeSettings):
             for out in self.step():
                 if out.request_id in results:
                     results[out.request_id].extend(out.new_token_ids)
-        while self._in_flight is not None and not (self.scheduler.waiting or self.scheduler.running):
-            self.step()
+        if self._in_flight is not None and not (self.scheduler.waiting or self.scheduler.running):
+            self.step()  # reads the step left in flight; with nothing scheduled it queues none
         return list(results.values())
 
     def _launch(self) -> _Launched | None:

@@ -207,9 +207,10 @@ class Gemma4Runner(Gemma4PagedLayers):
             hidden = self._layer(layer, hidden, per_layer_input, positions, i, metadata, produced)
         return _norm(hidden, model.norm), hidden
 
-    def logits_and_argmax(self, hidden: torch.Tensor,
-                          need_logits: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    def logits_and_argmax(self, hidden: torch.Tensor, need_logits: bool = True,
+                          into: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(compute_logits(hidden), its argmax [num_positions] int64)``: float32 logits,
-        soft-capped as :meth:`Gemma4ForCausalLM.compute_logits`, whatever ``need_logits``."""
+        soft-capped as :meth:`Gemma4ForCausalLM.compute_logits`, whatever ``need_logits``;
+        ``into`` as :meth:`ModelRunner.logits_and_argmax` takes it."""
         logits = self.compute_logits(hidden)
-        return logits, logits.argmax(dim=-1)
+        return logits, logits.argmax(dim=-1) if into is None else torch.argmax(logits, -1, out=into)
