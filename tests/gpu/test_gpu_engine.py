@@ -159,11 +159,13 @@ def test_sampling_keeps_target_distribution(demo, tokenizer, prompts):
     assert target_distribution_pvalue(outputs, joint) > 0.001
 
 
-@pytest.mark.parametrize("with_assistant", [False, True], ids=["target-only", "gemma4_mtp"])
-def test_gemma4_engine_in_cuda_graphs(tmp_path, with_assistant, tokenizer):
-    """A tiny Gemma4 (sliding-window and KV-shared layers) alone or with its MTP
-    assistant through the GPU engine with CUDA graphs: greedy output equals
-    ``transformers``' on the CPU, with mixed steps and accepted drafts."""
+@pytest.mark.parametrize("method", [None, "gemma4_mtp", "draft_model"],
+                         ids=["target-only", "gemma4_mtp", "gemma4_draft_model"])
+def test_gemma4_engine_in_cuda_graphs(tmp_path, method, tokenizer):
+    """A tiny Gemma4 (sliding-window and KV-shared layers) alone, with its MTP assistant, or
+    with itself as its draft model (its runner's argmax into the drafts) through the GPU
+    engine with CUDA graphs: greedy output equals ``transformers``' on the CPU, with mixed
+    steps and accepted drafts."""
     from gemma4_checkpoints import save, tiny_gemma4, tiny_gemma4_assistant
     from test_engine_paged import run_gpu_engine
     from transformers import AutoModelForCausalLM
@@ -172,15 +174,15 @@ def test_gemma4_engine_in_cuda_graphs(tmp_path, with_assistant, tokenizer):
 
     model = tiny_gemma4(len(tokenizer), tokenizer.eos_token_id, seed=10, sliding_window=4)
     path = save(model, tokenizer, tmp_path / "gemma4")
-    assistant = None
-    if with_assistant:
-        assistant = save(tiny_gemma4_assistant(model, seed=12), tokenizer, tmp_path / "mtp")
+    draft = path if method == "draft_model" else None
+    if method == "gemma4_mtp":
+        draft = save(tiny_gemma4_assistant(model, seed=12), tokenizer, tmp_path / "mtp")
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
     max_tokens = [4 + i for i in range(len(prompts))]  # prompt + output <= MAX_MODEL_LEN
     got = run_gpu_engine(
-        path, assistant, prompts, [{"max_tokens": n, "ignore_eos": True} for n in max_tokens],
-        max_num_seqs=4, num_gpu_blocks=64, method="gemma4_mtp", device="cuda",
+        path, draft, prompts, [{"max_tokens": n, "ignore_eos": True} for n in max_tokens],
+        max_num_seqs=4, num_gpu_blocks=64, method=method or "gemma4_mtp", device="cuda",
     )
     expected = []
     for p, n in zip(prompts, max_tokens, strict=True):
@@ -191,5 +193,7 @@ def test_gemma4_engine_in_cuda_graphs(tmp_path, with_assistant, tokenizer):
         expected.append(out[0, len(p) :].tolist())
     assert got["outputs"] == expected
     assert any(d and p for d, p in got["steps"])
-    if with_assistant:
+    if method == "gemma4_mtp":
         assert 0 < got["num_accepted_tokens"] < got["num_draft_tokens"]
+    elif method == "draft_model":  # the target drafting for itself: its drafts are accepted
+        assert got["num_accepted_tokens"] > 0
