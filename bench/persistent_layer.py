@@ -9,10 +9,11 @@ and its sums of squares, ``gate_up_proj`` with the folded norm's 1/rms and SwiGL
 four :func:`~specula.runtime.kernels.gemv.gemv` launches (here with and without their
 weight prefetch into L2). The persistent kernel runs the four as phases of one launch of
 one program per SM: each program takes every ``NUM_PROGS``-th column tile of a phase, asks
-L2 for the first lines of its tile of the next phase, and waits at a grid-wide barrier
-(an arrival counter, release/acquire) before the next phase reads what the whole grid
-wrote. Each timing replays a CUDA graph over 16 layers of distinct weights (as a model's
-layers evict L2) and reports microseconds per layer.
+L2 for the first two 128-byte lines of each weight row of its tile of the next phase, and
+waits at a grid-wide barrier (an arrival counter, release/acquire) before the next phase
+reads what the whole grid wrote. Each variant's launch is first checked against the GEMVs;
+each timing replays a CUDA graph over 16 layers of distinct weights (as a model's layers
+evict L2) and reports microseconds per layer.
 
     PYTHONPATH=. python3 bench/persistent_layer.py [--rows 1,2] [--output FILE]
     TRITON_INTERPRET=1 PYTHONPATH=. python3 bench/persistent_layer.py --check
@@ -119,7 +120,7 @@ def _prefetch_tile(w_ptr, K, N, pid, BLOCK_N: tl.constexpr, LINES: tl.constexpr)
 
 @triton.jit
 def _layer_kernel(attn_ptr, res_ptr, h1_ptr, act_ptr, h2_ptr, qkv_ptr, sq1_ptr, sq2_ptr,
-                  wo_ptr, wgu_ptr, wd_ptr, wq_ptr, count_ptr, M, H, KO, NI, NQ, eps,
+                  wo_ptr, wgu_ptr, wd_ptr, wq_ptr, count_ptr, M, H, KO, NI, NQ, stride_a, eps,
                   NUM_PROGS: tl.constexpr, BLOCK_M: tl.constexpr, BN_O: tl.constexpr,
                   BK_O: tl.constexpr, BN_G: tl.constexpr, BK_G: tl.constexpr, BN_D: tl.constexpr,
                   BK_D: tl.constexpr, BN_Q: tl.constexpr, BK_Q: tl.constexpr, P_O: tl.constexpr,
@@ -127,7 +128,7 @@ def _layer_kernel(attn_ptr, res_ptr, h1_ptr, act_ptr, h2_ptr, qkv_ptr, sq1_ptr, 
     """The four phases (``PHASE`` -1) with a barrier between each, or phase ``PHASE`` alone."""
     pid = tl.program_id(0)
     if PHASE < 0 or PHASE == 0:  # o_proj + residual -> h1, its sums of squares
-        _phase(attn_ptr, KO, wo_ptr, h1_ptr, H, res_ptr, sq1_ptr, sq1_ptr, 1, M, H, KO, 0, eps,
+        _phase(attn_ptr, stride_a, wo_ptr, h1_ptr, H, res_ptr, sq1_ptr, sq1_ptr, 1, M, H, KO, 0, eps,
                pid, NUM_PROGS, BLOCK_M, BN_O, BK_O, False, True, False, 1)
     if PHASE < 0:
         _prefetch_tile(wgu_ptr, H, NI, pid, BN_G, LINES)
@@ -161,6 +162,7 @@ def persistent_layer(attn, res, wo, wgu, wd, wq, counts, cfg, eps=1e-5, phases=F
     phases; ``counts``: [2] int32 zeros (zero again after the launch); ``phases``: one
     launch per phase."""
     m, ko = attn.shape
+    assert m <= 16 and attn.stride(1) == 1 and res.is_contiguous(), "one 16-row tile; rows of res contiguous"
     h, i, nq = res.shape[1], wgu.shape[0] // 2, wq.shape[0]
     bn_o, bk_o, bn_g, bk_g, bn_d, bk_d, bn_q, bk_q, warps, stages = cfg
     new = lambda *shape, dtype=attn.dtype: torch.empty(*shape, dtype=dtype, device=attn.device)  # noqa: E731
@@ -169,7 +171,8 @@ def persistent_layer(attn, res, wo, wgu, wd, wq, counts, cfg, eps=1e-5, phases=F
     sq2 = new(m, triton.cdiv(h, bn_d), dtype=torch.float32)
     progs = num_progs or (torch.cuda.get_device_properties(attn.device).multi_processor_count
                           if attn.is_cuda else 4)
-    args = (attn, res, h1, act, h2, qkv, sq1, sq2, wo, wgu, wd, wq, counts, m, h, ko, i, nq, eps)
+    args = (attn, res, h1, act, h2, qkv, sq1, sq2, wo, wgu, wd, wq, counts, m, h, ko, i, nq,
+            attn.stride(0), eps)
     kw = dict(NUM_PROGS=progs, BLOCK_M=16, BN_O=bn_o, BK_O=bk_o, BN_G=bn_g, BK_G=bk_g, BN_D=bn_d,
               BK_D=bk_d, BN_Q=bn_q, BK_Q=bk_q, P_O=triton.next_power_of_2(sq1.shape[1]),
               P_D=triton.next_power_of_2(sq2.shape[1]), LINES=lines, num_warps=warps,
@@ -179,12 +182,13 @@ def persistent_layer(attn, res, wo, wgu, wd, wq, counts, cfg, eps=1e-5, phases=F
     return qkv, h2, sq2
 
 
-def four_gemvs(attn, res, wo, wgu, wd, wq, eps=1e-5, prefetch=True):
-    """The engine's four launches (``ModelRunner.decoder`` with folded norms)."""
+def four_gemvs(attn, res, wo, wgu, wd, wq, eps=1e-5, prefetch=True, next_wo=None):
+    """The engine's four launches (``ModelRunner.decoder`` with folded norms): each asks L2
+    for the start of the weight after it (``next_wo``: the next layer's ``o_proj``)."""
     h1, sq1 = gemv(attn, wo, residual=res, prefetch=wgu if prefetch else None)
     act = gemv(h1, wgu, silu_mul=True, rms=(sq1, eps), prefetch=wd if prefetch else None)
     h2, sq2 = gemv(act, wd, residual=h1, prefetch=wq if prefetch else None)
-    return gemv(h2, wq, rms=(sq2, eps), prefetch=wo if prefetch else None), h2, sq2
+    return gemv(h2, wq, rms=(sq2, eps), prefetch=next_wo if prefetch else None), h2, sq2
 
 
 def check() -> None:
@@ -240,20 +244,27 @@ def main(argv: list[str] | None = None) -> int:
         def chain(step, attn=attn, res=res):
             def fn():
                 a, r = attn, res
-                for w in layers:
-                    qkv, r, _ = step(a, r, *w)
+                for j, w in enumerate(layers):
+                    qkv, r, _ = step(a, r, w, layers[(j + 1) % LAYERS][0])
                     a = qkv[:, :HIDDEN]
             return fn
 
-        variants = {"four GEMV launches, no prefetch": lambda *a: four_gemvs(*a, prefetch=False),
-                    "four GEMV launches (the engine's)": four_gemvs}
+        variants = {
+            "four GEMV launches, no prefetch": lambda a, r, w, nxt: four_gemvs(a, r, *w, prefetch=False),
+            "four GEMV launches (the engine's)": lambda a, r, w, nxt: four_gemvs(a, r, *w, next_wo=nxt)}
         for name, cfg in CONFIGS.items():
-            variants[f"persistent, {name}"] = lambda *a, cfg=cfg: persistent_layer(*a, counts, cfg)
+            variants[f"persistent, {name}"] = (
+                lambda a, r, w, nxt, cfg=cfg: persistent_layer(a, r, *w, counts, cfg))
         first = next(iter(CONFIGS.values()))
         variants["persistent, first config, no L2 requests"] = (
-            lambda *a, cfg=first: persistent_layer(*a, counts, cfg, lines=0))
+            lambda a, r, w, nxt, cfg=first: persistent_layer(a, r, *w, counts, cfg, lines=0))
         variants["persistent, first config, 128 programs"] = (
-            lambda *a, cfg=first: persistent_layer(*a, counts, cfg, num_progs=128))
+            lambda a, r, w, nxt, cfg=first: persistent_layer(a, r, *w, counts, cfg, num_progs=128))
+        want = four_gemvs(attn, res, *layers[0], prefetch=False)
+        for name, step in variants.items():  # each variant's one launch checked before timing
+            got = step(attn, res, layers[0], layers[1][0])
+            for a, b in ((got[0], want[0]), (got[1], want[1]), (got[2].sum(-1), want[2].sum(-1))):
+                torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2, msg=name)
         results[f"rows {m}"] = row = {}
         for name, step in variants.items():
             row[name] = round(time_layers(chain(step)), 2)
