@@ -539,6 +539,32 @@ def test_gate_up_gemv_with_swiglu_epilogue(rows):
     assert ((fused.float() - ref).norm() / ref.norm()).item() < 1e-2
 
 
+@pytest.mark.parametrize("hidden", [HIDDEN, 2048])
+def test_screened_argmax_matches_the_unscreened_argmax(hidden):
+    """bfloat16 on the GPU (the interpreted test takes float16): every logit bounded, few
+    candidates, and the first argmax of the logits rounded to bfloat16, with a tie across
+    programs and rows that nearly tie."""
+    from specula.runtime.kernels.gemv import SCREEN_CONFIG, gemv, screen_weight, screened_argmax
+
+    gen = torch.Generator(DEVICE).manual_seed(hidden)
+    w = torch.randn(VOCAB, hidden, device=DEVICE, dtype=torch.bfloat16, generator=gen) * 0.02
+    w[VOCAB - 5] = w[3]
+    w[4000:4040] = w[3] * (1 - 2**-9 * torch.rand(40, 1, device=DEVICE, generator=gen)).bfloat16()
+    q, aux = screen_weight(w)
+    for rows in (1, 2, 5, 16):
+        x = torch.randn(rows, hidden, device=DEVICE, dtype=torch.bfloat16, generator=gen)
+        x[0] = w[3] * 50
+        upper, lower = gemv(x, q, SCREEN_CONFIG, screen=aux)
+        exact = x.double() @ w.double().T
+        assert (upper.double() >= exact).all()
+        assert (upper.double() - 2 * aux[1].double() * x.double().norm(dim=1, keepdim=True) <= exact).all()
+        candidates = (upper.bfloat16() >= lower.amax(1, keepdim=True).bfloat16()).sum(1)
+        assert (candidates[1:] < 1000).all() and candidates[0] >= 2  # row 0: w[3]'s copies tie
+        into = torch.empty(rows, dtype=torch.int64, device=DEVICE)
+        assert screened_argmax(x, w, (q, aux), into) is into
+        assert torch.equal(into, exact.bfloat16().argmax(-1)) and int(into[0]) == 3
+
+
 @pytest.mark.parametrize("vocab", [VOCAB, 32000])
 def test_lm_head_gemv_with_argmax_epilogue(vocab):
     from specula.runtime.kernels.gemv import gemv, linear_argmax, use_gemv

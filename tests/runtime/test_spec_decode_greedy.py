@@ -66,6 +66,45 @@ def test_greedy_on_gpu_in_cuda_graphs(family, with_draft, request, hf_model):
     )
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_bf16_greedy_draft_model_screens_its_head(device, tiny_llama_target, tiny_llama_draft, monkeypatch):
+    """A bfloat16 greedy ``draft_model`` drafts through its head's 8-bit screen, built at load
+    (not for probabilistic drafting): the same drafts as the unscreened head's, so the same
+    tokens and accepted counts (on the GPU, from the kernels in the CUDA graphs)."""
+    from specula.api.runtime_config import RuntimeConfig, SpeculatorRuntimeConfig
+    from specula.runtime.engine.llm_engine import LLMEngine
+    from specula.runtime.spec_decode import draft_model
+    from specula.runtime.worker import model_runner
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+
+    def build(sample: str = "greedy"):
+        spec = SpeculatorRuntimeConfig(method="draft_model", model=f"file://{tiny_llama_draft}",
+                                       num_speculative_tokens=4, draft_sample_method=sample)
+        config = RuntimeConfig(model=f"file://{tiny_llama_target}", dtype="bfloat16", max_num_seqs=3,
+                               speculator=spec)
+        return LLMEngine.from_config(config, device=device)
+
+    calls = []
+    screened = model_runner.screened_argmax
+    monkeypatch.setattr(model_runner, "screened_argmax", lambda *a: calls.append(1) or screened(*a))
+    prompts = _prompts(320, seed=13)  # the tiny vocabulary
+    runs = []
+    for screen in (True, False):
+        if not screen:
+            monkeypatch.setattr(draft_model, "screen_weight", lambda weight: None)
+        calls.clear()
+        engine = build()
+        head = engine.speculator.model.lm_head_screen
+        assert (head is not None and head[0].dtype == torch.int8) == screen
+        got = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
+        assert bool(calls) == screen  # on the GPU, at capture
+        runs.append((got, engine.spec_decoding_stats.num_accepted_tokens))
+    assert runs[0] == runs[1] and runs[0][1] > 0
+    assert build("probabilistic").speculator.model.lm_head_screen is None
+
+
 def test_without_speculator_equals_hf_generate(tiny_llama_target, hf_model, make_engine):
     hf = hf_model(tiny_llama_target)
     prompts = _prompts(hf.config.vocab_size, seed=12)

@@ -121,13 +121,14 @@ def _gemv_kernel(
     split_ptr,  # SPLIT_K > 1: [num_programs, SPLIT_K, (2,) BLOCK_M, BLOCK_N] float32 partials
     count_ptr,  # SPLIT_K > 1: [>= num_programs] int32 zeros, arrivals per column tile
     next_ptr, next_lines,  # PREFETCH: the next weight, how many of its first 128-byte lines
+    aux_ptr,  # SCREEN: [2, N] float32, the int8 rows' scales and error bounds
     M, N, K, stride_ym, stride_xm, stride_wn,
     up_offset,  # SILU_MUL: N * stride_wn, the up rows' offset
     stride_res, num_parts, eps,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
     SILU_MUL: tl.constexpr, ARGMAX: tl.constexpr, RESIDUAL: tl.constexpr, SQUARES: tl.constexpr,
     RMS: tl.constexpr, BLOCK_P: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr,
-    PREFETCH: tl.constexpr,
+    PREFETCH: tl.constexpr, SCREEN: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
     pid = tl.program_id(0)
@@ -144,7 +145,7 @@ def _gemv_kernel(
         w_mask = (offs_n[None, :] < N) & (k0 + offs_k[:, None] < K)
         w = _load_weight(w_ptrs, w_mask, EVEN)
         x = tl.load(x_ptrs, mask=(offs_m[:, None] < M) & (k0 + offs_k[None, :] < K), other=0.0)
-        acc = tl.dot(x, w, acc)  # [BLOCK_M, BLOCK_K] @ [BLOCK_K, BLOCK_N]
+        acc = tl.dot(x, w.to(x.dtype), acc)  # [BLOCK_M, BLOCK_K] @ [BLOCK_K, BLOCK_N]; SCREEN: int8 w
         if SILU_MUL:
             acc_up = tl.dot(x, _load_weight(w_ptrs + up_offset, w_mask, EVEN), acc_up)
         x_ptrs += BLOCK_K
@@ -170,6 +171,17 @@ def _gemv_kernel(
                 acc += tl.load(part, cache_modifier=".cg")
                 if SILU_MUL:
                     acc_up += tl.load(part + BLOCK_M * BLOCK_N, cache_modifier=".cg")
+    if SCREEN:  # int8 rows: the scaled products plus and minus ||x|| times the rows' bounds
+        sum_sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            xs = tl.load(x_ptr + offs_m[:, None] * stride_xm + k0 + offs_k[None, :],
+                         mask=(offs_m[:, None] < M) & (k0 + offs_k[None, :] < K), other=0.0).to(tl.float32)
+            sum_sq += tl.sum(xs * xs, axis=1)
+        n_ok = offs_n < N
+        bound = tl.sqrt(sum_sq)[:, None] * tl.load(aux_ptr + N + offs_n, mask=n_ok, other=0.0)[None, :]
+        acc = acc * tl.load(aux_ptr + offs_n, mask=n_ok, other=0.0)[None, :] + bound
+        lower = tl.where(n_ok[None, :], acc - 2 * bound, float("-inf"))
+        tl.store(part_max_ptr + offs_m * tl.num_programs(0) + pid, tl.max(lower, axis=1), mask=offs_m < M)
     if last:
         _gemv_epilogue(acc, acc_up, y_ptr, part_max_ptr, part_idx_ptr, res_ptr, rms_ptr, pid,
                        offs_m, offs_n, M, N, K, stride_ym, stride_res, num_parts, eps, BLOCK_M,
@@ -317,6 +329,7 @@ def gemv(
     *, silu_mul: bool = False, with_argmax: bool = False, residual: torch.Tensor | None = None,
     rms: tuple[torch.Tensor, float] | None = None, argmax_into: tuple[torch.Tensor, int] | torch.Tensor | None = None,
     sums_of_squares: bool = False, prefetch: torch.Tensor | None = None,
+    screen: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``x @ weight.T`` with the kernel, optionally with the module's epilogues.
 
@@ -347,6 +360,9 @@ def gemv(
             min(:data:`PREFETCH_MAX_BYTES`, ``weight`` bytes / :data:`PREFETCH_SHARE`)
             bytes of it, which stream while this launch's tail and the next launch's
             start leave the memory idle (CUDA devices of compute capability 9.0 and later).
+        screen: ``weight`` is int8, :func:`screen_weight`'s, and this its [2, N] float32 scales
+            and error bounds: return ([M, N] float32 upper bounds of the logits, [M, P] float32
+            each program's greatest lower bound per row) (:func:`screened_argmax`'s first pass).
 
     Returns:
         [M, N] in ``x.dtype`` (float32 accumulation); with ``with_argmax`` also the
@@ -357,7 +373,8 @@ def gemv(
             one of ``with_argmax``, ``silu_mul`` and ``residual`` asked for.
     """
     assert x.ndim == 2 and weight.ndim == 2 and x.shape[1] == weight.shape[1]
-    assert x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float16)
+    assert x.dtype == weight.dtype or screen is not None and weight.dtype == torch.int8
+    assert x.dtype in (torch.bfloat16, torch.float16)
     assert x.stride(1) == 1 and weight.stride(1) == 1
     squares = sums_of_squares or residual is not None
     assert silu_mul + with_argmax + squares <= 1, "one epilogue at a time"
@@ -379,7 +396,7 @@ def gemv(
             y = y if residual is None else y + residual
             return y, y.float().pow(2).sum(-1, keepdim=True)
         return y
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    y = torch.empty(m, n, dtype=x.dtype if screen is None else torch.float32, device=x.device)
     bm = block_m(m)
     tuned = CONFIGS.get(tuple(weight.shape), {})
     cfg = config or tuned.get(1 if m == 1 else bm) or tuned.get(bm, DEFAULT_CONFIG)
@@ -392,7 +409,7 @@ def gemv(
         grid * split_k * 2 * bm * block_n, dtype=torch.float32, device=x.device)
     parts = (torch.empty(m, grid, dtype=torch.float32, device=x.device),
              torch.empty(m, grid, dtype=torch.int32, device=x.device)) if with_argmax else (y, y)
-    if squares:
+    if squares or screen is not None:
         parts = (torch.empty(m, grid, dtype=torch.float32, device=x.device), y)
     sum_sq, eps = (y, 0.0) if rms is None else rms
     assert rms is None or (sum_sq.shape[0] == m and sum_sq.dtype == torch.float32
@@ -402,17 +419,17 @@ def gemv(
     _gemv_kernel[(grid, split_k)](
         y, x, weight, *parts, y if residual is None else residual, sum_sq, partials,
         partials if counts is None else counts, weight if prefetch is None else prefetch, lines,
-        m, n, k, y.stride(0), x.stride(0), weight.stride(0), n * weight.stride(0),
+        y if screen is None else screen, m, n, k, y.stride(0), x.stride(0), weight.stride(0), n * weight.stride(0),
         y.stride(0) if residual is None else residual.stride(0), sum_sq.shape[1], eps,
         BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k,
         EVEN=(k % block_k == 0 and n % block_n == 0), SILU_MUL=silu_mul, ARGMAX=with_argmax,
         RESIDUAL=residual is not None, SQUARES=squares, RMS=rms is not None,
         BLOCK_P=1 if rms is None else triton.next_power_of_2(sum_sq.shape[1]), SPLIT_K=split_k,
-        PDL=with_pdl, PREFETCH=lines > 0, num_warps=warps, num_stages=stages, launch_pdl=with_pdl,
+        PDL=with_pdl, PREFETCH=lines > 0, SCREEN=screen is not None, num_warps=warps, num_stages=stages, launch_pdl=with_pdl,
     )
     if with_argmax:
         return y, _merge_argmax(*parts, argmax_into)
-    return (y, parts[0]) if squares else y
+    return (y, parts[0]) if squares or screen is not None else y
 
 
 _SPLIT_COUNTS: dict[torch.device, torch.Tensor] = {}  # split-K arrivals per tile, 0 between
@@ -481,6 +498,94 @@ def linear_silu_and_mul(
     if bias is None and use_gemv(x, weight):
         return gemv(x, weight, silu_mul=True)
     return silu_and_mul(linear(x, weight, bias))
+
+
+SCREEN_CONFIG, RESCORE_COLUMNS = (128, 256, 8, 3), 1024
+""":func:`screened_argmax`'s int8 pass ``(BLOCK_N, BLOCK_K, num_warps, num_stages)`` (Llama-3.2-1B's
+head at one and two rows on an H100, ``bench/screened_argmax.py``) and its rescoring's columns a
+program."""
+
+
+@triton.jit
+def _rescore_kernel(
+    best_ptr, idx_ptr,  # [M, num_programs(0)] float32, int32: each program's best logit, its column
+    x_ptr, w_ptr,  # [M, K], [N, K]
+    up_ptr, low_ptr,  # [M, N] float32 upper bounds; [M, P] float32 greatest lower bounds a program
+    N, K, P, stride_xm, stride_wn,
+    BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, PDL: tl.constexpr,
+):
+    """:func:`screened_argmax`'s second pass over ``BLOCK_C`` columns of one row of ``x``: each
+    candidate's logit from its bf16 row, best first by upper bound, rounded to ``x``'s dtype."""
+    wait_for_previous_kernel(PDL)
+    row = tl.program_id(1).to(tl.int64)
+    dtype = x_ptr.dtype.element_ty
+    offs_p = tl.arange(0, BLOCK_P)
+    low = tl.load(low_ptr + row * P + offs_p, mask=offs_p < P, other=float("-inf"))
+    offs_c = tl.arange(0, BLOCK_C)
+    cols = tl.program_id(0) * BLOCK_C + offs_c
+    up = tl.load(up_ptr + row * N + cols, mask=cols < N, other=float("-inf"))
+    cand = up.to(dtype) >= tl.max(low, axis=0).to(dtype)
+    offs_k = tl.arange(0, BLOCK_K)
+    x = tl.load(x_ptr + row * stride_xm + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+    best, best_col = tl.full([], float("-inf"), tl.float32), N
+    while tl.max(cand.to(tl.int32), axis=0) > 0:
+        c = tl.argmax(tl.where(cand, up, float("-inf")), axis=0, tie_break_left=True)
+        col = tl.program_id(0) * BLOCK_C + c
+        w = tl.load(w_ptr + col.to(tl.int64) * stride_wn + offs_k, mask=offs_k < K, other=0.0)
+        v = tl.sum(w.to(tl.float32) * x, axis=0).to(dtype).to(tl.float32)
+        better = (v > best) | ((v == best) & (col < best_col))
+        best, best_col = tl.where(better, v, best), tl.where(better, col, best_col)
+        cand &= offs_c != c
+    tl.store(best_ptr + row * tl.num_programs(0) + tl.program_id(0), best)
+    tl.store(idx_ptr + row * tl.num_programs(0) + tl.program_id(0), best_col)
+
+
+def screen_weight(weight: torch.Tensor, rows: int = 8192) -> tuple[torch.Tensor, torch.Tensor]:
+    """An LM head's 8-bit copy for :func:`screened_argmax`: ``(q [V, K] int8, aux [2, V] float32)``,
+    each row of ``weight [V, K]`` rounded to multiples of ``aux[0]`` (its absolute maximum / 127),
+    and ``aux[1]`` a bound on ``|x . (w - aux[0] q)| / ||x||`` (Cauchy-Schwarz) with slack for
+    both passes' float32 sums: ``||w - aux[0] q|| (1 + 2^-10) + K 2^-21 ||w||``, four times their
+    worst case ``2 K 2^-24 ||x|| ||w||`` (Higham, "Accuracy and Stability of Numerical
+    Algorithms", 2nd ed., section 3.1). Half the head's bytes more (262 MB for Llama-3.2-1B's);
+    built ``rows`` rows at a time."""
+    q = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
+    aux = torch.empty(2, weight.shape[0], dtype=torch.float32, device=weight.device)
+    slack = weight.shape[1] * 2.0**-21
+    for i in range(0, weight.shape[0], rows):
+        w = weight[i : i + rows].float()
+        scale = w.abs().amax(1).clamp_min(1e-30) / 127
+        q[i : i + rows] = (w / scale[:, None]).round_().clamp_(-127, 127)
+        err = (w - q[i : i + rows].float() * scale[:, None]).norm(dim=1)
+        aux[0, i : i + rows], aux[1, i : i + rows] = scale, err * (1 + 2**-10) + w.norm(dim=1) * slack
+    return q, aux
+
+
+def screened_argmax(x: torch.Tensor, weight: torch.Tensor, screen: tuple[torch.Tensor, torch.Tensor],
+                    into: torch.Tensor | None = None) -> torch.Tensor:
+    """``linear_argmax(x, weight, into)[1]``, greedy tokens of an LM head (the first index of
+    each row's largest logit rounded to ``x.dtype``), mostly from its 8-bit copy ``screen``
+    (:func:`screen_weight`): a GEMV over ``q`` bounds every logit within ``||x||`` times its row's
+    bound; a second (:data:`RESCORE_COLUMNS` columns a program) reads only the ``weight`` rows
+    whose upper bound, rounded, reaches the greatest lower bound of their row of ``x``, rounded,
+    one at a time, and takes their argmax. Every row that can hold the rounded maximum passes
+    (rounding is monotone), so the tokens are the unscreened ones (up to float32 summation order,
+    as between any two GEMV configurations). ``K`` at most 8192.
+    Maximum inner product search's quantize-then-rerank (ScaNN's reordering, Guo et al., arXiv
+    1908.10396), exact by the bound. ``x``: [M, K]; ``into``: a contiguous [M] int64 tensor to
+    write to; returns [M] int64. On the torch reference: :func:`linear_argmax`."""
+    if x.shape[0] == 0 or use_reference(x):
+        return linear_argmax(x, weight, into)[1]
+    assert weight.shape[1] <= 8192 and weight.stride(1) == 1 and x.stride(1) == 1
+    upper, lower = gemv(x, screen[0], SCREEN_CONFIG, screen=screen[1])
+    (m, n), p = upper.shape, lower.shape[1]
+    grid = (triton.cdiv(n, RESCORE_COLUMNS), m)
+    best = torch.empty(m, grid[0], dtype=torch.float32, device=x.device)
+    cols = torch.empty(m, grid[0], dtype=torch.int32, device=x.device)
+    with_pdl = pdl(x)
+    _rescore_kernel[grid](best, cols, x, weight, upper, lower, n, x.shape[1], p, x.stride(0), weight.stride(0),
+                          BLOCK_C=RESCORE_COLUMNS, BLOCK_K=triton.next_power_of_2(x.shape[1]),
+                          BLOCK_P=triton.next_power_of_2(p), PDL=with_pdl, launch_pdl=with_pdl)
+    return _merge_argmax(best, cols, into)
 
 
 def linear_argmax(

@@ -87,6 +87,9 @@ class LlamaForCausalLM(nn.Module):
         ), "vocab", config.tensor_parallel_size)
         self.rotary = RotaryEmbedding.from_config(config, device)
         self._full_vocab: tuple[nn.Embedding, torch.Tensor] | None = None
+        self.lm_head_screen: tuple[torch.Tensor, torch.Tensor] | None = None
+        """The head's 8-bit copy for greedy tokens without logits (a greedy draft's), set by
+        its speculator (:func:`~specula.runtime.kernels.gemv.screen_weight`)."""
 
     @property
     def lm_head_weight(self) -> torch.Tensor:

@@ -7,6 +7,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
+from specula.runtime.kernels.gemv import screen_weight
 from specula.runtime.models.config import ModelConfig
 from specula.runtime.models.registry import load_model
 from specula.runtime.spec_decode.autoregressive import AutoRegressiveSpeculator
@@ -30,7 +31,11 @@ class PlainDraftModelSpeculator(AutoRegressiveSpeculator):
                              f"{self.vocab_size}: draft and target must share the tokenizer's "
                              "vocabulary")
         config = replace(config, tensor_parallel_size=self.tensor_parallel_size)
-        return load_model(self.draft_dir, self.dtype, self.device, config, self.load_format)
+        model = load_model(self.draft_dir, self.dtype, self.device, config, self.load_format)
+        if (hasattr(model, "lm_head_screen") and self.tensor_parallel_size == 1 and not self.keeps_draft_probs
+                and self.dtype in (torch.bfloat16, torch.float16)):
+            model.lm_head_screen = screen_weight(model.lm_head_weight)  # greedy drafts, exact
+        return model
 
     def build_runner(self, kv_cache, max_model_len: int):
         return create_model_runner(self.model, kv_cache, max_model_len)

@@ -36,6 +36,7 @@ from specula.runtime.kernels.gemv import (
     linear,
     linear_argmax,
     linear_silu_and_mul,
+    screened_argmax,
     use_gemv,
 )
 from specula.runtime.kernels.layernorm import fused_add_rms_norm, rms_norm
@@ -423,8 +424,12 @@ class ModelRunner:
         """[num_positions, hidden_size] -> ``(logits [num_positions, vocab_size] in the model's
         dtype, greedy tokens [num_positions] int64)``: the LM head with the argmax fused in
         (:func:`~specula.runtime.kernels.gemv.linear_argmax`). Sharded, the logits are gathered,
-        or without ``need_logits`` only each rank's best token (the logits then ``None``).
+        or without ``need_logits`` only each rank's best token (the logits then ``None``; from
+        the model's ``lm_head_screen`` where set: :func:`~specula.runtime.kernels.gemv.screened_argmax`).
         ``into``: a contiguous [num_positions] int64 tensor to write the tokens to (and return)."""
+        screen = None if need_logits else getattr(self.model, "lm_head_screen", None)
+        if screen is not None:
+            return None, screened_argmax(hidden, self.model.lm_head_weight, screen, into)
         if self.config.tensor_parallel_size == 1:
             return linear_argmax(hidden, self.model.lm_head_weight, into)
         logits = self.model.vocab_logits(hidden) if need_logits else None

@@ -575,6 +575,39 @@ def test_gemv_epilogues(interpreted):
     interpreted(check_gemv_epilogues)
 
 
+def check_screened_argmax() -> None:
+    """The int8 pass bounds every logit (against float64) and leaves few candidates on random
+    rows; the tokens are the first argmax of the logits rounded to float16, also where rows tie
+    (the first wins) and where many nearly tie (float16: the interpreter has no bfloat16 dot;
+    the GPU test takes bfloat16)."""
+    from specula.runtime.kernels.gemv import SCREEN_CONFIG, gemv, screen_weight, screened_argmax
+
+    gen = torch.Generator().manual_seed(7)
+    for m, n, k in ((1, 300, 200), (3, 2100, 136)):
+        x = torch.randn(m, k, generator=gen).half()
+        w = (torch.randn(n, k, generator=gen) * 0.05).half()
+        q, aux = screen_weight(w, rows=128)
+        upper, lower = gemv(x, q, SCREEN_CONFIG, screen=aux)
+        exact = x.double() @ w.double().T
+        assert (upper.double() >= exact).all() and (upper.double() - 2 * aux[1].double()
+                                                    * x.double().norm(dim=1, keepdim=True) <= exact).all()
+        threshold = lower.amax(1, keepdim=True)
+        assert ((upper.half() >= threshold.half()).sum(1) < n // 20).all()
+        assert torch.equal(screened_argmax(x, w, (q, aux)), exact.half().argmax(-1))
+        # Ties: the best row copied to a lower index; near-ties: scaled copies of it.
+        best = int(exact[0].argmax())
+        w[best // 2] = w[best]
+        w[best // 2 + 1 : best // 2 + 30] = w[best] * (1 - 2 ** -9 * torch.rand(29, 1, generator=gen)).half()
+        ref = (x.double() @ w.double().T).half().argmax(-1)
+        into = torch.empty(m, dtype=torch.int64)
+        assert screened_argmax(x, w, screen_weight(w), into) is into and torch.equal(into, ref)
+        assert int(ref[0]) == best // 2
+
+
+def test_screened_argmax(interpreted):
+    interpreted(check_screened_argmax)
+
+
 def check_gemv_folded_norm_epilogues() -> None:
     from specula.runtime.kernels.gemv import fold_norm_weight, gemv
     from specula.runtime.kernels.layernorm import fused_add_rms_norm, rms_norm
