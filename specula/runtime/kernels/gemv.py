@@ -145,7 +145,7 @@ def _gemv_kernel(
         w_mask = (offs_n[None, :] < N) & (k0 + offs_k[:, None] < K)
         w = _load_weight(w_ptrs, w_mask, EVEN)
         x = tl.load(x_ptrs, mask=(offs_m[:, None] < M) & (k0 + offs_k[None, :] < K), other=0.0)
-        acc = tl.dot(x, w.to(x.dtype), acc)  # [BLOCK_M, BLOCK_K] @ [BLOCK_K, BLOCK_N]; SCREEN: int8 w
+        acc = tl.dot(x, w.to(x.dtype), acc)  # [BLOCK_M, BLOCK_K] @ [BLOCK_K, BLOCK_N]; w int8: SCREEN
         if SILU_MUL:
             acc_up = tl.dot(x, _load_weight(w_ptrs + up_offset, w_mask, EVEN), acc_up)
         x_ptrs += BLOCK_K
@@ -174,14 +174,14 @@ def _gemv_kernel(
     if SCREEN:  # int8 rows: the scaled products plus and minus ||x|| times the rows' bounds
         sum_sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            xs = tl.load(x_ptr + offs_m[:, None] * stride_xm + k0 + offs_k[None, :],
-                         mask=(offs_m[:, None] < M) & (k0 + offs_k[None, :] < K), other=0.0).to(tl.float32)
+            xs = tl.load(x_ptr + offs_m[:, None] * stride_xm + k0 + offs_k[None, :], mask=(
+                offs_m[:, None] < M) & (k0 + offs_k[None, :] < K), other=0.0).to(tl.float32)
             sum_sq += tl.sum(xs * xs, axis=1)
         n_ok = offs_n < N
         bound = tl.sqrt(sum_sq)[:, None] * tl.load(aux_ptr + N + offs_n, mask=n_ok, other=0.0)[None, :]
         acc = acc * tl.load(aux_ptr + offs_n, mask=n_ok, other=0.0)[None, :] + bound
-        lower = tl.where(n_ok[None, :], acc - 2 * bound, float("-inf"))
-        tl.store(part_max_ptr + offs_m * tl.num_programs(0) + pid, tl.max(lower, axis=1), mask=offs_m < M)
+        lower = tl.max(tl.where(n_ok[None, :], acc - 2 * bound, float("-inf")), axis=1)
+        tl.store(part_max_ptr + offs_m * tl.num_programs(0) + pid, lower, mask=offs_m < M)
     if last:
         _gemv_epilogue(acc, acc_up, y_ptr, part_max_ptr, part_idx_ptr, res_ptr, rms_ptr, pid,
                        offs_m, offs_n, M, N, K, stride_ym, stride_res, num_parts, eps, BLOCK_M,
@@ -419,13 +419,15 @@ def gemv(
     _gemv_kernel[(grid, split_k)](
         y, x, weight, *parts, y if residual is None else residual, sum_sq, partials,
         partials if counts is None else counts, weight if prefetch is None else prefetch, lines,
-        y if screen is None else screen, m, n, k, y.stride(0), x.stride(0), weight.stride(0), n * weight.stride(0),
+        y if screen is None else screen, m, n, k, y.stride(0), x.stride(0), weight.stride(0),
+        n * weight.stride(0),
         y.stride(0) if residual is None else residual.stride(0), sum_sq.shape[1], eps,
         BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k,
         EVEN=(k % block_k == 0 and n % block_n == 0), SILU_MUL=silu_mul, ARGMAX=with_argmax,
         RESIDUAL=residual is not None, SQUARES=squares, RMS=rms is not None,
         BLOCK_P=1 if rms is None else triton.next_power_of_2(sum_sq.shape[1]), SPLIT_K=split_k,
-        PDL=with_pdl, PREFETCH=lines > 0, SCREEN=screen is not None, num_warps=warps, num_stages=stages, launch_pdl=with_pdl,
+        PDL=with_pdl, PREFETCH=lines > 0, SCREEN=screen is not None, num_warps=warps,
+        num_stages=stages, launch_pdl=with_pdl,
     )
     if with_argmax:
         return y, _merge_argmax(*parts, argmax_into)
@@ -556,12 +558,13 @@ def screen_weight(weight: torch.Tensor, rows: int = 8192) -> tuple[torch.Tensor,
         scale = w.abs().amax(1).clamp_min(1e-30) / 127
         q[i : i + rows] = (w / scale[:, None]).round_().clamp_(-127, 127)
         err = (w - q[i : i + rows].float() * scale[:, None]).norm(dim=1)
-        aux[0, i : i + rows], aux[1, i : i + rows] = scale, err * (1 + 2**-10) + w.norm(dim=1) * slack
+        aux[:, i : i + rows] = torch.stack([scale, err * (1 + 2**-10) + w.norm(dim=1) * slack])
     return q, aux
 
 
-def screened_argmax(x: torch.Tensor, weight: torch.Tensor, screen: tuple[torch.Tensor, torch.Tensor],
-                    into: torch.Tensor | None = None) -> torch.Tensor:
+def screened_argmax(
+    x: torch.Tensor, weight: torch.Tensor, screen: tuple[torch.Tensor, torch.Tensor], into=None
+) -> torch.Tensor:
     """``linear_argmax(x, weight, into)[1]``, greedy tokens of an LM head (the first index of
     each row's largest logit rounded to ``x.dtype``), mostly from its 8-bit copy ``screen``
     (:func:`screen_weight`): a GEMV over ``q`` bounds every logit within ``||x||`` times its row's
@@ -582,9 +585,9 @@ def screened_argmax(x: torch.Tensor, weight: torch.Tensor, screen: tuple[torch.T
     best = torch.empty(m, grid[0], dtype=torch.float32, device=x.device)
     cols = torch.empty(m, grid[0], dtype=torch.int32, device=x.device)
     with_pdl = pdl(x)
-    _rescore_kernel[grid](best, cols, x, weight, upper, lower, n, x.shape[1], p, x.stride(0), weight.stride(0),
-                          BLOCK_C=RESCORE_COLUMNS, BLOCK_K=triton.next_power_of_2(x.shape[1]),
-                          BLOCK_P=triton.next_power_of_2(p), PDL=with_pdl, launch_pdl=with_pdl)
+    _rescore_kernel[grid](best, cols, x, weight, upper, lower, n, x.shape[1], p, x.stride(0),
+                          weight.stride(0), BLOCK_C=RESCORE_COLUMNS, BLOCK_P=triton.next_power_of_2(p),
+                          BLOCK_K=triton.next_power_of_2(x.shape[1]), PDL=with_pdl, launch_pdl=with_pdl)
     return _merge_argmax(best, cols, into)
 
 

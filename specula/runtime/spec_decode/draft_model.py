@@ -32,9 +32,9 @@ class PlainDraftModelSpeculator(AutoRegressiveSpeculator):
                              "vocabulary")
         config = replace(config, tensor_parallel_size=self.tensor_parallel_size)
         model = load_model(self.draft_dir, self.dtype, self.device, config, self.load_format)
-        if (hasattr(model, "lm_head_screen") and self.tensor_parallel_size == 1 and not self.keeps_draft_probs
-                and self.dtype in (torch.bfloat16, torch.float16)):
-            model.lm_head_screen = screen_weight(model.lm_head_weight)  # greedy drafts, exact
+        greedy = not self.keeps_draft_probs and self.dtype in (torch.bfloat16, torch.float16)
+        if hasattr(model, "lm_head_screen") and self.tensor_parallel_size == 1 and greedy:
+            model.lm_head_screen = screen_weight(model.lm_head_weight)  # exact greedy drafts
         return model
 
     def build_runner(self, kv_cache, max_model_len: int):
