@@ -61,10 +61,8 @@ class InputBatch:
         """[max_num_reqs] how many leading drafts are real (n-gram drafts may be short)."""
         self.draft_probs = torch.zeros(r, k, vocab_size, **f32) if keep_draft_probs else None
         """[max_num_reqs, k_max, vocab_size] float32 distributions of sampled drafts."""
-        self.temperature = torch.zeros(r, **f32)
-        self.top_p = torch.ones(r, **f32)
-        self.top_k = torch.zeros(r, **i64)
-        self.seeds = torch.zeros(r, **i64)
+        self.temperature, self.top_p = torch.zeros(r, **f32), torch.ones(r, **f32)
+        self.top_k, self.seeds = torch.zeros(r, **i64), torch.zeros(r, **i64)
         self.token_ids = None if token_capacity is None else torch.zeros(r, token_capacity, **i64)
         """[max_num_reqs, token_capacity] prompt and output tokens, when kept."""
         self.num_tokens = torch.zeros(r, **i64)

@@ -122,29 +122,27 @@ class LLMEngine(SpeculativeSettings):
             the one it launched. Default: on for CUDA, off on a CPU.
 
     Raises:
-        ValueError: an unknown ``load_format``; ``max_model_len`` above the target's
-            limit; an architecture no paged runner serves (the message names it); a draft
-            that does not fit the target (names the field and both values); a KV cache too
-            small for one request of ``max_model_len`` tokens; ``tensor_parallel_size``
-            other than the group's size, a target it cannot shard (names the field and
-            both values), ``draft_tensor_parallel_size`` other than 1 or
-            ``tensor_parallel_size``, or a sharded draft the method cannot shard (only
+        ValueError: an unknown ``load_format``; ``max_model_len`` above the target's limit; an
+            architecture no paged runner serves (the message names it); a draft that does not fit
+            the target (names the field and both values); a KV cache too small for one request of
+            ``max_model_len`` tokens; ``tensor_parallel_size`` other than the group's size, a target
+            it cannot shard (names the field and both values), ``draft_tensor_parallel_size`` other
+            than 1 or ``tensor_parallel_size``, or a sharded draft the method cannot shard (only
             ``draft_model`` drafts can).
         UnsupportedSpeculatorMethod: the speculator method is not implemented.
         FileNotFoundError: a checkpoint is missing.
     """
 
-    def __init__(
-        self, target_dir: Path, tokenizer: Any, *, served_model_name: str,
-        speculator_config: SpeculatorRuntimeConfig | None = None, dtype: str = "auto",
-        max_model_len: int | None = None, max_num_seqs: int = 32,
-        device: str | torch.device = "cpu", block_size: int = 16, num_gpu_blocks: int | None = None,
-        gpu_memory_utilization: float = 0.9, max_num_batched_tokens: int | None = None,
-        enforce_eager: bool = False, tensor_parallel_size: int = 1, load_format: str = "auto",
-        synthetic_acceptance_rate: float | None = None,
-        cudagraph_capture_sizes: list[int] | None = None, enable_prefix_caching: bool = True,
-        async_scheduling: bool | None = None,
-    ) -> None:
+    def __init__(self, target_dir: Path, tokenizer: Any, *, served_model_name: str,
+                 speculator_config: SpeculatorRuntimeConfig | None = None, dtype: str = "auto",
+                 max_model_len: int | None = None, max_num_seqs: int = 32,
+                 device: str | torch.device = "cpu", block_size: int = 16,
+                 num_gpu_blocks: int | None = None, gpu_memory_utilization: float = 0.9,
+                 max_num_batched_tokens: int | None = None, enforce_eager: bool = False,
+                 tensor_parallel_size: int = 1, load_format: str = "auto",
+                 synthetic_acceptance_rate: float | None = None,
+                 cudagraph_capture_sizes: list[int] | None = None,
+                 enable_prefix_caching: bool = True, async_scheduling: bool | None = None) -> None:
         if load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format {load_format!r} is not one of {LOAD_FORMATS}")
         parallel = get_parallel()
@@ -159,8 +157,7 @@ class LLMEngine(SpeculativeSettings):
                 f"({tensor_parallel_size})")
         self.tensor_parallel_size = tensor_parallel_size
         self._commands: list[tuple[str, tuple, dict]] | None = (
-            [] if tensor_parallel_size > 1 and parallel.rank == 0 else None
-        )
+            [] if tensor_parallel_size > 1 and parallel.rank == 0 else None)
         """Rank 0 of several: the calls the other ranks replay before the next step."""
         self.device = torch.device(device)
         self.tokenizer = tokenizer
@@ -198,8 +195,7 @@ class LLMEngine(SpeculativeSettings):
                 load_format=load_format)
         spec = self.speculator
         self.aux_hidden_state_layers: tuple[int, ...] = (
-            model.check_aux_hidden_state_layers(spec.aux_hidden_state_layers) if spec else ()
-        )
+            model.check_aux_hidden_state_layers(spec.aux_hidden_state_layers) if spec else ())
         self.num_lookahead_tokens = spec.num_lookahead_tokens(max_k) if spec else 0
         # Positions reach the context, a verification (k + 1) and the drafts after it.
         runner_len = self.max_model_len + max_k + 1 + self.num_lookahead_tokens
@@ -242,8 +238,7 @@ class LLMEngine(SpeculativeSettings):
         if self.device.type == "cuda" and not enforce_eager:
             self.graphs = CUDAGraphManager(
                 self.runner, max_num_seqs, list(range(1, max_k + 2)),  # query tokens: 1 or k + 1
-                capture_sizes=cudagraph_capture_sizes, aux_layer_ids=self.aux_hidden_state_layers,
-            )
+                capture_sizes=cudagraph_capture_sizes, aux_layer_ids=self.aux_hidden_state_layers)
             states = self.graphs.capture()
             if spec is not None:
                 spec.capture(states)
@@ -252,9 +247,8 @@ class LLMEngine(SpeculativeSettings):
         """``k`` -> [max_num_seqs] int32 inclusive cumulative counts of ``k`` drafts each."""
         self._draft_k = 0
         """The k of the drafts the running requests hold (0: they decode one token)."""
-        self.async_scheduling = (
-            self.device.type == "cuda" if async_scheduling is None else async_scheduling
-        )
+        self.async_scheduling = (self.device.type == "cuda" if async_scheduling is None
+                                 else async_scheduling)
         self._in_flight: _Launched | None = None
         """The last launched step, its tokens not read yet (asynchronous scheduling only)."""
         self._batch_cache: tuple[Any, ...] = (None, None, None)
@@ -384,9 +378,8 @@ class LLMEngine(SpeculativeSettings):
             self._commands = None
             destroy_parallel()
 
-    def generate(
-        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
-    ) -> list[list[int]]:
+    def generate(self, prompts: list[list[int]],
+                 params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
         """Run ``prompts`` to completion (batched) and return each one's output tokens, with no
         step left in flight when nothing else is queued."""
         params_list = params if isinstance(params, list) else [params] * len(prompts)
@@ -517,8 +510,7 @@ class LLMEngine(SpeculativeSettings):
                 descriptor=descriptor, hidden_states=hidden, aux_hidden_states=aux,
                 cu_num_draft_tokens=cu_num_draft_tokens, num_accepted=num_accepted,
                 next_token_ids=next_tokens, next_positions=committed, sampling=sampling,
-                num_speculative_tokens=k_next,
-            ))
+                num_speculative_tokens=k_next))
             if draft is None:
                 k_next = 0
             else:
@@ -537,8 +529,7 @@ class LLMEngine(SpeculativeSettings):
     def _output_logprobs(
         self, requests: list[Request], first_row: int, logits: torch.Tensor,
         sampling: SamplingMetadata, tokens: torch.Tensor, num_top: int | None,
-        parts: list[torch.Tensor], rows: list[tuple[int, bool, int]],
-    ) -> None:
+        parts: list[torch.Tensor], rows: list[tuple[int, bool, int]]) -> None:
         """Queue the log-probabilities of ``tokens [n, P]``, sampled from ``logits [n * P,
         vocab_size]``, of the ``requests`` (batch positions ``first_row ..``) that asked."""
         asked = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
@@ -552,8 +543,7 @@ class LLMEngine(SpeculativeSettings):
     def _prompt_logprobs(
         self, prefill: list[Request], nd: int, sampling: SamplingMetadata, hidden: torch.Tensor,
         query_lens: list[int], num_top: int | None, parts: list[torch.Tensor],
-        rows: list[tuple[int, bool, int]],
-    ) -> None:
+        rows: list[tuple[int, bool, int]]) -> None:
         """Queue the prompt log-probabilities due: from the logits at every prompt position
         but the last (``hidden``: the prefills' rows of the forward)."""
         start = 0
@@ -585,8 +575,7 @@ class LLMEngine(SpeculativeSettings):
             top = params.prompt_logprobs if is_prompt else params.logprobs
             logprobs[i, is_prompt] = [
                 TokenLogprobs(row[0], [(int(row[1 + num_top + t]), row[1 + t]) for t in range(top)])
-                for row in values[start : start + count]
-            ]
+                for row in values[start : start + count]]
             start += count
         outputs = []
         for i, request in enumerate(step.batch):
@@ -606,8 +595,7 @@ class LLMEngine(SpeculativeSettings):
                 request.request_id, new, request.finished, request.finish_reason,
                 request.stop_reason,
                 logprobs=logprobs[i, False][: len(new)] if (i, False) in logprobs else None,
-                prompt_logprobs=[None, *logprobs[i, True]] if (i, True) in logprobs else None,
-            ))
+                prompt_logprobs=[None, *logprobs[i, True]] if (i, True) in logprobs else None))
         if not self.async_scheduling:
             # ``step``'s drafts were proposed before the host knew which requests finish;
             # the next step verifies no more of them than its own batch size asks for.

@@ -67,9 +67,8 @@ class SamplingMetadata:
         return self.temperature == 0.0
 
     @classmethod
-    def from_params(
-        cls, params: Sequence[SamplingParams], seeds: Sequence[int], device: torch.device
-    ) -> SamplingMetadata:
+    def from_params(cls, params: Sequence[SamplingParams], seeds: Sequence[int],
+                    device: torch.device) -> SamplingMetadata:
         """Build the tensors from the host (tests and references; the engine gathers
         them from :class:`~specula.runtime.engine.input_batch.InputBatch`)."""
         return cls(temperature=torch.tensor([p.temperature for p in params], device=device),

@@ -18,11 +18,10 @@ from specula.runtime.engine.sampler import (
 from specula.runtime.kernels.rejection_sampler import rejection_sample
 
 
-def verify(
-    input_batch: InputBatch, logits: torch.Tensor | None, idx: torch.Tensor, k: int,
-    cu: torch.Tensor, sampling: SamplingMetadata, keys: torch.Tensor,
-    synthetic_acceptance_rate: float | None, argmax: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def verify(input_batch: InputBatch, logits: torch.Tensor | None, idx: torch.Tensor, k: int,
+           cu: torch.Tensor, sampling: SamplingMetadata, keys: torch.Tensor,
+           synthetic_acceptance_rate: float | None,
+           argmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Verify the ``k`` drafts of the requests at rows ``idx`` of ``input_batch``.
 
     Args:
@@ -54,5 +53,4 @@ def verify(
     return rejection_sample(
         drafts, cu, argmax, k, is_greedy=sampling.is_greedy, draft_probs=draft_probs,
         target_probs=probs, uniform_samples=u,
-        exponential_noise=random_exponential(sampling.seeds, keys, STREAM_TARGET, vocab),
-    )
+        exponential_noise=random_exponential(sampling.seeds, keys, STREAM_TARGET, vocab))

@@ -115,10 +115,9 @@ def _all_reduce_add_rms_norm_kernel(
         tl.debug_barrier()  # every thread read the parities before any is flipped
 
 
-def all_reduce_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-    buffers: torch.Tensor, launches: torch.Tensor, rank: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                            eps: float, buffers: torch.Tensor, launches: torch.Tensor,
+                            rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``stream = sum over ranks(x) + residual``; ``(rms_norm(stream) * weight, stream)``
     in one kernel (as :func:`~specula.runtime.kernels.layernorm.fused_add_rms_norm`).
     Collective: every rank calls it with ``x`` of the same shape, in the same order.

@@ -86,11 +86,10 @@ def prepare_draft_inputs(
 
     Returns:
         ``(draft_input_ids [num_tokens] int64, draft_positions [num_tokens] int64,
-        last_token_indices [num_reqs] int64)``: request ``i``'s slot ``j`` holds its target
-        input at ``j + 1`` up to its last valid slot ``last_token_indices[i] =
-        query_start_loc[i + 1] - 1 - (num_draft_i - num_accepted[i])``, which holds
-        ``next_token_ids[i]`` (as do the rejected slots after it); positions are the
-        target's.
+        last_token_indices [num_reqs] int64)``: request ``i``'s slot ``j`` holds its target input at
+        ``j + 1`` up to its last valid slot ``last_token_indices[i] = query_start_loc[i + 1] - 1 -
+        (num_draft_i - num_accepted[i])``, which holds ``next_token_ids[i]`` (as do the rejected
+        slots after it); positions are the target's.
 
     Raises:
         AssertionError: shapes, dtypes or layouts do not match the above.
@@ -113,13 +112,11 @@ def prepare_draft_inputs(
     if num_reqs > 0 and use_reference(input_ids):
         ids[:num_tokens], pos[:num_tokens], last[:num_reqs] = prepare_draft_inputs_reference(
             input_ids, positions, query_start_loc, cu_num_draft_tokens, num_accepted,
-            next_token_ids,
-        )
+            next_token_ids)
     elif num_reqs > 0:
         _prepare_draft_inputs_kernel[(num_reqs,)](
             ids, pos, last, input_ids, positions, query_start_loc, cu_num_draft_tokens,
-            num_accepted, next_token_ids, BLOCK=_BLOCK, enable_fp_fusion=True,
-        )
+            num_accepted, next_token_ids, BLOCK=_BLOCK, enable_fp_fusion=True)
     return ids, pos, last
 
 
@@ -190,18 +187,14 @@ def draft_step_slots(
 
     Args:
         positions: [num_reqs, q] int64, each request's consecutive positions.
-        valid: [num_reqs] bool; False marks a padding row (writes nothing, attends to
-            nothing).
-        block_table: [>= num_reqs, max_blocks_per_req] int32, row ``i`` request ``i``'s
-            blocks.
+        valid: [num_reqs] bool; False marks a padding row (writes nothing, attends to nothing).
+        block_table: [>= num_reqs, max_blocks_per_req] int32, row ``i`` request ``i``'s blocks.
         block_size: tokens per KV block.
-        writes_kv: False: every slot is -1 and a request's sequence length is
-            ``positions[:, -1]``.
+        writes_kv: False: every slot is -1 and a request's sequence length is ``positions[:, -1]``.
 
     Returns:
-        ``(slot_mapping [num_reqs * q] int64, seq_lens [num_reqs] int32)``: the slot of
-        each position (-1 on padding rows) and ``positions[:, -1] + 1`` (0 on padding
-        rows).
+        ``(slot_mapping [num_reqs * q] int64, seq_lens [num_reqs] int32)``: the slot of each
+        position (-1 on padding rows) and ``positions[:, -1] + 1`` (0 on padding rows).
 
     Raises:
         AssertionError: shapes or dtypes do not match the above.
@@ -255,11 +248,8 @@ def _launch(positions, valid, block_table, block_size, steps, shift, writes_kv):
         _draft_step_slots_kernel[(r, steps)](
             slots, seq_lens, out_positions, positions, flags, block_table, block_table.stride(0), q,
             shift, BLOCK_SIZE=block_size, BLOCK_Q=triton.next_power_of_2(q), WRITES_KV=writes_kv,
-            HAS_VALID=valid is not None,
-        )
-    if valid is not None:
-        return None, slots[0], seq_lens[0]
-    return out_positions, slots, seq_lens
+            HAS_VALID=valid is not None)
+    return (None, slots[0], seq_lens[0]) if valid is not None else (out_positions, slots, seq_lens)
 
 
 def draft_steps_reference(
@@ -281,6 +271,4 @@ def draft_steps_reference(
     else:
         slots, lens = torch.full_like(step_pos, -1), torch.where(valid, last, 0)
     slots, lens = slots.reshape(steps, r * q), lens.to(torch.int32)
-    if given:
-        return None, slots[0], lens[0]
-    return step_pos.reshape(steps, r * q), slots, lens
+    return (None, slots[0], lens[0]) if given else (step_pos.reshape(steps, r * q), slots, lens)

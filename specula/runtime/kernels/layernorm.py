@@ -61,9 +61,8 @@ def _rms_norm_kernel(
     tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, *, gemma: bool = False
-) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *,
+             gemma: bool = False) -> torch.Tensor:
     """RMSNorm of each row.
 
     Args:

@@ -22,11 +22,10 @@ https://crfm.stanford.edu/2023/10/12/flashdecoding.html): each split writes a pa
 log-sum-exp, and a second kernel merges them, so a batch-1 decode still fills the GPU. Online
 softmax as in FlashAttention (arXiv 2205.14135), in base 2.
 
-With ``new_kv`` the step's keys and values are not in the cache yet: the kernel rotates
-the query tile (RoFormer, arXiv 2104.09864, as :mod:`~.rotary`), the last split of each
-KV head attends to the rotated new keys straight from the qkv output and writes them to
-the cache, in place of a rotary kernel before it (up to four programs per SM; past that the
-rotary kernel runs first).
+With ``new_kv`` the step's keys and values are not in the cache yet: the kernel rotates the query
+tile (RoFormer, arXiv 2104.09864, as :mod:`~.rotary`), the last split of each KV head attends to the
+rotated new keys straight from the qkv output and writes them to the cache, in place of a rotary
+kernel before it (up to four programs per SM; past that the rotary kernel runs first).
 """
 
 from __future__ import annotations
@@ -226,8 +225,7 @@ def _merge_splits_kernel(
     PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
-    token = tl.program_id(0)
-    head = tl.program_id(1)
+    token, head = tl.program_id(0), tl.program_id(1)
     row = token.to(tl.int64) * num_heads + head
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
@@ -253,9 +251,8 @@ def _block_n(block_m: int, block_d: int, itemsize: int, device: torch.device, sp
     device's shared memory (Gemma4's 512-wide heads). The estimate, fitted to Triton 3.6 on an H100:
     ``block_d * itemsize`` bytes per query row and per key and value row (twice for 16-bit keys and
     values, double-buffered), the ``[block_m, block_n]`` score tiles, and 8 KiB of slack."""
-    limit = _HOPPER_SMEM_BYTES
-    if device.type == "cuda":
-        limit = torch.cuda.get_device_properties(device).shared_memory_per_block_optin
+    limit = (torch.cuda.get_device_properties(device).shared_memory_per_block_optin
+             if device.type == "cuda" else _HOPPER_SMEM_BYTES)
     per_key = 4 if itemsize == 2 else 2
     for block_n in (_BLOCK_N, _BLOCK_N // 2)[int(split):]:
         tiles = itemsize * block_d * (block_m + per_key * block_n) + 8 * block_m * block_n
@@ -269,28 +266,25 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
-def default_num_splits(
-    num_reqs: int, num_kv_heads: int, num_m_blocks: int, max_context: int, device: torch.device
-) -> int:
+def default_num_splits(num_reqs: int, num_kv_heads: int, num_m_blocks: int, max_context: int,
+                       device: torch.device) -> int:
     """How many programs share one request's context: as many as keep the launch within
     two programs per SM (rounded down: at 256 (request, KV head) programs on an H100 one
     split beats two by 4 us a layer, ``bench/attention.py``), but no split shorter than
     ``_MIN_TOKENS_PER_SPLIT`` keys of ``max_context``.
 
     A pure function of host-side sizes, so a CUDA graph captured with one value stays
-    valid for every ``seq_lens`` up to ``max_context``.
-    """
+    valid for every ``seq_lens`` up to ``max_context``."""
     wanted = max(1, 2 * _num_sms(device) // (num_reqs * num_kv_heads * num_m_blocks))
     by_length = triton.cdiv(max_context, _MIN_TOKENS_PER_SPLIT)
     return max(1, min(wanted, by_length, _MAX_SPLITS))
 
 
-def paged_attention(
-    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-    block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float, q_len: int = 1,
-    *, num_splits: int | None = None, sliding_window: int | None = None,
-    new_kv: tuple[torch.Tensor, ...] | None = None, pack: int | None = None,
-) -> torch.Tensor:
+def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                    block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float, q_len: int = 1,
+                    *, num_splits: int | None = None, sliding_window: int | None = None,
+                    new_kv: tuple[torch.Tensor, ...] | None = None,
+                    pack: int | None = None) -> torch.Tensor:
     """Attention of ``q_len`` new query tokens per request over the paged KV cache.
 
     The new tokens' keys and values must already be in the cache (see
@@ -418,11 +412,10 @@ def paged_attention(
     return out
 
 
-def paged_attention_reference(
-    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-    block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float, q_len: int = 1,
-    sliding_window: int | None = None,
-) -> torch.Tensor:
+def paged_attention_reference(query: torch.Tensor, key_cache: torch.Tensor,
+                              value_cache: torch.Tensor, block_table: torch.Tensor,
+                              seq_lens: torch.Tensor, scale: float, q_len: int = 1,
+                              sliding_window: int | None = None) -> torch.Tensor:
     """Torch reference of :func:`paged_attention` (same arguments and result): gathers
     every request's keys and values through its block table (padded to the longest
     context) and computes the masked softmax in float32, all requests at once."""

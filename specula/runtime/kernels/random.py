@@ -71,9 +71,8 @@ def _random_kernel(
             tl.store(out_ptr + req * stride_out + cols, e, mask=mask)
 
 
-def random_draws(
-    seeds: torch.Tensor, keys: torch.Tensor, stream: int, num_cols: int, mode: int
-) -> torch.Tensor:
+def random_draws(seeds: torch.Tensor, keys: torch.Tensor, stream: int, num_cols: int,
+                 mode: int) -> torch.Tensor:
     """``[num_reqs, num_cols]`` draws, a pure function of ``(seeds[i], keys[i], stream, column)``.
 
     Args:
@@ -122,9 +121,8 @@ def mix32(x):
     return x ^ (x >> 16)
 
 
-def random_draws_reference(
-    seeds: torch.Tensor, keys: torch.Tensor, stream: int, num_cols: int, mode: int
-) -> torch.Tensor:
+def random_draws_reference(seeds: torch.Tensor, keys: torch.Tensor, stream: int, num_cols: int,
+                           mode: int) -> torch.Tensor:
     """Torch reference of :func:`random_draws` (same arguments and results; the
     exponentials agree to float32 rounding of the logarithm)."""
     row = mix32((seeds & _M32) ^ mix32(stream & _M32))

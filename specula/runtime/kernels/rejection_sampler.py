@@ -13,11 +13,10 @@ given them, and what a step keeps of it in another (:func:`accepted_tokens`):
   ``q`` is 0 and the same formula samples the bonus token from ``p_{k+1}``. A residual
   that is all zero (``p == q``, probability-zero rejection) falls back to ``p``.
 
-Batch layout follows vLLM's rejection sampler (``vllm/v1/sample/rejection_sampler.py``):
-draft tokens flattened over requests with ``cu_num_draft_tokens`` (inclusive cumulative
-counts, so requests may draft different numbers of tokens); target rows flattened with
-one extra (bonus) row per request; output ``[num_reqs, max_spec_len + 1]`` padded with
-:data:`PLACEHOLDER_TOKEN_ID`.
+Batch layout follows vLLM's rejection sampler (``vllm/v1/sample/rejection_sampler.py``): draft
+tokens flattened over requests with ``cu_num_draft_tokens`` (inclusive cumulative counts, so
+requests may draft different numbers of tokens); target rows flattened with one extra (bonus) row
+per request; output ``[num_reqs, max_spec_len + 1]`` padded with :data:`PLACEHOLDER_TOKEN_ID`.
 """
 
 from __future__ import annotations
@@ -41,11 +40,9 @@ def _race(weight, e, valid, v0, best, best_idx):
     the running ``(best, best_idx)`` updated with the chunk's winner.
 
     IEEE division (``/`` may compile to an approximate one) so that the race picks the token torch
-    picks; strictly greater across chunks keeps the first index of a tie, as torch.argmax does.
-    """
+    picks; strictly greater across chunks keeps the first index of a tie, as torch.argmax does."""
     val, idx = tl.max(
-        tl.where(valid, tl.math.div_rn(weight, e), float("-inf")), axis=0, return_indices=True
-    )
+        tl.where(valid, tl.math.div_rn(weight, e), float("-inf")), axis=0, return_indices=True)
     better = val > best
     best_idx = tl.where(better, v0 + idx, best_idx)
     return tl.where(better, val, best), best_idx
@@ -90,8 +87,7 @@ def _rejection_sample_kernel(
         else:
             draft_rows = (start + offs_k).to(tl.int64)
             q = tl.load(
-                draft_probs_ptr + draft_rows * stride_draft_probs + tokens, mask=sampled, other=0.0
-            )
+                draft_probs_ptr + draft_rows * stride_draft_probs + tokens, mask=sampled, other=0.0)
         u = tl.load(uniform_ptr + start + offs_k, mask=sampled, other=1.0)
         accepted = tl.where(greedy != 0, accepted, u * q < p)
     num_acc = tl.min(tl.where(valid & (accepted == 0), offs_k, num_draft), axis=0)
@@ -112,15 +108,13 @@ def _rejection_sample_kernel(
                 offs_v = v0 + tl.arange(0, BLOCK_V)
                 v_valid = offs_v < vocab_size
                 p_v = tl.load(
-                    target_probs_ptr + row * stride_target_probs + offs_v, mask=v_valid, other=0.0
-                )
+                    target_probs_ptr + row * stride_target_probs + offs_v, mask=v_valid, other=0.0)
                 if NO_DRAFT_PROBS:
                     q_v = tl.where(offs_v == draft_tok, 1.0, 0.0)
                 else:
                     q_v = tl.load(
                         draft_probs_ptr + draft_row * stride_draft_probs + offs_v,
-                        mask=offs_v < tl.where(has_draft, vocab_size, 0), other=0.0,
-                    )
+                        mask=offs_v < tl.where(has_draft, vocab_size, 0), other=0.0)
                 e_v = tl.load(noise_ptr + req * stride_noise + offs_v, mask=v_valid, other=1.0)
                 residual = tl.maximum(p_v - q_v, 0.0)
                 res_any = res_any | (tl.max(residual, axis=0) > 0.0)
@@ -203,8 +197,7 @@ def rejection_sample(
             draft_token_ids, cu_num_draft_tokens, target_argmax, max_spec_len,
             is_greedy=is_greedy, draft_probs=draft_probs, target_probs=target_probs,
             uniform_samples=uniform_samples, exponential_noise=exponential_noise,
-            synthetic_acceptance_rate=synthetic_acceptance_rate,
-        )
+            synthetic_acceptance_rate=synthetic_acceptance_rate)
     # Arguments the kernel does not read (all greedy, or no draft probabilities) still
     # need a tensor: any will do, with row stride 0.
     sampling = (is_greedy, draft_probs, target_probs, uniform_samples, exponential_noise)
@@ -212,8 +205,7 @@ def rejection_sample(
         sampling = (None, None, None, uniform_samples if synthetic else None, None)
     pointers = [draft_token_ids if t is None else t for t in sampling]
     _, draft_probs_stride, target_probs_stride, _, noise_stride = [
-        0 if t is None else t.stride(0) for t in sampling
-    ]
+        0 if t is None else t.stride(0) for t in sampling]
     _rejection_sample_kernel[(num_reqs,)](
         output, num_accepted, draft_token_ids, cu_num_draft_tokens, target_argmax, *pointers,
         0 if all_greedy else vocab_size, output.stride(0), draft_probs_stride, target_probs_stride,
@@ -223,8 +215,7 @@ def rejection_sample(
         # The vocabulary scan of random requests is the heavy part: give it 8 warps.
         num_warps=1 if all_greedy else 8,
         # Plain IEEE float32 arithmetic, so that the result is the torch reference's.
-        enable_fp_fusion=False,
-    )
+        enable_fp_fusion=False)
     return output, num_accepted
 
 
@@ -251,10 +242,8 @@ def rejection_sample_reference(
             accepted = tokens == target_argmax[rows][:-1]
         else:
             p_rows = target_probs[rows]  # [n + 1, vocab_size]
-            if draft_probs is None:
-                q_rows = torch.nn.functional.one_hot(tokens, p_rows.shape[1]).float()
-            else:
-                q_rows = draft_probs[start:end]  # [n, vocab_size]
+            q_rows = (torch.nn.functional.one_hot(tokens, p_rows.shape[1]).float()
+                      if draft_probs is None else draft_probs[start:end])  # [n, vocab_size]
             p = p_rows[:-1].gather(1, tokens[:, None])[:, 0]
             q = q_rows.gather(1, tokens[:, None])[:, 0]
             accepted = uniform_samples[start:end] * q < p
@@ -299,30 +288,27 @@ def _accepted_tokens_kernel(
     tl.store(committed_ptr + req, tl.load(keys_ptr + req) + accepted)
 
 
-def accepted_tokens(
-    output: torch.Tensor, num_accepted: torch.Tensor | None, num_draft_tokens: torch.Tensor,
-    idx: torch.Tensor, keys: torch.Tensor, k: int, num_decode: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def accepted_tokens(output: torch.Tensor, num_accepted: torch.Tensor | None,
+                    num_draft_tokens: torch.Tensor, idx: torch.Tensor, keys: torch.Tensor, k: int,
+                    num_decode: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """What a step keeps of its verification, in one launch: its first ``num_decode``
     requests verified at most ``k`` drafts, but no more than their rows' real drafts (an
     n-gram proposal may be short); the rest prefilled and verified none.
 
     Args:
-        output: [num_reqs, width] int64 (any strides) tokens per request,
-            :func:`rejection_sample`'s ``output_token_ids`` (then each prefill's first token
-            in column 0).
+        output: [num_reqs, width] int64 (any strides) tokens per request, :func:`rejection_sample`'s
+            ``output_token_ids`` (then each prefill's first token in column 0).
         num_accepted: [num_decode] int64, :func:`rejection_sample`'s; ``None``: none accepted.
         num_draft_tokens: [max_num_reqs] int64 real drafts per input-batch row.
         idx: [num_reqs] int64 input-batch rows; keys: [num_reqs] int64 positions of each
             request's first new token (a prefill's: its prompt length).
 
     Returns:
-        ``(staged [num_reqs, 2 + width] int64, next_token_ids [num_reqs] int64,
-        committed [num_reqs] int64)``: ``staged`` holds per request the accepted and the
-        verified counts, then ``output``'s row (the step's one device-to-host copy; stored
-        column by column, so that ``staged[:, 0]`` is contiguous);
-        ``next_token_ids`` the token after the accepted ones, ``committed`` ``keys`` plus
-        the accepted count.
+        ``(staged [num_reqs, 2 + width] int64, next_token_ids [num_reqs] int64, committed [num_reqs]
+        int64)``: ``staged`` holds per request the accepted and the verified counts, then
+        ``output``'s row (the step's one device-to-host copy; stored column by column, so that
+        ``staged[:, 0]`` is contiguous); ``next_token_ids`` the token after the accepted ones,
+        ``committed`` ``keys`` plus the accepted count.
 
     Raises:
         AssertionError: shapes or dtypes that do not match the above.

@@ -45,10 +45,8 @@ def _reshape_and_cache_kernel(
     tl.store(v_dst + offs_h[:, None] * stride_vch + offs_d[None, :], v, mask=mask)
 
 
-def check_cache_write(
-    key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
+def check_cache_write(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                      value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """The argument checks (AssertionError) of the kernels that write the paged KV cache;
     shapes as :func:`reshape_and_cache`'s."""
     assert key.ndim == 3 and value.shape == key.shape
@@ -61,10 +59,8 @@ def check_cache_write(
     assert key_cache.shape[2:] == key.shape[1:]
 
 
-def reshape_and_cache(
-    key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
+def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                      value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Write ``key`` and ``value`` of each token into its cache slot, in place.
 
     Args:
@@ -91,10 +87,8 @@ def reshape_and_cache(
         enable_fp_fusion=True)
 
 
-def reshape_and_cache_reference(
-    key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
+def reshape_and_cache_reference(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                                value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Torch reference of :func:`reshape_and_cache` (same arguments, in place)."""
     block_size = key_cache.shape[1]
     keep = slot_mapping >= 0

@@ -169,11 +169,10 @@ def rotary_embedding(
         WRITE_CACHE=cache is not None, PDL=with_pdl, enable_fp_fusion=True, launch_pdl=with_pdl)
 
 
-def rotary_embedding_and_cache(
-    positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-    key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-) -> None:
+def rotary_embedding_and_cache(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                               value: torch.Tensor, key_cache: torch.Tensor,
+                               value_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                               cos_sin_cache: torch.Tensor) -> None:
     """Rotate ``query`` and ``key`` in place (the attention that follows reads the query,
     and a prefill attends over the new keys directly), then write the rotated keys and
     ``value`` into their cache slots.

@@ -114,9 +114,8 @@ def read_hf_config(checkpoint_dir: str | Path) -> Any:
     return AutoConfig.from_pretrained(str(checkpoint_dir))
 
 
-def check_aux_layer_ids(
-    layer_ids: Sequence[int], num_hidden_layers: int, field: str = "aux_hidden_state_layer_ids"
-) -> tuple[int, ...]:
+def check_aux_layer_ids(layer_ids: Sequence[int], num_hidden_layers: int,
+                        field: str = "aux_hidden_state_layer_ids") -> tuple[int, ...]:
     """``layer_ids`` as a tuple of auxiliary hidden-state ids: id ``i`` is the residual
     stream entering decoder layer ``i`` (HF's ``output_hidden_states[i]``), ``0`` the
     embedding output, ``num_hidden_layers`` the last layer's output before the final norm,

@@ -40,10 +40,8 @@ class DFlashDraftModel(nn.Module):
 
     packed_modules_mapping = LlamaForCausalLM.packed_modules_mapping
 
-    def __init__(
-        self, config: ModelConfig, num_aux_layers: int, draft_vocab_size: int | None,
-        device: torch.device,
-    ) -> None:
+    def __init__(self, config: ModelConfig, num_aux_layers: int, draft_vocab_size: int | None,
+                 device: torch.device) -> None:
         super().__init__()
         self.config, hidden = config, config.hidden_size
         self.layers = nn.ModuleList(
@@ -63,9 +61,8 @@ class DFlashDraftModel(nn.Module):
         ``[num_tokens, hidden_size]`` context features (``hidden_norm(fc(.))``)."""
         return self.hidden_norm(self.fc(aux_hidden_states))
 
-    def compute_logits(
-        self, hidden: torch.Tensor, target_lm_head_weight: torch.Tensor
-    ) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor,
+                       target_lm_head_weight: torch.Tensor) -> torch.Tensor:
         """``[num_positions, hidden_size]`` -> ``[num_positions, target_vocab_size]``
         float32 logits over the *target* vocabulary (``-inf`` outside a reduced draft
         vocabulary: :func:`~specula.runtime.models.speculators_format.target_vocab_logits`)."""
@@ -75,10 +72,9 @@ class DFlashDraftModel(nn.Module):
         return target_vocab_logits(self.lm_head(hidden).float(), self.draft_to_target, vocab_size)
 
 
-def load_dflash_draft(
-    checkpoint_dir: Path, config: ModelConfig, num_aux_layers: int, draft_vocab_size: int | None,
-    dtype: torch.dtype, device: torch.device, load_format: str = "auto",
-) -> DFlashDraftModel:
+def load_dflash_draft(checkpoint_dir: Path, config: ModelConfig, num_aux_layers: int,
+                      draft_vocab_size: int | None, dtype: torch.dtype, device: torch.device,
+                      load_format: str = "auto") -> DFlashDraftModel:
     """Build a :class:`DFlashDraftModel` and load a ``speculators`` checkpoint into it,
     skipping any ``embed_tokens.weight`` (the draft embeds with the target's, as
     ``speculators`` replaces a stored copy with the verifier's).

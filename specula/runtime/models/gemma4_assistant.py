@@ -161,9 +161,8 @@ class Gemma4AssistantForCausalLM(nn.Module):
         return self.config.text.sliding_window + 1
 
 
-def load_gemma4_assistant(
-    checkpoint_dir: Path, dtype: torch.dtype, device: torch.device, load_format: str = "auto"
-) -> Gemma4AssistantForCausalLM:
+def load_gemma4_assistant(checkpoint_dir: Path, dtype: torch.dtype, device: torch.device,
+                          load_format: str = "auto") -> Gemma4AssistantForCausalLM:
     """Build the assistant of ``checkpoint_dir`` and load its ``*.safetensors``.
 
     Raises:

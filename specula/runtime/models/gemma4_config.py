@@ -92,9 +92,8 @@ class Gemma4ModelConfig(ModelConfig):
         rope = {t: dict(p) for t, p in (text.rope_parameters or {}).items() if p is not None}
         return cls(architecture=architecture, **{f: getattr(text, f) for f in HF_FIELDS},
                    num_key_value_heads=int(per_layer[0].num_key_value_heads),
-                   head_dim=int(per_layer[0].head_dim),
+                   head_dim=int(per_layer[0].head_dim), rope_scaling=None,
                    rope_theta=float(rope.get(SLIDING, {}).get("rope_theta", 10000.0)),
-                   rope_scaling=None,
                    tie_word_embeddings=bool(getattr(outer, "tie_word_embeddings", True)),
                    attention_bias=bool(text.attention_bias), mlp_bias=False,
                    torch_dtype=checkpoint_dtype(outer) or checkpoint_dtype(text),

@@ -83,9 +83,8 @@ class RotaryEmbedding:
         ValueError: an unsupported ``rope_type``.
     """
 
-    def __init__(
-        self, head_dim: int, theta: float, scaling: dict[str, Any] | None, device: torch.device,
-    ) -> None:
+    def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None,
+                 device: torch.device) -> None:
         exponents = torch.arange(0, head_dim, 2, device=device).float() / head_dim
         inv_freq = 1.0 / (theta**exponents)
         rope_type = (scaling or {}).get("rope_type", "default")

@@ -101,10 +101,8 @@ class Eagle3LlamaForCausalLM(nn.Module):
         return target_vocab_logits(draft, self.draft_to_target, self.config.vocab_size)
 
 
-def load_eagle3_draft(
-    checkpoint_dir: Path, target: ModelConfig, dtype: torch.dtype, device: torch.device,
-    load_format: str = "auto",
-) -> Eagle3LlamaForCausalLM:
+def load_eagle3_draft(checkpoint_dir: Path, target: ModelConfig, dtype: torch.dtype,
+                      device: torch.device, load_format: str = "auto") -> Eagle3LlamaForCausalLM:
     """Build the EAGLE-3 head of a ``speculators`` ``eagle3`` checkpoint for ``target``;
     ``embed_tokens.weight`` and ``lm_head.weight`` it lacks are the target's, as
     ``speculators`` fills them from the verifier.

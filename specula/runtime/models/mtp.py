@@ -73,10 +73,8 @@ def _model_name(checkpoint_name: str) -> str | None:
     return ".".join([*parts[:2], module, *parts[3:]])
 
 
-def load_mtp_draft(
-    checkpoint_dir: Path, target: ModelConfig, dtype: torch.dtype, device: torch.device,
-    load_format: str = "auto",
-) -> MTPForCausalLM:
+def load_mtp_draft(checkpoint_dir: Path, target: ModelConfig, dtype: torch.dtype,
+                   device: torch.device, load_format: str = "auto") -> MTPForCausalLM:
     """Build the MTP head of a ``speculators`` ``mtp`` checkpoint for ``target``; it
     shares the target's ``embed_tokens`` and ``lm_head``, which ``speculators`` never
     saves (:func:`~specula.runtime.models.speculators_format.share_target_weights`).

@@ -64,11 +64,10 @@ def load_model(checkpoint_dir: str | Path, dtype: torch.dtype, device: torch.dev
     return load_checkpoint(factory, path, dtype, device, load_format)[0]
 
 
-def load_checkpoint(
-    factory: Callable[[], nn.Module], checkpoint_dir: Path, dtype: torch.dtype,
-    device: torch.device, load_format: str = "auto",
-    rename: Callable[[str], str | None] | None = None, optional: Collection[str] = (),
-) -> tuple[nn.Module, set[str]]:
+def load_checkpoint(factory: Callable[[], nn.Module], checkpoint_dir: Path, dtype: torch.dtype,
+                    device: torch.device, load_format: str = "auto",
+                    rename: Callable[[str], str | None] | None = None,
+                    optional: Collection[str] = ()) -> tuple[nn.Module, set[str]]:
     """``(model, the names of optional it was not given)``: ``factory()`` built by
     :func:`~specula.runtime.models.layers.build_empty`, in eval mode, loaded by
     :func:`load_safetensors` (whose errors it raises) or, for ``load_format: dummy``,
@@ -80,10 +79,9 @@ def load_checkpoint(
     return model, load_safetensors(model, checkpoint_dir, rename, optional)
 
 
-def load_safetensors(
-    model: nn.Module, checkpoint_dir: Path, rename: Callable[[str], str | None] | None = None,
-    optional: Collection[str] = (),
-) -> set[str]:
+def load_safetensors(model: nn.Module, checkpoint_dir: Path,
+                     rename: Callable[[str], str | None] | None = None,
+                     optional: Collection[str] = ()) -> set[str]:
     """Copy every tensor of ``checkpoint_dir/*.safetensors`` into ``model`` by HF name,
     projections fused in the model (``packed_modules_mapping``) into their shard of the
     fused parameter. ``rename`` (default: the model's ``checkpoint_name``, if any) maps
@@ -101,8 +99,7 @@ def load_safetensors(
     files = sorted(Path(checkpoint_dir).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {str(checkpoint_dir)!r}")
-    params = model.state_dict()
-    modules = dict(model.named_modules())
+    params, modules = model.state_dict(), dict(model.named_modules())
     unloaded = set(params)
     loaded_shards: dict[str, set[int]] = defaultdict(set)
     shard_map = {sub: (fused, i) for fused, subs in model.packed_modules_mapping.items()

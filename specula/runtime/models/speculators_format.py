@@ -49,9 +49,8 @@ def read_speculators_config(checkpoint_dir: Path, expected_type: str) -> dict[st
     return config
 
 
-def layer_model_config(
-    config: dict[str, Any], target: ModelConfig | None = None, default_type: str | None = None
-) -> ModelConfig:
+def layer_model_config(config: dict[str, Any], target: ModelConfig | None = None,
+                       default_type: str | None = None) -> ModelConfig:
     """``transformer_layer_config`` (``model_type`` default: ``default_type``) through
     ``transformers.AutoConfig.for_model``, as ``speculators`` reads it; with a ``target``,
     layers of :data:`DECODER_LAYERS` over its vocabulary.
@@ -82,10 +81,9 @@ def layer_model_config(
     return ours
 
 
-def load_draft_head(
-    factory: Callable[[], nn.Module], checkpoint_dir: Path, dtype: torch.dtype,
-    device: torch.device, load_format: str, rename: Callable[[str], str | None],
-) -> nn.Module:
+def load_draft_head(factory: Callable[[], nn.Module], checkpoint_dir: Path, dtype: torch.dtype,
+                    device: torch.device, load_format: str,
+                    rename: Callable[[str], str | None]) -> nn.Module:
     """:func:`load_checkpoint` through ``rename``, recording the :data:`SHARED_WITH_TARGET`
     tensors it lacks in ``missing_target_weights`` for :func:`share_target_weights`."""
     model, missing = load_checkpoint(factory, checkpoint_dir, dtype, device, load_format, rename,
@@ -99,10 +97,8 @@ def speculators_weight_name(name: str) -> str | None:
     return None if name in ("d2t", "t2d") or name.startswith("verifier_") else name
 
 
-def share_target_weights(
-    model: nn.Module, embed: nn.Embedding, lm_head_weight: torch.Tensor,
-    rows: torch.Tensor | None = None,
-) -> None:
+def share_target_weights(model: nn.Module, embed: nn.Embedding, lm_head_weight: torch.Tensor,
+                         rows: torch.Tensor | None = None) -> None:
     """Give a draft head the target's embeddings and LM head where its checkpoint had
     none (``model.missing_target_weights``); ``rows``: the LM head is a copy of only these
     rows (the target ids of a draft vocabulary)."""
@@ -116,9 +112,8 @@ def share_target_weights(
     model.missing_target_weights = set()
 
 
-def draft_vocab_ids(
-    checkpoint_dir: Path, draft_vocab_size: int, vocab_size: int, load_format: str
-) -> torch.Tensor:
+def draft_vocab_ids(checkpoint_dir: Path, draft_vocab_size: int, vocab_size: int,
+                    load_format: str) -> torch.Tensor:
     """The target id ``i + d2t[i]`` of each draft id ``i``, ``[draft_vocab_size]`` int64 on
     the CPU (random distinct ids for ``load_format: dummy``).
 
@@ -152,9 +147,8 @@ def draft_vocab_ids(
     return target_ids
 
 
-def target_vocab_logits(
-    draft_logits: torch.Tensor, draft_to_target: torch.Tensor, vocab_size: int
-) -> torch.Tensor:
+def target_vocab_logits(draft_logits: torch.Tensor, draft_to_target: torch.Tensor,
+                        vocab_size: int) -> torch.Tensor:
     """``[n, draft_vocab_size]`` logits -> ``[n, vocab_size]``: each at its target id
     (``draft_to_target``), ``-inf`` (probability zero) at ids outside the draft vocabulary."""
     if draft_logits.shape[-1] == vocab_size:

@@ -89,9 +89,8 @@ ADMIN_TOKEN_ENV = "SPECULA_ADMIN_TOKEN"
 API_KEY_ENV = "SPECULA_API_KEY"
 
 
-def admin_token_source(
-    config: RuntimeConfig, args: argparse.Namespace, environ: Mapping[str, str]
-) -> Callable[[], str | None]:
+def admin_token_source(config: RuntimeConfig, args: argparse.Namespace,
+                       environ: Mapping[str, str]) -> Callable[[], str | None]:
     """Where admin requests' bearer token comes from: ``admin_token_file`` (read per
     request; checked readable and non-empty here), else ``$SPECULA_ADMIN_TOKEN``.
 

@@ -18,10 +18,9 @@ A proposal has two stages, neither copying device data to the host:
    - *Drafts on the target's KV* (Gemma4 MTP) have no prefill: their first step reads
      the target's final state at the last accepted row.
 
-2. **Draft decode steps**, one token per request each (token-only drafts: the first step
-   reads the last accepted token and the sampled one, rewriting the former's KV), at the
-   positions where the next verification's rows go; one graph per ``(padded requests,
-   steps)``.
+2. **Draft decode steps**, one token per request each (token-only drafts: the first step reads the
+   last accepted token and the sampled one, rewriting the former's KV), at the positions where the
+   next verification's rows go; one graph per ``(padded requests, steps)``.
 """
 
 from __future__ import annotations
@@ -65,8 +64,7 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
         return hidden
 
     def compute_draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[n, H] -> [n, target vocab_size]`` float32; ids a draft cannot propose get
-        ``-inf``."""
+        """``[n, H] -> [n, target vocab_size]`` float32; ids a draft cannot propose get ``-inf``."""
         return self.model.compute_logits(hidden)
 
     def draft_argmax(self, hidden: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -74,10 +72,8 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
         ([n] int64, contiguous; the argmax kernel's own output where it can be)."""
         return argmax(self.compute_draft_logits(hidden), out)
 
-    def sample_draft(
-        self, hidden: torch.Tensor, sampling: SamplingMetadata, keys: torch.Tensor, step: int,
-        out: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def sample_draft(self, hidden: torch.Tensor, sampling: SamplingMetadata, keys: torch.Tensor,
+                     step: int, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Draft ``step`` (0-based) of each request from ``hidden [num_reqs, H]``: the
         argmax (``draft_sample_method: greedy``) or a sample (``probabilistic``), written to
         ``out`` [num_reqs] int64: returns ``(out, probs [num_reqs, vocab_size] | None)``."""
@@ -117,8 +113,7 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
         self.hidden = torch.zeros(r, h, dtype=self.dtype, device=dev)
         """[max_num_seqs, H] the state the next draft step reads."""
         self.draft_probs = (
-            torch.zeros(r, k, self.vocab_size, device=dev) if self.keeps_draft_probs else None
-        )
+            torch.zeros(r, k, self.vocab_size, device=dev) if self.keeps_draft_probs else None)
 
     def capture_graphs(
         self, captured_attention_states: dict[BatchExecutionDescriptor, CapturedAttentionState]
@@ -146,9 +141,8 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
         out = out[0] if isinstance(out, tuple) else out
         return out, out
 
-    def _prefill(
-        self, r: int, target: ProposeInputs | CapturedAttentionState, sample_first: bool
-    ) -> None:
+    def _prefill(self, r: int, target: ProposeInputs | CapturedAttentionState,
+                 sample_first: bool) -> None:
         """Stage 1 over the ``r`` requests of the ``target`` forward; conditioned drafts
         write draft 1 to ``draft_token_ids[:, 0]`` and its state to :attr:`hidden`."""
         input_ids, positions, metadata = target.input_ids, target.positions, target.metadata
@@ -235,9 +229,8 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
         self.check_num_speculative_tokens(k)
         r = inputs.num_reqs
         padded = self._load(inputs)
-        if not self.reads_target_kv and (
-            self.conditions_on_hidden_states or k == 0 or inputs.num_decode < r
-        ):
+        if not self.reads_target_kv and (self.conditions_on_hidden_states or k == 0
+                                         or inputs.num_decode < r):
             self.replay_or_run(self.prefill_graphs, inputs.descriptor, "num_prefill_replays",
                                lambda: self._prefill(r, inputs, sample_first=k > 0))
         if k == 0:

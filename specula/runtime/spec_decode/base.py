@@ -46,8 +46,7 @@ class ProposeInputs:
     aux_hidden_states: torch.Tensor | None
     """[num_tokens, len(aux_hidden_state_layers) * H], or ``None``."""
     cu_num_draft_tokens: torch.Tensor
-    """[num_reqs] int32 inclusive cumulative drafts each request verified (0 for a
-    prefill)."""
+    """[num_reqs] int32 inclusive cumulative drafts each request verified (0 for a prefill)."""
     num_accepted: torch.Tensor
     """[num_reqs] int64 accepted drafts (0 for a prefill)."""
     next_token_ids: torch.Tensor
@@ -71,9 +70,8 @@ class DraftOutput:
     draft_token_ids: torch.Tensor
     """[num_reqs, k] int64 target vocabulary ids."""
     draft_probs: torch.Tensor | None = None
-    """[num_reqs, k, vocab_size] float32, the distributions the drafts were sampled
-    from; ``None`` for deterministic drafts (greedy, n-gram), which the rejection sampler
-    treats as one-hot."""
+    """[num_reqs, k, vocab_size] float32, the distributions the drafts were sampled from; ``None``
+    for deterministic drafts (greedy, n-gram), which the rejection sampler treats as one-hot."""
     num_draft_tokens: torch.Tensor | None = None
     """[num_reqs] int64 real drafts per request (``0 .. k``; the rest is padding the
     verifier accepts no further than); ``None``: all ``k``."""
@@ -82,8 +80,7 @@ class DraftOutput:
 class BaseSpeculator(ABC):
     """Proposes draft tokens for the target to verify. The engine calls, in order:
     :meth:`bind_target`, :meth:`kv_cache_spec` and :meth:`allocate_kv_cache`,
-    :meth:`init_cudagraph_manager`, :meth:`capture` (CUDA only), then :meth:`propose`
-    every step."""
+    :meth:`init_cudagraph_manager`, :meth:`capture` (CUDA only), then :meth:`propose` every step."""
 
     max_num_speculative_tokens: int
     """The largest k :meth:`propose` is asked for."""

@@ -79,21 +79,15 @@ class DraftModelSpeculator(BaseSpeculator):
             unknown ``draft_sample_method``.
     """
 
-    def __init__(
-        self, draft_dir: Path, target_config: ModelConfig, num_speculative_tokens: int,
-        max_num_seqs: int, dtype: torch.dtype, device: torch.device,
-        draft_sample_method: str = "greedy", load_format: str = "auto",
-    ) -> None:
+    def __init__(self, draft_dir: Path, target_config: ModelConfig, num_speculative_tokens: int,
+                 max_num_seqs: int, dtype: torch.dtype, device: torch.device,
+                 draft_sample_method: str = "greedy", load_format: str = "auto") -> None:
         if draft_sample_method not in DRAFT_SAMPLE_METHODS:
             raise ValueError(
-                f"draft_sample_method {draft_sample_method!r} is not one of {DRAFT_SAMPLE_METHODS}"
-            )
-        self.draft_dir = draft_dir
-        self.target_config = target_config
-        self.max_num_speculative_tokens = num_speculative_tokens
-        self.max_num_seqs = max_num_seqs
-        self.dtype = dtype
-        self.device = device
+                f"draft_sample_method {draft_sample_method!r} is not one of {DRAFT_SAMPLE_METHODS}")
+        self.draft_dir, self.target_config = draft_dir, target_config
+        self.max_num_speculative_tokens, self.max_num_seqs = num_speculative_tokens, max_num_seqs
+        self.dtype, self.device = dtype, device
         self.vocab_size = target_config.vocab_size
         self.keeps_draft_probs = draft_sample_method == "probabilistic"
         self.load_format = load_format
@@ -132,9 +126,8 @@ class DraftModelSpeculator(BaseSpeculator):
         self.start_positions = torch.full((r,), -1, dtype=torch.int64, device=dev)
         """[max_num_seqs] position of the sampled token; -1 marks a padding row."""
         self.block_table = torch.zeros(r, self.runner.max_blocks_per_req, dtype=torch.int32, device=dev)
-        self.draft_token_ids = torch.zeros(
-            max(self.max_num_speculative_tokens, 1), r, dtype=torch.int64, device=dev
-        ).t()
+        self.draft_token_ids = torch.zeros(max(self.max_num_speculative_tokens, 1), r,
+                                           dtype=torch.int64, device=dev).t()
         """[max_num_seqs, k] the drafts of the last proposal, each column contiguous (a draft
         step's argmax writes it)."""
         self.token_starts = torch.arange(r * (self.max_num_speculative_tokens + 2) + 1,
@@ -146,8 +139,7 @@ class DraftModelSpeculator(BaseSpeculator):
         """Draft prefill (DFlash: context) graphs, per target graph."""
         self.decode_graphs: dict[Any, torch.cuda.CUDAGraph] = {}
         """Draft decode (DFlash: block) graphs, per padded request count (and steps)."""
-        self.num_prefill_replays = 0
-        self.num_decode_replays = 0
+        self.num_prefill_replays = self.num_decode_replays = 0
 
     @torch.no_grad()
     def capture(
@@ -172,9 +164,8 @@ class DraftModelSpeculator(BaseSpeculator):
         self.pool = self.pool or graph.pool()
         return graph
 
-    def replay_or_run(
-        self, graphs: dict[Any, torch.cuda.CUDAGraph], key: Any, counter: str, run: Callable[[], None]
-    ) -> None:
+    def replay_or_run(self, graphs: dict[Any, torch.cuda.CUDAGraph], key: Any, counter: str,
+                      run: Callable[[], None]) -> None:
         """Replay ``graphs[key]``, counting it in the attribute ``counter``, else ``run()``."""
         graph = graphs.get(key)
         if graph is None:

@@ -15,8 +15,7 @@ class SpecDecodingStats:
 
     Derived figures (for display, not export): acceptance rate = ``num_accepted_tokens /
     num_draft_tokens``; mean acceptance length = ``1 + num_accepted_tokens / num_drafts``
-    (tokens emitted per target forward, counting the recovered or bonus token).
-    """
+    (tokens emitted per target forward, counting the recovered or bonus token)."""
 
     num_spec_tokens: int
     """Maximum k the engine was started with; length of the per-position list."""

@@ -62,9 +62,8 @@ class NgramSpeculator(BaseSpeculator):
 
     needs_token_ids = True  # the lookup is a few tensor operations, run eagerly
 
-    def __init__(
-        self, num_speculative_tokens: int, prompt_lookup_min: int, prompt_lookup_max: int
-    ) -> None:
+    def __init__(self, num_speculative_tokens: int, prompt_lookup_min: int,
+                 prompt_lookup_max: int) -> None:
         if not 1 <= prompt_lookup_min <= prompt_lookup_max:
             raise ValueError(f"need 1 <= prompt_lookup_min ({prompt_lookup_min}) <= "
                              f"prompt_lookup_max ({prompt_lookup_max})")

@@ -27,6 +27,5 @@ def create_model_runner(model: nn.Module, kv_cache: PagedKVCache, max_model_len:
     from specula.runtime.worker.gemma4_runner import Gemma4Runner
     from specula.runtime.worker.model_runner import ModelRunner
 
-    if isinstance(model, Gemma4ForCausalLM):
-        return Gemma4Runner(model, kv_cache, max_model_len)
-    return ModelRunner(model, kv_cache, max_model_len)
+    runner = Gemma4Runner if isinstance(model, Gemma4ForCausalLM) else ModelRunner
+    return runner(model, kv_cache, max_model_len)

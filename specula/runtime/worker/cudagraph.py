@@ -115,9 +115,8 @@ class CUDAGraphManager:
             each verification width in use).
         capture_sizes: request counts to capture; default
             :func:`cudagraph_capture_sizes` of ``max_num_reqs``.
-        aux_layer_ids: residual streams the graphs also return (EAGLE-3's auxiliary
-            hidden states, see :meth:`ModelRunner.forward`); read them with
-            :meth:`run`.
+        aux_layer_ids: residual streams the graphs also return (EAGLE-3's auxiliary hidden states,
+            see :meth:`ModelRunner.forward`); read them with :meth:`run`.
 
     Raises:
         ValueError: a capture size outside ``[1, max_num_reqs]`` or a query length < 1.
@@ -146,8 +145,7 @@ class CUDAGraphManager:
         self.seq_lens = torch.zeros(max_num_reqs, dtype=torch.int32, device=device)
         self.query_start_loc = {
             q: torch.arange(max_num_reqs + 1, dtype=torch.int32, device=device) * q
-            for q in self.uniform_query_lens
-        }
+            for q in self.uniform_query_lens}
         self.pool: tuple | None = None
         self.graphs: dict[BatchExecutionDescriptor, torch.cuda.CUDAGraph] = {}
         self.states: dict[BatchExecutionDescriptor, CapturedAttentionState] = {}
@@ -172,8 +170,7 @@ class CUDAGraphManager:
         """
         if self.runner.device.type != "cuda":
             raise RuntimeError("CUDA graphs need the runner on a CUDA device")
-        # Padding values everywhere: the warm-up forwards then neither read nor write
-        # the KV cache.
+        # Padding values everywhere: the warm-up forwards then neither read nor write the KV cache.
         self.slot_mapping.fill_(-1)
         self.seq_lens.zero_()
         for d in self.descriptors():
@@ -220,9 +217,8 @@ class CUDAGraphManager:
             of any graph, and the descriptor's :attr:`states` entry holds the batch
             (padded), for draft graphs that reuse it.
         """
-        d = None
-        if not metadata.prefill and metadata.split is None:
-            d = self.descriptor_for(metadata.num_reqs, metadata.uniform_query_len)
+        d = (self.descriptor_for(metadata.num_reqs, metadata.uniform_query_len)
+             if not metadata.prefill and metadata.split is None else None)
         if d is None:
             return *self.runner.forward(input_ids, positions, metadata, self.aux_layer_ids), None
         n, r = metadata.num_tokens, metadata.num_reqs

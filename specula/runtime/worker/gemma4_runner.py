@@ -72,11 +72,9 @@ class Gemma4PagedLayers(ModelRunner):
         ValueError: a cache in another dtype.
     """
 
-    def __init__(
-        self, config: Gemma4ModelConfig, kv_cache: PagedKVCache, kv_sources: Sequence[int],
-        windows: Sequence[int | None], rotary: dict[str, RotaryEmbedding], max_model_len: int,
-        attn_num_splits: int | None, weight: torch.Tensor,
-    ) -> None:
+    def __init__(self, config: Gemma4ModelConfig, kv_cache: PagedKVCache, kv_sources: Sequence[int],
+                 windows: Sequence[int | None], rotary: dict[str, RotaryEmbedding],
+                 max_model_len: int, attn_num_splits: int | None, weight: torch.Tensor) -> None:
         self.setup_cache(config, kv_cache, max_model_len, attn_num_splits, weight)
         device, dtype = weight.device, weight.dtype
         self.kv_sources, self.windows = tuple(kv_sources), tuple(windows)
@@ -93,10 +91,9 @@ class Gemma4PagedLayers(ModelRunner):
         weight = self._unit_weights[head_dim] if norm.weight is None else norm.weight
         return rms_norm(x.reshape(-1, head_dim), weight, norm.eps).view(-1, num_heads, head_dim)
 
-    def _attention(
-        self, attn: Gemma4Attention, hidden: torch.Tensor, positions: torch.Tensor, layer_idx: int,
-        metadata: PagedAttentionMetadata, produced: dict[int, tuple[torch.Tensor, torch.Tensor]],
-    ) -> torch.Tensor:
+    def _attention(self, attn: Gemma4Attention, hidden: torch.Tensor, positions: torch.Tensor,
+                   layer_idx: int, metadata: PagedAttentionMetadata,
+                   produced: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         # hidden: [num_tokens, hidden_size]
         cos_sin = self.cos_sin_caches[self.config.layer_types[layer_idx]]
         source = self.kv_sources[layer_idx]
@@ -122,11 +119,10 @@ class Gemma4PagedLayers(ModelRunner):
         # [heads, tokens] layout (backends without a fused kernel for this head size).
         return attn.o_proj(out.flatten(1))
 
-    def _layer(
-        self, layer: Gemma4DecoderLayer, hidden: torch.Tensor, per_layer_input: torch.Tensor | None,
-        positions: torch.Tensor, layer_idx: int, metadata: PagedAttentionMetadata,
-        produced: dict[int, tuple[torch.Tensor, torch.Tensor]],
-    ) -> torch.Tensor:
+    def _layer(self, layer: Gemma4DecoderLayer, hidden: torch.Tensor,
+               per_layer_input: torch.Tensor | None, positions: torch.Tensor, layer_idx: int,
+               metadata: PagedAttentionMetadata,
+               produced: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """One decoder layer, as :meth:`Gemma4DecoderLayer.forward`.
 
         Args:
@@ -145,10 +141,8 @@ class Gemma4PagedLayers(ModelRunner):
         # hidden + post_norm(attn), then the pre-MLP norm of that sum, in one pass.
         ln = layer.pre_feedforward_layernorm
         x, hidden = fused_add_rms_norm(x, hidden, ln.weight, ln.eps)
-        if self.config.hidden_act == "silu":
-            x = layer.mlp.down_proj(silu_and_mul(layer.mlp.gate_up_proj(x)))
-        else:
-            x = layer.mlp(x)
+        x = (layer.mlp.down_proj(silu_and_mul(layer.mlp.gate_up_proj(x)))
+             if self.config.hidden_act == "silu" else layer.mlp(x))
         hidden = hidden + _norm(x, layer.post_feedforward_layernorm)
         if per_layer_input is not None:
             gate = layer.act(layer.per_layer_input_gate(hidden)) * per_layer_input
@@ -172,10 +166,8 @@ class Gemma4Runner(Gemma4PagedLayers):
         ValueError: not a Gemma4 text model, the mixture-of-experts variant, or a mismatched cache.
     """
 
-    def __init__(
-        self, model: Gemma4ForCausalLM, kv_cache: PagedKVCache, max_model_len: int,
-        attn_num_splits: int | None = None,
-    ) -> None:
+    def __init__(self, model: Gemma4ForCausalLM, kv_cache: PagedKVCache, max_model_len: int,
+                 attn_num_splits: int | None = None) -> None:
         if not isinstance(model, Gemma4ForCausalLM):
             raise ValueError(f"{type(model).__name__} is not a Gemma4ForCausalLM")
         config = model.config
@@ -190,15 +182,13 @@ class Gemma4Runner(Gemma4PagedLayers):
             model.rotary.by_type, max_model_len, attn_num_splits, model.model.embed_tokens.weight)
         self.model = model
 
-    def _run_layers(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: PagedAttentionMetadata,
-        aux_layer_ids: Sequence[int], captured: dict[int, torch.Tensor],
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _run_layers(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                    metadata: PagedAttentionMetadata, aux_layer_ids: Sequence[int],
+                    captured: dict[int, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         model = self.model.model
         hidden = model.embed(input_ids)  # [num_tokens, hidden_size]
-        per_layer = None
-        if self.config.hidden_size_per_layer_input:
-            per_layer = model.per_layer_inputs(input_ids, hidden)  # [n, layers, ple]
+        per_layer = (model.per_layer_inputs(input_ids, hidden)  # [n, layers, ple]
+                     if self.config.hidden_size_per_layer_input else None)
         produced: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for i, layer in enumerate(model.layers):
             if i in aux_layer_ids:

@@ -101,8 +101,7 @@ class PagedAttentionMetadata:
     Requests are flattened request-major: request ``i``'s query tokens are rows
     ``query_start_loc[i]:query_start_loc[i + 1]``, the last tokens of its
     ``seq_lens[i]``-token context. A padding request (CUDA-graph batch padded to a
-    captured size) has ``seq_lens`` 0 and ``slot_mapping`` -1 for its tokens.
-    """
+    captured size) has ``seq_lens`` 0 and ``slot_mapping`` -1 for its tokens."""
 
     slot_mapping: torch.Tensor
     """[num_tokens] int64: cache slot ``block * block_size + offset`` of each token."""
@@ -137,10 +136,9 @@ class PagedAttentionMetadata:
     rows keep the batch order, decode rows first."""
 
     @classmethod
-    def from_query_lens(
-        cls, slot_mapping: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
-        query_start_loc: torch.Tensor, query_lens: Sequence[int], prefill: bool = False,
-    ) -> PagedAttentionMetadata:
+    def from_query_lens(cls, slot_mapping: torch.Tensor, block_table: torch.Tensor,
+                        seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                        query_lens: Sequence[int], prefill: bool = False) -> PagedAttentionMetadata:
         """The metadata of requests with ``query_lens`` query tokens each (host ints), which
         give ``num_reqs``, ``num_tokens``, ``uniform_query_len`` and ``query_lens_cpu``; the
         tensors are the fields of the same names."""
@@ -151,9 +149,8 @@ class PagedAttentionMetadata:
             query_lens_cpu=lens)
 
 
-def device_metadata(
-    block_table: torch.Tensor, starts: torch.Tensor, query_lens: Sequence[int], block_size: int,
-) -> tuple[PagedAttentionMetadata, torch.Tensor]:
+def device_metadata(block_table: torch.Tensor, starts: torch.Tensor, query_lens: Sequence[int],
+                    block_size: int) -> tuple[PagedAttentionMetadata, torch.Tensor]:
     """The metadata of a batch whose block tables and context lengths are on the device
     (the engine's persistent state): slot mapping, positions and sequence lengths are
     computed there, only the query lengths come from the host.
@@ -164,8 +161,7 @@ def device_metadata(
 
     Args:
         block_table: [num_reqs, max_blocks_per_req] int32, covering every position.
-        starts: [num_reqs] int64, each request's first query position (its cached
-            context length).
+        starts: [num_reqs] int64, each request's first query position (its cached context length).
         query_lens: per request, its query tokens (host).
         block_size: tokens per block.
 
@@ -195,9 +191,8 @@ def device_metadata(
     return metadata, positions
 
 
-def mark_prefills(
-    metadata: PagedAttentionMetadata, num_decode: int, context_lens: Sequence[int] = ()
-) -> PagedAttentionMetadata:
+def mark_prefills(metadata: PagedAttentionMetadata, num_decode: int,
+                  context_lens: Sequence[int] = ()) -> PagedAttentionMetadata:
     """Say which requests of ``metadata`` prefill: all after the first ``num_decode``
     (a pure prefill batch, or a mixed one split for attention), with ``context_lens``
     cached tokens before their queries (default none)."""
@@ -230,10 +225,9 @@ def _context_groups(metadata: PagedAttentionMetadata) -> tuple:
     ) for length, reqs in by_len.items())
 
 
-def build_attention_metadata(
-    block_tables: Sequence[Sequence[int]], seq_lens: Sequence[int], query_lens: Sequence[int],
-    block_size: int, max_blocks_per_req: int, device: torch.device,
-) -> tuple[PagedAttentionMetadata, torch.Tensor]:
+def build_attention_metadata(block_tables: Sequence[Sequence[int]], seq_lens: Sequence[int],
+                             query_lens: Sequence[int], block_size: int, max_blocks_per_req: int,
+                             device: torch.device) -> tuple[PagedAttentionMetadata, torch.Tensor]:
     """Device metadata and rotary positions for a batch described on the host.
 
     Args:
@@ -279,9 +273,8 @@ def _uniform(lens: Sequence[int]) -> int | None:
     return lens[0] if lens and all(q == lens[0] for q in lens) else None
 
 
-def _split_mixed(
-    metadata: PagedAttentionMetadata, num_decode: int
-) -> tuple[PagedAttentionMetadata, PagedAttentionMetadata] | None:
+def _split_mixed(metadata: PagedAttentionMetadata,
+                 num_decode: int) -> tuple[PagedAttentionMetadata, PagedAttentionMetadata] | None:
     """The ``(decode, prefill)`` parts of a batch of ``num_decode`` decode or
     verification requests followed by prefills; ``None`` when the decode requests differ
     in query length (attention then refuses the batch)."""
@@ -293,11 +286,8 @@ def _split_mixed(
     return (
         PagedAttentionMetadata.from_query_lens(
             metadata.slot_mapping[:n], metadata.block_table[:num_decode],
-            metadata.seq_lens[:num_decode], qsl[: num_decode + 1], decode_lens,
-        ),
+            metadata.seq_lens[:num_decode], qsl[: num_decode + 1], decode_lens),
         PagedAttentionMetadata.from_query_lens(
             metadata.slot_mapping[n:], metadata.block_table[num_decode:],
             metadata.seq_lens[num_decode:], qsl[num_decode:] - n,
-            metadata.query_lens_cpu[num_decode:], prefill=True,
-        ),
-    )
+            metadata.query_lens_cpu[num_decode:], prefill=True))

@@ -8,11 +8,10 @@ A target of ``tensor_parallel_size`` N runs on N processes, one device each. Eve
 - ``rowwise`` weights (``o_proj``, ``down_proj``): its ``1/N`` of the input columns; the
   partial outputs are summed by one all-reduce per layer and sublayer, on CUDA fused
   with the residual add and norm after it (:func:`fused_all_reduce_add_norm`);
-- ``vocab`` weights (``embed_tokens``, ``lm_head``): its ``ceil(V / N)`` rows of the
-  vocabulary (the last rank's padded with zeros); an embedding lookup masks the ids of
-  other ranks and all-reduces (in a runner, fused with layer 0's norm), the LM head
-  all-gathers its logits (or, in an all-greedy step, each rank's best token,
-  :func:`gather_argmax`).
+- ``vocab`` weights (``embed_tokens``, ``lm_head``): its ``ceil(V / N)`` rows of the vocabulary (the
+  last rank's padded with zeros); an embedding lookup masks the ids of other ranks and all-reduces
+  (in a runner, fused with layer 0's norm), the LM head all-gathers its logits (or, in an all-greedy
+  step, each rank's best token, :func:`gather_argmax`).
 
 Names of the plan follow Hugging Face's ``base_model_tp_plan`` (``colwise``, ``rowwise``).
 Every rank runs the same engine on the same inputs (SPMD): the rank that serves HTTP
@@ -252,8 +251,7 @@ def shard_tensor(tensor: torch.Tensor, style: str, shape: torch.Size) -> torch.T
 
     ``colwise`` and ``vocab`` take rows ``[rank * shape[0], ...)`` (``vocab`` pads the last
     rank's with zeros); ``rowwise`` takes columns ``[rank * shape[1], ...)`` of a matrix,
-    and of a bias the whole on rank 0 and zeros elsewhere (the all-reduce sums it once).
-    """
+    and of a bias the whole on rank 0 and zeros elsewhere (the all-reduce sums it once)."""
     rank = _STATE.rank
     if style == "rowwise":
         if tensor.ndim == 1:

@@ -21,9 +21,8 @@ class DFlashRunner(DraftRunner):
         self.own_keys_only = False  # a block's rows read each other's keys: cache them first
 
     @torch.no_grad()
-    def store_context(
-        self, aux_hidden_states: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor
-    ) -> None:
+    def store_context(self, aux_hidden_states: torch.Tensor, positions: torch.Tensor,
+                      slot_mapping: torch.Tensor) -> None:
         """Write every layer's context KV of the target's rows (``aux_hidden_states
         [num_tokens, num_aux * H]`` at ``positions``) to the cache slots ``slot_mapping``
         (-1: skip), as vLLM's ``precompute_and_store_context_kv``."""

@@ -34,10 +34,9 @@ class Gemma4AssistantRunner(Gemma4PagedLayers):
         self.model, self.target = model, target
 
     @torch.no_grad()
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: PagedAttentionMetadata,
-        backbone: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                metadata: PagedAttentionMetadata,
+                backbone: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft step (:mod:`~specula.runtime.spec_decode.gemma4`) of ``input_ids``
         and ``positions`` ([num_reqs] int64) with ``backbone [num_reqs,
         backbone_hidden_size]``; ``metadata``: one query row per request.
