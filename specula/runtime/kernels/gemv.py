@@ -172,13 +172,20 @@ def _gemv_kernel(
                 if SILU_MUL:
                     acc_up += tl.load(part + BLOCK_M * BLOCK_N, cache_modifier=".cg")
     if SCREEN:  # int8 rows: the scaled products plus and minus ||x|| times the rows' bounds
+        x_max = tl.zeros((BLOCK_M,), dtype=tl.float32)
         sum_sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            xs = tl.load(x_ptr + offs_m[:, None] * stride_xm + k0 + offs_k[None, :], mask=(
-                offs_m[:, None] < M) & (k0 + offs_k[None, :] < K), other=0.0).to(tl.float32)
-            sum_sq += tl.sum(xs * xs, axis=1)
+        for pass_ in tl.static_range(2):  # ||x|| as max|x| ||x / max|x|||: no under- or overflow
+            scale = tl.where(x_max > 0, x_max, 1.0)
+            for k0 in range(0, K, BLOCK_K):
+                xs = tl.load(x_ptr + offs_m[:, None] * stride_xm + k0 + offs_k[None, :], mask=(
+                    offs_m[:, None] < M) & (k0 + offs_k[None, :] < K), other=0.0).to(tl.float32)
+                if pass_ == 0:
+                    x_max = tl.maximum(x_max, tl.max(tl.abs(xs), axis=1))
+                else:
+                    sum_sq += tl.sum((xs / scale[:, None]) * (xs / scale[:, None]), axis=1)
         n_ok = offs_n < N
-        bound = tl.sqrt(sum_sq)[:, None] * tl.load(aux_ptr + N + offs_n, mask=n_ok, other=0.0)[None, :]
+        norm = (scale * tl.sqrt(sum_sq))[:, None]
+        bound = norm * tl.load(aux_ptr + N + offs_n, mask=n_ok, other=0.0)[None, :]
         acc = acc * tl.load(aux_ptr + offs_n, mask=n_ok, other=0.0)[None, :] + bound
         lower = tl.max(tl.where(n_ok[None, :], acc - 2 * bound, float("-inf")), axis=1)
         tl.store(part_max_ptr + offs_m * tl.num_programs(0) + pid, lower, mask=offs_m < M)
@@ -502,10 +509,10 @@ def linear_silu_and_mul(
     return silu_and_mul(linear(x, weight, bias))
 
 
-SCREEN_CONFIG, RESCORE_COLUMNS = (128, 256, 8, 3), 1024
+SCREEN_CONFIG, RESCORE_COLUMNS, SCREEN_MAX_ROWS = (128, 256, 8, 3), 1024, 32
 """:func:`screened_argmax`'s int8 pass ``(BLOCK_N, BLOCK_K, num_warps, num_stages)`` (Llama-3.2-1B's
-head at one and two rows on an H100, ``bench/screened_argmax.py``) and its rescoring's columns a
-program."""
+head at one and two rows on an H100, ``bench/screened_argmax.py``), its rescoring's columns a
+program, and its most rows (the int8 pass spills registers past a 32-row tile)."""
 
 
 @triton.jit
@@ -526,12 +533,13 @@ def _rescore_kernel(
     offs_c = tl.arange(0, BLOCK_C)
     cols = tl.program_id(0) * BLOCK_C + offs_c
     up = tl.load(up_ptr + row * N + cols, mask=cols < N, other=float("-inf"))
-    cand = up.to(dtype) >= tl.max(low, axis=0).to(dtype)
+    cand = (cols < N) & (up.to(dtype) >= tl.max(low, axis=0).to(dtype))
+    key = tl.maximum(up, -3.0e38)  # finite for every candidate: the loop takes one each time
     offs_k = tl.arange(0, BLOCK_K)
     x = tl.load(x_ptr + row * stride_xm + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
-    best, best_col = tl.full([], float("-inf"), tl.float32), N
+    best, best_col = tl.full([], float("-inf"), tl.float32), tl.program_id(0) * BLOCK_C  # in range
     while tl.max(cand.to(tl.int32), axis=0) > 0:
-        c = tl.argmax(tl.where(cand, up, float("-inf")), axis=0, tie_break_left=True)
+        c = tl.argmax(tl.where(cand, key, float("-inf")), axis=0, tie_break_left=True)
         col = tl.program_id(0) * BLOCK_C + c
         w = tl.load(w_ptr + col.to(tl.int64) * stride_wn + offs_k, mask=offs_k < K, other=0.0)
         v = tl.sum(w.to(tl.float32) * x, axis=0).to(dtype).to(tl.float32)
@@ -547,9 +555,10 @@ def screen_weight(weight: torch.Tensor, rows: int = 8192) -> tuple[torch.Tensor,
     each row of ``weight [V, K]`` rounded to multiples of ``aux[0]`` (its absolute maximum / 127),
     and ``aux[1]`` a bound on ``|x . (w - aux[0] q)| / ||x||`` (Cauchy-Schwarz) with slack for
     both passes' float32 sums: ``||w - aux[0] q|| (1 + 2^-10) + K 2^-21 ||w||``, four times their
-    worst case ``2 K 2^-24 ||x|| ||w||`` (Higham, "Accuracy and Stability of Numerical
-    Algorithms", 2nd ed., section 3.1). Half the head's bytes more (262 MB for Llama-3.2-1B's);
-    built ``rows`` rows at a time."""
+    round-to-nearest worst case ``2 K 2^-24 ||x|| ||w||`` (Higham, "Accuracy and Stability of
+    Numerical Algorithms", 2nd ed., section 3.1), twice it where tensor cores truncate (Fasi et
+    al., "Numerical behavior of NVIDIA tensor cores", PeerJ CS 2021). Half the head's bytes more
+    (262 MB for Llama-3.2-1B's); built ``rows`` rows at a time, the cache's temporaries freed."""
     q = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
     aux = torch.empty(2, weight.shape[0], dtype=torch.float32, device=weight.device)
     slack = weight.shape[1] * 2.0**-21
@@ -559,12 +568,13 @@ def screen_weight(weight: torch.Tensor, rows: int = 8192) -> tuple[torch.Tensor,
         q[i : i + rows] = (w / scale[:, None]).round_().clamp_(-127, 127)
         err = (w - q[i : i + rows].float() * scale[:, None]).norm(dim=1)
         aux[:, i : i + rows] = torch.stack([scale, err * (1 + 2**-10) + w.norm(dim=1) * slack])
+    if weight.is_cuda:
+        torch.cuda.empty_cache()  # before the KV cache is sized from the free memory
     return q, aux
 
 
-def screened_argmax(
-    x: torch.Tensor, weight: torch.Tensor, screen: tuple[torch.Tensor, torch.Tensor], into=None
-) -> torch.Tensor:
+def screened_argmax(x: torch.Tensor, weight: torch.Tensor, screen: tuple[torch.Tensor, torch.Tensor],
+                    into: torch.Tensor | None = None) -> torch.Tensor:
     """``linear_argmax(x, weight, into)[1]``, greedy tokens of an LM head (the first index of
     each row's largest logit rounded to ``x.dtype``), mostly from its 8-bit copy ``screen``
     (:func:`screen_weight`): a GEMV over ``q`` bounds every logit within ``||x||`` times its row's
@@ -572,13 +582,15 @@ def screened_argmax(
     whose upper bound, rounded, reaches the greatest lower bound of their row of ``x``, rounded,
     one at a time, and takes their argmax. Every row that can hold the rounded maximum passes
     (rounding is monotone), so the tokens are the unscreened ones (up to float32 summation order,
-    as between any two GEMV configurations). ``K`` at most 8192.
+    as between any two GEMV configurations); a non-finite ``x`` row gets a token of the vocabulary.
+    Up to :data:`SCREEN_MAX_ROWS` rows and ``K`` 8192 (compiled without spills), else, as on the
+    torch reference, :func:`linear_argmax`.
     Maximum inner product search's quantize-then-rerank (ScaNN's reordering, Guo et al., arXiv
     1908.10396), exact by the bound. ``x``: [M, K]; ``into``: a contiguous [M] int64 tensor to
-    write to; returns [M] int64. On the torch reference: :func:`linear_argmax`."""
-    if x.shape[0] == 0 or use_reference(x):
+    write to; returns [M] int64."""
+    if not 0 < x.shape[0] <= SCREEN_MAX_ROWS or x.shape[1] > 8192 or use_reference(x):
         return linear_argmax(x, weight, into)[1]
-    assert weight.shape[1] <= 8192 and weight.stride(1) == 1 and x.stride(1) == 1
+    assert weight.stride(1) == 1 and x.stride(1) == 1
     upper, lower = gemv(x, screen[0], SCREEN_CONFIG, screen=screen[1])
     (m, n), p = upper.shape, lower.shape[1]
     grid = (triton.cdiv(n, RESCORE_COLUMNS), m)

@@ -9,9 +9,14 @@ from torch import nn
 
 from specula.runtime.kernels.gemv import screen_weight
 from specula.runtime.models.config import ModelConfig
+from specula.runtime.models.llama import LlamaForCausalLM
+from specula.runtime.models.qwen3 import Qwen3ForCausalLM
 from specula.runtime.models.registry import load_model
 from specula.runtime.spec_decode.autoregressive import AutoRegressiveSpeculator
 from specula.runtime.worker import create_model_runner
+
+SCREENED = (LlamaForCausalLM, Qwen3ForCausalLM)
+"""Drafts whose runner reads ``lm_head_screen`` (not Gemma4's: softcapped logits)."""
 
 
 class PlainDraftModelSpeculator(AutoRegressiveSpeculator):
@@ -33,7 +38,7 @@ class PlainDraftModelSpeculator(AutoRegressiveSpeculator):
         config = replace(config, tensor_parallel_size=self.tensor_parallel_size)
         model = load_model(self.draft_dir, self.dtype, self.device, config, self.load_format)
         greedy = not self.keeps_draft_probs and self.dtype in (torch.bfloat16, torch.float16)
-        if hasattr(model, "lm_head_screen") and self.tensor_parallel_size == 1 and greedy:
+        if type(model) in SCREENED and self.tensor_parallel_size == 1 and greedy:  # ModelRunner's
             model.lm_head_screen = screen_weight(model.lm_head_weight)  # exact greedy drafts
         return model
 

@@ -424,8 +424,9 @@ class ModelRunner:
         """[num_positions, hidden_size] -> ``(logits [num_positions, vocab_size] in the model's
         dtype, greedy tokens [num_positions] int64)``: the LM head with the argmax fused in
         (:func:`~specula.runtime.kernels.gemv.linear_argmax`). Sharded, the logits are gathered,
-        or without ``need_logits`` only each rank's best token (the logits then ``None``; through
-        the model's ``lm_head_screen`` where set, :func:`~specula.runtime.kernels.gemv.screened_argmax`).
+        or without ``need_logits`` only each rank's best token (the logits then ``None``). Without
+        ``need_logits`` and with the model's ``lm_head_screen`` set (a greedy draft at one rank):
+        ``(None, tokens)`` from :func:`~specula.runtime.kernels.gemv.screened_argmax`.
         ``into``: a contiguous [num_positions] int64 tensor to write the tokens to (and return)."""
         screen = None if need_logits else getattr(self.model, "lm_head_screen", None)
         if screen is not None:

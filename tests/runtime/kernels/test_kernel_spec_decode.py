@@ -602,6 +602,31 @@ def check_screened_argmax() -> None:
         into = torch.empty(m, dtype=torch.int64)
         assert screened_argmax(x, w, screen_weight(w), into) is into and torch.equal(into, ref)
         assert int(ref[0]) == best // 2
+        x[0], x[-1, 3] = float("nan"), float("inf")  # no candidate: still a token of the vocabulary
+        tokens = screened_argmax(x, w, screen_weight(w))
+        assert int(tokens[0]) == 0 and int(tokens[-1]) == 0
+    # Weights on the int8 grid (no quantization error: only the slack separates the bounds) and
+    # near-copies of the best row below it: the first whose logit, rounded, equals the maximum
+    # lies under the threshold unrounded, so only the rounded comparison keeps it.
+    q = torch.randint(-127, 128, (300, 136), generator=gen)
+    q[:, 0], best = 127, 200
+    for i in range(30):
+        j = 1 + int(torch.randint(0, 135, (1,), generator=gen))
+        while q[best, j] < 40:
+            j = 1 + j % 135
+        q[100 + i] = q[best]
+        q[100 + i, j] -= 1 + i % 3
+    w = (q.double() * 2**-7).half()
+    x = (w[best].double() * (1.9995 / w[best].double().pow(2).sum())).half()[None]
+    exact = (x.double() @ w.double().T)[0]
+    q8, aux = screen_weight(w, rows=128)
+    upper, lower = gemv(x, q8, SCREEN_CONFIG, screen=aux)
+    assert torch.equal(q8, q.to(torch.int8))
+    for p, low in enumerate(lower[0].tolist()):  # each program's lower bound: below its columns' max
+        assert low <= exact[p * SCREEN_CONFIG[0] : (p + 1) * SCREEN_CONFIG[0]].max()
+    ref = int(exact.half().argmax())
+    assert 100 <= ref < 130 and exact[ref] < lower.max()
+    assert int(screened_argmax(x, w, (q8, aux))) == ref
 
 
 def test_screened_argmax(interpreted):
