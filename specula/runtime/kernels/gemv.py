@@ -172,17 +172,17 @@ def _gemv_kernel(
                 if SILU_MUL:
                     acc_up += tl.load(part + BLOCK_M * BLOCK_N, cache_modifier=".cg")
     if SCREEN:  # int8 rows: the scaled products plus and minus ||x|| times the rows' bounds
+        x_rows = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
         x_max = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):  # ||x|| as max|x| ||x / max|x|||: no under- or overflow
+            xs = tl.load(x_rows + k0, mask=(offs_m[:, None] < M) & (k0 + offs_k[None, :] < K), other=0.0)
+            x_max = tl.maximum(x_max, tl.max(tl.abs(xs.to(tl.float32)), axis=1))
+        scale = tl.where(x_max > 0, x_max, 1.0)
         sum_sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        for pass_ in tl.static_range(2):  # ||x|| as max|x| ||x / max|x|||: no under- or overflow
-            scale = tl.where(x_max > 0, x_max, 1.0)
-            for k0 in range(0, K, BLOCK_K):
-                xs = tl.load(x_ptr + offs_m[:, None] * stride_xm + k0 + offs_k[None, :], mask=(
-                    offs_m[:, None] < M) & (k0 + offs_k[None, :] < K), other=0.0).to(tl.float32)
-                if pass_ == 0:
-                    x_max = tl.maximum(x_max, tl.max(tl.abs(xs), axis=1))
-                else:
-                    sum_sq += tl.sum((xs / scale[:, None]) * (xs / scale[:, None]), axis=1)
+        for k0 in range(0, K, BLOCK_K):
+            xs = tl.load(x_rows + k0, mask=(offs_m[:, None] < M) & (k0 + offs_k[None, :] < K),
+                         other=0.0).to(tl.float32) / scale[:, None]
+            sum_sq += tl.sum(xs * xs, axis=1)
         n_ok = offs_n < N
         norm = (scale * tl.sqrt(sum_sq))[:, None]
         bound = norm * tl.load(aux_ptr + N + offs_n, mask=n_ok, other=0.0)[None, :]
