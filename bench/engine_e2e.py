@@ -37,13 +37,15 @@ Phase ``ksweep`` times ``--sweep-methods`` at batch 1 for every k of ``--sweep-k
 engine per method, started at the largest k and moved with
 :meth:`LLMEngine.set_num_speculative_tokens`, as the operator's tuner moves it), and
 reports each method's speedup at the k that gave the most decode tokens/s
-(``speedup_by_method_best_k``) beside its speedup at every k.
+(``speedup_by_method_best_k``) beside its speedup at every k. With ``--paired`` a target-only
+engine stays loaded beside the method's and runs alternate with the method's, each k's
+speedup taken against its own target-only runs (:func:`k_sweep`).
 
 Run on the GPU machine::
 
     PYTHONPATH=. python3 bench/engine_e2e.py [--phases target,methods,ksweep]
-        [--batches 1,8,32,128] [--methods eagle3,...] [--sweep-k 3,4,5,6] [--output FILE]
-        [--target gemma4]
+        [--batches 1,8,32,128] [--methods eagle3,...] [--sweep-k 3,4,5,6] [--paired]
+        [--output FILE] [--target gemma4]
 
 ``--target gemma4`` runs the target-only and methods phases on a Gemma-4-E2B-shaped
 target (``bench/gemma4_kv.py``'s text config: sliding and full layers, KV sharing,
@@ -388,22 +390,39 @@ def run(args) -> dict:
     return out
 
 
+PAIRED_NUM_GPU_BLOCKS = 1024
+"""KV blocks of each engine with ``--paired`` (16384 tokens): two 8B engines fit on one GPU."""
+
+
 def k_sweep(args, dirs, device: str, vocab: int, max_tokens: int) -> dict:
     """Batch-1 decode tokens/s of each ``--sweep-methods`` method at every k of
-    ``--sweep-k`` (mean of ``--repeats`` timed runs after a warm-up run at that k)."""
+    ``--sweep-k`` (mean of ``--repeats`` timed runs after a warm-up run at that k).
+
+    With ``--paired``, a target-only engine stays loaded beside each method's engine (both
+    with :data:`PAIRED_NUM_GPU_BLOCKS`) and each timed run of the method follows one of the
+    target alone on the same prompt: the row's ``target_only`` is the mean of those, its
+    speedup's denominator, so both sides see the same GPU. (Unpaired, the target-only phase
+    runs first; the same graph was measured 1.4 % slower a minute into a call than at its
+    start, on an H100, which lowers every unpaired speedup.)"""
     ks = sorted(int(k) for k in args.sweep_k.split(","))
+    sizes = (1,) if device == "cuda" else (1, 2)  # (the CPU dry run's KV cache: as the methods phase's)
+    blocks = {"num_gpu_blocks": PAIRED_NUM_GPU_BLOCKS} if args.paired else {}
+    base = make_engine(dirs, None, 0, sizes, device, None, **blocks) if args.paired else None
     rows: dict = {}
     for method in args.sweep_methods.split(","):
-        # (the CPU dry run's KV cache is sized by its batches, as the methods phase's)
-        engine = make_engine(dirs, method, ks[-1], (1,) if device == "cuda" else (1, 2), device,
-                             ACCEPTANCE)
+        engine = make_engine(dirs, method, ks[-1], sizes, device, ACCEPTANCE, **blocks)
         prompts = random_prompts(1, vocab, 128, seed=1)
         rows[method] = {}
         for k in ks:
             engine.set_num_speculative_tokens(k)
-            timed_run(engine, prompts, max_tokens)
-            runs = [timed_run(engine, prompts, max_tokens) for _ in range(args.repeats)]
-            row = with_expected_acceptance(mean_of_runs(runs), k)
+            runs, base_runs = [], []
+            for _ in range(args.repeats + 1):  # the first of each: a warm-up
+                if base is not None:
+                    base_runs.append(timed_run(base, prompts, max_tokens))
+                runs.append(timed_run(engine, prompts, max_tokens))
+            row = with_expected_acceptance(mean_of_runs(runs[1:]), k)
+            if base is not None:
+                row["target_only"] = mean_of_runs(base_runs[1:])
             rows[method][f"k{k}"] = row
             print(f"{method} k={k} bs1: {row}", flush=True)
         del engine
@@ -446,17 +465,22 @@ def summarize(results: dict, peer: dict | None) -> dict:
             m: round(r["bs32"]["decode_tokens_per_s"] / target["bs32"]["decode_tokens_per_s"], 3)
             for m, r in results["methods"].items() if "bs32" in r and "bs32" in target
         }
-    if target and "bs1" in target and "k_sweep" in results:
-        base = target["bs1"]["decode_tokens_per_s"]
+    if "k_sweep" in results and (target.get("bs1") or all(
+            "target_only" in r for by_k in results["k_sweep"].values() for r in by_k.values())):
+        target_bs1 = target.get("bs1", {}).get("decode_tokens_per_s")
         best = {}
         for m, by_k in results["k_sweep"].items():
-            speedups = {int(k[1:]): round(r["decode_tokens_per_s"] / base, 3)
+            # --paired: each k's own target-only runs, interleaved with its runs
+            base = {k: r.get("target_only", {}).get("decode_tokens_per_s", target_bs1)
+                    for k, r in by_k.items()}
+            speedups = {int(k[1:]): round(r["decode_tokens_per_s"] / base[k], 3)
                         for k, r in by_k.items()}
-            expected = {int(k[1:]): round(r["decode_tokens_per_s_at_expected_acceptance"] / base, 3)
+            expected = {int(k[1:]): round(r["decode_tokens_per_s_at_expected_acceptance"] / base[k], 3)
                         for k, r in by_k.items()}
             k = max(speedups, key=speedups.get)
             best[m] = {"k": k, "speedup": speedups[k], "by_k": speedups,
-                       "by_k_at_expected_acceptance": expected}
+                       "by_k_at_expected_acceptance": expected,
+                       "paired": all("target_only" in r for r in by_k.values())}
         summary["speedup_by_method_best_k"] = best
     for key, runner in (("engine_vs_runner", "runner_with_logits_tokens_per_s"),
                         ("engine_vs_graph_only", "runner_tokens_per_s")):
@@ -494,6 +518,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep-k", default="3,4,5,6", help="phase ksweep: the k values")
     parser.add_argument("--sweep-methods", default="eagle3,mtp,draft_model",
                         help="phase ksweep: the methods")
+    parser.add_argument("--paired", action="store_true",
+                        help="phase ksweep: time a target-only engine between the method's runs")
     parser.add_argument("--target", choices=("llama", "gemma4"), default="llama",
                         help="gemma4: a Gemma-4-E2B-shaped target with gemma4_mtp and eagle3 "
                              "(figures under e2e_gemma4)")
