@@ -149,20 +149,24 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
         if not self.conditions_on_hidden_states:
             self._forward(input_ids, positions, metadata, None)
             return
-        n = input_ids.shape[0]
-        static = n <= self.prefill_input_ids.shape[0]
-        ids, pos, last = prepare_draft_inputs(
-            input_ids, positions, metadata.query_start_loc, self.cu_num_draft_tokens[:r],
-            self.num_accepted[:r], self.next_token_ids[:r],
-            out_input_ids=self.prefill_input_ids[:n] if static else None,
-            out_positions=self.prefill_positions[:n] if static else None,
-            out_last_token_indices=self.last_token_indices[:r])
+        ids, pos, last = self._prepare_inputs(input_ids, positions, metadata.query_start_loc, r)
         conditioning = self.conditioning(target.hidden_states, target.aux_hidden_states)
         h_logits, h_next = self._forward(ids, pos, metadata, conditioning)
         torch.index_select(h_next, 0, last, out=self.hidden[:r])  # one launch, no copy
         if sample_first:
             rows = self.hidden[:r] if h_logits is h_next else h_logits[last]
             self._draft(0, rows, self.sampling.select(slice(0, r)), r)
+
+    def _prepare_inputs(self, input_ids, positions, query_start_loc, r: int):
+        """:func:`prepare_draft_inputs` of the target forward's ``r`` requests into the static
+        buffers (where they fit): ``(ids, positions, last accepted rows [r])``."""
+        n = input_ids.shape[0]
+        static = n <= self.prefill_input_ids.shape[0]
+        return prepare_draft_inputs(
+            input_ids, positions, query_start_loc, self.cu_num_draft_tokens[:r], self.num_accepted[:r],
+            self.next_token_ids[:r], out_input_ids=self.prefill_input_ids[:n] if static else None,
+            out_positions=self.prefill_positions[:n] if static else None,
+            out_last_token_indices=self.last_token_indices[:r])
 
     def _draft(self, col: int, hidden: torch.Tensor, sampling: SamplingMetadata, r: int) -> torch.Tensor:
         """Draft ``col`` of rows ``0..r-1`` from ``hidden [r, H]`` into :attr:`draft_token_ids`
@@ -214,13 +218,12 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
             self.keys[:r] = inputs.draw_keys
             for name in ("temperature", "top_p", "top_k", "seeds"):
                 getattr(self.sampling, name)[:r] = getattr(inputs.sampling, name)
-        if not self.conditions_on_hidden_states:
-            qsl = inputs.metadata.query_start_loc[: r + 1].long()
-            num_drafts = torch.diff(inputs.cu_num_draft_tokens.long(), prepend=qsl[:1] * 0)
-            last = qsl[1:] - 1 - (num_drafts - inputs.num_accepted)
-            self.prev_token_ids[:r] = inputs.input_ids[last]
+        if not self.conditions_on_hidden_states:  # each request's last accepted row: two launches
+            last = self._prepare_inputs(inputs.input_ids, inputs.positions,
+                                        inputs.metadata.query_start_loc[: r + 1], r)[2]
+            torch.index_select(inputs.input_ids, 0, last, out=self.prev_token_ids[:r])
             if self.reads_target_kv:
-                self.hidden[:r] = inputs.hidden_states[last]
+                torch.index_select(inputs.hidden_states, 0, last, out=self.hidden[:r])
         return padded
 
     @torch.no_grad()
