@@ -19,8 +19,7 @@ does not take (no ``CONFIGS`` row tile) where cuBLASLt is more than 3 % faster.
 an LM head's argmax, ``o_proj``'s and ``down_proj``'s residual add, ``gate_up_proj``'s
 SwiGLU, MTP's ``eh_proj``'s sums of squares) instead of the plain product, and the library
 GEMM with nothing (it has no such epilogue). With row 1 among ``--rows``, the table gives a
-one-row entry (key 1) where the best configuration at one row beats the row tile's by 1 %, and
-with rows of 2 to 8 a two-to-eight-rows entry (key 8) likewise.
+one-row entry (key 1) where the best configuration at one row beats the row tile's by 1 %.
 """
 
 from __future__ import annotations
@@ -196,11 +195,6 @@ def main(argv: list[str] | None = None) -> int:
                     one = min((c for c in times[1] if c != "library"), key=times[1].get)
                     if times[1][one] < 0.99 * times[1][cfg]:
                         table[(n, k)] = {1: one, **table[(n, k)]}
-                few = [m for m in ms if 2 <= m <= 8]  # and a two-to-eight-rows entry likewise
-                if bm == 16 and few:
-                    best = min(common, key=lambda c: sum(times[m][c] for m in few))
-                    if sum(times[m][best] for m in few) < 0.99 * sum(times[m][cfg] for m in few):
-                        table[(n, k)] = dict(sorted({**table[(n, k)], 8: best}.items()))
         del weights
         torch.cuda.empty_cache()
     if args.libraries:

@@ -42,10 +42,9 @@ entry may add a fifth, ``SPLIT_K`` (1 when absent)."""
 CONFIGS: dict[tuple[int, int], dict[int, tuple[int, ...]]] = {
     (6144, 4096): {16: (64, 128, 4, 5), 32: (64, 128, 8, 5)},  # Llama-3.1-8B qkv_proj
     (4096, 4096): {16: (32, 256, 4, 5), 32: (32, 256, 4, 4)},  # o_proj
-    (28672, 4096): {1: (64, 128, 4, 3), 8: (64, 128, 4, 3), 16: (128, 256, 8, 3), 32: (128, 256, 4, 3),
-                    64: (128, 128, 8, 3)},
-    (4096, 14336): {8: (16, 256, 4, 5), 16: (32, 256, 4, 5), 32: (32, 256, 4, 5)},  # down_proj
-    (128256, 4096): {1: (32, 512, 4, 5), 8: (32, 512, 4, 5), 16: (64, 512, 4, 3), 32: (128, 128, 4, 3),
+    (28672, 4096): {16: (128, 256, 8, 3), 32: (128, 256, 4, 3), 64: (128, 128, 8, 3)},
+    (4096, 14336): {16: (32, 256, 4, 5), 32: (32, 256, 4, 5)},  # down_proj
+    (128256, 4096): {1: (32, 512, 4, 5), 16: (64, 512, 4, 3), 32: (128, 128, 4, 3),
                      64: (128, 128, 8, 3), 128: (128, 128, 8, 3)},  # lm_head
     (6144, 8192): {16: (64, 128, 4, 5), 32: (32, 128, 4, 5), 64: (64, 128, 8, 5)},  # EAGLE-3 qkv
     (4096, 12288): {16: (32, 256, 4, 5), 32: (32, 256, 4, 5)},  # EAGLE-3 fc
@@ -54,7 +53,7 @@ CONFIGS: dict[tuple[int, int], dict[int, tuple[int, ...]]] = {
                     128: (128, 128, 8, 3)},  # EAGLE-3 draft-vocabulary lm_head
     (3072, 2048): {16: (32, 128, 4, 5)},  # Llama-3.2-1B qkv_proj
     (16384, 2048): {16: (64, 128, 4, 3), 32: (128, 128, 4, 3), 64: (64, 128, 4, 3)},  # gate_up
-    (2048, 2048): {1: (32, 128, 4, 5, 2), 8: (32, 128, 4, 5, 2), 16: (16, 128, 4, 5), 32: (16, 512, 4, 5),
+    (2048, 2048): {1: (32, 128, 4, 5, 2), 16: (16, 128, 4, 5), 32: (16, 512, 4, 5),
                    64: (16, 128, 4, 5)},  # o_proj
     (2048, 8192): {16: (32, 256, 4, 5, 2), 32: (16, 512, 4, 5)},  # down_proj, split-K
     (128256, 2048): {1: (32, 512, 4, 5), 16: (32, 256, 4, 5), 32: (128, 128, 4, 3),
@@ -68,9 +67,8 @@ CONFIGS: dict[tuple[int, int], dict[int, tuple[int, ...]]] = {
 """Tuned ``(N, K) -> {BLOCK_M: config}``: the weight shapes and row tiles where the kernel
 beat the library GEMM on an H100 (``bench/gemv.py``, ``bench/results/gemv.json``);
 :func:`use_gemv` sends only these here. Key 1, where present, is one row's (a draft step's,
-a decode step's at batch 1), and key 8 two to eight rows' (a verification of up to seven drafts
-at batch 1, a draft model's first step), faster there than the 16-row tile's, which is tuned
-over 1-16 rows (``bench/results/engine.json``, ``gemv_one_row_configs``, ``gemv_few_row_configs``)."""
+a decode step's at batch 1), faster there than the 16-row tile's, which is tuned over 1-16 rows
+(``bench/results/engine.json``, ``gemv_one_row_configs``)."""
 
 
 PREFETCH_MAX_BYTES, PREFETCH_SHARE = 6 << 20, 3
@@ -402,7 +400,7 @@ def gemv(
     y = torch.empty(m, n, dtype=x.dtype if screen is None else torch.float32, device=x.device)
     bm = block_m(m)
     tuned = CONFIGS.get(tuple(weight.shape), {})
-    cfg = config or tuned.get(1 if m == 1 else 8 if m <= 8 else bm) or tuned.get(bm, DEFAULT_CONFIG)
+    cfg = config or tuned.get(1 if m == 1 else bm) or tuned.get(bm, DEFAULT_CONFIG)
     block_n, block_k, warps, stages, split_k = (*cfg, 1)[:5]
     block_n //= 2 if silu_mul else 1
     grid = triton.cdiv(n, block_n)
