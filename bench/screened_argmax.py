@@ -8,12 +8,16 @@ and reports microseconds per head; each configuration's tokens are first checked
 the first argmax of the float64 logits rounded to bf16, and the candidates a row leaves
 are counted.
 
-    PYTHONPATH=. python3 bench/screened_argmax.py [--rows 1,2] [--output FILE]
+    PYTHONPATH=. python3 bench/screened_argmax.py [--rows 1,2] [--sweep] [--output FILE]
+
+``--sweep`` first times the int8 pass alone over :func:`sweep_configs` (the grid that chose
+:data:`~specula.runtime.kernels.gemv.SCREEN_CONFIG`) and prints the six fastest per row count.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 from datetime import date
@@ -33,6 +37,14 @@ COLUMNS = (256, 512, 1024, 2048)
 """The int8 pass's configurations and the rescoring's columns a program tried."""
 
 
+def sweep_configs() -> list[tuple[int, int, int, int]]:
+    """``(BLOCK_N, BLOCK_K, num_warps, num_stages)`` with 16K to 256K int8 weights a stage and at
+    most 200 KiB of shared memory over the stages; 8 warps from 128 columns, 4 below 256."""
+    grid = itertools.product((32, 64, 128, 256), (128, 256, 512, 1024), (4, 8), (2, 3, 4, 5))
+    return [(n, k, w, s) for n, k, w, s in grid if s * (n * k + 32 * k) <= 200 << 10
+            and 1 << 14 <= n * k <= 1 << 18 and (w == 4 or n >= 128) and (w == 8 or n < 256)]
+
+
 def per_head_us(fn) -> float:
     """Microseconds per head: a CUDA graph of ``fn`` (:data:`COPIES` heads), replayed."""
     fn()
@@ -46,6 +58,7 @@ def per_head_us(fn) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows", default="1,2")
+    parser.add_argument("--sweep", action="store_true", help="time the int8 pass over sweep_configs()")
     parser.add_argument("--output", default=None)
     args = parser.parse_args()
     dev = torch.device("cuda")
@@ -66,6 +79,11 @@ def main() -> int:
         refs = [(x.double() @ w.double().T).bfloat16().argmax(-1) for w in heads]
         print(f"rows {rows}: bf16 {res['bf16_gemv_argmax']} us, candidates {res['candidates_per_row']}",
               flush=True)
+        if args.sweep:
+            swept = {cfg: per_head_us(lambda c=cfg, x=x: [gemv(x, q, c, screen=a) for q, a in screens])
+                     for cfg in sweep_configs()}
+            res["sweep_int8_pass"] = {str(c): round(t, 2) for c, t in sorted(swept.items(), key=lambda i: i[1])}
+            print(f"  int8 pass, fastest: {list(res['sweep_int8_pass'].items())[:6]}", flush=True)
         default = gemv_module.SCREEN_CONFIG, gemv_module.RESCORE_COLUMNS
         try:
             for screen in SCREENS:
