@@ -12,6 +12,11 @@ method and batch size:
     PYTHONPATH=. python3 bench/profile_engine.py [--methods none,eagle3] [--batches 1,32]
         [--tensor-parallel-size 2] [--chrome-trace DIR]
 
+``--paired`` keeps a target-only engine loaded beside each method's (both with
+``bench/engine_e2e.py``'s ``PAIRED_NUM_GPU_BLOCKS``) and profiles it again right after the method,
+so that both are profiled on the GPU in the same state (the same graph runs about 1 % slower a
+minute into a call, ``bench/graph_drift.py``).
+
 ``--chrome-trace DIR`` also writes each profiled run's ``torch.profiler`` trace to
 ``DIR/<method>-bs<batch>.json`` (Chrome trace format; kernels in CUDA graphs included),
 for ordering a step's kernels and finding the ones launched from the host.
@@ -39,6 +44,7 @@ from bench.engine_e2e import (  # noqa: E402
     ACCEPTANCE,
     LLAMA_1B,
     LLAMA_8B,
+    PAIRED_NUM_GPU_BLOCKS,
     make_engine,
     random_prompts,
     release_memory,
@@ -106,11 +112,11 @@ def profile_batch(
         engine.step()
 
 
-def _build(dirs, method, k, batches, max_num_batched_tokens, tp, device):
+def _build(dirs, method, k, batches, max_num_batched_tokens, tp, device, **engine_kw):
     """One rank's engine (module-level, so that spawned ranks can unpickle it)."""
     return make_engine(
         dirs, method, k, batches, str(device), ACCEPTANCE,
-        max_num_batched_tokens=max_num_batched_tokens, tensor_parallel_size=tp,
+        max_num_batched_tokens=max_num_batched_tokens, tensor_parallel_size=tp, **engine_kw,
     )
 
 
@@ -124,6 +130,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--chrome-trace", default=None, metavar="DIR")
+    parser.add_argument("--paired", action="store_true",
+                        help="one GPU: a target-only engine stays loaded and is profiled again after "
+                             "each method, as 'none-after-<method>'")
     args = parser.parse_args(argv)
     import torch
 
@@ -131,19 +140,28 @@ def main(argv: list[str] | None = None) -> int:
 
     batches = tuple(int(b) for b in args.batches.split(","))
     dirs = write_checkpoints(Path(tempfile.mkdtemp()), LLAMA_8B, LLAMA_1B)
+    tp = args.tensor_parallel_size
+    assert not (args.paired and tp > 1), "--paired: one GPU"
+    blocks = {"num_gpu_blocks": PAIRED_NUM_GPU_BLOCKS} if args.paired else {}
+    base = (_build(dirs, None, args.k, batches, args.max_num_batched_tokens, 1, torch.device("cuda:0"),
+                   **blocks) if args.paired else None)
     for name in args.methods.split(","):
         method = None if name == "none" else name
-        tp = args.tensor_parallel_size
         build = partial(
-            _build, dirs, method, args.k, batches, args.max_num_batched_tokens, tp
+            _build, dirs, method, args.k, batches, args.max_num_batched_tokens, tp, **blocks
         )
         engine = build(torch.device("cuda:0")) if tp == 1 else start_ranks(tp, "cuda", build)
         for b in batches:
             profile_batch(engine, name, b, args.steps, not args.no_torch_profile, tp == 1,
                           args.chrome_trace)
+            if base is not None:  # the target alone again, on the GPU as the method left it
+                profile_batch(base, f"none-after-{name}", b, args.steps, not args.no_torch_profile,
+                              True, args.chrome_trace)
         engine.shutdown()
         del engine
         release_memory()
+    if base is not None:
+        base.shutdown()
     return 0
 
 
