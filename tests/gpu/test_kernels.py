@@ -551,7 +551,7 @@ def test_screened_argmax_matches_the_unscreened_argmax(hidden):
     w[VOCAB - 5] = w[3]
     w[4000:4040] = w[3] * (1 - 2**-9 * torch.rand(40, 1, device=DEVICE, generator=gen)).bfloat16()
     q, aux = screen_weight(w)
-    for rows in (1, 2, 5, 16):
+    for rows in (1, 2, 5, 16, 24, 32):  # 17-32 rows: the 32-row tile
         x = torch.randn(rows, hidden, device=DEVICE, dtype=torch.bfloat16, generator=gen)
         x[0] = w[3] * 50
         upper, lower = gemv(x, q, SCREEN_CONFIG, screen=aux)

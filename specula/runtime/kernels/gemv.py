@@ -221,8 +221,8 @@ def _gemv_epilogue(acc, acc_up, y_ptr, part_max_ptr, part_idx_ptr, res_ptr, rms_
     y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
     tl.store(y_ptrs, y, mask=y_mask)
     if ARGMAX:
-        v = tl.where(offs_n[None, :] < N, y.to(tl.float32), float("-inf"))
-        best = tl.argmax(v, axis=1, tie_break_left=True)  # [BLOCK_M]
+        v = tl.where((offs_n[None, :] < N) & (y == y), y.to(tl.float32), float("-inf"))  # NaN: -inf
+        best = tl.argmax(v, axis=1, tie_break_left=True)  # [BLOCK_M]; a NaN row: its first column
         parts = offs_m * tl.num_programs(0) + pid
         tl.store(part_max_ptr + parts, tl.max(v, axis=1), mask=offs_m < M)
         tl.store(part_idx_ptr + parts, pid * BLOCK_N + best, mask=offs_m < M)
@@ -241,7 +241,7 @@ def _argmax_kernel(
     chunk = tl.program_id(1)
     offs = chunk * BLOCK + tl.arange(0, BLOCK)
     v = tl.load(x_ptr + row * stride_x + offs, mask=offs < N, other=float("-inf"))
-    v = v.to(tl.float32)
+    v = tl.where(v == v, v.to(tl.float32), float("-inf"))  # NaN as -inf: a NaN row gets its first column
     if HAS_IDX:
         i = tl.load(x_idx_ptr + row * stride_x + offs, mask=offs < N, other=2147483647)
     else:
@@ -278,7 +278,8 @@ def _merge_argmax(part_max: torch.Tensor, part_idx: torch.Tensor, into=None) -> 
 def argmax(x: torch.Tensor, into: tuple[torch.Tensor, int] | torch.Tensor | None = None) -> torch.Tensor:
     """``x.argmax(-1)`` (the first index of each row's maximum) in two passes: programs
     of :data:`_ARGMAX_BLOCK` columns, then one per row over their partials, instead of
-    ``torch.argmax``'s one block per row.
+    ``torch.argmax``'s one block per row. NaN counts as -inf (``torch.argmax``, as on the
+    torch reference, takes the first NaN), so a row of NaN gets column 0.
 
     Args:
         x: [M, N] floating point, last dim contiguous.

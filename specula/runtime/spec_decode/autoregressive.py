@@ -218,7 +218,7 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
             self.keys[:r] = inputs.draw_keys
             for name in ("temperature", "top_p", "top_k", "seeds"):
                 getattr(self.sampling, name)[:r] = getattr(inputs.sampling, name)
-        if not self.conditions_on_hidden_states:  # each request's last accepted row: two launches
+        if not self.conditions_on_hidden_states:  # each request's last accepted row (one launch)
             last = self._prepare_inputs(inputs.input_ids, inputs.positions,
                                         inputs.metadata.query_start_loc[: r + 1], r)[2]
             torch.index_select(inputs.input_ids, 0, last, out=self.prev_token_ids[:r])

@@ -546,6 +546,8 @@ def check_gemv_epilogues() -> None:
         assert torch.equal(drafts[:, 1], idx) and (drafts[:, [0, 2]] == -5).all()
         x[0] = w[7]  # row 0's maximum is at the repeated rows: the first one wins
         assert int(gemv(x, w, cfg, with_argmax=True)[1][0]) == 7
+        x[0] = float("nan")  # NaN counts as -inf: a NaN row still gets a column of the vocabulary
+        assert int(gemv(x, w, cfg, with_argmax=True)[1][0]) == 0
     # The merge of the programs' partials reads them only: a row's program writing into
     # them would race with row 0's (it overwrote row 0's first partials).
     from specula.runtime.kernels.gemv import _merge_argmax
@@ -564,6 +566,9 @@ def check_gemv_epilogues() -> None:
     idx = argmax(logits)
     assert idx.dtype == torch.int64 and idx.tolist()[1:] == [30, 4097, 0]
     assert torch.equal(idx, logits.argmax(-1))
+    nan = logits.clone()  # NaN as -inf: the largest other value, or column 0 of a NaN row
+    nan[0], nan[1, :5000] = float("nan"), float("nan")
+    assert argmax(nan).tolist() == [0, 8500, 4097, 0]
     pairs = torch.empty(2, 4)
     assert argmax(logits, (pairs, 7)) is pairs and torch.equal(pairs[1], idx + 7.0)
     assert torch.equal(pairs[0], logits.float().amax(-1))
@@ -603,8 +608,8 @@ def check_screened_argmax() -> None:
         assert screened_argmax(x, w, screen_weight(w), into) is into and torch.equal(into, ref)
         assert int(ref[0]) == best // 2
         x[0], x[-1, 3] = float("nan"), float("inf")  # still a token of the vocabulary
-        tokens = screened_argmax(x, w, screen_weight(w))
-        assert int(tokens[0]) == 0 and 0 <= int(tokens[-1]) < n  # NaN: no candidate, token 0
+        tokens = screened_argmax(x, w, screen_weight(w))  # NaN: no candidate, token 0; inf: a
+        assert int(tokens[0]) == 0 and (m == 1 or w[int(tokens[-1]), 3] > 0)  # column whose logit is +inf
     # Weights on the int8 grid (no quantization error: only the slack separates the bounds) and
     # near-copies of the best row below it: the first whose logit, rounded, equals the maximum
     # lies under the threshold unrounded, so only the rounded comparison keeps it.
