@@ -506,8 +506,8 @@ def linear_silu_and_mul(
 
 SCREEN_CONFIG, RESCORE_COLUMNS, SCREEN_MAX_ROWS = (256, 256, 8, 2), 1024, 32
 """:func:`screened_argmax`'s int8 pass ``(BLOCK_N, BLOCK_K, num_warps, num_stages)`` (Llama-3.2-1B's
-head at one and two rows on an H100, ``bench/screened_argmax.py``), its rescoring's columns a
-program, and its most rows (the int8 pass spills registers past a 32-row tile)."""
+head at one and two rows on an H100, ``bench/screened_argmax.py --sweep``), its rescoring's columns
+a program, and its most rows (the former (128, 256, 8, 3) spilled registers past a 32-row tile)."""
 
 
 @triton.jit
