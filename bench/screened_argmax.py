@@ -32,7 +32,7 @@ from specula.runtime.kernels import gemv as gemv_module  # noqa: E402
 from specula.runtime.kernels.gemv import gemv, linear_argmax, screen_weight, screened_argmax  # noqa: E402
 
 VOCAB, HIDDEN, COPIES = 128256, 2048, 3
-SCREENS = ((256, 256, 8, 2), (128, 256, 4, 2), (128, 256, 8, 3))
+SCREENS = ((256, 256, 8, 2), (128, 256, 4, 3), (128, 256, 4, 2), (128, 256, 8, 3))
 COLUMNS = (256, 512, 1024, 2048)
 """The int8 pass's configurations and the rescoring's columns a program tried."""
 
@@ -73,9 +73,10 @@ def main() -> int:
         x = torch.randn(rows, HIDDEN, device=dev, generator=gen).bfloat16()
         res = out["us"][f"rows_{rows}"] = {}
         res["bf16_gemv_argmax"] = round(per_head_us(lambda x=x: [linear_argmax(x, w) for w in heads]), 2)
-        upper, lower = gemv(x, screens[0][0], gemv_module.SCREEN_CONFIG, screen=screens[0][1])
-        thr = lower.amax(1, keepdim=True)  # the threshold the second pass computes
-        res["candidates_per_row"] = (upper.bfloat16() >= thr.bfloat16()).sum(1).tolist()
+        centre, top, top_bound = gemv(x, screens[0][0], gemv_module.SCREEN_CONFIG, screen=screens[0][1])
+        norm = x.float().norm(dim=1, keepdim=True)
+        thr = (top - norm * top_bound).amax(1, keepdim=True)  # the second pass's threshold
+        res["candidates_per_row"] = ((centre + norm * screens[0][1][1]).bfloat16() >= thr.bfloat16()).sum(1).tolist()
         refs = [(x.double() @ w.double().T).bfloat16().argmax(-1) for w in heads]
         print(f"rows {rows}: bf16 {res['bf16_gemv_argmax']} us, candidates {res['candidates_per_row']}",
               flush=True)

@@ -554,10 +554,15 @@ def test_screened_argmax_matches_the_unscreened_argmax(hidden):
     for rows in (1, 2, 5, 16, 24, 32):  # 17-32 rows: the 32-row tile
         x = torch.randn(rows, hidden, device=DEVICE, dtype=torch.bfloat16, generator=gen)
         x[0] = w[3] * 50
-        upper, lower = gemv(x, q, SCREEN_CONFIG, screen=aux)
+        centre, top, top_bound = gemv(x, q, SCREEN_CONFIG, screen=aux)
+        col = centre.unflatten(1, (-1, SCREEN_CONFIG[0])).argmax(-1)  # each program's best centre
+        col += torch.arange(0, VOCAB, SCREEN_CONFIG[0], device=DEVICE)
+        assert torch.equal(top, centre.gather(1, col)) and torch.equal(top_bound, aux[1][col])
+        norm, bound = x.double().norm(dim=1, keepdim=True), aux[1].double()
         exact = x.double() @ w.double().T
-        assert (upper.double() >= exact).all()
-        assert (upper.double() - 2 * aux[1].double() * x.double().norm(dim=1, keepdim=True) <= exact).all()
+        assert ((centre.double() - exact).abs() <= norm * bound).all()
+        upper, lower = centre.double() + norm * bound, top.double() - norm * top_bound.double()
+        assert (lower <= exact.gather(1, col)).all()
         candidates = (upper.bfloat16() >= lower.amax(1, keepdim=True).bfloat16()).sum(1)
         assert (candidates[1:] < 1000).all() and candidates[0] >= 2  # row 0: w[3]'s copies tie
         into = torch.empty(rows, dtype=torch.int64, device=DEVICE)

@@ -115,7 +115,7 @@ def _gemv_kernel(
     x_ptr,  # [M, K]
     w_ptr,  # [N, K]; SILU_MUL: [2N, K], gate rows then up rows
     part_max_ptr,  # ARGMAX: [M, num_programs] float32, each program's row maxima
-    part_idx_ptr,  # ARGMAX: [M, num_programs] int32, their columns
+    part_idx_ptr,  # ARGMAX: [M, num_programs] int32, their columns; SCREEN: float32, their bounds
     res_ptr,  # RESIDUAL: [M, N] added to the product
     rms_ptr,  # RMS: [M, num_parts] float32, sums of squares of parts of each row of x
     split_ptr,  # SPLIT_K > 1: [num_programs, SPLIT_K, (2,) BLOCK_M, BLOCK_N] float32 partials
@@ -171,18 +171,13 @@ def _gemv_kernel(
                 acc += tl.load(part, cache_modifier=".cg")
                 if SILU_MUL:
                     acc_up += tl.load(part + BLOCK_M * BLOCK_N, cache_modifier=".cg")
-    if SCREEN:  # int8 rows: the scaled products plus and minus ||x|| times the rows' bounds
-        x_rows = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
-        sum_sq = tl.zeros((BLOCK_M,), dtype=tl.float64)
-        for k0 in range(0, K, BLOCK_K):  # float64: no bf16 or fp16 row over- or underflows
-            xs = tl.load(x_rows + k0, mask=(offs_m[:, None] < M) & (k0 + offs_k[None, :] < K), other=0.0)
-            sum_sq += tl.sum(xs.to(tl.float64) * xs.to(tl.float64), axis=1)
-        n_ok = offs_n < N
-        norm = tl.sqrt(sum_sq).to(tl.float32)[:, None]
-        bound = norm * tl.load(aux_ptr + N + offs_n, mask=n_ok, other=0.0)[None, :]
-        acc = acc * tl.load(aux_ptr + offs_n, mask=n_ok, other=0.0)[None, :] + bound
-        lower = tl.max(tl.where(n_ok[None, :], acc - 2 * bound, float("-inf")), axis=1)
-        tl.store(part_max_ptr + offs_m * tl.num_programs(0) + pid, lower, mask=offs_m < M)
+    if SCREEN:  # int8 rows: the scaled products (the bounds' centres); per row, the best and its bound
+        acc *= tl.load(aux_ptr + offs_n, mask=offs_n < N, other=0.0)[None, :]
+        v = tl.where((offs_n[None, :] < N) & (acc == acc), acc, float("-inf"))  # NaN: -inf
+        top = tl.argmax(v, axis=1, tie_break_left=True)[:, None] == tl.arange(0, BLOCK_N)[None, :]
+        bound = tl.sum(tl.where(top, tl.load(aux_ptr + N + offs_n, mask=offs_n < N, other=0.0)[None, :], 0.0), 1)
+        tl.store(part_max_ptr + offs_m * tl.num_programs(0) + pid, tl.max(v, axis=1), mask=offs_m < M)
+        tl.store(part_idx_ptr + offs_m * tl.num_programs(0) + pid, bound, mask=offs_m < M)
     if last:
         _gemv_epilogue(acc, acc_up, y_ptr, part_max_ptr, part_idx_ptr, res_ptr, rms_ptr, pid,
                        offs_m, offs_n, M, N, K, stride_ym, stride_res, num_parts, eps, BLOCK_M,
@@ -363,8 +358,9 @@ def gemv(
             bytes of it, which stream while this launch's tail and the next launch's
             start leave the memory idle (CUDA devices of compute capability 9.0 and later).
         screen: ``weight`` is int8, :func:`screen_weight`'s, and this its [2, N] float32 scales
-            and error bounds: return ([M, N] float32 upper bounds of the logits, [M, P] float32
-            each program's greatest lower bound per row) (:func:`screened_argmax`'s first pass).
+            and error bounds: return ([M, N] float32 scaled products, the logits within ``||x||``
+            times their rows' bounds; [M, P] float32 each program's greatest per row (NaN as
+            -inf), [M, P] float32 its row's bound) (:func:`screened_argmax`'s first pass).
 
     Returns:
         [M, N] in ``x.dtype`` (float32 accumulation); with ``with_argmax`` also the
@@ -409,9 +405,9 @@ def gemv(
     split_k = 1 if counts is None else split_k
     partials = y if counts is None else torch.empty(
         grid * split_k * 2 * bm * block_n, dtype=torch.float32, device=x.device)
-    parts = (torch.empty(m, grid, dtype=torch.float32, device=x.device),
-             torch.empty(m, grid, dtype=torch.int32, device=x.device)) if with_argmax else (y, y)
-    if squares or screen is not None:
+    parts = (torch.empty(m, grid, dtype=torch.float32, device=x.device), torch.empty(
+        m, grid, dtype=torch.int32 if screen is None else torch.float32, device=x.device)) if with_argmax or screen is not None else (y, y)
+    if squares:
         parts = (torch.empty(m, grid, dtype=torch.float32, device=x.device), y)
     sum_sq, eps = (y, 0.0) if rms is None else rms
     assert rms is None or (sum_sq.shape[0] == m and sum_sq.dtype == torch.float32
@@ -433,7 +429,7 @@ def gemv(
     )
     if with_argmax:
         return y, _merge_argmax(*parts, argmax_into)
-    return (y, parts[0]) if squares or screen is not None else y
+    return (y, *parts) if screen is not None else (y, parts[0]) if squares else y
 
 
 _SPLIT_COUNTS: dict[torch.device, torch.Tensor] = {}  # split-K arrivals per tile, 0 between
@@ -504,34 +500,41 @@ def linear_silu_and_mul(
     return silu_and_mul(linear(x, weight, bias))
 
 
-SCREEN_CONFIG, RESCORE_COLUMNS, SCREEN_MAX_ROWS = (256, 256, 8, 2), 1024, 32
+SCREEN_CONFIG, RESCORE_COLUMNS, SCREEN_MAX_ROWS = (128, 256, 4, 3), 1024, 32
 """:func:`screened_argmax`'s int8 pass ``(BLOCK_N, BLOCK_K, num_warps, num_stages)`` (Llama-3.2-1B's
-head at one and two rows on an H100, ``bench/screened_argmax.py --sweep``), its rescoring's columns
-a program, and its most rows (the former (128, 256, 8, 3) spilled registers past a 32-row tile)."""
+head at one and two rows on an H100, ``bench/screened_argmax.py``), its rescoring's columns a
+program, and its most rows (an earlier pass, at (128, 256, 8, 3), spilled registers past 32)."""
 
 
 @triton.jit
 def _rescore_kernel(
     best_ptr, idx_ptr,  # [M, num_programs(0)] float32, int32: each program's best logit, its column
     x_ptr, w_ptr,  # [M, K], [N, K]
-    up_ptr, low_ptr,  # [M, N] float32 upper bounds; [M, P] float32 greatest lower bounds a program
+    centre_ptr, top_ptr, top_bound_ptr,  # [M, N] float32 centres; [M, P] each int8 program's best, its bound
+    aux_ptr,  # [2, N] float32, the int8 rows' scales and error bounds
     N, K, P, stride_xm, stride_wn,
     BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, PDL: tl.constexpr,
 ):
-    """:func:`screened_argmax`'s second pass over ``BLOCK_C`` columns of one row of ``x``: each
-    candidate's logit from its bf16 row, best first by upper bound, rounded to ``x``'s dtype."""
+    """:func:`screened_argmax`'s second pass over ``BLOCK_C`` columns of one row of ``x``: the bounds
+    (centres plus and minus ``||x||`` times the rows' bounds), then each candidate's logit from its
+    bf16 row, best first by upper bound, rounded to ``x``'s dtype."""
     wait_for_previous_kernel(PDL)
     row = tl.program_id(1).to(tl.int64)
     dtype = x_ptr.dtype.element_ty
+    offs_k = tl.arange(0, BLOCK_K)
+    x = tl.load(x_ptr + row * stride_xm + offs_k, mask=offs_k < K, other=0.0)
+    norm = tl.sqrt(tl.sum(x.to(tl.float64) * x.to(tl.float64), axis=0)).to(tl.float32)  # no overflow
+    x = x.to(tl.float32)
     offs_p = tl.arange(0, BLOCK_P)
-    low = tl.load(low_ptr + row * P + offs_p, mask=offs_p < P, other=float("-inf"))
+    top = tl.load(top_ptr + row * P + offs_p, mask=offs_p < P, other=float("-inf"))
+    low = top - norm * tl.load(top_bound_ptr + row * P + offs_p, mask=offs_p < P, other=0.0)  # a logit's
+    low = tl.max(tl.where(low == low, low, float("-inf")), axis=0)  # lower bound; NaN (an inf in x): none
     offs_c = tl.arange(0, BLOCK_C)
     cols = tl.program_id(0) * BLOCK_C + offs_c
-    up = tl.load(up_ptr + row * N + cols, mask=cols < N, other=float("-inf"))
-    cand = (cols < N) & (up.to(dtype) >= tl.max(low, axis=0).to(dtype))
+    up = (tl.load(centre_ptr + row * N + cols, mask=cols < N, other=float("-inf"))
+          + norm * tl.load(aux_ptr + N + cols, mask=cols < N, other=0.0))
+    cand = (cols < N) & (up.to(dtype) >= low.to(dtype))
     key = tl.maximum(up, -3.0e38)  # finite for every candidate: the loop takes one each time
-    offs_k = tl.arange(0, BLOCK_K)
-    x = tl.load(x_ptr + row * stride_xm + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
     best, best_col = tl.full([], float("-inf"), tl.float32), tl.program_id(0) * BLOCK_C  # in range
     while tl.max(cand.to(tl.int32), axis=0) > 0:
         c = tl.argmax(tl.where(cand, key, float("-inf")), axis=0, tie_break_left=True)
@@ -572,10 +575,10 @@ def screened_argmax(x: torch.Tensor, weight: torch.Tensor, screen: tuple[torch.T
                     into: torch.Tensor | None = None) -> torch.Tensor:
     """``linear_argmax(x, weight, into)[1]``, greedy tokens of an LM head (the first index of
     each row's largest logit rounded to ``x.dtype``), mostly from its 8-bit copy ``screen``
-    (:func:`screen_weight`): a GEMV over ``q`` bounds every logit within ``||x||`` times its row's
-    bound; a second (:data:`RESCORE_COLUMNS` columns a program) reads only the ``weight`` rows
-    whose upper bound, rounded, reaches the greatest lower bound of their row of ``x``, rounded,
-    one at a time, and takes their argmax. Every row that can hold the rounded maximum passes
+    (:func:`screen_weight`): a GEMV over ``q`` gives every logit within ``||x||`` times its row's
+    bound (and each program's best); a second (:data:`RESCORE_COLUMNS` columns a program) reads only
+    the ``weight`` rows whose upper bound, rounded, reaches the greatest lower bound of the first
+    pass's programs' best columns, rounded, one at a time, and takes their argmax. Every row that can hold the rounded maximum passes
     (rounding is monotone), so the tokens are the unscreened ones (up to float32 summation order,
     as between any two GEMV configurations); a non-finite ``x`` row gets a token of the vocabulary.
     Up to :data:`SCREEN_MAX_ROWS` rows and ``K`` 8192 (compiled without spills), else, as on the
@@ -586,13 +589,13 @@ def screened_argmax(x: torch.Tensor, weight: torch.Tensor, screen: tuple[torch.T
     if not 0 < x.shape[0] <= SCREEN_MAX_ROWS or x.shape[1] > 8192 or use_reference(x):
         return linear_argmax(x, weight, into)[1]
     assert weight.stride(1) == 1 and x.stride(1) == 1
-    upper, lower = gemv(x, screen[0], SCREEN_CONFIG, screen=screen[1])
-    (m, n), p = upper.shape, lower.shape[1]
+    centre, top, top_bound = gemv(x, screen[0], SCREEN_CONFIG, screen=screen[1])
+    (m, n), p = centre.shape, top.shape[1]
     grid = (triton.cdiv(n, RESCORE_COLUMNS), m)
     best = torch.empty(m, grid[0], dtype=torch.float32, device=x.device)
     cols = torch.empty(m, grid[0], dtype=torch.int32, device=x.device)
     with_pdl = pdl(x)
-    _rescore_kernel[grid](best, cols, x, weight, upper, lower, n, x.shape[1], p, x.stride(0),
+    _rescore_kernel[grid](best, cols, x, weight, centre, top, top_bound, screen[1], n, x.shape[1], p, x.stride(0),
                           weight.stride(0), BLOCK_C=RESCORE_COLUMNS, BLOCK_P=triton.next_power_of_2(p),
                           BLOCK_K=triton.next_power_of_2(x.shape[1]), PDL=with_pdl, launch_pdl=with_pdl)
     return _merge_argmax(best, cols, into)

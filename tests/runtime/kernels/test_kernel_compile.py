@@ -174,12 +174,14 @@ CASES["rms_norm_gather_pair"] = (*CASES["fused_add_rms_norm_gemma"][:2], {
 CASES["rejection_sample_synthetic"] = (*CASES["rejection_sample_random"][:2], {
     **CASES["rejection_sample_random"][2], "ALL_GREEDY": True, "SYNTHETIC": True})
 # The greedy draft head's int8 screen, then the rescoring of its candidates.
-CASES["gemv_screen"] = (gemv._gemv_kernel, {**CASES["gemv_argmax"][1], "w_ptr": "*i8", "y_ptr": "*fp32"},
+CASES["gemv_screen"] = (gemv._gemv_kernel, {**CASES["gemv_argmax"][1], "w_ptr": "*i8", "y_ptr": "*fp32",
+                                             "part_idx_ptr": "*fp32"},
                         {**CASES["gemv_argmax"][2], "BLOCK_N": 128, "BLOCK_K": 256, "SCREEN": True,
                          "ARGMAX": False})
 CASES["screen_rescore"] = (gemv._rescore_kernel, {
-    "best_ptr": "*fp32", "idx_ptr": "*i32", "x_ptr": "*bf16", "w_ptr": "*bf16", "up_ptr": "*fp32",
-    "low_ptr": "*fp32"}, dict(BLOCK_C=1024, BLOCK_K=2048, BLOCK_P=1024, PDL=True))
+    "best_ptr": "*fp32", "idx_ptr": "*i32", "x_ptr": "*bf16", "w_ptr": "*bf16", "centre_ptr": "*fp32",
+    "top_ptr": "*fp32", "top_bound_ptr": "*fp32", "aux_ptr": "*fp32"},
+    dict(BLOCK_C=1024, BLOCK_K=2048, BLOCK_P=1024, PDL=True))
 # What a step keeps of its verification (accepted and verified counts, next tokens).
 CASES["accepted_tokens"] = (rs._accepted_tokens_kernel, dict.fromkeys(
     ("staged_ptr", "next_ptr", "committed_ptr", "output_ptr", "raw_ptr", "num_draft_ptr",

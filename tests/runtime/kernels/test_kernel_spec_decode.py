@@ -580,6 +580,23 @@ def test_gemv_epilogues(interpreted):
     interpreted(check_gemv_epilogues)
 
 
+def screen_bounds(x: torch.Tensor, q: torch.Tensor, aux: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int8 pass's bounds in float64, as the rescoring forms them from its outputs: ``(upper
+    [M, N], each program's lower bound [M, P])``, its best column's centre less ``||x||`` times
+    that row's bound."""
+    from specula.runtime.kernels.gemv import SCREEN_CONFIG, gemv
+
+    centre, top, top_bound = gemv(x, q, SCREEN_CONFIG, screen=aux)
+    assert centre.dtype == top.dtype == top_bound.dtype == torch.float32
+    padded = torch.full((centre.shape[0], top.shape[1] * SCREEN_CONFIG[0]), float("-inf"))
+    padded[:, : centre.shape[1]] = torch.where(centre.isnan(), float("-inf"), centre)
+    col = padded.unflatten(1, (-1, SCREEN_CONFIG[0])).argmax(-1)  # each program's first best centre
+    col += torch.arange(0, padded.shape[1], SCREEN_CONFIG[0])
+    assert torch.equal(top, centre.gather(1, col)) and torch.equal(top_bound, aux[1][col])
+    norm = x.double().norm(dim=1, keepdim=True)
+    return centre.double() + norm * aux[1].double(), top.double() - norm * top_bound.double()
+
+
 def check_screened_argmax() -> None:
     """The int8 pass bounds every logit (against float64) and leaves few candidates on random
     rows; the tokens are the first argmax of the logits rounded to float16, also where rows tie
@@ -592,10 +609,10 @@ def check_screened_argmax() -> None:
         x = torch.randn(m, k, generator=gen).half()
         w = (torch.randn(n, k, generator=gen) * 0.05).half()
         q, aux = screen_weight(w, rows=128)
-        upper, lower = gemv(x, q, SCREEN_CONFIG, screen=aux)
+        upper, lower = screen_bounds(x, q, aux)
         exact = x.double() @ w.double().T
-        assert (upper.double() >= exact).all() and (upper.double() - 2 * aux[1].double()
-                                                    * x.double().norm(dim=1, keepdim=True) <= exact).all()
+        assert (upper >= exact).all() and (upper - 2 * aux[1].double() * x.double().norm(dim=1, keepdim=True)
+                                           <= exact).all()
         threshold = lower.amax(1, keepdim=True)
         assert ((upper.half() >= threshold.half()).sum(1) < n // 20).all()
         assert torch.equal(screened_argmax(x, w, (q, aux)), exact.half().argmax(-1))
@@ -625,13 +642,30 @@ def check_screened_argmax() -> None:
     x = (w[best].double() * (1.9995 / w[best].double().pow(2).sum())).half()[None]
     exact = (x.double() @ w.double().T)[0]
     q8, aux = screen_weight(w, rows=128)
-    upper, lower = gemv(x, q8, SCREEN_CONFIG, screen=aux)
+    _, lower = screen_bounds(x, q8, aux)
     assert torch.equal(q8, q.to(torch.int8))
     for p, low in enumerate(lower[0].tolist()):  # each program's lower bound: below its columns' max
         assert low <= exact[p * SCREEN_CONFIG[0] : (p + 1) * SCREEN_CONFIG[0]].max()
     ref = int(exact.half().argmax())
     assert 100 <= ref < 130 and exact[ref] < lower.max()
     assert int(screened_argmax(x, w, (q8, aux))) == ref
+    # A row (b) whose rounding error lines up with x (x of +-1, each weight 7/16 of a step off the
+    # grid, against x's sign) and an on-grid row (a) just above it: b's centre overshoots a's upper
+    # bound, so only the lower bound (b's centre less ||x|| times its bound) keeps a a candidate.
+    sign = torch.where(torch.rand(128, generator=gen) < 0.5, -1.0, 1.0)
+    qb = torch.randint(0, 100, (128,), generator=gen) * sign
+    qb[0], sign[0] = 127, 1.0
+    q = torch.randint(-3, 4, (300, 128), generator=gen).double()
+    q[200], q[201] = qb - 0.4375 * sign, qb
+    q[201, 1:31] -= sign[1:31]  # a: 30 steps below b's exact logit plus its error
+    q[201, 0] = q[200, 0] = 127
+    w, x = (q * 2**-7).half(), sign.half()[None]
+    exact = (x.double() @ w.double().T)[0]
+    q8, aux = screen_weight(w)
+    centre = gemv(x, q8, SCREEN_CONFIG, screen=aux)[0][0].double()
+    upper, lower = screen_bounds(x, q8, aux)
+    assert exact[200] < exact[201] < upper[0, 201] < centre[200] and lower.max() <= exact[201]
+    assert int(exact.half().argmax()) == 201 and int(screened_argmax(x, w, (q8, aux))) == 201
 
 
 def test_screened_argmax(interpreted):
