@@ -175,7 +175,8 @@ def _gemv_kernel(
         acc *= tl.load(aux_ptr + offs_n, mask=offs_n < N, other=0.0)[None, :]
         v = tl.where((offs_n[None, :] < N) & (acc == acc), acc, float("-inf"))  # NaN: -inf
         top = tl.argmax(v, axis=1, tie_break_left=True)[:, None] == tl.arange(0, BLOCK_N)[None, :]
-        bound = tl.sum(tl.where(top, tl.load(aux_ptr + N + offs_n, mask=offs_n < N, other=0.0)[None, :], 0.0), 1)
+        bounds = tl.load(aux_ptr + N + offs_n, mask=offs_n < N, other=0.0)[None, :]
+        bound = tl.sum(tl.where(top, bounds, 0.0), axis=1)
         tl.store(part_max_ptr + offs_m * tl.num_programs(0) + pid, tl.max(v, axis=1), mask=offs_m < M)
         tl.store(part_idx_ptr + offs_m * tl.num_programs(0) + pid, bound, mask=offs_m < M)
     if last:
@@ -405,8 +406,9 @@ def gemv(
     split_k = 1 if counts is None else split_k
     partials = y if counts is None else torch.empty(
         grid * split_k * 2 * bm * block_n, dtype=torch.float32, device=x.device)
-    parts = (torch.empty(m, grid, dtype=torch.float32, device=x.device), torch.empty(
-        m, grid, dtype=torch.int32 if screen is None else torch.float32, device=x.device)) if with_argmax or screen is not None else (y, y)
+    second = torch.int32 if screen is None else torch.float32  # columns, or (SCREEN) bounds
+    parts = (torch.empty(m, grid, dtype=torch.float32, device=x.device),
+             torch.empty(m, grid, dtype=second, device=x.device)) if with_argmax or screen is not None else (y, y)
     if squares:
         parts = (torch.empty(m, grid, dtype=torch.float32, device=x.device), y)
     sum_sq, eps = (y, 0.0) if rms is None else rms
@@ -510,7 +512,8 @@ program, and its most rows (an earlier pass, at (128, 256, 8, 3), spilled regist
 def _rescore_kernel(
     best_ptr, idx_ptr,  # [M, num_programs(0)] float32, int32: each program's best logit, its column
     x_ptr, w_ptr,  # [M, K], [N, K]
-    centre_ptr, top_ptr, top_bound_ptr,  # [M, N] float32 centres; [M, P] each int8 program's best, its bound
+    centre_ptr,  # [M, N] float32, the bounds' centres (the int8 pass's scaled products)
+    top_ptr, top_bound_ptr,  # [M, P] float32: each int8 program's best centre, its row's bound
     aux_ptr,  # [2, N] float32, the int8 rows' scales and error bounds
     N, K, P, stride_xm, stride_wn,
     BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, PDL: tl.constexpr,
@@ -527,8 +530,9 @@ def _rescore_kernel(
     x = x.to(tl.float32)
     offs_p = tl.arange(0, BLOCK_P)
     top = tl.load(top_ptr + row * P + offs_p, mask=offs_p < P, other=float("-inf"))
-    low = top - norm * tl.load(top_bound_ptr + row * P + offs_p, mask=offs_p < P, other=0.0)  # a logit's
-    low = tl.max(tl.where(low == low, low, float("-inf")), axis=0)  # lower bound; NaN (an inf in x): none
+    # Each best centre less ||x|| times its bound is below a logit: the greatest bounds the maximum.
+    low = top - norm * tl.load(top_bound_ptr + row * P + offs_p, mask=offs_p < P, other=0.0)
+    low = tl.max(tl.where(low == low, low, float("-inf")), axis=0)  # NaN (an inf in x): none
     offs_c = tl.arange(0, BLOCK_C)
     cols = tl.program_id(0) * BLOCK_C + offs_c
     up = (tl.load(centre_ptr + row * N + cols, mask=cols < N, other=float("-inf"))
@@ -576,11 +580,12 @@ def screened_argmax(x: torch.Tensor, weight: torch.Tensor, screen: tuple[torch.T
     """``linear_argmax(x, weight, into)[1]``, greedy tokens of an LM head (the first index of
     each row's largest logit rounded to ``x.dtype``), mostly from its 8-bit copy ``screen``
     (:func:`screen_weight`): a GEMV over ``q`` gives every logit within ``||x||`` times its row's
-    bound (and each program's best); a second (:data:`RESCORE_COLUMNS` columns a program) reads only
-    the ``weight`` rows whose upper bound, rounded, reaches the greatest lower bound of the first
-    pass's programs' best columns, rounded, one at a time, and takes their argmax. Every row that can hold the rounded maximum passes
-    (rounding is monotone), so the tokens are the unscreened ones (up to float32 summation order,
-    as between any two GEMV configurations); a non-finite ``x`` row gets a token of the vocabulary.
+    bound (and each program's best); a second (:data:`RESCORE_COLUMNS` columns a program) reads
+    only the ``weight`` rows whose upper bound, rounded, reaches the greatest lower bound of the
+    first pass's programs' best columns, rounded, one at a time, and takes their argmax. Every row
+    that can hold the rounded maximum passes (rounding is monotone), so the tokens are the
+    unscreened ones (up to float32 summation order, as between any two GEMV configurations); a
+    non-finite ``x`` row gets a token of the vocabulary.
     Up to :data:`SCREEN_MAX_ROWS` rows and ``K`` 8192 (compiled without spills), else, as on the
     torch reference, :func:`linear_argmax`.
     Maximum inner product search's quantize-then-rerank (ScaNN's reordering, Guo et al., arXiv
@@ -595,8 +600,8 @@ def screened_argmax(x: torch.Tensor, weight: torch.Tensor, screen: tuple[torch.T
     best = torch.empty(m, grid[0], dtype=torch.float32, device=x.device)
     cols = torch.empty(m, grid[0], dtype=torch.int32, device=x.device)
     with_pdl = pdl(x)
-    _rescore_kernel[grid](best, cols, x, weight, centre, top, top_bound, screen[1], n, x.shape[1], p, x.stride(0),
-                          weight.stride(0), BLOCK_C=RESCORE_COLUMNS, BLOCK_P=triton.next_power_of_2(p),
+    _rescore_kernel[grid](best, cols, x, weight, centre, top, top_bound, screen[1], n, x.shape[1], p,
+                          x.stride(0), weight.stride(0), BLOCK_C=RESCORE_COLUMNS, BLOCK_P=triton.next_power_of_2(p),
                           BLOCK_K=triton.next_power_of_2(x.shape[1]), PDL=with_pdl, launch_pdl=with_pdl)
     return _merge_argmax(best, cols, into)
 
