@@ -365,18 +365,19 @@ def gemv(
 
     Returns:
         [M, N] in ``x.dtype`` (float32 accumulation); with ``with_argmax`` also the
-        argmax, with ``residual`` or ``sums_of_squares`` also the sums of squares.
+        argmax, with ``residual`` or ``sums_of_squares`` also the sums of squares; with ``screen``
+        the three tensors above.
 
     Raises:
         AssertionError: shapes, dtypes or layouts do not match the above, or more than
-            one of ``with_argmax``, ``silu_mul`` and ``residual`` asked for.
+            one of ``with_argmax``, ``silu_mul``, ``residual`` and ``screen`` asked for.
     """
     assert x.ndim == 2 and weight.ndim == 2 and x.shape[1] == weight.shape[1]
     assert x.dtype == weight.dtype or screen is not None and weight.dtype == torch.int8
     assert x.dtype in (torch.bfloat16, torch.float16)
     assert x.stride(1) == 1 and weight.stride(1) == 1
     squares = sums_of_squares or residual is not None
-    assert silu_mul + with_argmax + squares <= 1, "one epilogue at a time"
+    assert silu_mul + with_argmax + squares + (screen is not None) <= 1, "one epilogue at a time"
     m, k = x.shape
     n = weight.shape[0] // 2 if silu_mul else weight.shape[0]
     assert not silu_mul or weight.shape[0] == 2 * n

@@ -666,6 +666,18 @@ def check_screened_argmax() -> None:
     upper, lower = screen_bounds(x, q8, aux)
     assert exact[200] < exact[201] < upper[0, 201] < centre[200] and lower.max() <= exact[201]
     assert int(exact.half().argmax()) == 201 and int(screened_argmax(x, w, (q8, aux))) == 201
+    # The mirror case: the argmax's row (a) off the grid with its error along x (its centre 0.43
+    # under its logit), an on-grid row (b) above a's centre but below its logit: only the norm
+    # term of a's upper bound keeps a a candidate.
+    q[200], q[201] = qb, qb + 0.4375 * sign
+    q[200, 1:31] += sign[1:31]
+    q[201, 0] = q[200, 0] = 127
+    w = (q * 2**-7).half()
+    exact = (x.double() @ w.double().T)[0]
+    q8, aux = screen_weight(w)
+    centre = gemv(x, q8, SCREEN_CONFIG, screen=aux)[0][0].double()
+    assert centre[201] < centre[200] and exact[200] < exact[201]
+    assert int(exact.half().argmax()) == 201 and int(screened_argmax(x, w, (q8, aux))) == 201
 
 
 def test_screened_argmax(interpreted):
