@@ -506,7 +506,7 @@ def linear_silu_and_mul(
 SCREEN_CONFIG, RESCORE_COLUMNS, SCREEN_MAX_ROWS = (128, 256, 4, 3), 1024, 32
 """:func:`screened_argmax`'s int8 pass ``(BLOCK_N, BLOCK_K, num_warps, num_stages)`` (Llama-3.2-1B's
 head at one and two rows on an H100, ``bench/screened_argmax.py``), its rescoring's columns a
-program, and its most rows (an earlier pass, at (128, 256, 8, 3), spilled registers past 32)."""
+program, and its most rows (the GPU test's most; an earlier pass spilled registers past 32)."""
 
 
 @triton.jit
@@ -587,7 +587,7 @@ def screened_argmax(x: torch.Tensor, weight: torch.Tensor, screen: tuple[torch.T
     that can hold the rounded maximum passes (rounding is monotone), so the tokens are the
     unscreened ones (up to float32 summation order, as between any two GEMV configurations); a
     non-finite ``x`` row gets a token of the vocabulary.
-    Up to :data:`SCREEN_MAX_ROWS` rows and ``K`` 8192 (compiled without spills), else, as on the
+    Up to :data:`SCREEN_MAX_ROWS` rows and ``K`` 8192 (what the GPU tests cover), else, as on the
     torch reference, :func:`linear_argmax`.
     Maximum inner product search's quantize-then-rerank (ScaNN's reordering, Guo et al., arXiv
     1908.10396), exact by the bound. ``x``: [M, K]; ``into``: a contiguous [M] int64 tensor to
