@@ -587,7 +587,7 @@ def screened_argmax(x: torch.Tensor, weight: torch.Tensor, screen: tuple[torch.T
     that can hold the rounded maximum passes (rounding is monotone), so the tokens are the
     unscreened ones (up to float32 summation order, as between any two GEMV configurations); a
     non-finite ``x`` row gets a token of the vocabulary.
-    Up to :data:`SCREEN_MAX_ROWS` rows and ``K`` 8192 (what the GPU tests cover), else, as on the
+    Up to :data:`SCREEN_MAX_ROWS` rows (the GPU test's most) and ``K`` 8192, else, as on the
     torch reference, :func:`linear_argmax`.
     Maximum inner product search's quantize-then-rerank (ScaNN's reordering, Guo et al., arXiv
     1908.10396), exact by the bound. ``x``: [M, K]; ``into``: a contiguous [M] int64 tensor to
