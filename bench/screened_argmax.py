@@ -10,8 +10,9 @@ are counted.
 
     PYTHONPATH=. python3 bench/screened_argmax.py [--rows 1,2] [--sweep] [--output FILE]
 
-``--sweep`` first times the int8 pass alone over :func:`sweep_configs` (the grid that chose
-:data:`~specula.runtime.kernels.gemv.SCREEN_CONFIG`) and prints the six fastest per row count.
+``--sweep`` first times the int8 pass alone over :func:`sweep_configs` (the grid that chose the
+former :data:`~specula.runtime.kernels.gemv.SCREEN_CONFIG`, when the pass also summed the squares of
+``x``; the present one is the best of :data:`SCREENS`) and prints the six fastest per row count.
 """
 
 from __future__ import annotations
