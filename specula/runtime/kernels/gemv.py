@@ -171,26 +171,21 @@ def _gemv_kernel(
                 acc += tl.load(part, cache_modifier=".cg")
                 if SILU_MUL:
                     acc_up += tl.load(part + BLOCK_M * BLOCK_N, cache_modifier=".cg")
-    if SCREEN:  # int8 rows: the scaled products (the bounds' centres); per row, the best and its bound
+    if SCREEN:  # int8 rows: the scaled products, the bounds' centres (the argmax epilogue's input)
         acc *= tl.load(aux_ptr + offs_n, mask=offs_n < N, other=0.0)[None, :]
-        v = tl.where((offs_n[None, :] < N) & (acc == acc), acc, float("-inf"))  # NaN: -inf
-        top = tl.argmax(v, axis=1, tie_break_left=True)[:, None] == tl.arange(0, BLOCK_N)[None, :]
-        bounds = tl.load(aux_ptr + N + offs_n, mask=offs_n < N, other=0.0)[None, :]
-        bound = tl.sum(tl.where(top, bounds, 0.0), axis=1)
-        tl.store(part_max_ptr + offs_m * tl.num_programs(0) + pid, tl.max(v, axis=1), mask=offs_m < M)
-        tl.store(part_idx_ptr + offs_m * tl.num_programs(0) + pid, bound, mask=offs_m < M)
     if last:
-        _gemv_epilogue(acc, acc_up, y_ptr, part_max_ptr, part_idx_ptr, res_ptr, rms_ptr, pid,
+        _gemv_epilogue(acc, acc_up, y_ptr, part_max_ptr, part_idx_ptr, res_ptr, rms_ptr, aux_ptr, pid,
                        offs_m, offs_n, M, N, K, stride_ym, stride_res, num_parts, eps, BLOCK_M,
-                       BLOCK_N, SILU_MUL, ARGMAX, RESIDUAL, SQUARES, RMS, BLOCK_P)
+                       BLOCK_N, SILU_MUL, ARGMAX, RESIDUAL, SQUARES, RMS, BLOCK_P, SCREEN)
 
 
 @triton.jit
-def _gemv_epilogue(acc, acc_up, y_ptr, part_max_ptr, part_idx_ptr, res_ptr, rms_ptr, pid, offs_m,
-                   offs_n, M, N, K, stride_ym, stride_res, num_parts, eps, BLOCK_M: tl.constexpr,
+def _gemv_epilogue(acc, acc_up, y_ptr, part_max_ptr, part_idx_ptr, res_ptr, rms_ptr, aux_ptr, pid,
+                   offs_m, offs_n, M, N, K, stride_ym, stride_res, num_parts, eps, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, SILU_MUL: tl.constexpr, ARGMAX: tl.constexpr, RESIDUAL: tl.constexpr,
-                   SQUARES: tl.constexpr, RMS: tl.constexpr, BLOCK_P: tl.constexpr):
-    """:func:`_gemv_kernel`'s epilogues on a column tile's accumulators."""
+                   SQUARES: tl.constexpr, RMS: tl.constexpr, BLOCK_P: tl.constexpr, SCREEN: tl.constexpr):
+    """:func:`_gemv_kernel`'s epilogues on a column tile's accumulators (``SCREEN`` with ``ARGMAX``:
+    the best column's bound in place of its index)."""
     if RMS:  # the rows' 1 / rms from their sums of squares (outside the loop: x goes to
         # the dot untouched, which keeps the loads pipelined)
         offs_p = tl.arange(0, BLOCK_P)
@@ -221,7 +216,12 @@ def _gemv_epilogue(acc, acc_up, y_ptr, part_max_ptr, part_idx_ptr, res_ptr, rms_
         best = tl.argmax(v, axis=1, tie_break_left=True)  # [BLOCK_M]; a NaN row: its first column
         parts = offs_m * tl.num_programs(0) + pid
         tl.store(part_max_ptr + parts, tl.max(v, axis=1), mask=offs_m < M)
-        tl.store(part_idx_ptr + parts, pid * BLOCK_N + best, mask=offs_m < M)
+        if SCREEN:  # selected from the tile's bounds, loaded apart from the argmax (no dependent load)
+            bounds = tl.load(aux_ptr + N + offs_n, mask=offs_n < N, other=0.0)[None, :]
+            tl.store(part_idx_ptr + parts, tl.sum(tl.where(best[:, None] == tl.arange(0, BLOCK_N)[None, :],
+                                                           bounds, 0.0), axis=1), mask=offs_m < M)
+        else:
+            tl.store(part_idx_ptr + parts, pid * BLOCK_N + best, mask=offs_m < M)
 
 
 @triton.jit
@@ -424,7 +424,7 @@ def gemv(
         n * weight.stride(0),
         y.stride(0) if residual is None else residual.stride(0), sum_sq.shape[1], eps,
         BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k,
-        EVEN=(k % block_k == 0 and n % block_n == 0), SILU_MUL=silu_mul, ARGMAX=with_argmax,
+        EVEN=(k % block_k == 0 and n % block_n == 0), SILU_MUL=silu_mul, ARGMAX=with_argmax or screen is not None,
         RESIDUAL=residual is not None, SQUARES=squares, RMS=rms is not None,
         BLOCK_P=1 if rms is None else triton.next_power_of_2(sum_sq.shape[1]), SPLIT_K=split_k,
         PDL=with_pdl, PREFETCH=lines > 0, SCREEN=screen is not None, num_warps=warps,

@@ -177,7 +177,7 @@ CASES["rejection_sample_synthetic"] = (*CASES["rejection_sample_random"][:2], {
 CASES["gemv_screen"] = (gemv._gemv_kernel, {**CASES["gemv_argmax"][1], "w_ptr": "*i8", "y_ptr": "*fp32",
                                              "part_idx_ptr": "*fp32"},
                         {**CASES["gemv_argmax"][2], "BLOCK_N": 128, "BLOCK_K": 256, "SCREEN": True,
-                         "ARGMAX": False})
+                         "ARGMAX": True})
 CASES["screen_rescore"] = (gemv._rescore_kernel, {
     "best_ptr": "*fp32", "idx_ptr": "*i32", "x_ptr": "*bf16", "w_ptr": "*bf16", "centre_ptr": "*fp32",
     "top_ptr": "*fp32", "top_bound_ptr": "*fp32", "aux_ptr": "*fp32"},
