@@ -394,6 +394,21 @@ PAIRED_NUM_GPU_BLOCKS = 1024
 """KV blocks of each engine with ``--paired`` (16384 tokens): two 8B engines fit on one GPU."""
 
 
+def sweep_plan(methods: str, sweep_k: str) -> dict[str, list[int]]:
+    """``--sweep-methods`` and ``--sweep-k`` as ``{method: sorted k values}``. A method
+    written ``name:k`` or ``name:k1+k2`` takes its own k values instead of ``--sweep-k``
+    (``dflash:7``: the block-8 draft's one k). Raises ``ValueError`` on a k that is not a
+    positive integer."""
+    plan = {}
+    for item in filter(None, methods.split(",")):
+        name, _, own = item.partition(":")
+        ks = sorted({int(k) for k in (own.split("+") if own else sweep_k.split(","))})
+        if not ks or ks[0] < 1:
+            raise ValueError(f"--sweep-methods {item!r}: k must be a positive integer")
+        plan[name] = ks
+    return plan
+
+
 def k_sweep(args, dirs, device: str, vocab: int, max_tokens: int) -> dict:
     """Batch-1 decode tokens/s of each ``--sweep-methods`` method at every k of
     ``--sweep-k`` (mean of ``--repeats`` timed runs after a warm-up run at that k).
@@ -404,12 +419,11 @@ def k_sweep(args, dirs, device: str, vocab: int, max_tokens: int) -> dict:
     speedup's denominator, so both sides see the same GPU. (Unpaired, the target-only phase
     runs first; the same graph was measured 1.4 % slower a minute into a call than at its
     start, on an H100, which lowers every unpaired speedup.)"""
-    ks = sorted(int(k) for k in args.sweep_k.split(","))
     sizes = (1,) if device == "cuda" else (1, 2)  # (the CPU dry run's KV cache: as the methods phase's)
     blocks = {"num_gpu_blocks": PAIRED_NUM_GPU_BLOCKS} if args.paired else {}
     base = make_engine(dirs, None, 0, sizes, device, None, **blocks) if args.paired else None
     rows: dict = {}
-    for method in args.sweep_methods.split(","):
+    for method, ks in sweep_plan(args.sweep_methods, args.sweep_k).items():
         engine = make_engine(dirs, method, ks[-1], sizes, device, ACCEPTANCE, **blocks)
         prompts = random_prompts(1, vocab, 128, seed=1)
         rows[method] = {}
@@ -517,7 +531,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=6, help="timed runs per row")
     parser.add_argument("--sweep-k", default="3,4,5,6", help="phase ksweep: the k values")
     parser.add_argument("--sweep-methods", default="eagle3,mtp,draft_model",
-                        help="phase ksweep: the methods")
+                        help="phase ksweep: the methods; name:k1+k2 gives one its own k values")
     parser.add_argument("--paired", action="store_true",
                         help="phase ksweep: time a target-only engine between the method's runs")
     parser.add_argument("--target", choices=("llama", "gemma4"), default="llama",
