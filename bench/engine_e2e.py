@@ -24,7 +24,16 @@ known mean acceptance length. Methods and their drafts (all random weights):
 - ``dflash``: 5 Qwen3-style layers, block 8, k = 7;
 - ``ngram``: no draft network and *real* verification on a copy-heavy workload (the
   prompt is a random 64-token span, the target's own 128-token greedy continuation of
-  it, and the span again, so the output repeats text the lookup finds), k = 4.
+  it, and the span again), k = 4. A random-weight target does not repeat that
+  continuation after the second span, so no draft is accepted: the row is the cost of
+  looking up and verifying drafts that miss.
+- ``ngram_copies``: the same with every decoder layer's output projections (``o_proj``,
+  ``down_proj``) zeroed after loading (:func:`zero_layer_outputs`). The residual stream
+  is then the last token's embedding, the greedy output a function of the last token,
+  and the output after the second span really repeats the prompt's continuation: its
+  first 128 tokens are found by the lookup and accepted by real verification, the rest
+  are new. Each step streams the same weights as the dense target's, so the step costs
+  are those of the other rows.
 
 ``engine_vs_runner`` divides the engine's decode tokens/s by the target runner's: its
 CUDA graph replayed back to back at the batch size, each replay followed by the LM head
@@ -342,7 +351,8 @@ def run(args) -> dict:
         target = TINY if args.dry_run else LLAMA_8B
         vocab = target["vocab_size"]
         dirs = write_checkpoints(root, target, TINY_DRAFT if args.dry_run else LLAMA_1B)
-        methods = {"eagle3": 4, "mtp": 4, "draft_model": 4, "dflash": 7, "ngram": 4}
+        methods = {"eagle3": 4, "mtp": 4, "draft_model": 4, "dflash": 7, "ngram": 4,
+                   "ngram_copies": 4}
     out: dict = {}
     if "target" in args.phases:
         engine = make_engine(dirs, None, 0, batches, device, None)
@@ -367,10 +377,13 @@ def run(args) -> dict:
             if args.methods and method not in args.methods:
                 continue
             bs = (1, 32) if not args.dry_run else (1, 2)
-            engine = make_engine(dirs, method, k, bs, device, ACCEPTANCE)
+            copies = method == "ngram_copies"
+            engine = make_engine(dirs, "ngram" if copies else method, k, bs, device, ACCEPTANCE)
+            if copies:
+                zero_layer_outputs(engine)
             rows[method] = {"num_speculative_tokens": k}
             for b in bs:
-                if method == "ngram":
+                if method.startswith("ngram"):
                     prompts = copy_heavy_prompts(engine, b, vocab, max_tokens)
                 else:
                     prompts = random_prompts(b, vocab, 128, seed=b)
@@ -442,6 +455,24 @@ def k_sweep(args, dirs, device: str, vocab: int, max_tokens: int) -> dict:
         del engine
         release_memory()
     return rows
+
+
+def zero_layer_outputs(engine) -> int:
+    """Zero ``engine``'s target decoder layers' ``o_proj`` and ``down_proj`` weights in
+    place (the captured CUDA graphs read the same tensors); returns how many. Raises
+    ``RuntimeError`` if there are none (a model whose names differ)."""
+    import torch
+
+    names = ("o_proj.weight", "down_proj.weight")
+    zeroed = 0
+    with torch.no_grad():
+        for name, param in engine.runner.model.named_parameters():
+            if name.endswith(names):
+                param.zero_()
+                zeroed += 1
+    if not zeroed:
+        raise RuntimeError("no o_proj or down_proj weights in the target")
+    return zeroed
 
 
 def copy_heavy_prompts(engine, batch: int, vocab: int, max_tokens: int) -> list[list[int]]:
