@@ -25,15 +25,15 @@ known mean acceptance length. Methods and their drafts (all random weights):
 - ``ngram``: no draft network and *real* verification on a copy-heavy workload (the
   prompt is a random 64-token span, the target's own 128-token greedy continuation of
   it, and the span again), k = 4. A random-weight target does not repeat that
-  continuation after the second span, so no draft is accepted: the row is the cost of
-  looking up and verifying drafts that miss.
+  continuation after the second span, so at the 8B shape no draft is accepted: the row is
+  the cost of looking up and verifying drafts that miss.
 - ``ngram_copies``: the same with every decoder layer's output projections (``o_proj``,
   ``down_proj``) zeroed after loading (:func:`zero_layer_outputs`). The residual stream
   is then the last token's embedding, the greedy output a function of the last token,
   and the output after the second span really repeats the prompt's continuation: its
   first 128 tokens are found by the lookup and accepted by real verification, the rest
-  are new. Each step streams the same weights as the dense target's, so the step costs
-  are those of the other rows.
+  are new. Each step streams the same weights as the dense target's (its attention reads
+  the longer prompt's keys: up to 512 positions against 384).
 
 ``engine_vs_runner`` divides the engine's decode tokens/s by the target runner's: its
 CUDA graph replayed back to back at the batch size, each replay followed by the LM head
@@ -42,11 +42,11 @@ and the argmax (batch / step time). That is the model runner's decode step as
 issue's table. ``engine_vs_graph_only`` divides by the graph alone, without the LM head
 and argmax (which run outside the graph).
 
-Phase ``ksweep`` times ``--sweep-methods`` at batch 1 for every k of ``--sweep-k`` (one
-engine per method, started at the largest k and moved with
+Phase ``ksweep`` times ``--sweep-methods`` at batch 1 for every k of ``--sweep-k``, or of a
+method's own ``name:k1+k2`` (one engine per method, started at the largest k and moved with
 :meth:`LLMEngine.set_num_speculative_tokens`, as the operator's tuner moves it), and
-reports each method's speedup at the k that gave the most decode tokens/s
-(``speedup_by_method_best_k``) beside its speedup at every k. With ``--paired`` a target-only
+reports each method's speedup at the k that gave the most decode tokens/s at the expected
+acceptance length (``speedup_by_method_best_k``; ``speedup`` at that length, ``by_k`` as measured) beside its speedup at every k. With ``--paired`` a target-only
 engine stays loaded beside the method's and runs alternate with the method's, each k's
 speedup taken against its own target-only runs (:func:`k_sweep`).
 
@@ -414,17 +414,21 @@ def sweep_plan(methods: str, sweep_k: str) -> dict[str, list[int]]:
     positive integer."""
     plan = {}
     for item in filter(None, methods.split(",")):
-        name, _, own = item.partition(":")
-        ks = sorted({int(k) for k in (own.split("+") if own else sweep_k.split(","))})
-        if not ks or ks[0] < 1:
-            raise ValueError(f"--sweep-methods {item!r}: k must be a positive integer")
+        name, sep, own = item.partition(":")
+        try:
+            ks = sorted({int(k) for k in (own.split("+") if sep else sweep_k.split(","))})
+        except ValueError:
+            ks = [0]
+        if ks[0] < 1 or name in plan:
+            raise ValueError(f"--sweep-methods {item!r}: k values must be positive integers "
+                             f"(--sweep-k {sweep_k!r}) and each method named once")
         plan[name] = ks
     return plan
 
 
 def k_sweep(args, dirs, device: str, vocab: int, max_tokens: int) -> dict:
     """Batch-1 decode tokens/s of each ``--sweep-methods`` method at every k of
-    ``--sweep-k`` (mean of ``--repeats`` timed runs after a warm-up run at that k).
+    ``--sweep-k`` (or of its own ``name:k1+k2``) (mean of ``--repeats`` timed runs after a warm-up run at that k).
 
     With ``--paired``, a target-only engine stays loaded beside each method's engine (both
     with :data:`PAIRED_NUM_GPU_BLOCKS`) and each timed run of the method follows one of the
@@ -522,8 +526,8 @@ def summarize(results: dict, peer: dict | None) -> dict:
                         for k, r in by_k.items()}
             expected = {int(k[1:]): round(r["decode_tokens_per_s_at_expected_acceptance"] / base[k], 3)
                         for k, r in by_k.items()}
-            k = max(speedups, key=speedups.get)
-            best[m] = {"k": k, "speedup": speedups[k], "by_k": speedups,
+            k = max(expected, key=expected.get)  # the draws' luck left out
+            best[m] = {"k": k, "speedup": expected[k], "by_k": speedups,
                        "by_k_at_expected_acceptance": expected,
                        "paired": all("target_only" in r for r in by_k.values())}
         summary["speedup_by_method_best_k"] = best
@@ -572,6 +576,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.phases = args.phases.split(",")
     args.methods = [m for m in args.methods.split(",") if m]
+    if "ksweep" in args.phases:
+        sweep_plan(args.sweep_methods, args.sweep_k)  # a typo fails before any phase runs
     import torch
 
     from bench.engine import recorded_command
