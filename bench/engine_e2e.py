@@ -46,8 +46,8 @@ Phase ``ksweep`` times ``--sweep-methods`` at batch 1 for every k of ``--sweep-k
 method's own ``name:k1+k2`` (one engine per method, started at the largest k and moved with
 :meth:`LLMEngine.set_num_speculative_tokens`, as the operator's tuner moves it), and
 reports each method's speedup at the k that gave the most decode tokens/s at the expected
-acceptance length (``speedup_by_method_best_k``; ``speedup`` at that length, ``by_k`` as measured) beside its speedup at every k. With ``--paired`` a target-only
-engine stays loaded beside the method's and runs alternate with the method's, each k's
+acceptance length (``speedup_by_method_best_k``: ``speedup`` at that length, ``by_k`` as
+measured) beside its speedup at every k. With ``--paired`` a target-only engine stays loaded beside the method's and runs alternate with the method's, each k's
 speedup taken against its own target-only runs (:func:`k_sweep`).
 
 Run on the GPU machine::
@@ -411,7 +411,7 @@ def sweep_plan(methods: str, sweep_k: str) -> dict[str, list[int]]:
     """``--sweep-methods`` and ``--sweep-k`` as ``{method: sorted k values}``. A method
     written ``name:k`` or ``name:k1+k2`` takes its own k values instead of ``--sweep-k``
     (``dflash:7``: the block-8 draft's one k). Raises ``ValueError`` on a k that is not a
-    positive integer."""
+    positive integer or a method named twice."""
     plan = {}
     for item in filter(None, methods.split(",")):
         name, sep, own = item.partition(":")
@@ -428,7 +428,8 @@ def sweep_plan(methods: str, sweep_k: str) -> dict[str, list[int]]:
 
 def k_sweep(args, dirs, device: str, vocab: int, max_tokens: int) -> dict:
     """Batch-1 decode tokens/s of each ``--sweep-methods`` method at every k of
-    ``--sweep-k`` (or of its own ``name:k1+k2``) (mean of ``--repeats`` timed runs after a warm-up run at that k).
+    ``--sweep-k`` or its own ``name:k1+k2`` (mean of ``--repeats`` timed runs after a
+    warm-up run at that k).
 
     With ``--paired``, a target-only engine stays loaded beside each method's engine (both
     with :data:`PAIRED_NUM_GPU_BLOCKS`) and each timed run of the method follows one of the
