@@ -47,8 +47,9 @@ method's own ``name:k1+k2`` (one engine per method, started at the largest k and
 :meth:`LLMEngine.set_num_speculative_tokens`, as the operator's tuner moves it), and
 reports each method's speedup at the k that gave the most decode tokens/s at the expected
 acceptance length (``speedup_by_method_best_k``: ``speedup`` at that length, ``by_k`` as
-measured) beside its speedup at every k. With ``--paired`` a target-only engine stays loaded beside the method's and runs alternate with the method's, each k's
-speedup taken against its own target-only runs (:func:`k_sweep`).
+measured) beside its speedup at every k. With ``--paired`` a target-only engine stays
+loaded beside the method's and runs alternate with the method's, each k's speedup taken
+against its own target-only runs (:func:`k_sweep`).
 
 Run on the GPU machine::
 
