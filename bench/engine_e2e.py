@@ -31,7 +31,7 @@ known mean acceptance length. Methods and their drafts (all random weights):
   ``down_proj``) zeroed after loading (:func:`zero_layer_outputs`). The residual stream
   is then the last token's embedding, the greedy output a function of the last token,
   and the output after the second span really repeats the prompt's continuation: its
-  first 128 tokens are found by the lookup and accepted by real verification, the rest
+  first 128 tokens can be found by the lookup and accepted by real verification, the rest
   are new. Each step streams the same weights as the dense target's (its attention reads
   the longer prompt's keys: up to 512 positions against 384).
 
@@ -442,7 +442,7 @@ def k_sweep(args, dirs, device: str, vocab: int, max_tokens: int) -> dict:
     blocks = {"num_gpu_blocks": PAIRED_NUM_GPU_BLOCKS} if args.paired else {}
     base = make_engine(dirs, None, 0, sizes, device, None, **blocks) if args.paired else None
     rows: dict = {}
-    for method, ks in sweep_plan(args.sweep_methods, args.sweep_k).items():
+    for method, ks in args.sweep_plan.items():
         engine = make_engine(dirs, method, ks[-1], sizes, device, ACCEPTANCE, **blocks)
         prompts = random_prompts(1, vocab, 128, seed=1)
         rows[method] = {}
@@ -463,10 +463,10 @@ def k_sweep(args, dirs, device: str, vocab: int, max_tokens: int) -> dict:
     return rows
 
 
-def zero_layer_outputs(engine) -> int:
+def zero_layer_outputs(engine) -> None:
     """Zero ``engine``'s target decoder layers' ``o_proj`` and ``down_proj`` weights in
-    place (the captured CUDA graphs read the same tensors); returns how many. Raises
-    ``RuntimeError`` if there are none (a model whose names differ)."""
+    place (the captured CUDA graphs read the same tensors). Raises ``RuntimeError`` if there
+    are none (a model whose names differ)."""
     import torch
 
     names = ("o_proj.weight", "down_proj.weight")
@@ -478,7 +478,6 @@ def zero_layer_outputs(engine) -> int:
                 zeroed += 1
     if not zeroed:
         raise RuntimeError("no o_proj or down_proj weights in the target")
-    return zeroed
 
 
 def copy_heavy_prompts(engine, batch: int, vocab: int, max_tokens: int) -> list[list[int]]:
@@ -578,8 +577,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.phases = args.phases.split(",")
     args.methods = [m for m in args.methods.split(",") if m]
-    if "ksweep" in args.phases:
-        sweep_plan(args.sweep_methods, args.sweep_k)  # a typo fails before any phase runs
+    args.sweep_plan = sweep_plan(args.sweep_methods, args.sweep_k)  # a typo fails before any phase
     import torch
 
     from bench.engine import recorded_command
